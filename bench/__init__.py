@@ -1,0 +1,1 @@
+"""Benchmarks: measured costs of the routing core and, later, of the whole stack."""

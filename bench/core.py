@@ -1,0 +1,112 @@
+"""`kvroute bench core`: CPU cost of one routing decision, and memory per index entry.
+
+Each timed iteration is what the ext_proc does per request: parse the raw body, build the CBR
+and chain, look up the index, decide and reserve, release the prefill, learn, finish. The body
+is a long conversation the index already knows, plus a new last message, as in a follow-up.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import orjson
+
+from bench.workload import conversation
+from extproc.backends import Backend
+from extproc.request import parse_request
+from extproc.router import Router
+from extproc.settings import Settings
+
+BODY_SIZES = (8_000, 84_000, 2_000_000)
+INDEX_SIZES = (10_000, 1_000_000)
+BACKENDS = tuple(Backend(f"10.0.0.{i}:8000") for i in range(1, 5))
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    body_bytes: int
+    index_entries: int
+    iterations: int
+
+
+def _fill(router: Router, entries: int, rng: random.Random) -> float:
+    """Fill the index with random chains spread over the backends; return bytes per entry."""
+    chain_len = 64
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    learned = 0
+    while learned < entries:
+        for backend in BACKENDS:
+            n = min(chain_len, entries - learned)
+            router.index.learn([rng.getrandbits(60) for _ in range(n)], backend.address, 0.0)
+            learned += n
+            if learned >= entries:
+                break
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return (after - before) / router.index.entries()
+
+
+def _bodies(size: int, count: int) -> Iterator[bytes]:
+    """The same conversation with a different final question each time."""
+    body = conversation(size, seed=size)
+    for i in range(count):
+        body["messages"].append({"role": "user", "content": f"question {i}: what happened next?"})
+        yield orjson.dumps(body)
+        body["messages"].pop()
+
+
+def run_case(case: Case, block_size: int) -> dict[str, float | int]:
+    """Time `case.iterations` full decisions; return the figures as one JSON-ready dict."""
+    capacity = case.index_entries // len(BACKENDS) + 100_000
+    settings = Settings(block_size=block_size, hash_key=b"k" * 16, capacity_blocks=capacity, location_ttl_s=1e9)
+    router = Router(settings)
+    bytes_per_entry = _fill(router, case.index_entries, random.Random(1))
+    warm = parse_request(orjson.dumps(conversation(case.body_bytes, seed=case.body_bytes)))
+    router.notify(warm, BACKENDS[0].address, 1.0)
+    bodies = list(_bodies(case.body_bytes, case.iterations))
+    timings: list[float] = []
+    gc.collect()
+    for i, raw in enumerate(bodies):
+        now = 2.0 + i
+        start = time.perf_counter_ns()
+        request = parse_request(raw)
+        decision = router.query(request, BACKENDS, now)
+        decision.reservation.release_prefill()
+        router.notify(request, decision.backend, now)
+        decision.reservation.finish()
+        timings.append((time.perf_counter_ns() - start) / 1000)
+    timings.sort()
+    return {
+        "body_bytes": len(bodies[0]),
+        "index_entries": router.index.entries(),
+        "block_size": block_size,
+        "blocks": len(router.chain_of(request)),
+        "iterations": case.iterations,
+        "decide_p50_us": round(statistics.median(timings), 1),
+        "decide_p99_us": round(timings[min(len(timings) - 1, int(len(timings) * 0.99))], 1),
+        "bytes_per_entry": round(bytes_per_entry, 1),
+        "label": decision.label.value,
+    }
+
+
+def cases(quick: bool) -> list[Case]:
+    """All body x index sizes; `quick` trims iterations for smoke runs."""
+    out = []
+    for entries in INDEX_SIZES:
+        for size in BODY_SIZES:
+            iterations = max(20, 2_000_000 // size * 2) if not quick else 5
+            out.append(Case(size, entries, min(iterations, 1000)))
+    return out
+
+
+def main(block_size: int, quick: bool) -> None:
+    for case in cases(quick):
+        print(orjson.dumps(run_case(case, block_size)).decode(), flush=True)

@@ -1,0 +1,1 @@
+"""The Kubernetes operator for KVRoutingPolicy resources (built under the Kubernetes issue)."""

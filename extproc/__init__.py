@@ -1,0 +1,1 @@
+"""kvroute's request path: body -> CBR -> block chain -> index lookup -> decision -> learn/release."""

@@ -1,0 +1,228 @@
+"""Canonical byte representation (CBR) of everything that shapes a prompt.
+
+The bytes follow the order in which a backend renders the prompt: first the fields that shape
+the prompt but are not messages, then each message in order. Each item is a tagged,
+terminated record, so the encoding is unambiguous, a conversation's continuation encodes to a
+byte extension of it, and two prompts sharing the start of a text share those bytes too.
+The prompt-shaping header starts with a digest of itself: change the model or any tool and
+even block 0 differs, so nothing is shared across them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from extproc.errors import InvalidRequest
+
+# Fields that only steer generation (or identify the caller); they never change the prompt.
+GENERATION_ONLY: frozenset[str] = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "best_of",
+        "stream",
+        "stream_options",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+        "ignore_eos",
+        "min_tokens",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "use_beam_search",
+        "echo",
+        "user",
+        "user_id",
+        "session_id",
+        "session_params",
+        "request_id",
+        "priority",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structured_outputs",
+        "return_tokens_as_token_ids",
+        "return_token_ids",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "logits_processors",
+        "prediction",
+    }
+)
+# Prompt-shaping fields in the order a chat template consumes them; any other field follows
+# in sorted key order.
+ORDERED_HEADER: tuple[str, ...] = (
+    "model",
+    "tools",
+    "functions",
+    "tool_choice",
+    "chat_template",
+    "chat_template_kwargs",
+    "response_format",
+)
+_PROMPT_KEYS = frozenset({"messages", "prompt"})
+_SKIP_IN_HEADER = GENERATION_ONLY | _PROMPT_KEYS | frozenset(ORDERED_HEADER)
+_MESSAGE_KNOWN = frozenset({"role", "name", "content", "tool_calls", "tool_call_id"})
+_ASSISTANT_ROLES = frozenset({"assistant", "tool", "function"})
+
+
+def _record(tag: bytes, payload: bytes) -> bytes:
+    """tag, payload with NUL escaped, NUL NUL. Unlike a length prefix, this keeps two texts
+    that share a beginning sharing bytes (and blocks) up to where they differ."""
+    return tag + payload.replace(b"\0", b"\0\1") + b"\0\0"
+
+
+def _utf8(text: str, where: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{where}: text is not valid UTF-8 ({exc.reason})") from None
+
+
+def _canonical_json(value: Any, where: str) -> bytes:
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(f"{where}: cannot be encoded ({exc})") from None
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _header(body: Mapping[str, Any], kind: bytes) -> bytes:
+    parts = [kind]
+    for key in ORDERED_HEADER:
+        if key in body:
+            parts.append(_record(b"h", key.encode() + b"=" + _canonical_json(body[key], key)))
+    extensions = [k for k in body if k not in _SKIP_IN_HEADER]
+    if not all(isinstance(k, str) for k in extensions):
+        raise InvalidRequest("field names must be strings")
+    for key in sorted(extensions):
+        parts.append(_record(b"h", _utf8(key, "field name") + b"=" + _canonical_json(body[key], key)))
+    header = b"".join(parts)
+    return _digest(header) + header
+
+
+def _media(part: Mapping[str, Any], where: str) -> bytes:
+    """A media part by URL, or by a digest of inline data (it can be megabytes)."""
+    ptype = part["type"]
+    inner = part.get(ptype)
+    url = inner.get("url") if isinstance(inner, Mapping) else inner
+    if isinstance(url, str):
+        raw = _utf8(url, where)
+        return ptype.encode() + b":" + (_digest(raw) if url.startswith("data:") else raw)
+    return ptype.encode() + b":" + _digest(_canonical_json(inner, where))
+
+
+def _content(content: Any, where: str, out: list[bytes]) -> None:
+    if content is None:
+        return
+    if isinstance(content, str):
+        out.append(_record(b"t", _utf8(content, where)))
+        return
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: content must be a string, a list of parts or null")
+    for i, part in enumerate(content):
+        pwhere = f"{where}.content[{i}]"
+        if isinstance(part, str):
+            out.append(_record(b"t", _utf8(part, pwhere)))
+            continue
+        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+            raise InvalidRequest(f"{pwhere}: a content part must be an object with a string 'type'")
+        ptype = part["type"]
+        if ptype == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequest(f"{pwhere}: a text part needs a string 'text'")
+            out.append(_record(b"t", _utf8(text, pwhere)))
+        elif ptype in ("image_url", "input_audio", "video_url", "audio_url", "file"):
+            out.append(_record(b"i", _media(part, pwhere)))
+        else:
+            out.append(_record(b"p", _canonical_json(part, pwhere)))
+
+
+def _message(message: Any, index: int, out: list[bytes]) -> bool:
+    """Append one message's records; True if it is an assistant or tool turn."""
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise InvalidRequest(f"{where}: a message must be an object")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise InvalidRequest(f"{where}: 'role' must be a string")
+    out.append(_record(b"r", _utf8(role, where)))
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise InvalidRequest(f"{where}: 'name' must be a string")
+        out.append(_record(b"n", _utf8(name, where)))
+    _content(message.get("content"), where, out)
+    if message.get("tool_calls") is not None:
+        out.append(_record(b"c", _canonical_json(message["tool_calls"], f"{where}.tool_calls")))
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise InvalidRequest(f"{where}: 'tool_call_id' must be a string")
+        out.append(_record(b"d", _utf8(call_id, where)))
+    extra = {k: v for k, v in message.items() if k not in _MESSAGE_KNOWN}
+    if extra:
+        out.append(_record(b"x", _canonical_json(extra, where)))
+    return role in _ASSISTANT_ROLES
+
+
+def _prompt(prompt: Any, out: list[bytes]) -> None:
+    """A completions prompt: text, a list of texts, token ids, or lists of token ids."""
+    items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    for i, item in enumerate(items):
+        where = f"prompt[{i}]"
+        if isinstance(item, str):
+            out.append(_record(b"t", _utf8(item, where)))
+        elif isinstance(item, list) and all(type(t) is int and 0 <= t < 2**32 for t in item):
+            out.append(_record(b"k", b"".join(t.to_bytes(4, "little") for t in item)))
+        else:
+            raise InvalidRequest(f"{where}: a prompt is a string, token ids, or a list of either")
+
+
+def encode(body: Mapping[str, Any]) -> tuple[bytes, bool]:
+    """The CBR of a parsed chat or completions body, and whether it has an assistant/tool turn."""
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise InvalidRequest("'messages' must be a list")
+        out = [_header(body, b"chat\x00")]
+        followup = False
+        for i, message in enumerate(messages):
+            followup = _message(message, i, out) or followup
+        return b"".join(out), followup
+    if "prompt" in body:
+        out = [_header(body, b"completion\x00")]
+        _prompt(body["prompt"], out)
+        return b"".join(out), False
+    raise InvalidRequest("the body has neither 'messages' nor 'prompt'")

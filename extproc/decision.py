@@ -1,0 +1,129 @@
+"""Decision: pick a backend by session, cached prefix and load, and say why.
+
+Cost of sending a request to backend b, in blocks of prefill:
+    novel_b + w * (reserved_b + active_request_cost * active_b)
+where novel_b is the part of the prompt b has not cached and w is 1 for follow-ups and
+`new_session_load_weight` for bootstrap requests (placing one places its whole conversation).
+So a cached prefix wins until its backend is busier than the prefill it saves. A session
+binding wins outright unless its backend is past both balance gates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from extproc.load import LoadTracker, Reservation
+from extproc.settings import Settings
+
+
+class Label(StrEnum):
+    """Why a backend was chosen; exported as `x-kvroute-decision` and a metric label."""
+
+    SESSION_MATCH = "session_match"
+    PREFIX_MATCH = "prefix_match"
+    LEAST_LOADED = "least_loaded"
+    LOAD_OVERRIDE = "load_override"
+    NO_CANDIDATES = "no_candidates"
+
+
+@dataclass(slots=True)
+class CandidateCost:
+    """One candidate's terms in the decision, for explanations and debugging."""
+
+    backend: str
+    matched: int
+    novel: int
+    reserved: int
+    active: int
+    load: float
+    cost: float
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of one query: the backend, a second choice for retries, and why."""
+
+    label: Label
+    backend: str | None
+    second: str | None
+    matched_blocks: int
+    total_blocks: int
+    bootstrap: bool
+    candidates: list[CandidateCost]
+    reservation: Reservation | None = None
+
+    def explain(self) -> dict[str, Any]:
+        """A JSON-ready account of the decision."""
+        return {
+            "decision": self.label.value,
+            "backend": self.backend,
+            "second": self.second,
+            "matched_blocks": self.matched_blocks,
+            "total_blocks": self.total_blocks,
+            "bootstrap": self.bootstrap,
+            "candidates": [
+                {
+                    "backend": c.backend,
+                    "matched": c.matched,
+                    "novel": c.novel,
+                    "reserved": c.reserved,
+                    "active": c.active,
+                    "load": c.load,
+                    "cost": c.cost,
+                }
+                for c in self.candidates
+            ],
+        }
+
+
+def overloaded(load: float, least: float, settings: Settings) -> bool:
+    """Past both gates: busier than the least loaded by an absolute amount and by a ratio."""
+    return load - least > settings.balance_abs_gate and load > settings.balance_rel_gate * least
+
+
+def decide(
+    candidates: Sequence[str],
+    matched: Mapping[str, int],
+    total_blocks: int,
+    loads: LoadTracker,
+    session_backend: str | None,
+    bootstrap: bool,
+    settings: Settings,
+    turn: int,
+) -> Decision:
+    """Choose among candidates. `turn` rotates ties so identical requests do not herd."""
+    if not candidates:
+        return Decision(Label.NO_CANDIDATES, None, None, 0, total_blocks, bootstrap, [])
+    weight = settings.new_session_load_weight if bootstrap else 1.0
+    costs: list[CandidateCost] = []
+    for backend in candidates:
+        load = loads.get(backend)
+        busy = load.cost(settings.active_request_cost)
+        held = matched.get(backend, 0)
+        novel = total_blocks - held
+        costs.append(
+            CandidateCost(backend, held, novel, load.reserved_blocks, load.active, busy, novel + weight * busy)
+        )
+    ranked = sorted(costs, key=lambda c: c.cost)
+    least = min(c.load for c in costs)
+    best_prefix = max(c.matched for c in costs)
+
+    session = next((c for c in costs if c.backend == session_backend), None)
+    if session is not None and not overloaded(session.load, least, settings):
+        chosen, label = session, Label.SESSION_MATCH
+    else:
+        tied = [c for c in ranked if c.cost <= ranked[0].cost]
+        chosen = tied[turn % len(tied)]
+        if session is not None and chosen is not session:
+            label = Label.LOAD_OVERRIDE
+        elif best_prefix == 0:
+            label = Label.LEAST_LOADED
+        elif chosen.matched == best_prefix:
+            label = Label.PREFIX_MATCH
+        else:
+            label = Label.LOAD_OVERRIDE
+    second = next((c.backend for c in ranked if c is not chosen), None)
+    return Decision(label, chosen.backend, second, chosen.matched, total_blocks, bootstrap, costs)

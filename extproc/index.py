@@ -1,0 +1,111 @@
+"""Location index: which backend holds which block of which prefix, and since when.
+
+Behind the small `LocationIndex` interface so a shared index for several router replicas can
+replace the in-process one later. The in-process index keeps one LRU map per backend
+(block hash -> last seen): a backend's KV cache is finite and evicts, so must our picture of it.
+A lookup walks the chain on each candidate only until the first miss, so its cost depends on
+the chain and the number of candidates, never on the index size.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class LocationIndex(Protocol):
+    """What the router needs from an index of (block hash, backend) locations."""
+
+    def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
+        """For each backend, how many leading blocks of the chain it holds (fresh entries only)."""
+        ...
+
+    def learn(self, chain: Sequence[int], backend: str, now: float) -> None:
+        """Record that the backend now holds every block of the chain."""
+        ...
+
+    def remove_backend(self, backend: str) -> None:
+        """Forget everything about a backend at once."""
+        ...
+
+    def vacuum(self, now: float) -> int:
+        """Drop expired locations; return how many went."""
+        ...
+
+    def entries(self) -> int:
+        """Number of (block, backend) locations held."""
+        ...
+
+    def entries_by_backend(self) -> dict[str, int]:
+        """Locations held per backend."""
+        ...
+
+
+class LocalIndex:
+    """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity."""
+
+    __slots__ = ("_backends", "_capacity", "_next_vacuum", "_ttl")
+
+    def __init__(self, ttl_s: float, capacity_blocks: int) -> None:
+        self._ttl = ttl_s
+        self._capacity = capacity_blocks
+        self._backends: dict[str, OrderedDict[int, float]] = {}
+        self._next_vacuum = float("inf")
+
+    def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
+        if now >= self._next_vacuum:
+            self.vacuum(now)
+        cutoff = now - self._ttl
+        matched: dict[str, int] = {}
+        for backend in backends:
+            blocks = self._backends.get(backend)
+            count = 0
+            if blocks:
+                for block in chain:
+                    seen = blocks.get(block)
+                    if seen is None or seen < cutoff:
+                        break
+                    count += 1
+            matched[backend] = count
+        return matched
+
+    def learn(self, chain: Sequence[int], backend: str, now: float) -> None:
+        blocks = self._backends.get(backend)
+        if blocks is None:
+            blocks = self._backends[backend] = OrderedDict()
+        # Tail first, so the head of the prefix is the most recently used and is evicted last,
+        # as in vLLM, which frees a sequence's blocks from the tail.
+        for block in reversed(chain):
+            blocks[block] = now
+            blocks.move_to_end(block)
+        excess = len(blocks) - self._capacity
+        for _ in range(excess):
+            blocks.popitem(last=False)
+        if self._next_vacuum == float("inf") and blocks:
+            self._next_vacuum = now + self._ttl
+
+    def remove_backend(self, backend: str) -> None:
+        self._backends.pop(backend, None)
+
+    def vacuum(self, now: float) -> int:
+        """Pop expired entries from the old end of each LRU; each entry is popped at most once."""
+        cutoff = now - self._ttl
+        removed = 0
+        oldest = float("inf")
+        for blocks in self._backends.values():
+            while blocks:
+                block, seen = next(iter(blocks.items()))
+                if seen >= cutoff:
+                    oldest = min(oldest, seen)
+                    break
+                del blocks[block]
+                removed += 1
+        self._next_vacuum = oldest + self._ttl
+        return removed
+
+    def entries(self) -> int:
+        return sum(len(blocks) for blocks in self._backends.values())
+
+    def entries_by_backend(self) -> dict[str, int]:
+        return {backend: len(blocks) for backend, blocks in self._backends.items()}

@@ -1,0 +1,80 @@
+"""Per-backend load: reserved prefill work and in-flight requests, with leak-proof release.
+
+A reservation is taken in the same step as the decision. Its handle releases the prefill part
+when the response starts and the whole of it when the request ends, however it ends; every
+release is idempotent. A backend that leaves takes its counters with it: late releases from
+its handles land on the detached counters and cannot disturb a backend re-added later.
+"""
+
+from __future__ import annotations
+
+
+class BackendLoad:
+    """Load counters of one backend."""
+
+    __slots__ = ("active", "reserved_blocks")
+
+    def __init__(self) -> None:
+        self.reserved_blocks = 0
+        self.active = 0
+
+    def cost(self, active_request_cost: float) -> float:
+        """Load in blocks of prefill: queued prefill plus the worth of each in-flight request."""
+        return self.reserved_blocks + active_request_cost * self.active
+
+
+class Reservation:
+    """The load one routed request puts on its backend, until released."""
+
+    __slots__ = ("_active_held", "_load", "_prefill_held", "backend", "blocks")
+
+    def __init__(self, backend: str, load: BackendLoad, blocks: int) -> None:
+        self.backend = backend
+        self.blocks = blocks
+        self._load = load
+        self._prefill_held = True
+        self._active_held = True
+        load.reserved_blocks += blocks
+        load.active += 1
+
+    def release_prefill(self) -> None:
+        """The response started: its prefill is done. Safe to call any number of times."""
+        if self._prefill_held:
+            self._prefill_held = False
+            self._load.reserved_blocks -= self.blocks
+
+    def finish(self) -> None:
+        """The request ended (completed, failed or abandoned). Safe to call any number of times."""
+        self.release_prefill()
+        if self._active_held:
+            self._active_held = False
+            self._load.active -= 1
+
+    @property
+    def finished(self) -> bool:
+        return not self._active_held
+
+
+class LoadTracker:
+    """Load of every known backend."""
+
+    __slots__ = ("_loads",)
+
+    def __init__(self) -> None:
+        self._loads: dict[str, BackendLoad] = {}
+
+    def get(self, backend: str) -> BackendLoad:
+        load = self._loads.get(backend)
+        if load is None:
+            load = self._loads[backend] = BackendLoad()
+        return load
+
+    def reserve(self, backend: str, blocks: int) -> Reservation:
+        return Reservation(backend, self.get(backend), blocks)
+
+    def remove_backend(self, backend: str) -> None:
+        self._loads.pop(backend, None)
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """backend -> (reserved blocks, active requests)."""
+        return {backend: (load.reserved_blocks, load.active) for backend, load in self._loads.items()}

@@ -1,0 +1,49 @@
+"""Body -> PromptRequest: the one place a request body is parsed for routing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from extproc import cbr
+from extproc.errors import InvalidRequest
+from extproc.sessions import derive_session_key
+
+_EMPTY: Mapping[str, str] = {}
+
+
+@dataclass(slots=True)
+class PromptRequest:
+    """What routing needs from one request; `chain` is filled in once by the router."""
+
+    model: str
+    cbr: bytes
+    followup: bool
+    session_key: str | None
+    chain: list[int] | None = None
+
+
+def parse_request(body: bytes | str | Mapping[str, Any], headers: Mapping[str, str] = _EMPTY) -> PromptRequest:
+    """Parse a raw or decoded chat/completions body.
+
+    Raises InvalidRequest, and nothing else, for any body that cannot be routed by prefix.
+    """
+    if isinstance(body, Mapping):
+        parsed: Any = body
+    else:
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"body is not valid JSON: {exc}") from None
+        except TypeError:
+            raise InvalidRequest(f"body must be bytes or text, not {type(body).__name__}") from None
+    if not isinstance(parsed, Mapping):
+        raise InvalidRequest("body must be a JSON object")
+    model = parsed.get("model", "")
+    if not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string")
+    encoded, followup = cbr.encode(parsed)
+    return PromptRequest(model, encoded, followup, derive_session_key(headers, parsed))

@@ -1,0 +1,96 @@
+"""Exact sessions: a client conversation pinned to the backend that holds its cache.
+
+Keys come from explicit client identifiers only; per-request ids (x-request-id, x-trace-id)
+never name a session. Keys live in their own table, never in the prefix index, so
+`session-1` and `session-12` cannot collide.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+SESSION_HEADER = "x-session-id"
+USER_HEADER = "x-user-id"
+
+
+def _text(value: Any) -> str | None:
+    """A usable identifier: a non-empty string or an integer (not a bool)."""
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def derive_session_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """The session a request belongs to, by precedence: conversation ids, then user ids.
+
+    Header names are expected in lower case (as Envoy sends them).
+    """
+    params = body.get("session_params")
+    candidates = (
+        headers.get(SESSION_HEADER),
+        params.get("session_id") if isinstance(params, Mapping) else None,
+        body.get("session_id"),
+    )
+    for value in candidates:
+        key = _text(value)
+        if key is not None:
+            return "session:" + key
+    for value in (body.get("user"), body.get("user_id"), headers.get(USER_HEADER)):
+        key = _text(value)
+        if key is not None:
+            return "user:" + key
+    return None
+
+
+class SessionTable:
+    """session key -> (backend, last access), with a TTL and LRU capacity."""
+
+    __slots__ = ("_bindings", "_capacity", "_ttl")
+
+    def __init__(self, ttl_s: float, capacity: int) -> None:
+        self._ttl = ttl_s
+        self._capacity = capacity
+        self._bindings: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._bindings)
+
+    def get(self, key: str, now: float) -> str | None:
+        """The bound backend, or None if unbound or expired (an expired binding is dropped)."""
+        binding = self._bindings.get(key)
+        if binding is None:
+            return None
+        if binding[1] < now - self._ttl:
+            del self._bindings[key]
+            return None
+        return binding[0]
+
+    def bind(self, key: str, backend: str, now: float) -> None:
+        self._bindings[key] = (backend, now)
+        self._bindings.move_to_end(key)
+        while len(self._bindings) > self._capacity:
+            self._bindings.popitem(last=False)
+        self._expire(now)
+
+    def forget(self, key: str) -> bool:
+        return self._bindings.pop(key, None) is not None
+
+    def remove_backend(self, backend: str) -> int:
+        """Drop every binding to a backend that left; return how many."""
+        gone = [key for key, (bound, _) in self._bindings.items() if bound == backend]
+        for key in gone:
+            del self._bindings[key]
+        return len(gone)
+
+    def _expire(self, now: float) -> None:
+        """Bindings are in last-use order, so expired ones sit at the front."""
+        cutoff = now - self._ttl
+        while self._bindings:
+            key, (_, seen) = next(iter(self._bindings.items()))
+            if seen >= cutoff:
+                return
+            del self._bindings[key]

@@ -1,0 +1,106 @@
+"""Location index: leading-block counts, TTL, LRU capacity, vacuum, backend removal."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.index import LocalIndex
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+def test_lookup_counts_leading_blocks_per_backend():
+    index = LocalIndex(ttl_s=100, capacity_blocks=100)
+    index.learn([1, 2, 3, 4], A, 0)
+    index.learn([1, 2], B, 0)
+    index.learn([9, 2, 3], C, 0)  # holds blocks 2 and 3 of another prefix, never block 1
+    assert index.lookup([1, 2, 3, 4, 5], [A, B, C], 1) == {A: 4, B: 2, C: 0}
+
+
+def test_lookup_stops_at_a_gap():
+    index = LocalIndex(ttl_s=100, capacity_blocks=100)
+    index.learn([1, 2], A, 0)
+    index.learn([1, 2, 3, 4], A, 0)
+    index.remove_backend(B)
+    assert index.lookup([1, 2, 7, 4], [A], 0) == {A: 2}
+
+
+def test_expired_locations_do_not_count():
+    index = LocalIndex(ttl_s=10, capacity_blocks=100)
+    index.learn([1, 2, 3], A, 0)
+    index.learn([1, 2], A, 5)  # block 3 was last seen at 0
+    assert index.lookup([1, 2, 3], [A], 9) == {A: 3}
+    assert index.lookup([1, 2, 3], [A], 12) == {A: 2}
+    assert index.lookup([1, 2, 3], [A], 16) == {A: 0}
+
+
+def test_vacuum_removes_expired_entries_on_its_deadline():
+    index = LocalIndex(ttl_s=10, capacity_blocks=100)
+    index.learn([1, 2, 3], A, 0)
+    index.learn([7, 8], B, 5)
+    assert index.vacuum(9) == 0
+    assert index.vacuum(12) == 3
+    assert index.entries_by_backend() == {A: 0, B: 2}
+    index.lookup([7], [B], 16)  # a lookup past the next deadline vacuums on its way
+    assert index.entries() == 0
+
+
+def test_capacity_evicts_least_recently_used_and_keeps_prefix_heads():
+    index = LocalIndex(ttl_s=100, capacity_blocks=5)
+    index.learn([1, 2, 3], A, 0)
+    index.learn([10, 20, 30], A, 1)
+    assert index.entries() == 5
+    # the older chain lost its tail first: its head is still usable
+    assert index.lookup([1, 2, 3], [A], 2) == {A: 2}
+    index.learn([1, 2], A, 3)  # touching moves them to the recent end
+    index.learn([40], A, 4)
+    assert index.lookup([10, 20, 30], [A], 5) == {A: 2}
+    assert index.lookup([1, 2], [A], 5) == {A: 2}
+
+
+def test_capacity_is_per_backend():
+    index = LocalIndex(ttl_s=100, capacity_blocks=2)
+    index.learn([1, 2], A, 0)
+    index.learn([3, 4], B, 0)
+    assert index.entries_by_backend() == {A: 2, B: 2}
+
+
+def test_remove_backend_drops_everything_at_once():
+    index = LocalIndex(ttl_s=100, capacity_blocks=100)
+    index.learn([1, 2], A, 0)
+    index.learn([1, 2], B, 0)
+    index.remove_backend(A)
+    assert index.lookup([1, 2], [A, B], 1) == {A: 0, B: 2}
+    assert index.entries() == 2
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 20), max_size=6), st.sampled_from([A, B]), st.integers(0, 3)), max_size=40
+    )
+)
+def test_lookup_matches_a_simple_model(ops):
+    """Against a brute-force model of the same rules (TTL 5, capacity 6, LRU)."""
+    index = LocalIndex(ttl_s=5, capacity_blocks=6)
+    model: dict[str, dict[int, float]] = {A: {}, B: {}}
+    now = 0
+    for chain, backend, step in ops:
+        now += step
+        index.learn(chain, backend, now)
+        blocks = model[backend]
+        for block in reversed(chain):
+            blocks.pop(block, None)
+            blocks[block] = now
+        while len(blocks) > 6:
+            del blocks[next(iter(blocks))]
+        probe = [*chain, 99]
+        expected = {}
+        for name, held in model.items():
+            count = 0
+            for block in probe:
+                if block not in held or held[block] < now - 5:
+                    break
+                count += 1
+            expected[name] = count
+        assert index.lookup(probe, [A, B], now) == expected

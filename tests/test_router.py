@@ -1,0 +1,233 @@
+"""Routing scenarios through the core API: query -> respond -> notify -> finish."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench.workload import text
+from extproc.backends import Backend
+from extproc.decision import Decision, Label
+from extproc.errors import InvalidRequest
+from extproc.request import PromptRequest, parse_request
+from extproc.router import Router
+from extproc.settings import Settings
+from tests.strategies import json_values, messages, shaping
+
+A, B, C, D = (f"10.0.0.{i}:8000" for i in range(1, 5))
+FLEET = [Backend(x) for x in (A, B, C, D)]
+RNG = random.Random(7)
+SYSTEM = text(RNG, 6000)
+TOOLS = [{"type": "function", "function": {"name": "search", "description": text(RNG, 1500)}}]
+
+
+def make_router(**overrides: Any) -> Router:
+    return Router(Settings(hash_key=b"test-key-16bytes", **overrides))
+
+
+def chat(history: list[dict[str, Any]], session: str | None = None, user_text: str = "hello") -> PromptRequest:
+    body = {"model": "m", "tools": TOOLS, "messages": [{"role": "system", "content": SYSTEM}, *history]}
+    body["messages"].append({"role": "user", "content": user_text})
+    return parse_request(body, {"x-session-id": session} if session else {})
+
+
+def serve(router: Router, request: PromptRequest, now: float, backends: list[Backend] = FLEET) -> Decision:
+    """A whole successful request: decide, response starts (learn), response ends."""
+    decision = router.query(request, backends, now)
+    assert decision.reservation is not None and decision.backend is not None
+    decision.reservation.release_prefill()
+    router.notify(request, decision.backend, now)
+    decision.reservation.finish()
+    return decision
+
+
+def occupy(router: Router, backend: str, requests: int) -> list:
+    """In-flight requests on one backend, held until released by the caller."""
+    return [router.loads.reserve(backend, 0) for _ in range(requests)]
+
+
+def converse(router: Router, turns: int, session: str | None, start: float = 0.0) -> list[Decision]:
+    history: list[dict[str, Any]] = []
+    decisions = []
+    for turn in range(turns):
+        question = f"turn {turn}: " + text(RNG, 700)
+        decisions.append(serve(router, chat(history, session, question), start + turn))
+        history += [{"role": "user", "content": question}, {"role": "assistant", "content": text(RNG, 900)}]
+    return decisions
+
+
+def test_ten_turn_conversation_stays_on_one_backend_by_session():
+    router = make_router()
+    decisions = converse(router, 10, "conv-1")
+    assert len({d.backend for d in decisions}) == 1
+    assert decisions[0].label == Label.LEAST_LOADED
+    assert all(d.label == Label.SESSION_MATCH for d in decisions[1:])
+
+
+def test_ten_turn_conversation_stays_on_one_backend_by_prefix_alone():
+    router = make_router()
+    decisions = converse(router, 10, None)
+    assert len({d.backend for d in decisions}) == 1
+    assert all(d.label == Label.PREFIX_MATCH for d in decisions[1:])
+    assert all(d.matched_blocks > 0 for d in decisions[1:])
+
+
+def test_new_session_sharing_system_prompt_goes_where_it_is_cached_unless_loaded():
+    router = make_router()
+    first = serve(router, chat([], "s1", "first question"), 0)
+    second = serve(router, chat([], "s2", "another question"), 1)
+    assert second.backend == first.backend
+    assert second.label == Label.PREFIX_MATCH
+    held = occupy(router, first.backend, 20)
+    third = router.query(chat([], "s3", "a third question"), FLEET, 2)
+    assert third.backend != first.backend
+    assert third.label == Label.LOAD_OVERRIDE
+    for r in held:
+        r.finish()
+
+
+def test_imbalance_overrides_session_affinity():
+    router = make_router()
+    decisions = converse(router, 3, "busy")
+    home = decisions[0].backend
+    held = occupy(router, home, 30)
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    moved = router.query(chat(history, "busy", "next"), FLEET, 10)
+    assert moved.backend != home
+    assert moved.label == Label.LOAD_OVERRIDE
+    assert moved.second is not None
+    for r in held:
+        r.finish()
+
+
+def test_session_survives_moderate_load():
+    router = make_router()
+    home = converse(router, 2, "steady")[0].backend
+    held = occupy(router, home, 3)
+    again = router.query(chat([], "steady", "more"), FLEET, 5)
+    assert (again.backend, again.label) == (home, Label.SESSION_MATCH)
+    for r in held:
+        r.finish()
+
+
+def test_unknown_session_falls_back_to_its_history_prefix():
+    router = make_router()
+    history: list[dict[str, Any]] = []
+    for turn in range(3):
+        q = f"q{turn}"
+        home = serve(router, chat(history, "old-id", q), turn).backend
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": text(RNG, 2000)}]
+    decision = router.query(chat(history, "never-seen", "follow-up"), FLEET, 10)
+    assert decision.backend == home
+    assert decision.label == Label.PREFIX_MATCH
+    assert not decision.bootstrap
+
+
+def test_empty_history_goes_least_loaded():
+    router = make_router()
+    held = [*occupy(router, A, 2), *occupy(router, B, 1), *occupy(router, D, 1)]
+    decision = router.query(parse_request({"model": "m", "messages": []}), FLEET, 0)
+    assert (decision.backend, decision.label) == (C, Label.LEAST_LOADED)
+    assert decision.bootstrap and decision.total_blocks == 0
+    for r in held:
+        r.finish()
+
+
+def test_identical_requests_do_not_herd():
+    router = make_router()
+    picks = Counter(router.query(chat([], None, "same"), FLEET, 0, reserve=False).backend for _ in range(8))
+    assert set(picks) == {A, B, C, D}
+
+
+def test_concurrent_identical_requests_spread_by_reservations():
+    router = make_router()
+    decisions = [router.query(chat([], None, "same"), FLEET, 0) for _ in range(4)]
+    assert {d.backend for d in decisions} == {A, B, C, D}
+
+
+def test_removed_backend_is_never_chosen_again():
+    router = make_router()
+    home = converse(router, 3, "s")[0].backend
+    router.remove_backend(home)
+    assert router.state()["index_entries_by_backend"].get(home) is None
+    rest = [b for b in FLEET if b.address != home]
+    for i in range(200):
+        decision = router.query(chat([], "s" if i % 2 else f"x{i}", f"q{i}"), rest, 20 + i)
+        assert decision.backend != home and decision.second != home
+        decision.reservation.finish()
+
+
+def test_binding_dropped_when_backend_stops_serving_the_model():
+    router = make_router()
+    home = converse(router, 2, "s")[0].backend
+    changed = [Backend(b.address, frozenset({"other"}) if b.address == home else frozenset()) for b in FLEET]
+    decision = router.query(chat([], "s", "again"), changed, 10)
+    assert decision.backend != home
+    assert router.sessions.get("session:s", 11) is None
+
+
+def test_no_candidates_when_nobody_serves_the_model():
+    router = make_router()
+    fleet = [Backend(A, frozenset({"other"})), Backend(B, healthy=False)]
+    decision = router.query(chat([], None), fleet, 0)
+    assert (decision.label, decision.backend, decision.reservation) == (Label.NO_CANDIDATES, None, None)
+
+
+def test_explanation_lists_every_candidate_with_its_terms():
+    router = make_router()
+    serve(router, chat([], None, "warm"), 0)
+    decision = router.query(chat([], None, "warm"), FLEET, 1)
+    explained = orjson.loads(orjson.dumps(decision.explain()))
+    assert {c["backend"] for c in explained["candidates"]} == {A, B, C, D}
+    chosen = next(c for c in explained["candidates"] if c["backend"] == decision.backend)
+    assert chosen["matched"] == decision.matched_blocks == explained["total_blocks"]
+    assert explained["decision"] == "prefix_match"
+
+
+def test_random_lifecycles_leave_no_reservation_behind():
+    """10,000 random decide / respond / finish / abort / backend-churn steps."""
+    router = make_router(capacity_blocks=200)
+    rng = random.Random(11)
+    bodies = [chat([], f"s{i % 7}" if i % 3 else None, f"q{i % 13}") for i in range(40)]
+    live: list[tuple[Decision, PromptRequest]] = []
+    for step in range(10_000):
+        action = rng.random()
+        if action < 0.4 or not live:
+            request = bodies[rng.randrange(len(bodies))]
+            decision = router.query(request, FLEET, step)
+            if decision.reservation:
+                live.append((decision, request))
+        elif action < 0.65:
+            decision, request = rng.choice(live)
+            decision.reservation.release_prefill()
+            router.notify(request, decision.backend, step)
+        elif action < 0.9:
+            decision, _ = live.pop(rng.randrange(len(live)))
+            decision.reservation.finish()  # completion, error or client abort: one path
+        elif action < 0.95:
+            decision, _ = rng.choice(live)
+            decision.reservation.finish()  # a second release of an already-finished request
+            decision.reservation.release_prefill()
+        else:
+            router.remove_backend(rng.choice(FLEET).address)
+    for decision, _ in live:
+        decision.reservation.finish()
+    assert all(value == (0, 0) for value in router.loads.snapshot().values())
+
+
+@given(st.one_of(json_values, st.fixed_dictionaries({"messages": st.lists(messages(), max_size=5)}), shaping))
+def test_decision_path_never_raises_on_any_body(value):
+    router = make_router(block_size=8)
+    try:
+        request = parse_request(orjson.dumps(value))
+    except InvalidRequest:
+        return
+    decision = router.query(request, FLEET, 0)
+    assert decision.backend in {A, B, C, D}
+    decision.reservation.finish()
+    router.notify(request, decision.backend, 0)

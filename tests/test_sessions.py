@@ -1,0 +1,70 @@
+"""Sessions: key derivation precedence, TTL, capacity, removal."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.sessions import SessionTable, derive_session_key
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "key"),
+    [
+        ({"x-session-id": "h"}, {"session_id": "b", "user": "u"}, "session:h"),
+        ({}, {"session_params": {"session_id": "p"}, "session_id": "b"}, "session:p"),
+        ({}, {"session_id": "b", "user": "u"}, "session:b"),
+        ({}, {"session_id": 42}, "session:42"),
+        ({"x-user-id": "hu"}, {"user": "u"}, "user:u"),
+        ({"x-user-id": "hu"}, {"user_id": "ui"}, "user:ui"),
+        ({"x-user-id": "hu"}, {}, "user:hu"),
+        ({"x-request-id": "r", "x-trace-id": "t"}, {}, None),
+        ({"x-session-id": ""}, {"session_id": True, "user": ["x"]}, None),
+    ],
+)
+def test_session_key_derivation(headers, body, key):
+    assert derive_session_key(headers, body) == key
+
+
+def test_session_and_user_namespaces_do_not_collide():
+    assert derive_session_key({"x-session-id": "a"}, {}) != derive_session_key({}, {"user": "a"})
+
+
+def test_bindings_expire_and_are_dropped():
+    table = SessionTable(ttl_s=10, capacity=10)
+    table.bind("s1", "A", 0)
+    assert table.get("s1", 9) == "A"
+    assert table.get("s1", 11) is None
+    assert len(table) == 0
+
+
+def test_use_refreshes_binding():
+    table = SessionTable(ttl_s=10, capacity=10)
+    table.bind("s1", "A", 0)
+    table.bind("s1", "A", 8)
+    assert table.get("s1", 15) == "A"
+
+
+def test_capacity_evicts_least_recently_bound():
+    table = SessionTable(ttl_s=100, capacity=2)
+    table.bind("s1", "A", 0)
+    table.bind("s2", "A", 1)
+    table.bind("s1", "B", 2)
+    table.bind("s3", "A", 3)
+    assert (table.get("s1", 4), table.get("s2", 4), table.get("s3", 4)) == ("B", None, "A")
+
+
+def test_similar_keys_are_distinct():
+    table = SessionTable(ttl_s=100, capacity=10)
+    table.bind("session:session-1", "A", 0)
+    table.bind("session:session-12", "B", 0)
+    assert table.get("session:session-1", 1) == "A"
+    assert table.get("session:session-12", 1) == "B"
+
+
+def test_remove_backend_and_forget():
+    table = SessionTable(ttl_s=100, capacity=10)
+    table.bind("s1", "A", 0)
+    table.bind("s2", "B", 0)
+    assert table.remove_backend("A") == 1
+    assert table.get("s1", 1) is None
+    assert table.forget("s2") and not table.forget("s2")
