@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from extproc.settings import Settings
@@ -38,3 +40,9 @@ def test_from_mapping_reads_hex_keys_and_rejects_unknown_names():
 
 def test_default_key_is_random_per_process():
     assert Settings().hash_key != Settings().hash_key
+
+
+def test_readme_documents_every_setting():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [name for name in Settings.docs() if f"| `{name}` |" not in readme]
+    assert not missing
