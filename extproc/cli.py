@@ -3,22 +3,112 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from bench import sim
+    from extproc import config
+
     parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for vLLM fleets.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    config.add_arguments(commands.add_parser("extproc", help="run the Envoy external processor"))
+
+    envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")
+    envoy.add_argument("--listen-port", type=int, default=8080)
+    envoy.add_argument("--listen-host", default="127.0.0.1")
+    envoy.add_argument("--admin-port", type=int, default=9901)
+    envoy.add_argument("--extproc-host", default="127.0.0.1")
+    envoy.add_argument("--extproc-port", type=int, default=9002)
+    envoy.add_argument("--backend", action="append", default=[], help="ip:port of a vLLM server (repeatable)")
+    envoy.add_argument("--message-timeout-ms", type=int, default=2000)
+    envoy.add_argument("--no-ext-proc", action="store_true", help="plain round robin, for comparisons")
+    envoy.add_argument("--output", "-o", help="file to write (default: stdout)")
+
+    sim.add_arguments(commands.add_parser("sim", help="serve simulated vLLM backends"))
+
+    up = commands.add_parser("up", help="start Envoy + ext_proc + backends, print a curl, stop on Ctrl-C")
+    up.add_argument("--port", type=int, default=8080, help="Envoy's listening port (default: 8080)")
+    up.add_argument("--backend", action="append", default=[], help="URL or ip:port of a real vLLM server")
+    up.add_argument("--sims", type=int, default=4, help="simulated backends when no --backend is given")
+
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     core = bench.add_parser("core", help="decision CPU time and memory per index entry (JSON lines)")
     core.add_argument("--block-size", type=int, default=512, help="bytes per block (default: 512)")
     core.add_argument("--quick", action="store_true", help="a few iterations per case, for smoke runs")
+    latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
+    latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     return parser
+
+
+def _envoy_config(args: argparse.Namespace) -> None:
+    from extproc.config import parse_address
+    from extproc.envoy_config import EnvoyLayout, render
+
+    layout = EnvoyLayout(
+        listen_port=args.listen_port,
+        listen_host=args.listen_host,
+        admin_port=args.admin_port,
+        extproc_host=args.extproc_host,
+        extproc_port=args.extproc_port,
+        backends=[parse_address(b) for b in args.backend],
+        message_timeout_ms=args.message_timeout_ms,
+        ext_proc=not args.no_ext_proc,
+    )
+    text = render(layout)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+def _up(args: argparse.Namespace) -> None:
+    from extproc.config import parse_address
+    from extproc.stack import Stack
+
+    backends = [parse_address(b.removeprefix("http://").rstrip("/")) for b in args.backend]
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
+    stack = Stack(workdir, port=args.port, sims=args.sims, backends=backends)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with stack:
+        body = '{"model": "sim-model", "messages": [{"role": "user", "content": "Hello!"}]}'
+        print(f"kvroute is up: {stack.url}  (admin {stack.admin_url}, logs in {workdir})")
+        print(f"backends: {', '.join(stack.backends)}")
+        print(f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'")
+        print("Ctrl-C stops everything.", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if args.command == "bench" and args.bench == "core":
+    if args.command == "extproc":
+        from extproc import config, service
+
+        service.main(config.load(args))
+    elif args.command == "envoy-config":
+        _envoy_config(args)
+    elif args.command == "sim":
+        from bench import sim
+
+        sim.main(args.port, sim.config_from_args(args), args.host)
+    elif args.command == "up":
+        _up(args)
+    elif args.command == "bench" and args.bench == "core":
         from bench import core
 
         core.main(args.block_size, args.quick)
+    elif args.command == "bench" and args.bench == "latency":
+        from bench import latency
+
+        latency.main(args.requests)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ class Label(StrEnum):
     LEAST_LOADED = "least_loaded"
     LOAD_OVERRIDE = "load_override"
     NO_CANDIDATES = "no_candidates"
+    FALLBACK = "fallback"
 
 
 @dataclass(slots=True)
@@ -94,7 +95,10 @@ def decide(
     settings: Settings,
     turn: int,
 ) -> Decision:
-    """Choose among candidates. `turn` rotates ties so identical requests do not herd."""
+    """Choose among candidates. `turn` rotates ties so identical requests do not herd.
+
+    FALLBACK is never chosen here: Router.fallback gives it to requests it could not read.
+    """
     if not candidates:
         return Decision(Label.NO_CANDIDATES, None, None, 0, total_blocks, bootstrap, [])
     weight = settings.new_session_load_weight if bootstrap else 1.0

@@ -11,7 +11,7 @@ from typing import Any
 
 from extproc.backends import Backend
 from extproc.chain import BlockHasher
-from extproc.decision import Decision, decide
+from extproc.decision import Decision, Label, decide
 from extproc.index import LocalIndex, LocationIndex
 from extproc.load import LoadTracker
 from extproc.request import PromptRequest
@@ -60,6 +60,16 @@ class Router:
         if reserve and decision.backend is not None:
             novel = len(chain) - decision.matched_blocks
             decision.reservation = self.loads.reserve(decision.backend, novel)
+        return decision
+
+    def fallback(self, backends: Sequence[Backend], now: float) -> Decision:
+        """Route a request whose body could not be read: least loaded healthy backend, reserved."""
+        self._turn += 1
+        candidates = [b.address for b in backends if b.healthy]
+        decision = decide(candidates, {}, 0, self.loads, None, False, self.settings, self._turn)
+        if decision.backend is not None:
+            decision.label = Label.FALLBACK
+            decision.reservation = self.loads.reserve(decision.backend, 0)
         return decision
 
     def notify(self, request: PromptRequest, backend: str, now: float) -> None:

@@ -231,3 +231,15 @@ def test_decision_path_never_raises_on_any_body(value):
     assert decision.backend in {A, B, C, D}
     decision.reservation.finish()
     router.notify(request, decision.backend, 0)
+
+
+def test_fallback_goes_least_loaded_and_reserves():
+    router = make_router()
+    held = [*occupy(router, A, 1), *occupy(router, C, 1), *occupy(router, D, 1)]
+    decision = router.fallback([*FLEET[:3], Backend(D, healthy=False)], 0)
+    assert (decision.label, decision.backend) == (Label.FALLBACK, B)
+    assert router.loads.snapshot()[B] == (0, 1)
+    decision.reservation.finish()
+    for r in held:
+        r.finish()
+    assert router.fallback([Backend(A, healthy=False)], 0).label == Label.NO_CANDIDATES

@@ -1,0 +1,109 @@
+"""`kvroute bench latency`: what kvroute adds to Envoy, and what one ext_proc process sustains.
+
+Runs the same requests through two stacks over the same fast simulated backends (no prefill or
+decode time): Envoy alone with round robin, and Envoy + kvroute's ext_proc. Reports p50/p99
+latency at concurrency 1 and 16 for 8 KB and 84 KB chat bodies, their differences, and the
+ext_proc's CPU seconds per request (from /proc), whose inverse is the request rate one ext_proc
+process sustains on one core. Client, Envoy, ext_proc and backends share this machine's cores,
+so compare the two stacks within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench.workload import conversation
+from extproc.stack import Stack
+
+FAST_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--default-max-tokens", "1"]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its reaped children, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _load(url: str, bodies: list[bytes], concurrency: int) -> tuple[list[float], float]:
+    """Send every body once with `concurrency` workers; return latencies (ms) and wall seconds."""
+    latencies: list[float] = []
+    queue = list(reversed(bodies))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def worker() -> None:
+            while queue:
+                body = queue.pop()
+                start = time.perf_counter()
+                async with session.post(
+                    url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"}
+                ) as response:
+                    await response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"status {response.status}")
+                latencies.append((time.perf_counter() - start) * 1000)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies, time.perf_counter() - started
+
+
+def _bodies(size: int, count: int) -> list[bytes]:
+    """Follow-ups of a handful of conversations, so kvroute really looks up and learns."""
+    bases = [conversation(size, seed=s) for s in range(8)]
+    out = []
+    for i in range(count):
+        body = bases[i % len(bases)]
+        body["messages"].append({"role": "user", "content": f"question {i}"})
+        body["model"] = "sim-model"
+        out.append(orjson.dumps(body))
+        body["messages"].pop()
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def measure(requests: int, workdir: Path) -> list[dict[str, Any]]:
+    """Both stacks over one set of backends; one row per (body size, concurrency)."""
+    results = []
+    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=FAST_SIM)
+    plain = Stack(workdir / "plain", backends=kvroute.backends, ext_proc=False)
+    with kvroute, plain:
+        extproc_pid = kvroute.processes["extproc"].pid
+        for size in (8_000, 84_000):
+            for concurrency in (1, 16):
+                bodies = _bodies(size, requests)
+                asyncio.run(_load(plain.url, bodies[:50], concurrency))  # warm-up
+                asyncio.run(_load(kvroute.url, bodies[:50], concurrency))
+                row: dict[str, Any] = {"body_bytes": len(bodies[0]), "concurrency": concurrency}
+                for name, stack in (("envoy", plain), ("kvroute", kvroute)):
+                    cpu_before = _cpu_seconds(extproc_pid)
+                    latencies, wall = asyncio.run(_load(stack.url, bodies, concurrency))
+                    row[f"{name}_p50_ms"] = round(statistics.median(latencies), 3)
+                    row[f"{name}_p99_ms"] = round(_percentile(latencies, 0.99), 3)
+                    row[f"{name}_rps"] = round(len(latencies) / wall, 1)
+                    if name == "kvroute":
+                        cpu = _cpu_seconds(extproc_pid) - cpu_before
+                        row["extproc_cpu_us_per_request"] = round(cpu / len(latencies) * 1e6, 1)
+                        row["extproc_rps_per_core"] = round(len(latencies) / cpu, 1) if cpu else None
+                row["added_p50_ms"] = round(row["kvroute_p50_ms"] - row["envoy_p50_ms"], 3)
+                row["added_p99_ms"] = round(row["kvroute_p99_ms"] - row["envoy_p99_ms"], 3)
+                results.append(row)
+    return results
+
+
+def main(requests: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp:
+        for row in measure(requests, Path(tmp)):
+            print(orjson.dumps(row).decode(), flush=True)

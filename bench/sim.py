@@ -1,0 +1,599 @@
+"""A simulated vLLM OpenAI server, for tests, demos and benchmarks of request routers.
+
+It models what routing policies are judged on: a prefix cache of fixed-size token blocks with LRU
+eviction (cache hits shorten prefill), a bounded running batch with a FIFO waiting queue,
+serialized prefill and concurrent decode, and vLLM's metric names. It renders and tokenizes with
+its own simple, deterministic rules and knows nothing of the router's hashing, so a router earns
+cache hits only by really sending a prompt back to the backend that holds its prefix.
+
+    python -m bench.sim --port 8001 --port 8002
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import signal
+import socket
+import sys
+import time
+import uuid
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as PromCounter
+from prometheus_client.exposition import choose_encoder
+
+MAX_MODEL_LEN = 131_072
+"""Reported by /tokenize and /v1/models but not enforced: benchmarks send multi-MB prompts."""
+
+_BYTES_PER_TOKEN = 4
+_VOCAB = 50_000
+_FIRST_TOKEN_ID = 100  # ids below are left to special tokens, as in real vocabularies
+_MIN_SLEEP_S = 0.005  # streamed decode sleeps at least this long per chunk: timer overhead swamps shorter sleeps
+_SHUTDOWN_S = 1.0  # how long in-flight requests may finish when the server stops
+_MAX_BODY_BYTES = 256 * 1024 * 1024  # aiohttp's 1 MiB default would refuse the multi-MB benchmark prompts
+_MESSAGE_FIELDS = ("name", "tool_call_id", "tool_calls")  # besides role and content, what templates render
+_FILLER = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " while", " blocks", " warm")
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """What one simulated backend serves and how fast it works; each field is also a command-line flag."""
+
+    model: str = field(default="sim-model", metadata={"help": "served model name"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    capacity_blocks: int = field(default=4096, metadata={"help": "prefix cache capacity in blocks (LRU eviction)"})
+    max_num_seqs: int = field(default=8, metadata={"help": "running batch size; more requests wait in a FIFO queue"})
+    prefill_s_per_token: float = field(
+        default=0.00002, metadata={"help": "seconds per uncached prompt token; prefill is serialized per backend"}
+    )
+    decode_s_per_token: float = field(
+        default=0.005, metadata={"help": "seconds per output token; running requests decode concurrently"}
+    )
+    default_max_tokens: int = field(default=16, metadata={"help": "output tokens when a request sets no limit"})
+
+    def __post_init__(self) -> None:
+        """Reject settings the simulation cannot honour at start-up, not on the first request."""
+        if not self.model:
+            raise ValueError("model must not be empty")
+        for name in ("block_size", "capacity_blocks", "max_num_seqs", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("prefill_s_per_token", "decode_s_per_token"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0")
+
+
+class _ApiError(Exception):
+    """An error a handler answers in OpenAI's shape; the middleware turns it into the response."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """Token ids plus what else keys their KV blocks (media contents, cache salt), by block index."""
+
+    tokens: list[int]
+    extra_keys: dict[int, tuple[bytes, ...]]
+
+
+def tokenize(text: str) -> list[int]:
+    """The simulator's tokenizer: each 4-byte group of the UTF-8 text (the last zero-padded) is one token.
+
+    Deterministic on every platform, and cheap on multi-MB prompts: the bytes become 32-bit words in
+    one step, leaving one modulo per token.
+    """
+    data = text.encode()
+    words = array("I", data + bytes(-len(data) % _BYTES_PER_TOKEN))
+    if sys.byteorder == "big":
+        words.byteswap()
+    return [word % _VOCAB + _FIRST_TOKEN_ID for word in words]
+
+
+def _canonical(value: Any) -> str:
+    """Canonical JSON, so equal tools or tool calls render to equal text whatever their key order."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _render_chat(body: Mapping[str, Any]) -> tuple[str, list[tuple[int, bytes]]]:
+    """Render a chat request with the simulator's fixed template.
+
+    Returns the prompt and, per media part, the byte offset of its placeholder and its canonical
+    JSON: as with vLLM's multimodal hashes, the media itself must key the KV blocks, or requests with
+    different images would share cache entries.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _ApiError(400, "messages must be a non-empty list")
+    pieces: list[str] = []
+    media: list[tuple[int, bytes]] = []  # (index in pieces, key)
+    if body.get("tools"):
+        pieces.append(f"<|tools|>{_canonical(body['tools'])}\n")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _ApiError(400, "each message must be an object with a string role")
+        pieces.append(f"<|{message['role']}|>\n")
+        content = message.get("content")
+        if isinstance(content, str):
+            pieces.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _ApiError(400, "each content part must be an object with a string type")
+                if part["type"] == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise _ApiError(400, "a text part needs a string text")
+                    pieces.append(part["text"])
+                else:
+                    media.append((len(pieces), orjson.dumps(part, option=orjson.OPT_SORT_KEYS)))
+                    pieces.append(f"<|{part['type'].removeprefix('input_').removesuffix('_url')}|>")
+        elif content is not None:
+            raise _ApiError(400, "message content must be a string, a list of parts or null")
+        pieces.extend(f"<|{key}|>{_canonical(message[key])}" for key in _MESSAGE_FIELDS if message.get(key) is not None)
+        pieces.append("<|end|>\n")
+    if body.get("add_generation_prompt", True):
+        pieces.append("<|assistant|>\n")
+    text = "".join(pieces)
+    if not media:
+        return text, []
+    offsets = list(itertools.accumulate((len(piece.encode()) for piece in pieces), initial=0))
+    return text, [(offsets[index], key) for index, key in media]
+
+
+def _block_hashes(prompt: _Prompt, block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks: each covers its whole prefix, so one lookup per block suffices."""
+    tokens = prompt.tokens
+    parent = 0
+    hashes: list[int] = []
+    for index, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
+        block = tuple(tokens[start : start + block_size])
+        parent = hash((parent, block, prompt.extra_keys.get(index, ())))
+        hashes.append(parent)
+    return hashes
+
+
+class _PrefixCache:
+    """Block hashes in LRU order, least recent first; evicts beyond `capacity` blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, hashes: Sequence[int], limit: int) -> int:
+        """How many leading blocks, at most `limit`, are cached."""
+        matched = 0
+        for block in itertools.islice(hashes, limit):
+            if block not in self._blocks:
+                break
+            matched += 1
+        return matched
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Insert or touch the blocks tail first, so the head, which every follow-up shares, is evicted last.
+
+        Blocks past `capacity` would be evicted by the head blocks inserted after them, so they are skipped.
+        """
+        blocks = self._blocks
+        for block in reversed(hashes[: self._capacity]):
+            blocks[block] = None
+            blocks.move_to_end(block)
+        while len(blocks) > self._capacity:
+            blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """The OpenAI response shapes of one chat or completions request."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> _Reply:
+        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()))
+
+    def _head(self, stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: dict[str, Any]) -> bytes:
+        choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        choices = [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
+        return orjson.dumps({**self._head(False), "choices": choices, "usage": usage})
+
+    def chunk(self, text: str, finish_reason: str | None, *, role: bool = False) -> bytes:
+        """One SSE event; `role` marks a chat stream's first event, which names the speaker as vLLM's does."""
+        if self.chat:
+            choice: dict[str, Any] = {"delta": {"role": "assistant", "content": text} if role else {"content": text}}
+        else:
+            choice = {"text": text}
+        choices = [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
+        return _sse({**self._head(True), "choices": choices})
+
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
+        return _sse({**self._head(True), "choices": [], "usage": usage})
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _filler(start: int, end: int) -> str:
+    """Output tokens start..end-1: deterministic words, one token each."""
+    return "".join(_FILLER[i % len(_FILLER)] for i in range(start, end))
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer errors in OpenAI's JSON shape, which clients and routers parse in production."""
+    try:
+        return await handler(request)
+    except _ApiError as error:
+        body = {"message": error.message, "type": _ERROR_TYPES[error.status], "param": None, "code": error.status}
+        return _json({"error": body}, error.status)
+
+
+class SimBackend:
+    """One simulated vLLM server: state + aiohttp app."""
+
+    def __init__(self, config: SimConfig, name: str) -> None:
+        self.config = config
+        self.name = name
+        self._cache = _PrefixCache(config.capacity_blocks)
+        self._slots = asyncio.Semaphore(config.max_num_seqs)  # FIFO: waiters are woken in arrival order
+        self._prefill_lock = asyncio.Lock()
+        self._running = 0
+        self._waiting = 0
+        self._held: Counter[int] = Counter()  # full blocks of running prompts -> how many running requests hold each
+        self._held_partial = 0  # trailing partial blocks of running prompts, never shared
+        self._started = int(time.time())
+        self._registry = registry = CollectorRegistry()  # per backend: backends in one process keep separate metrics
+        model = {"model_name": config.model}
+        by_model = ["model_name"]
+        self._queries = PromCounter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", by_model, registry=registry
+        ).labels(**model)
+        self._hits = PromCounter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", by_model, registry=registry
+        ).labels(**model)
+        success = PromCounter(
+            "vllm:request_success", "Finished requests.", [*by_model, "finished_reason"], registry=registry
+        )
+        self._success = {reason: success.labels(finished_reason=reason, **model) for reason in ("stop", "length")}
+        gauges = {
+            "vllm:num_requests_running": ("Requests in the running batch.", lambda: self._running),
+            "vllm:num_requests_waiting": ("Requests waiting for a running slot.", lambda: self._waiting),
+            "vllm:kv_cache_usage_perc": ("Fraction of KV blocks held by running prompts.", self._kv_usage),
+        }
+        for name, (documentation, read) in gauges.items():
+            Gauge(name, documentation, by_model, registry=registry).labels(**model).set_function(read)
+        info = Gauge(
+            "vllm:cache_config_info", "KV cache configuration.", ["block_size", "num_gpu_blocks"], registry=registry
+        )
+        info.labels(block_size=str(config.block_size), num_gpu_blocks=str(config.capacity_blocks)).set(1)
+
+    def app(self) -> web.Application:
+        """A new aiohttp app serving this backend's state.
+
+        Run it with `handler_cancellation=True`, as serve() and aiohttp's TestServer do: only then does
+        aiohttp cancel the handler of a client that left, and the cancellation is what frees its slot.
+        """
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_openai_errors])
+        app.on_response_prepare.append(self._tag)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions/render", self._render)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/reset_prefix_cache", self._reset)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    def reset_prefix_cache(self) -> None:
+        self._cache.clear()
+
+    def _kv_usage(self) -> float:
+        return min(1.0, (len(self._held) + self._held_partial) / self.config.capacity_blocks)
+
+    async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Name the serving backend on every response, errors and streams included, so tests can tell."""
+        response.headers["x-sim-backend"] = self.name
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The JSON object body, checked to name this backend's model (or none, meaning the served one)."""
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as error:
+            raise _ApiError(400, f"invalid JSON body: {error}") from None
+        if not isinstance(body, dict):
+            raise _ApiError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise _ApiError(404, f"The model `{model}` does not exist.")
+        return body
+
+    def _prompt(self, tokens: list[int], media: Sequence[tuple[int, bytes]], body: Mapping[str, Any]) -> _Prompt:
+        """Attach the extra block keys: media to the block holding its placeholder, vLLM's cache_salt to block 0."""
+        block_bytes = self.config.block_size * _BYTES_PER_TOKEN
+        extra_keys: dict[int, tuple[bytes, ...]] = {}
+        salt = body.get("cache_salt")
+        if salt is not None:
+            if not isinstance(salt, str):
+                raise _ApiError(400, "cache_salt must be a string")
+            extra_keys[0] = (b"cache_salt=" + salt.encode(),)
+        for offset, key in media:
+            block = offset // block_bytes
+            extra_keys[block] = (*extra_keys.get(block, ()), key)
+        return _Prompt(tokens, extra_keys)
+
+    def _completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return tokenize(prompt)
+        if isinstance(prompt, list) and all(type(token) is int and token >= 0 for token in prompt):
+            return prompt
+        raise _ApiError(400, "prompt must be a string or a list of token ids (batches are not simulated)")
+
+    def _output_length(self, body: Mapping[str, Any]) -> tuple[int, str]:
+        """Output tokens and finish reason: a client's limit is always reached, the default stands in for EOS."""
+        limit = body.get("max_completion_tokens")
+        if limit is None:
+            limit = body.get("max_tokens")
+        if limit is None:
+            return self.config.default_max_tokens, "stop"
+        if type(limit) is not int or not 1 <= limit <= MAX_MODEL_LEN:
+            raise _ApiError(400, f"max_tokens must be an integer from 1 to {MAX_MODEL_LEN}")
+        return limit, "length"
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        text, media = _render_chat(body)
+        return await self._generate(request, body, self._prompt(tokenize(text), media, body), chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        return await self._generate(request, body, self._prompt(self._completion_tokens(body), (), body), chat=False)
+
+    async def _generate(
+        self, request: web.Request, body: Mapping[str, Any], prompt: _Prompt, *, chat: bool
+    ) -> web.StreamResponse:
+        """Queue, prefill and decode one request, answering as one JSON object or as an SSE stream."""
+        if not prompt.tokens:
+            raise _ApiError(400, "the prompt is empty")
+        length, finish_reason = self._output_length(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _ApiError(400, "stream must be a boolean")
+        if body.get("n", 1) != 1:
+            raise _ApiError(400, "the simulator generates one choice per request (n=1)")
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        hashes = _block_hashes(prompt, self.config.block_size)
+        reply = _Reply.new(chat, self.config.model)
+        if not stream:
+            async with self._slot(prompt, hashes):
+                cached = await self._prefill(prompt, hashes)
+                await asyncio.sleep(length * self.config.decode_s_per_token)
+            self._success[finish_reason].inc()
+            return web.Response(
+                body=reply.full(_filler(0, length), finish_reason, _usage(len(prompt.tokens), length, cached)),
+                content_type="application/json",
+            )
+        # Headers go out at once, as from vLLM's streaming response, however long the request then waits.
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            async with self._slot(prompt, hashes):
+                cached = await self._prefill(prompt, hashes)
+                if chat:
+                    await response.write(reply.chunk("", None, role=True))
+                await self._stream_decode(response, reply, length, finish_reason)
+            if include_usage:
+                await response.write(reply.usage_chunk(_usage(len(prompt.tokens), length, cached)))
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            return response  # the client left; leaving the slot already freed it
+        self._success[finish_reason].inc()
+        return response
+
+    async def _stream_decode(
+        self, response: web.StreamResponse, reply: _Reply, length: int, finish_reason: str
+    ) -> None:
+        """Send the output tokens as they are decoded, one event per chunk of at least _MIN_SLEEP_S.
+
+        Chunk ends follow an absolute schedule, so the overhead of each sleep does not add up.
+        """
+        per_token = self.config.decode_s_per_token
+        step = max(1, math.ceil(_MIN_SLEEP_S / per_token)) if per_token else length
+        loop = asyncio.get_running_loop()
+        begin = loop.time()
+        for start in range(0, length, step):
+            end = min(length, start + step)
+            await asyncio.sleep(begin + end * per_token - loop.time())
+            await response.write(reply.chunk(_filler(start, end), finish_reason if end == length else None))
+
+    @asynccontextmanager
+    async def _slot(self, prompt: _Prompt, hashes: list[int]) -> AsyncIterator[None]:
+        """Hold one of max_num_seqs running slots, after waiting FIFO; freed even when the client leaves."""
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        partial = int(len(prompt.tokens) % self.config.block_size != 0)
+        self._running += 1
+        self._held.update(hashes)
+        self._held_partial += partial
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._held_partial -= partial
+            held = self._held
+            for block in hashes:
+                if held[block] == 1:
+                    del held[block]
+                else:
+                    held[block] -= 1
+            self._slots.release()
+
+    async def _prefill(self, prompt: _Prompt, hashes: list[int]) -> int:
+        """Compute the uncached part of the prompt, one request at a time; return the cached token count.
+
+        The cache is looked up once the prefill lock is held, so a request queued behind the prefill of
+        the same prefix reuses it, as in vLLM's next scheduling step. Like vLLM, at least the last
+        prompt token is always computed.
+        """
+        size = self.config.block_size
+        async with self._prefill_lock:
+            cached = self._cache.match(hashes, (len(prompt.tokens) - 1) // size) * size
+            self._queries.inc(len(prompt.tokens))
+            self._hits.inc(cached)
+            await asyncio.sleep((len(prompt.tokens) - cached) * self.config.prefill_s_per_token)
+            self._cache.insert(hashes)
+        return cached
+
+    async def _render(self, request: web.Request) -> web.Response:
+        text, _ = _render_chat(await self._body(request))
+        return _json({"prompt": text, "prompt_token_ids": tokenize(text)})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = tokenize(_render_chat(body)[0]) if "messages" in body else self._completion_tokens(body)
+        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN})
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        self.reset_prefix_cache()
+        return web.Response()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = self.config.model
+        card = {"id": model, "object": "model", "created": self._started, "owned_by": "vllm", "root": model}
+        return _json({"object": "list", "data": [{**card, "parent": None, "max_model_len": MAX_MODEL_LEN}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self._registry), headers={"Content-Type": content_type})
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(ports: list[int], config: SimConfig, host: str = "127.0.0.1") -> list[web.AppRunner]:
+    """Start one SimBackend per port in the running event loop; the caller cleans the runners up.
+
+    Each backend is named after its address, `host:port`. Port 0 picks a free port: the socket is
+    bound before the backend is named, so the name holds the real port (see `runner.addresses`).
+    """
+    runners: list[web.AppRunner] = []
+    sockets: list[socket.socket] = []
+    try:
+        for port in ports:
+            sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sockets.append(sock)
+            backend = SimBackend(config, _address(host, sock.getsockname()[1]))
+            runner = web.AppRunner(
+                backend.app(), handler_cancellation=True, access_log=None, shutdown_timeout=_SHUTDOWN_S
+            )
+            await runner.setup()
+            runners.append(runner)
+            await web.SockSite(runner, sock).start()
+    except BaseException:
+        for runner in runners:
+            await runner.cleanup()
+        for sock in sockets:
+            sock.close()
+        raise
+    return runners
+
+
+async def _serve_until_signalled(ports: list[int], config: SimConfig, host: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    runners = await serve(ports, config, host)
+    try:
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(stop_signal, stop.set)
+        for runner in runners:
+            for address in runner.addresses:
+                print(f"{config.model} on http://{_address(host, address[1])}", flush=True)
+        await stop.wait()
+    finally:
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(stop_signal)
+        for runner in runners:
+            await runner.cleanup()
+
+
+def main(ports: list[int], config: SimConfig, host: str = "127.0.0.1") -> None:
+    """Serve until SIGINT or SIGTERM, printing one `<model> on http://<address>` line per backend."""
+    asyncio.run(_serve_until_signalled(ports, config, host))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --port (repeatable), --host and one flag per SimConfig field, so any CLI can host the simulator."""
+    parser.add_argument(
+        "--port", type=int, action="append", required=True, help="listen port, one backend each; 0 picks a free one"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    for config_field in fields(SimConfig):
+        parser.add_argument(
+            f"--{config_field.name.replace('_', '-')}",
+            type=type(config_field.default),
+            default=config_field.default,
+            help=f"{config_field.metadata['help']} (default: %(default)s)",
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(**{config_field.name: getattr(args, config_field.name) for config_field in fields(SimConfig)})
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    _args = _parser.parse_args()
+    try:
+        _config = config_from_args(_args)
+    except ValueError as _error:
+        _parser.error(str(_error))
+    main(_args.port, _config, _args.host)

@@ -1,0 +1,125 @@
+"""ext_proc configuration: defaults, then a YAML file, then KVROUTE_* environment, then flags.
+
+Flat keys for the process (ports, backends, health checks) and a `routing` mapping for the
+routing core's Settings. The same names work everywhere: `grpc_port` in YAML is
+`KVROUTE_GRPC_PORT` in the environment and `--grpc-port` on the command line; routing settings
+are `routing.block_size` / `KVROUTE_BLOCK_SIZE` / `--block-size`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.backends import Backend
+from extproc.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcConfig:
+    """Everything `kvroute extproc` needs to run."""
+
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 9002
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9003
+    backends: tuple[Backend, ...] = ()
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    unhealthy_after: int = 2
+    max_message_bytes: int = 64 * 1024 * 1024
+    log_level: str = "info"
+    routing: Settings = field(default_factory=Settings)
+
+
+_PROCESS_KEYS = {f.name: f.type for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")}
+_ROUTING_KEYS = {f.name for f in fields(Settings)}
+_CASTS = {"int": int, "float": float, "str": str, "bytes": str}
+
+
+def parse_address(text: str) -> str:
+    """`ip:port` (IPv6 as `[ip]:port`), checked: routing must name exact, literal addresses."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"backend address must be ip:port, got {text!r}")
+    ip = ipaddress.ip_address(host.strip("[]"))
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def parse_backend(item: str | Mapping[str, Any]) -> Backend:
+    """A backend from `ip:port` or `{address: ip:port, models: [...]}`."""
+    if isinstance(item, str):
+        return Backend(parse_address(item))
+    models = item.get("models") or []
+    return Backend(parse_address(str(item["address"])), frozenset(str(m) for m in models))
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key in [*_PROCESS_KEYS, *_ROUTING_KEYS, "backends"]:
+        raw = environ.get("KVROUTE_" + key.upper())
+        if raw is None:
+            continue
+        if key == "backends":
+            values[key] = [b for b in raw.split(",") if b.strip()]
+        elif key in _ROUTING_KEYS:
+            values.setdefault("routing", {})[key] = _cast_routing(key, raw)
+        else:
+            values[key] = _CASTS[_PROCESS_KEYS[key]](raw)
+    return values
+
+
+def _cast_routing(key: str, raw: str) -> Any:
+    kind = next(f.type for f in fields(Settings) if f.name == key)
+    return _CASTS[kind](raw)
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    merged = {**base, **{k: v for k, v in top.items() if k != "routing"}}
+    merged["routing"] = {**base.get("routing", {}), **top.get("routing", {})}
+    return merged
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for every key; unset flags leave lower layers alone."""
+    parser.add_argument("--config", help="YAML config file (also KVROUTE_CONFIG)")
+    parser.add_argument("--backend", action="append", dest="backends", help="ip:port of a vLLM server (repeatable)")
+    for key, kind in _PROCESS_KEYS.items():
+        parser.add_argument("--" + key.replace("_", "-"), dest=key, type=_CASTS[kind], default=None)
+    for f in fields(Settings):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), dest="routing_" + f.name, type=_CASTS[f.type], help=f.metadata["doc"]
+        )
+
+
+def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os.environ) -> ExtProcConfig:
+    """Merge the layers and validate; raises ValueError with a clear message on bad values."""
+    flags = vars(args) if args is not None else {}
+    values: dict[str, Any] = {"routing": {}}
+    path = flags.get("config") or environ.get("KVROUTE_CONFIG")
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the config file must be a mapping")
+        values = _merge(values, loaded)
+    values = _merge(values, _from_env(environ))
+    cli: dict[str, Any] = {k: v for k, v in flags.items() if k in _PROCESS_KEYS and v is not None}
+    if flags.get("backends"):
+        cli["backends"] = flags["backends"]
+    cli["routing"] = {
+        k.removeprefix("routing_"): v for k, v in flags.items() if k.startswith("routing_") and v is not None
+    }
+    values = _merge(values, cli)
+    unknown = set(values) - set(_PROCESS_KEYS) - {"backends", "routing"}
+    if unknown:
+        raise ValueError(f"unknown config keys: {sorted(unknown)}")
+    backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
+    routing = Settings.from_mapping(values.pop("routing"))
+    return ExtProcConfig(backends=backends, routing=routing, **values)

@@ -1,0 +1,201 @@
+"""`kvroute envoy-config`: a complete Envoy bootstrap that routes by kvroute's decisions.
+
+Listener -> header_mutation (strip any client-supplied destination header) -> ext_proc
+(buffered request body, response headers with the attributes kvroute learns from, fail-open)
+-> router. The backend cluster's override_host policy follows the header kvroute sets and falls
+back to round robin; connect failures are retried on the second choice. Facts behind each
+setting: ../shared/FACTS.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from extproc.processor import DESTINATION_HEADER
+
+BODY_LIMIT = 32 * 1024 * 1024
+_TYPES = "type.googleapis.com/envoy."
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyLayout:
+    """Where things listen. Backends are literal `ip:port` addresses."""
+
+    listen_port: int = 8080
+    listen_host: str = "127.0.0.1"
+    admin_port: int = 9901
+    extproc_host: str = "127.0.0.1"
+    extproc_port: int = 9002
+    backends: Sequence[str] = ()
+    message_timeout_ms: int = 2000
+    ext_proc: bool = True
+
+
+def _address(address: str) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def _endpoints(name: str, addresses: Sequence[str]) -> dict[str, Any]:
+    return {
+        "cluster_name": name,
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(a)}} for a in addresses]}],
+    }
+
+
+def _round_robin() -> dict[str, Any]:
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": _TYPES + "extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+                }
+            }
+        ]
+    }
+
+
+def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
+    """STATIC members (override_host only honours members) with active /health checks."""
+    policy = _round_robin()
+    if layout.ext_proc:
+        policy = {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": _TYPES + "extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                            "override_host_sources": [{"header": DESTINATION_HEADER}],
+                            "fallback_policy": _round_robin(),
+                        },
+                    }
+                }
+            ]
+        }
+    return {
+        "name": "vllm",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "per_connection_buffer_limit_bytes": BODY_LIMIT,
+        "load_balancing_policy": policy,
+        "circuit_breakers": {
+            "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
+        },
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "2s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": "/health"},
+            }
+        ],
+        "load_assignment": _endpoints("vllm", layout.backends),
+    }
+
+
+def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
+    """HTTP/2 to the Python processor, one stream per in-flight request, so raise max_requests."""
+    return {
+        "name": "kvroute_extproc",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _TYPES + "extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "circuit_breakers": {
+            "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
+        },
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "2s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ],
+        "load_assignment": _endpoints("kvroute_extproc", [f"{layout.extproc_host}:{layout.extproc_port}"]),
+    }
+
+
+def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
+    strip = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _TYPES + "extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+        },
+    }
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _TYPES + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "kvroute_extproc"}},
+            "failure_mode_allow": True,
+            "message_timeout": f"{layout.message_timeout_ms / 1000:g}s",
+            "allow_mode_override": True,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "BUFFERED",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            "response_attributes": ["response.code_details", "upstream.address"],
+        },
+    }
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": _TYPES + "extensions.filters.http.router.v3.Router"},
+    }
+    return [strip, ext_proc, router] if layout.ext_proc else [strip, router]
+
+
+def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
+    """The whole bootstrap as a dict; `layout.ext_proc=False` gives plain round robin (for comparisons)."""
+    route = {
+        "match": {"prefix": "/"},
+        "route": {
+            "cluster": "vllm",
+            "timeout": "0s",
+            "retry_policy": {"retry_on": "connect-failure,reset", "num_retries": 2},
+        },
+        "request_body_buffer_limit": BODY_LIMIT,
+    }
+    manager = {
+        "@type": _TYPES + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "kvroute",
+        "codec_type": "AUTO",
+        "route_config": {"name": "llm", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
+        "http_filters": _http_filters(layout),
+    }
+    listener = {
+        "name": "llm",
+        "address": {"socket_address": {"address": layout.listen_host, "port_value": layout.listen_port}},
+        "per_connection_buffer_limit_bytes": BODY_LIMIT,
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
+    }
+    clusters = [_backend_cluster(layout)]
+    if layout.ext_proc:
+        clusters.append(_extproc_cluster(layout))
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": layout.admin_port}}},
+        "static_resources": {"listeners": [listener], "clusters": clusters},
+    }
+
+
+def render(layout: EnvoyLayout) -> str:
+    return yaml.safe_dump(bootstrap(layout), sort_keys=False)

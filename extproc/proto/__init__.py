@@ -1,0 +1,1 @@
+"""Generated from protos/ by `python -m extproc.protogen`; do not edit."""

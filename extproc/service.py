@@ -1,0 +1,78 @@
+"""`kvroute extproc`: the gRPC ext_proc server, gRPC health, the admin port and backend probes,
+in one event loop, stopped cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from extproc.admin import Admin
+from extproc.config import ExtProcConfig
+from extproc.metrics import Metrics
+from extproc.pool import BackendPool
+from extproc.processor import Processor
+from extproc.proto import ext_proc_pb2_grpc as pb_grpc
+from extproc.router import Router
+
+log = logging.getLogger("kvroute")
+
+
+async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
+    """Run until `stop` is set."""
+    router = Router(config.routing)
+    pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after)
+    metrics = Metrics(router, pool)
+    limit = config.max_message_bytes
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(Processor(router, pool, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
+    admin = Admin(router, pool, metrics)
+    runner = web.AppRunner(admin.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.admin_host, config.admin_port).start()
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    admin.serving = True
+    probes = asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s))
+    log.info(
+        "ext_proc on %s:%d, admin on http://%s:%d, %d backends",
+        config.grpc_host,
+        config.grpc_port,
+        config.admin_host,
+        config.admin_port,
+        len(config.backends),
+    )
+    try:
+        await stop.wait()
+    finally:
+        admin.serving = False
+        await health_servicer.enter_graceful_shutdown()
+        probes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await probes
+        await server.stop(grace=2)
+        await runner.cleanup()
+
+
+def main(config: ExtProcConfig) -> None:
+    """Blocking entry point."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop)
+
+    asyncio.run(run())

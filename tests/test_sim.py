@@ -1,0 +1,462 @@
+"""The simulated vLLM server: prefix caching, queueing, streaming, metrics and the OpenAI surface.
+
+Every test serves real sockets through `serve()` inside `asyncio.run`. Timing only ever bounds a
+wait generously or is a lower bound that noise cannot break.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.sim import SimConfig, add_arguments, config_from_args, serve, tokenize
+
+MODEL = '{model_name="sim-model"}'
+FAST = SimConfig(block_size=16, prefill_s_per_token=0.0, decode_s_per_token=0.0)
+
+Test = Callable[[aiohttp.ClientSession, list[str]], Awaitable[None]]
+
+
+def run(test: Test, config: SimConfig = FAST, backends: int = 1) -> None:
+    """Serve `backends` simulated backends on free ports and run `test` against their base URLs."""
+
+    async def main() -> None:
+        runners = await serve([0] * backends, config)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await test(session, [f"http://127.0.0.1:{runner.addresses[0][1]}" for runner in runners])
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(main())
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, dict[str, Any], str]:
+    """POST a JSON body (or raw bytes); return status, parsed JSON body and the serving backend's name."""
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as response:
+        return response.status, orjson.loads(await response.read()), response.headers["x-sim-backend"]
+
+
+async def cached(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> int:
+    """Complete a request (chat if it has messages) and return its cached prompt tokens."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, reply, _ = await post(session, url + path, body)
+    assert status == 200, reply
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Metric samples keyed as exposed, `name{label="value",...}` with labels sorted."""
+    async with session.get(url + "/metrics") as response:
+        text = await response.text()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+async def wait_for(
+    session: aiohttp.ClientSession, url: str, condition: Callable[[dict[str, float]], bool], timeout: float = 20.0
+) -> dict[str, float]:
+    """Scrape until `condition` holds; the timeout is generous because the test machine is noisy."""
+    deadline = time.monotonic() + timeout
+    while not condition(samples := await scrape(session, url)):
+        assert time.monotonic() < deadline, f"condition never held; last metrics: {samples}"
+        await asyncio.sleep(0.01)
+    return samples
+
+
+def running(samples: dict[str, float]) -> float:
+    return samples["vllm:num_requests_running" + MODEL]
+
+
+def waiting(samples: dict[str, float]) -> float:
+    return samples["vllm:num_requests_waiting" + MODEL]
+
+
+def chat(*contents: str, max_tokens: int = 4, **fields: Any) -> dict[str, Any]:
+    """A chat body alternating user and assistant turns, starting with the user."""
+    roles = ("user", "assistant")
+    messages = [{"role": roles[i % 2], "content": content} for i, content in enumerate(contents)]
+    return {"model": "sim-model", "messages": messages, "max_tokens": max_tokens, **fields}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+# Tokenizer
+
+
+def test_tokenizer_cuts_utf8_into_four_byte_groups():
+    assert tokenize("abcd") == [int.from_bytes(b"abcd", "little") % 50_000 + 100]
+    assert tokenize("abcde") == [*tokenize("abcd"), int.from_bytes(b"e\0\0\0", "little") % 50_000 + 100]
+    assert tokenize("") == []
+    assert len(tokenize("é" * 3)) == 2  # six UTF-8 bytes
+
+
+@given(st.text(), st.text())
+def test_tokenizer_is_deterministic_and_prefix_stable(head: str, tail: str):
+    tokens = tokenize(head)
+    assert tokens == tokenize(head)
+    assert len(tokens) == math.ceil(len(head.encode()) / 4)
+    assert all(100 <= token < 50_100 for token in tokens)
+    aligned = head + "\0" * (-len(head.encode()) % 4)  # a prefix whose bytes end on a group boundary
+    assert tokenize(aligned + tail)[: len(tokenize(aligned))] == tokenize(aligned)
+
+
+# Prefix cache
+
+
+def test_repeated_prompt_hits_all_full_blocks_but_recomputes_the_last_token():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        prompt = {"prompt": "x" * 400, "max_tokens": 2}  # 100 tokens: 6 full blocks of 16
+        assert await cached(session, url, prompt) == 0
+        assert await cached(session, url, prompt) == 96
+        exact = {"prompt": "y" * 256, "max_tokens": 2}  # 64 tokens, 4 full blocks: the last one is recomputed
+        assert await cached(session, url, exact) == 0
+        assert await cached(session, url, exact) == 48
+        body = chat("What is a prefix cache? " * 10)
+        assert await cached(session, url, body) == 0
+        status, tokenized, _ = await post(session, url + "/tokenize", body)
+        assert status == 200
+        assert await cached(session, url, body) == (tokenized["count"] - 1) // 16 * 16 > 0
+
+    run(test)
+
+
+def test_multi_turn_conversation_reuses_the_previous_turn():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        turns = ["You are a helpful assistant. " * 8 + "Tell me about caches.", "Caches keep data close. " * 6]
+        previous: list[int] = []
+        hits = []
+        for question in ("And KV caches?", "And prefix caching?", "Thanks, and eviction?"):
+            body = chat(*turns, question)
+            status, rendered, _ = await post(session, url + "/v1/chat/completions/render", body)
+            assert status == 200
+            tokens = rendered["prompt_token_ids"]
+            hit = await cached(session, url, body)
+            assert hit == common_prefix(previous, tokens) // 16 * 16
+            hits.append(hit)
+            previous = tokens
+            turns += [question, "Here is an answer. " * 4]
+        assert 0 < hits[1] < hits[2]
+
+    run(test, FAST)
+
+
+def test_lru_evicts_old_prompts_and_keeps_the_head_of_long_ones():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        a = {"prompt": "a" * 128, "max_tokens": 1}  # 32 tokens: 8 blocks of 4, the whole capacity
+        b = {"prompt": "b" * 128, "max_tokens": 1}
+        assert await cached(session, url, a) == 0
+        assert await cached(session, url, a) == 28
+        assert await cached(session, url, b) == 0  # evicts every block of a
+        assert await cached(session, url, a) == 0
+        long = {"prompt": "c" * 320, "max_tokens": 1}  # 80 tokens, 20 blocks: only the first 8 fit
+        assert await cached(session, url, long) == 0
+        assert await cached(session, url, long) == 32
+        async with session.post(url + "/reset_prefix_cache") as response:
+            assert response.status == 200
+        assert await cached(session, url, long) == 0
+
+    run(test, SimConfig(block_size=4, capacity_blocks=8, prefill_s_per_token=0.0, decode_s_per_token=0.0))
+
+
+def test_media_and_cache_salt_key_the_blocks_like_vllm():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+
+        def with_image(image: str) -> dict[str, Any]:
+            parts = [{"type": "text", "text": "t" * 200}, {"type": "image_url", "image_url": {"url": image}}]
+            return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "u" * 200}]}]}
+
+        assert await cached(session, url, with_image("cat.png")) == 0
+        full = await cached(session, url, with_image("cat.png"))
+        # Same text, another image: only the blocks before the one holding the placeholder are shared.
+        assert 0 < await cached(session, url, with_image("dog.png")) < full
+        body = chat("s" * 400)
+        assert await cached(session, url, {**body, "cache_salt": "alice"}) == 0
+        assert await cached(session, url, {**body, "cache_salt": "bob"}) == 0
+        assert await cached(session, url, {**body, "cache_salt": "alice"}) > 0
+
+    run(test)
+
+
+# OpenAI surface
+
+
+def test_streaming_chat_sends_sse_chunks_then_usage_then_done():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        body = chat("Stream to me, please.", max_tokens=6, stream=True, stream_options={"include_usage": True})
+        async with session.post(urls[0] + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            raw = await response.text()
+        events = raw.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        assert all(event.startswith("data: ") for event in events[:-1])
+        chunks = [orjson.loads(event.removeprefix("data: ")) for event in events[:-2]]
+        assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+        assert len({chunk["id"] for chunk in chunks}) == 1
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        content = chunks[1:-1]
+        assert len(content) > 1  # tokens arrive as they are decoded, not all at once
+        assert [chunk["choices"][0]["finish_reason"] for chunk in content][-1] == "length"
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        text = "".join(chunk["choices"][0]["delta"]["content"] for chunk in content)
+        status, whole, _ = await post(session, urls[0] + "/v1/chat/completions", {**body, "stream": False})
+        assert status == 200 and whole["choices"][0]["message"]["content"] == text
+
+    run(test, SimConfig(decode_s_per_token=0.005))
+
+
+def test_completions_from_text_or_token_ids():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0] + "/v1/completions"
+        status, reply, _ = await post(
+            session, url, {"model": "sim-model", "prompt": "Once upon a time", "max_tokens": 3}
+        )
+        assert status == 200
+        assert reply["object"] == "text_completion" and reply["id"].startswith("cmpl-")
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "length" and len(choice["text"].split()) == 3
+        assert reply["usage"] == {
+            "prompt_tokens": 4,
+            "completion_tokens": 3,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        ids = list(range(1000, 1040))
+        assert await cached(session, urls[0], {"prompt": ids}) == 0
+        status, reply, _ = await post(session, url, {"prompt": ids})  # no limit: default length, as if EOS
+        assert reply["usage"]["prompt_tokens"] == 40 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        assert reply["usage"]["completion_tokens"] == 16 and reply["choices"][0]["finish_reason"] == "stop"
+        async with session.post(url, json={"prompt": "streamed", "max_tokens": 2, "stream": True}) as response:
+            events = (await response.text()).split("\n\n")
+        assert events[-2] == "data: [DONE]"
+        chunks = [orjson.loads(event.removeprefix("data: ")) for event in events[:-2]]
+        assert all("usage" not in chunk for chunk in chunks)  # include_usage was not asked for
+        assert len("".join(chunk["choices"][0]["text"] for chunk in chunks).split()) == 2
+
+    run(test)
+
+
+def test_errors_are_openai_json():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        status, reply, backend = await post(session, url + "/v1/chat/completions", {**chat("hi"), "model": "other"})
+        assert status == 404 and reply["error"]["code"] == 404 and reply["error"]["type"] == "NotFoundError"
+        assert "other" in reply["error"]["message"] and backend == url.removeprefix("http://")
+        for path, body in [
+            ("/v1/chat/completions", b"{not json"),
+            ("/v1/chat/completions", {"model": "sim-model"}),
+            ("/v1/chat/completions", {"messages": []}),
+            ("/v1/chat/completions", [1, 2]),
+            ("/v1/completions", {"model": "sim-model"}),
+            ("/v1/completions", {"prompt": ""}),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+            ("/tokenize", b""),
+        ]:
+            status, reply, _ = await post(session, url + path, body)
+            assert status == 400, (path, body)
+            assert set(reply["error"]) >= {"message", "type", "code"}
+            assert reply["error"]["type"] == "BadRequestError" and reply["error"]["code"] == 400
+
+    run(test)
+
+
+def test_models_health_tokenize_and_render():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        async with session.get(url + "/v1/models") as response:
+            assert [model["id"] for model in (await response.json())["data"]] == ["sim-model"]
+        async with session.get(url + "/health") as response:
+            assert response.status == 200 and await response.read() == b""
+        status, reply, _ = await post(session, url + "/tokenize", {"prompt": "hello world"})
+        assert reply == {"tokens": tokenize("hello world"), "count": 3, "max_model_len": 131072}
+        body = {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {}}],
+                },
+            ],
+        }
+        status, rendered, _ = await post(session, url + "/v1/chat/completions/render", body)
+        assert status == 200
+        assert rendered["prompt"] == (
+            '<|tools|>[{"function":{"name":"f"},"type":"function"}]\n'
+            "<|system|>\nBe brief.<|end|>\n<|user|>\nLook: <|image|><|end|>\n<|assistant|>\n"
+        )
+        assert rendered["prompt_token_ids"] == tokenize(rendered["prompt"])
+        status, tokenized, _ = await post(session, url + "/tokenize", body)
+        assert tokenized["tokens"] == rendered["prompt_token_ids"]
+
+    run(test)
+
+
+# Metrics and scheduling
+
+
+def test_metrics_expose_vllm_names_and_values():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        prompt = {"prompt": "m" * 400, "max_tokens": 1}  # 100 tokens
+        await cached(session, url, prompt)
+        await cached(session, url, prompt)
+        samples = await scrape(session, url)
+        assert samples["vllm:prefix_cache_queries_total" + MODEL] == 200
+        assert samples["vllm:prefix_cache_hits_total" + MODEL] == 96
+        assert samples['vllm:request_success_total{finished_reason="length",model_name="sim-model"}'] == 2
+        assert running(samples) == 0 and waiting(samples) == 0
+        assert samples["vllm:kv_cache_usage_perc" + MODEL] == 0
+        assert samples['vllm:cache_config_info{block_size="16",num_gpu_blocks="64"}'] == 1
+        # Two running requests on one 100-token prompt hold its 6 full blocks once and a partial block each.
+        slow = {"prompt": "k" * 400, "max_tokens": 100_000}
+        tasks = [asyncio.create_task(cached(session, url, slow)) for _ in range(2)]
+        samples = await wait_for(session, url, lambda samples: running(samples) == 2)
+        assert samples["vllm:kv_cache_usage_perc" + MODEL] == pytest.approx(8 / 64)
+        for task in tasks:
+            task.cancel()
+        await wait_for(session, url, lambda samples: running(samples) == 0)
+        assert (await scrape(session, url))["vllm:kv_cache_usage_perc" + MODEL] == 0
+
+    run(test, SimConfig(capacity_blocks=64, prefill_s_per_token=0.0, decode_s_per_token=0.01))
+
+
+def test_requests_beyond_max_num_seqs_wait_fifo_and_all_finish():
+    per_request = 0.4  # 4 output tokens of 0.1 s
+
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        finished: list[int] = []
+        peak_waiting = 0.0
+
+        async def request(index: int) -> None:
+            assert await cached(session, url, {"prompt": f"request {index}", "max_tokens": 4}) == 0
+            finished.append(index)
+
+        start = time.monotonic()
+        tasks = []
+        for index in range(5):  # one at a time, so the arrival order is known
+            tasks.append(asyncio.create_task(request(index)))
+            samples = await wait_for(session, url, lambda s, n=index + 1: running(s) + waiting(s) + len(finished) >= n)
+            assert running(samples) <= 2
+            peak_waiting = max(peak_waiting, waiting(samples))
+        await asyncio.gather(*tasks)
+        assert peak_waiting > 0
+        assert time.monotonic() - start >= 3 * per_request  # five requests, two slots: at least three rounds
+        assert set(finished[:2]) == {0, 1} and set(finished[2:4]) == {2, 3} and finished[4] == 4
+        samples = await scrape(session, url)
+        assert running(samples) == 0 and waiting(samples) == 0
+        assert samples['vllm:request_success_total{finished_reason="length",model_name="sim-model"}'] == 5
+
+    run(test, SimConfig(max_num_seqs=2, prefill_s_per_token=0.0, decode_s_per_token=per_request / 4))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_frees_running_and_waiting_slots(stream: bool):
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+
+        async def request() -> None:
+            body = {"prompt": "never finishes", "max_tokens": 100, "stream": stream}
+            async with session.post(url + "/v1/completions", json=body) as response:
+                await response.read()
+
+        first = asyncio.create_task(request())
+        await wait_for(session, url, lambda samples: running(samples) == 1)
+        second = asyncio.create_task(request())
+        await wait_for(session, url, lambda samples: waiting(samples) == 1)
+        second.cancel()
+        await wait_for(session, url, lambda samples: waiting(samples) == 0 and running(samples) == 1)
+        first.cancel()
+        await wait_for(session, url, lambda samples: running(samples) == 0)
+        third = asyncio.create_task(request())  # the freed slot admits the next request at once
+        await wait_for(session, url, lambda samples: running(samples) == 1 and waiting(samples) == 0)
+        third.cancel()
+        samples = await wait_for(session, url, lambda samples: running(samples) == 0)
+        assert samples['vllm:request_success_total{finished_reason="length",model_name="sim-model"}'] == 0
+
+    run(test, SimConfig(max_num_seqs=1, prefill_s_per_token=0.0, decode_s_per_token=60.0))
+
+
+def test_two_backends_in_one_process_keep_separate_caches_and_metrics():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        first, second = urls
+        body = {"prompt": "shared " * 50, "max_tokens": 1}
+        for url, hit in [(first, False), (first, True), (second, False)]:
+            status, reply, backend = await post(session, url + "/v1/completions", body)
+            assert status == 200 and backend == url.removeprefix("http://")
+            assert (reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) is hit
+        prompt_tokens = reply["usage"]["prompt_tokens"]
+        assert (await scrape(session, first))["vllm:prefix_cache_queries_total" + MODEL] == 2 * prompt_tokens
+        assert (await scrape(session, second))["vllm:prefix_cache_queries_total" + MODEL] == prompt_tokens
+        assert (await scrape(session, second))["vllm:prefix_cache_hits_total" + MODEL] == 0
+
+    run(test, backends=2)
+
+
+# Command line
+
+
+def test_command_line_flags_build_the_config():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--port", "8001", "--port", "8002", "--block-size", "32", "--prefill-s-per-token", "0.001", "--model", "m"]
+    )
+    assert args.port == [8001, 8002] and args.host == "127.0.0.1"
+    assert config_from_args(args) == SimConfig(model="m", block_size=32, prefill_s_per_token=0.001)
+    defaults = parser.parse_args(["--port", "1"])
+    assert config_from_args(defaults) == SimConfig()
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        config_from_args(parser.parse_args(["--port", "1", "--max-num-seqs", "0"]))
+
+
+def test_main_serves_until_sigterm():
+    async def main() -> None:
+        command = ["-m", "bench.sim", "--port", "0", "--port", "0", "--decode-s-per-token", "0"]
+        root = Path(__file__).resolve().parent.parent
+        process = await asyncio.create_subprocess_exec(sys.executable, *command, cwd=root, stdout=subprocess.PIPE)
+        try:
+            lines = [await asyncio.wait_for(process.stdout.readline(), 30) for _ in range(2)]
+            async with aiohttp.ClientSession() as session:
+                for line in lines:
+                    address = line.decode().split(" on ")[1].strip()
+                    async with session.get(address + "/health") as response:
+                        assert response.status == 200 and address.endswith(response.headers["x-sim-backend"])
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    asyncio.run(main())
