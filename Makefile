@@ -1,4 +1,4 @@
-# make run: the local stack (for now the routing-core benchmark). make test: the whole suite.
+# make run: the local stack (Envoy + ext_proc + 4 simulated vLLM backends). make test: the whole suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvroute bench core
+	$(BIN)/kvroute up
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -22,7 +22,8 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python -m pytest bench --benchmark-only
+	$(BIN)/kvroute bench core
+	$(BIN)/kvroute bench latency
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .benchmarks

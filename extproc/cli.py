@@ -7,8 +7,11 @@ import contextlib
 import signal
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+import orjson
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,6 +71,12 @@ def _envoy_config(args: argparse.Namespace) -> None:
         sys.stdout.write(text)
 
 
+def _served_model(backend: str) -> str:
+    """The first model a backend lists, for the example curl."""
+    with urllib.request.urlopen(f"http://{backend}/v1/models", timeout=5) as response:
+        return orjson.loads(response.read())["data"][0]["id"]
+
+
 def _up(args: argparse.Namespace) -> None:
     from extproc.config import parse_address
     from extproc.stack import Stack
@@ -77,10 +86,14 @@ def _up(args: argparse.Namespace) -> None:
     stack = Stack(workdir, port=args.port, sims=args.sims, backends=backends)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with stack:
-        body = '{"model": "sim-model", "messages": [{"role": "user", "content": "Hello!"}]}'
+        body = orjson.dumps(
+            {"model": _served_model(stack.backends[0]), "messages": [{"role": "user", "content": "Hi!"}]}
+        )
         print(f"kvroute is up: {stack.url}  (admin {stack.admin_url}, logs in {workdir})")
         print(f"backends: {', '.join(stack.backends)}")
-        print(f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'")
+        print(
+            f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body.decode()}'"
+        )
         print("Ctrl-C stops everything.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()

@@ -1,0 +1,90 @@
+"""The admin port: probes, metrics, state, and query/notify for other gateways."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp.test_utils import TestClient, TestServer
+
+from extproc.admin import Admin
+from extproc.backends import Backend
+from extproc.metrics import Metrics
+from extproc.pool import BackendPool
+from extproc.router import Router
+from extproc.settings import Settings
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+BODY = {"model": "m", "messages": [{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "q"}]}
+
+
+def run(scenario: Callable[[TestClient, Admin, Router], Awaitable[None]]) -> None:
+    async def main() -> None:
+        router = Router(Settings(hash_key=b"k" * 16))
+        pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=1)
+        admin = Admin(router, pool, Metrics(router, pool), clock=lambda: 5.0)
+        async with TestClient(TestServer(admin.app())) as client:
+            await scenario(client, admin, router)
+
+    asyncio.run(main())
+
+
+async def _json(response: Any) -> Any:
+    return orjson.loads(await response.read())
+
+
+def test_query_then_notify_then_query_again():
+    async def scenario(client: TestClient, _admin: Admin, router: Router) -> None:
+        first = await _json(await client.post("/v1/query", data=orjson.dumps({"body": BODY})))
+        assert first["decision"] == "least_loaded" and first["total_blocks"] == 7
+        assert set(router.loads.snapshot().values()) == {(0, 0)}  # queries over HTTP reserve nothing
+        notified = await client.post("/v1/notify", data=orjson.dumps({"body": BODY, "backend": B}))
+        assert (await _json(notified))["learned_blocks"] == 7
+        again = await _json(await client.post("/v1/query", data=orjson.dumps({"body": orjson.dumps(BODY).decode()})))
+        assert (again["decision"], again["backend"], again["matched_blocks"]) == ("prefix_match", B, 7)
+
+    run(scenario)
+
+
+def test_session_header_in_query_is_honoured():
+    async def scenario(client: TestClient, _admin: Admin, _router: Router) -> None:
+        payload = {"body": BODY, "headers": {"X-Session-Id": "s1"}, "backend": A}
+        await client.post("/v1/notify", data=orjson.dumps(payload))
+        other = {**BODY, "messages": [{"role": "user", "content": "different"}]}
+        decided = await _json(
+            await client.post("/v1/query", data=orjson.dumps({"body": other, "headers": {"x-session-id": "s1"}}))
+        )
+        assert (decided["decision"], decided["backend"]) == ("session_match", A)
+
+    run(scenario)
+
+
+def test_bad_requests_and_unknown_backends_are_400():
+    async def scenario(client: TestClient, _admin: Admin, _router: Router) -> None:
+        for data in (b"not json", b"[]", orjson.dumps({"nobody": 1}), orjson.dumps({"body": {"messages": 3}})):
+            assert (await client.post("/v1/query", data=data)).status == 400
+        unknown = await client.post("/v1/notify", data=orjson.dumps({"body": BODY, "backend": "203.0.113.1:80"}))
+        assert unknown.status == 400
+        metrics = (await (await client.get("/metrics")).read()).decode()
+        assert 'kvroute_errors_total{kind="invalid_request"} 4.0' in metrics
+
+    run(scenario)
+
+
+def test_probes_state_and_metrics():
+    async def scenario(client: TestClient, admin: Admin, router: Router) -> None:
+        assert (await client.get("/healthz")).status == 200
+        assert (await client.get("/readyz")).status == 503  # gRPC not serving yet
+        admin.serving = True
+        assert (await client.get("/readyz")).status == 200
+        router.loads.reserve(A, 3)
+        state = await _json(await client.get("/debug/state"))
+        assert state["load"] == {A: {"reserved_blocks": 3, "active": 1}}
+        assert "hash_key" not in state["settings"] and state["settings"]["block_size"] == 512
+        metrics = (await (await client.get("/metrics")).read()).decode()
+        assert f'kvroute_backend_reserved_blocks{{backend="{A}"}} 3.0' in metrics
+        assert f'kvroute_backend_healthy{{backend="{B}"}} 1.0' in metrics
+
+    run(scenario)

