@@ -60,6 +60,18 @@ def _round_robin() -> dict[str, Any]:
     }
 
 
+def _checked_and_unthrottled(check: dict[str, Any]) -> dict[str, Any]:
+    """Active health checks, and circuit breakers high enough for one stream per LLM request."""
+    return {
+        "circuit_breakers": {
+            "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
+        },
+        "health_checks": [
+            {"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1, **check}
+        ],
+    }
+
+
 def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     """STATIC members (override_host only honours members) with active /health checks."""
     policy = _round_robin()
@@ -84,18 +96,7 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
         "connect_timeout": "1s",
         "per_connection_buffer_limit_bytes": BODY_LIMIT,
         "load_balancing_policy": policy,
-        "circuit_breakers": {
-            "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
-        },
-        "health_checks": [
-            {
-                "timeout": "1s",
-                "interval": "2s",
-                "unhealthy_threshold": 2,
-                "healthy_threshold": 1,
-                "http_health_check": {"path": "/health"},
-            }
-        ],
+        **_checked_and_unthrottled({"http_health_check": {"path": "/health"}}),
         "load_assignment": _endpoints("vllm", layout.backends),
     }
 
@@ -112,18 +113,7 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
-        "circuit_breakers": {
-            "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
-        },
-        "health_checks": [
-            {
-                "timeout": "1s",
-                "interval": "2s",
-                "unhealthy_threshold": 2,
-                "healthy_threshold": 1,
-                "grpc_health_check": {},
-            }
-        ],
+        **_checked_and_unthrottled({"grpc_health_check": {}}),
         "load_assignment": _endpoints("kvroute_extproc", [f"{layout.extproc_host}:{layout.extproc_port}"]),
     }
 
