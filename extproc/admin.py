@@ -79,7 +79,8 @@ class Admin:
                 raise InvalidRequest('expected {"body": ..., "headers": {...}}')
             headers = {str(k).lower(): str(v) for k, v in (payload.get("headers") or {}).items()}
             body = payload["body"]
-            return payload, parse_request(body.encode() if isinstance(body, str) else body, headers)
+            raw = body.encode() if isinstance(body, str) else body
+            return payload, parse_request(raw, headers, self._router.settings.session_headers)
         except (orjson.JSONDecodeError, InvalidRequest, AttributeError) as exc:
             self._metrics.errors.labels("invalid_request").inc()
             raise web.HTTPBadRequest(

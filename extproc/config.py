@@ -41,7 +41,19 @@ class ExtProcConfig:
 
 _PROCESS_KEYS = {f.name: f.type for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")}
 _ROUTING_KEYS = {f.name for f in fields(Settings)}
-_CASTS = {"int": int, "float": float, "str": str, "bytes": str}
+
+
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip().lower() for name in text.split(",") if name.strip())
+
+
+_CASTS = {"int": int, "float": float, "str": str, "bytes": str, "bool": _flag, "tuple[str, ...]": _names}
 
 
 def parse_address(text: str) -> str:

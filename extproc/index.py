@@ -29,6 +29,14 @@ class LocationIndex(Protocol):
         """Forget everything about a backend at once."""
         ...
 
+    def configure(self, ttl_s: float, capacity_blocks: int) -> None:
+        """Apply a new TTL and default capacity live."""
+        ...
+
+    def set_capacity(self, backend: str, blocks: int) -> None:
+        """Size one backend's capacity from what it reports about its KV cache."""
+        ...
+
     def vacuum(self, now: float) -> int:
         """Drop expired locations; return how many went."""
         ...
@@ -45,13 +53,31 @@ class LocationIndex(Protocol):
 class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity."""
 
-    __slots__ = ("_backends", "_capacity", "_next_vacuum", "_ttl")
+    __slots__ = ("_backends", "_capacities", "_capacity", "_next_vacuum", "_ttl")
 
     def __init__(self, ttl_s: float, capacity_blocks: int) -> None:
         self._ttl = ttl_s
         self._capacity = capacity_blocks
+        self._capacities: dict[str, int] = {}
         self._backends: dict[str, OrderedDict[int, float]] = {}
         self._next_vacuum = float("inf")
+
+    def configure(self, ttl_s: float, capacity_blocks: int) -> None:
+        self._ttl = ttl_s
+        self._capacity = capacity_blocks
+        self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
+        for backend, blocks in self._backends.items():
+            self._trim(blocks, self._capacities.get(backend, capacity_blocks))
+
+    def set_capacity(self, backend: str, blocks: int) -> None:
+        self._capacities[backend] = blocks
+        if backend in self._backends:
+            self._trim(self._backends[backend], blocks)
+
+    @staticmethod
+    def _trim(blocks: OrderedDict[int, float], capacity: int) -> None:
+        for _ in range(len(blocks) - capacity):
+            blocks.popitem(last=False)
 
     def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
         if now >= self._next_vacuum:
@@ -79,14 +105,13 @@ class LocalIndex:
         for block in reversed(chain):
             blocks[block] = now
             blocks.move_to_end(block)
-        excess = len(blocks) - self._capacity
-        for _ in range(excess):
-            blocks.popitem(last=False)
+        self._trim(blocks, self._capacities.get(backend, self._capacity))
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
 
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
+        self._capacities.pop(backend, None)
 
     def vacuum(self, now: float) -> int:
         """Pop expired entries from the old end of each LRU; each entry is popped at most once."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -17,15 +18,38 @@ from extproc.backends import Backend
 
 log = logging.getLogger(__name__)
 
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def kv_cache_tokens(metrics_text: str) -> int | None:
+    """KV cache size in tokens from vLLM's `vllm:cache_config_info` (num_gpu_blocks x block_size)."""
+    match = _CACHE_INFO.search(metrics_text)
+    if match is None:
+        return None
+    labels = dict(_LABEL.findall(match.group(1)))
+    try:
+        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
+
 
 class BackendPool:
     """Known backends with their health, probed on `/health`."""
 
-    def __init__(self, backends: Iterable[Backend], on_down: Callable[[str], None], unhealthy_after: int) -> None:
+    def __init__(
+        self,
+        backends: Iterable[Backend],
+        on_down: Callable[[str], None],
+        unhealthy_after: int,
+        on_capacity: Callable[[str, int], None] = lambda _address, _tokens: None,
+    ) -> None:
         self._on_down = on_down
+        self._on_capacity = on_capacity
         self._unhealthy_after = unhealthy_after
         self._backends: dict[str, Backend] = {}
         self._failures: dict[str, int] = {}
+        self.capacities: dict[str, int] = {}
         self.replace(backends)
 
     def replace(self, backends: Iterable[Backend]) -> None:
@@ -34,6 +58,7 @@ class BackendPool:
         for address in self._backends.keys() - incoming.keys():
             self._on_down(address)
             self._failures.pop(address, None)
+            self.capacities.pop(address, None)
         self._backends = {
             address: Backend(
                 b.address, b.models, self._backends[address].healthy if address in self._backends else True
@@ -74,7 +99,8 @@ class BackendPool:
             self.mark(address, False)
 
     async def probe_forever(self, interval_s: float, timeout_s: float) -> None:
-        """GET /health on every backend each interval, concurrently."""
+        """GET /health on every backend each interval, concurrently; read each one's KV cache
+        size once from /metrics."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
@@ -82,7 +108,22 @@ class BackendPool:
                 results = await asyncio.gather(*(self._probe(session, a) for a in backends))
                 for address, up in zip(backends, results, strict=True):
                     self.mark(address, up)
+                unsized = [a for a, up in zip(backends, results, strict=True) if up and a not in self.capacities]
+                for address, tokens in zip(
+                    unsized, await asyncio.gather(*(self._size(session, a) for a in unsized)), strict=True
+                ):
+                    if tokens is not None and address in self._backends:
+                        self.capacities[address] = tokens
+                        self._on_capacity(address, tokens)
                 await asyncio.sleep(interval_s)
+
+    @staticmethod
+    async def _size(session: aiohttp.ClientSession, address: str) -> int | None:
+        try:
+            async with session.get(f"http://{address}/metrics") as response:
+                return kv_cache_tokens(await response.text()) if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            return None
 
     @staticmethod
     async def _probe(session: aiohttp.ClientSession, address: str) -> bool:

@@ -144,7 +144,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         now = self._clock()
         backends = self._pool.backends
         try:
-            exchange.request = parse_request(body, exchange.headers)
+            exchange.request = parse_request(body, exchange.headers, self._router.settings.session_headers)
             decision = self._router.query(exchange.request, backends, now)
         except InvalidRequest as exc:
             log.info("unroutable body (%s), request %s routed least loaded", exc, exchange.headers.get("x-request-id"))

@@ -10,7 +10,7 @@ import orjson
 
 from extproc import cbr
 from extproc.errors import InvalidRequest
-from extproc.sessions import derive_session_key
+from extproc.sessions import DEFAULT_SESSION_HEADERS, derive_session_key
 
 _EMPTY: Mapping[str, str] = {}
 
@@ -26,7 +26,11 @@ class PromptRequest:
     chain: list[int] | None = None
 
 
-def parse_request(body: bytes | str | Mapping[str, Any], headers: Mapping[str, str] = _EMPTY) -> PromptRequest:
+def parse_request(
+    body: bytes | str | Mapping[str, Any],
+    headers: Mapping[str, str] = _EMPTY,
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS,
+) -> PromptRequest:
     """Parse a raw or decoded chat/completions body.
 
     Raises InvalidRequest, and nothing else, for any body that cannot be routed by prefix.
@@ -46,4 +50,4 @@ def parse_request(body: bytes | str | Mapping[str, Any], headers: Mapping[str, s
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string")
     encoded, followup = cbr.encode(parsed)
-    return PromptRequest(model, encoded, followup, derive_session_key(headers, parsed))
+    return PromptRequest(model, encoded, followup, derive_session_key(headers, parsed, session_headers))

@@ -18,6 +18,10 @@ from extproc.request import PromptRequest
 from extproc.sessions import SessionTable
 from extproc.settings import Settings
 
+# Bytes of CBR per backend token, to translate a KV cache size in tokens into blocks: about 4
+# for English text with a BPE tokenizer (what vLLM's tokenizers and kvroute's simulator see).
+BYTES_PER_TOKEN = 4
+
 
 class Router:
     """Owns the index, sessions and load of one router process. Not thread-safe: one event loop."""
@@ -31,6 +35,22 @@ class Router:
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity)
         self.loads = LoadTracker()
         self._turn = 0
+
+    def reconfigure(self, settings: Settings) -> None:
+        """Apply new settings live. A new block size or key makes every known chain meaningless,
+        so the index starts afresh; sessions and in-flight reservations are kept."""
+        if (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key):
+            self.hasher = BlockHasher(settings.block_size, settings.hash_key)
+            self.index = LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
+        else:
+            self.index.configure(settings.location_ttl_s, settings.capacity_blocks)
+        self.sessions.configure(settings.session_ttl_s, settings.session_capacity)
+        self.settings = settings
+
+    def set_backend_capacity(self, backend: str, kv_tokens: int) -> None:
+        """A backend reported its KV cache size in tokens; with `capacity_auto`, size its LRU by it."""
+        if self.settings.capacity_auto:
+            self.index.set_capacity(backend, max(1, kv_tokens * BYTES_PER_TOKEN // self.settings.block_size))
 
     def chain_of(self, request: PromptRequest) -> list[int]:
         """The request's block chain, hashed once and kept on the request."""

@@ -26,7 +26,7 @@ log = logging.getLogger("kvroute")
 async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set."""
     router = Router(config.routing)
-    pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after)
+    pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after, router.set_backend_capacity)
     metrics = Metrics(router, pool)
     limit = config.max_message_bytes
     server = grpc.aio.server(

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-SESSION_HEADER = "x-session-id"
+DEFAULT_SESSION_HEADERS = ("x-session-id",)
 USER_HEADER = "x-user-id"
 
 
@@ -24,14 +24,16 @@ def _text(value: Any) -> str | None:
     return None
 
 
-def derive_session_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+def derive_session_key(
+    headers: Mapping[str, str], body: Mapping[str, Any], session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
+) -> str | None:
     """The session a request belongs to, by precedence: conversation ids, then user ids.
 
     Header names are expected in lower case (as Envoy sends them).
     """
     params = body.get("session_params")
     candidates = (
-        headers.get(SESSION_HEADER),
+        *(headers.get(name) for name in session_headers),
         params.get("session_id") if isinstance(params, Mapping) else None,
         body.get("session_id"),
     )
@@ -58,6 +60,13 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._bindings)
+
+    def configure(self, ttl_s: float, capacity: int) -> None:
+        """Apply new limits live; bindings beyond the new capacity go, oldest first."""
+        self._ttl = ttl_s
+        self._capacity = capacity
+        while len(self._bindings) > capacity:
+            self._bindings.popitem(last=False)
 
     def get(self, key: str, now: float) -> str | None:
         """The bound backend, or None if unbound or expired (an expired binding is dropped)."""

@@ -46,6 +46,14 @@ class Settings:
     balance_rel_gate: float = field(
         default=1.5, metadata=_doc("...and is more than this multiple of the least loaded backend's load.")
     )
+    session_headers: tuple[str, ...] = field(
+        default=("x-session-id",),
+        metadata=_doc("Request headers naming a conversation, tried in order before the body's session ids."),
+    )
+    capacity_auto: bool = field(
+        default=False,
+        metadata=_doc("Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."),
+    )
     new_session_load_weight: float = field(
         default=2.0,
         metadata=_doc(
@@ -62,6 +70,8 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not all(isinstance(h, str) and h for h in self.session_headers):
+            raise ValueError("session_headers must be non-empty header names")
         for name in ("active_request_cost", "balance_abs_gate", "new_session_load_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -82,4 +92,6 @@ class Settings:
         key = values.get("hash_key")
         if isinstance(key, str):
             values["hash_key"] = bytes.fromhex(key)
+        if "session_headers" in values:
+            values["session_headers"] = tuple(str(h).lower() for h in values["session_headers"])
         return cls(**values)

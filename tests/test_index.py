@@ -104,3 +104,16 @@ def test_lookup_matches_a_simple_model(ops):
                 count += 1
             expected[name] = count
         assert index.lookup(probe, [A, B], now) == expected
+
+
+def test_configure_and_per_backend_capacity_trim_oldest_first():
+    index = LocalIndex(ttl_s=100, capacity_blocks=10)
+    index.learn([1, 2, 3, 4], A, 0)
+    index.learn([5, 6, 7, 8], B, 0)
+    index.set_capacity(A, 2)
+    assert index.lookup([1, 2, 3, 4], [A], 1) == {A: 2}
+    index.configure(ttl_s=100, capacity_blocks=3)
+    assert index.entries_by_backend() == {A: 2, B: 3}
+    index.configure(ttl_s=1, capacity_blocks=3)
+    assert index.lookup([5, 6, 7], [B], 5) == {B: 0}
+    assert index.entries() == 0  # the shorter TTL's vacuum ran on that lookup

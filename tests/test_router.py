@@ -243,3 +243,28 @@ def test_fallback_goes_least_loaded_and_reserves():
     for r in held:
         r.finish()
     assert router.fallback([Backend(A, healthy=False)], 0).label == Label.NO_CANDIDATES
+
+
+def test_reconfigure_keeps_the_index_unless_chains_change():
+    router = make_router()
+    serve(router, chat([], "s", "warm"), 0)
+    entries = router.index.entries()
+    router.reconfigure(Settings(hash_key=b"test-key-16bytes", location_ttl_s=30, session_ttl_s=5))
+    assert router.index.entries() == entries and router.settings.location_ttl_s == 30
+    assert router.query(chat([], None, "warm"), FLEET, 1, reserve=False).label == Label.PREFIX_MATCH
+    assert router.sessions.get("session:s", 10) is None  # the new session TTL applies at once
+    router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
+    assert router.index.entries() == 0 and router.hasher.block_size == 256
+
+
+def test_capacity_auto_sizes_each_backend_from_its_kv_cache():
+    router = make_router(capacity_auto=True, capacity_blocks=1000)
+    router.set_backend_capacity(A, kv_tokens=512)  # 512 tokens * 4 bytes / 512-byte blocks = 4 blocks
+    serve(router, chat([], None, "big"), 0, [Backend(A)])
+    serve(router, chat([], None, "big"), 0, [Backend(B)])
+    assert router.index.entries_by_backend()[A] == 4
+    assert router.index.entries_by_backend()[B] > 4
+    fixed = make_router(capacity_blocks=1000)
+    fixed.set_backend_capacity(A, kv_tokens=512)
+    serve(fixed, chat([], None, "big"), 0, [Backend(A)])
+    assert fixed.index.entries_by_backend()[A] > 4

@@ -68,3 +68,18 @@ def test_remove_backend_and_forget():
     assert table.remove_backend("A") == 1
     assert table.get("s1", 1) is None
     assert table.forget("s2") and not table.forget("s2")
+
+
+def test_configured_session_headers_come_first_in_order():
+    headers = {"x-conversation": "c", "x-session-id": "s"}
+    assert derive_session_key(headers, {}, ("x-conversation", "x-session-id")) == "session:c"
+    assert derive_session_key(headers, {}, ("x-other",)) is None
+    assert derive_session_key(headers, {"session_id": "b"}, ("x-other",)) == "session:b"
+
+
+def test_configure_shrinks_capacity_oldest_first():
+    table = SessionTable(ttl_s=100, capacity=3)
+    for i in range(3):
+        table.bind(f"s{i}", "A", i)
+    table.configure(ttl_s=100, capacity=1)
+    assert (table.get("s0", 5), table.get("s2", 5)) == (None, "A")
