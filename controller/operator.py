@@ -1,0 +1,113 @@
+"""`kvroute controller`: the kopf layer, kept thin. Logic lives in controller/logic.py and
+controller/reconciler.py.
+
+kopf keeps two in-memory indexes (pods and policies by namespace); every pod or policy event
+marks its namespace dirty, and the reconciler writes changed statuses. Only event and index
+handlers are used, so kopf writes nothing to the policies itself (no finalizers, no annotations)
+and the operator needs no more than read access plus `kvroutingpolicies/status` patch. Replicas
+coordinate through kopf peering: the one with the highest priority works, the others wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from typing import Any
+
+import kopf
+from aiohttp import web
+from kubernetes_asyncio import client, config
+
+from controller import logic
+from controller.reconciler import Reconciler
+
+log = logging.getLogger(__name__)
+REGISTRY = kopf.OperatorRegistry()
+HEALTH_PORT = 8080
+
+
+async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
+    async with client.ApiClient() as api:
+        await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+            logic.GROUP,
+            logic.VERSION,
+            namespace,
+            logic.PLURAL,
+            name,
+            {"status": status},
+            _content_type="application/merge-patch+json",
+        )
+
+
+def _health_app(reconciler: Reconciler) -> web.Application:
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_request: web.Request) -> web.Response:
+        ok = reconciler.last_error is None
+        return web.json_response({"ready": ok, "last_error": reconciler.last_error}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+@kopf.on.startup(registry=REGISTRY)
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Quiet kopf (no events, no CRD scans), load API credentials, start the reconciler and probes."""
+    settings.posting.enabled = False
+    settings.scanning.disabled = True
+    settings.peering.mandatory = True
+    settings.peering.priority = random.randint(1, 1_000_000)  # distinct priorities: one replica leads
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        await config.load_kube_config()
+    memo.reconciler = Reconciler(_patch_status)
+    memo.reconciler_task = asyncio.create_task(memo.reconciler.run())
+    memo.health = web.AppRunner(_health_app(memo.reconciler), access_log=None)
+    await memo.health.setup()
+    await web.TCPSite(memo.health, "0.0.0.0", HEALTH_PORT).start()
+
+
+@kopf.on.cleanup(registry=REGISTRY)
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    memo.reconciler_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await memo.reconciler_task
+    await memo.health.cleanup()
+
+
+@kopf.index("", "v1", "pods", registry=REGISTRY)
+def pods_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    return {namespace: logic.pod_summary(body)}
+
+
+@kopf.index(logic.GROUP, logic.VERSION, logic.PLURAL, registry=REGISTRY)
+def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    return {
+        namespace: {
+            "name": name,
+            "metadata": {"generation": body.metadata.get("generation", 0)},
+            "spec": dict(body.spec),
+            "status": dict(body.status),
+        }
+    }
+
+
+@kopf.on.event("", "v1", "pods", registry=REGISTRY)
+@kopf.on.event(logic.GROUP, logic.VERSION, logic.PLURAL, registry=REGISTRY)
+def changed(
+    namespace: str, memo: kopf.Memo, pods_by_namespace: kopf.Index, policies_by_namespace: kopf.Index, **_: Any
+) -> None:
+    """Any pod or policy event: settle that namespace's policies soon."""
+    memo.reconciler.touch(namespace, pods_by_namespace, policies_by_namespace)
+
+
+def main() -> None:
+    """Blocking entry point: all namespaces, peering on."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kopf.run(registry=REGISTRY, clusterwide=True, peering_name="kvroute")

@@ -1,0 +1,75 @@
+"""Collapses bursts of pod and policy events into one status write per policy that changed."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from controller import logic
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 5.0
+PatchStatus = Callable[[str, str, dict[str, Any]], Awaitable[None]]
+Snapshot = Mapping[str, Iterable[Mapping[str, Any]]]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    """Namespaces are marked dirty by events; `run` settles them after a short quiet period.
+
+    `pods` and `policies` map a namespace to pod summaries and to policy records
+    (`{"name", "metadata", "spec", "status"}`); kopf's indexes are such mappings.
+    """
+
+    def __init__(self, patch_status: PatchStatus, debounce_s: float = 0.5, clock: Callable[[], str] = _now) -> None:
+        self._patch_status = patch_status
+        self._debounce_s = debounce_s
+        self._clock = clock
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._pods: Snapshot = {}
+        self._policies: Snapshot = {}
+        self.patches = 0
+        self.last_error: str | None = None
+
+    def touch(self, namespace: str, pods: Snapshot, policies: Snapshot) -> None:
+        """Something changed in a namespace; settle it soon."""
+        self._pods, self._policies = pods, policies
+        self._dirty.add(namespace)
+        self._wake.set()
+
+    async def settle(self, namespaces: Iterable[str]) -> None:
+        """Write the status of every policy in these namespaces whose status must change."""
+        for namespace in namespaces:
+            pods = list(self._pods.get(namespace, ()))
+            for policy in list(self._policies.get(namespace, ())):
+                desired = logic.desired_status(policy, pods, self._clock())
+                if not logic.status_differs(policy.get("status"), desired):
+                    continue
+                try:
+                    await self._patch_status(namespace, policy["name"], desired)
+                    self.patches += 1
+                    self.last_error = None
+                except Exception as exc:  # the API server may be away: retry on the next event
+                    self.last_error = f"{namespace}/{policy['name']}: {exc}"
+                    log.warning("status patch failed: %s", self.last_error)
+                    self._dirty.add(namespace)
+
+    async def run(self) -> None:
+        """Forever: wait for a change, let the burst finish, settle what it touched."""
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self._debounce_s)
+            self._wake.clear()
+            dirty, self._dirty = self._dirty, set()
+            await self.settle(dirty)
+            if self._dirty:  # a patch failed: retry later, not in a tight loop
+                await asyncio.sleep(RETRY_S)
+                self._wake.set()

@@ -1,0 +1,215 @@
+"""The operator's logic (plain functions), its reconciler, and what its kopf layer registers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kopf
+import pytest
+
+import controller.operator as operator
+from controller import logic
+from controller.reconciler import Reconciler
+from tests.k8s_objects import pod, policy
+
+T0, T1 = "2026-11-29T10:00:00Z", "2026-11-29T10:05:00Z"
+
+
+def summaries(*pods: dict[str, Any]) -> list[dict[str, Any]]:
+    return [logic.pod_summary(p) for p in pods]
+
+
+def status(spec_policy: dict[str, Any], *pods: dict[str, Any], now: str = T0) -> dict[str, Any]:
+    return logic.desired_status(spec_policy, summaries(*pods), now)
+
+
+def test_ready_pods_become_backends_with_named_ports():
+    result = status(policy(), pod("b", "10.1.0.2"), pod("a", "10.1.0.1"))
+    assert result["backends"] == [
+        {"pod": "a", "ip": "10.1.0.1", "port": 8000, "ready": True, "models": []},
+        {"pod": "b", "ip": "10.1.0.2", "port": 8000, "ready": True, "models": []},
+    ]
+    assert result["readyBackends"] == 2
+    assert [(c["type"], c["status"], c["reason"]) for c in result["conditions"]] == [
+        ("Ready", "True", "Reconciled"),
+        ("BackendsAvailable", "True", "ReadyPods"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "unready",
+    [pod("a", ready=False), pod("a", terminating=True), pod("a", ip="")],
+    ids=["not-ready", "terminating", "no-ip"],
+)
+def test_unready_terminating_or_ipless_pods_are_listed_but_not_ready(unready):
+    result = status(policy(), unready)
+    assert result["backends"][0]["ready"] is False
+    assert result["readyBackends"] == 0
+    assert result["conditions"][1]["reason"] == "NoReadyPods"
+    assert result["conditions"][0]["status"] == "False"
+
+
+def test_selector_semantics():
+    labels = {"app": "vllm", "tier": "gpu", "zone": "a"}
+    assert logic.selector_matches({"matchLabels": {"app": "vllm"}}, labels)
+    assert not logic.selector_matches({"matchLabels": {"app": "other"}}, labels)
+    assert logic.selector_matches({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu"]}]}, labels)
+    assert not logic.selector_matches(
+        {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["a"]}]}, labels
+    )
+    assert logic.selector_matches({"matchExpressions": [{"key": "zone", "operator": "Exists"}]}, labels)
+    assert not logic.selector_matches({"matchExpressions": [{"key": "zone", "operator": "DoesNotExist"}]}, labels)
+    assert not logic.selector_matches({}, labels)  # an empty selector selects nothing
+
+
+def test_label_change_moves_a_pod_in_and_out_of_the_selector():
+    selected = policy(selector={"matchLabels": {"app": "vllm", "pool": "blue"}})
+    assert status(selected, pod("a", labels={"pool": "green"}))["backends"] == []
+    assert status(selected, pod("a", labels={"pool": "blue"}))["readyBackends"] == 1
+
+
+def test_ip_change_and_readiness_flip_change_the_status():
+    before = status(policy(), pod("a", "10.1.0.1"))
+    moved = status(policy(), pod("a", "10.1.0.9"))
+    flipped = status(policy(), pod("a", "10.1.0.1", ready=False))
+    assert logic.status_differs(before, moved)
+    assert logic.status_differs(before, flipped)
+    assert not logic.status_differs(before, status(policy(), pod("a", "10.1.0.1"), now=T1))
+
+
+def test_numeric_port_unknown_port_name_and_no_matching_pods():
+    assert status(policy(targetPort=9000), pod("a"))["backends"][0]["port"] == 9000
+    assert status(policy(targetPort="9001"), pod("a"))["backends"][0]["port"] == 9001
+    missing = status(policy(targetPort="grpc"), pod("a"))
+    assert missing["backends"] == [] and missing["conditions"][1]["reason"] == "PortNotFound"
+    nobody = status(policy(), pod("x", labels={"app": "other"}))
+    assert nobody["conditions"][1]["reason"] == "NoMatchingPods"
+
+
+def test_models_from_spec_label_or_annotation():
+    labelled = pod("a", labels={logic.MODELS_KEY: "llama"})
+    annotated = pod("b", annotations={logic.MODELS_KEY: "qwen, llama"})
+    result = status(policy(), labelled, annotated)
+    assert [b["models"] for b in result["backends"]] == [["llama"], ["llama", "qwen"]]
+    assert status(policy(models=["m1"]), labelled)["backends"][0]["models"] == ["m1"]
+
+
+def test_transition_time_is_kept_while_the_condition_holds():
+    first = status(policy(), pod("a"))
+    later = logic.desired_status({**policy(), "status": first}, summaries(pod("a"), pod("b", "10.1.0.2")), T1)
+    assert later["conditions"][0]["lastTransitionTime"] == T0
+    down = logic.desired_status({**policy(), "status": later}, summaries(pod("a", ready=False)), T1)
+    assert down["conditions"][0]["lastTransitionTime"] == T1
+
+
+def test_observed_generation_follows_the_policy():
+    assert status(policy(generation=7), pod("a"))["observedGeneration"] == 7
+
+
+def record(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What the policy index holds for a policy."""
+    return {
+        "name": body["metadata"]["name"],
+        "metadata": body["metadata"],
+        "spec": body["spec"],
+        "status": body["status"],
+    }
+
+
+def test_reconciler_collapses_bursts_and_writes_only_changes():
+    patches: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def patch(namespace: str, name: str, new: dict[str, Any]) -> None:
+        patches.append((namespace, name, new))
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0.05, clock=lambda: T0)
+        task = asyncio.create_task(reconciler.run())
+        pods = {"llm": summaries(pod("a"))}
+        policies = {
+            "llm": [record("llm", policy("p1")), record("llm", policy("p2", selector={"matchLabels": {"x": "y"}}))]
+        }
+        for _ in range(50):  # a burst of events
+            reconciler.touch("llm", pods, policies)
+        await asyncio.sleep(0.3)
+        assert len(patches) == 2 and {p[1] for p in patches} == {"p1", "p2"}
+        # the patched statuses come back through the index: nothing more to write
+        policies["llm"] = [{**r, "status": p[2]} for r, p in zip(policies["llm"], patches, strict=True)]
+        reconciler.touch("llm", pods, policies)
+        await asyncio.sleep(0.2)
+        assert len(patches) == 2
+        pods["llm"] = summaries(pod("a"), pod("b", "10.1.0.2"))
+        reconciler.touch("llm", pods, policies)
+        await asyncio.sleep(0.2)
+        assert [p[1] for p in patches[2:]] == ["p1"]
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_reconciler_reports_and_retries_failed_patches():
+    calls: list[str] = []
+
+    async def flaky(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        calls.append(name)
+        if len(calls) == 1:
+            raise ConnectionError("API server unreachable")
+
+    async def scenario() -> None:
+        reconciler = Reconciler(flaky, debounce_s=0)
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy())]})
+        await reconciler.settle(["llm"])
+        assert reconciler.last_error and "unreachable" in reconciler.last_error
+        await reconciler.settle(["llm"])
+        assert reconciler.last_error is None and reconciler.patches == 1
+
+    asyncio.run(scenario())
+
+
+def test_kopf_layer_registers_indexes_events_and_lifecycle():
+    registry = operator.REGISTRY
+    indexes = {
+        h.id: (h.selector.group, h.selector.version, h.selector.any_name) for h in registry._indexing.get_all_handlers()
+    }
+    assert indexes == {
+        "pods_by_namespace": ("", "v1", "pods"),
+        "policies_by_namespace": ("kvroute.io", "v1alpha1", "kvroutingpolicies"),
+    }
+    watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
+    assert watched == {("", "pods"), ("kvroute.io", "kvroutingpolicies")}
+    assert not registry._changing.get_all_handlers()  # nothing that would write finalizers or annotations
+    assert not registry._spawning.get_all_handlers()
+    activities = {h.activity.value for h in registry._activities.get_all_handlers()}
+    assert activities == {"startup", "cleanup"}
+
+
+def test_kopf_handlers_feed_the_reconciler():
+    body = kopf.Body(pod("a"))
+    assert operator.pods_by_namespace(namespace="llm", body=body) == {"llm": logic.pod_summary(pod("a"))}
+    indexed = operator.policies_by_namespace(namespace="llm", name="default", body=kopf.Body(policy(generation=3)))
+    assert indexed["llm"]["metadata"] == {"generation": 3} and indexed["llm"]["spec"]["targetPort"] == "http"
+    touched: list[str] = []
+
+    class Recorder:
+        def touch(self, namespace: str, pods: Any, policies: Any) -> None:
+            touched.append(namespace)
+
+    memo = kopf.Memo(reconciler=Recorder())
+    operator.changed(namespace="llm", memo=memo, pods_by_namespace={}, policies_by_namespace={})
+    assert touched == ["llm"]
+
+
+def test_startup_configures_kopf_quietly(monkeypatch):
+    settings = kopf.OperatorSettings()
+    monkeypatch.setattr(operator.config, "load_incluster_config", lambda: None)
+    monkeypatch.setattr(operator, "HEALTH_PORT", 0)
+    memo = kopf.Memo()
+
+    async def scenario() -> None:
+        await operator.start(settings=settings, memo=memo)
+        await operator.stop(memo=memo)
+
+    asyncio.run(scenario())
+    assert settings.posting.enabled is False and settings.scanning.disabled is True
+    assert settings.peering.mandatory is True and settings.peering.priority > 0
