@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.errors import InvalidRequest
 from extproc.metrics import Metrics
+from extproc.policy import PolicyFollower
 from extproc.pool import BackendPool
 from extproc.request import PromptRequest, parse_request
 from extproc.router import Router
@@ -25,11 +26,17 @@ class Admin:
     """The aiohttp application; `ready` is flipped by the service once gRPC is serving."""
 
     def __init__(
-        self, router: Router, pool: BackendPool, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+        self,
+        router: Router,
+        pool: BackendPool,
+        metrics: Metrics,
+        follower: PolicyFollower | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._router = router
         self._pool = pool
         self._metrics = metrics
+        self._follower = follower
         self._clock = clock
         self.serving = False
 
@@ -50,13 +57,18 @@ class Admin:
         return _json({"status": "ok"})
 
     async def readyz(self, _request: web.Request) -> web.Response:
-        """Ready when gRPC serves and at least one backend is routable."""
+        """Ready when gRPC serves and at least one backend is routable. A lost policy watch is
+        reported but keeps readiness: routing on the last known backends beats failing open."""
         problems = []
         if not self.serving:
             problems.append("gRPC server not serving")
         if self._pool.healthy_count() == 0:
             problems.append("no healthy backend")
-        return _json({"ready": not problems, "problems": problems}, 503 if problems else 200)
+        warnings = []
+        if self._follower is not None and not self._follower.connected:
+            warnings.append(f"policy watch down ({self._follower.last_error}); routing with the last known backends")
+        body = {"ready": not problems, "problems": problems, "warnings": warnings}
+        return _json(body, 503 if problems else 200)
 
     async def state(self, _request: web.Request) -> web.Response:
         settings = self._router.settings
@@ -68,6 +80,14 @@ class Admin:
                     for b in self._pool.backends
                 ],
                 "settings": {name: getattr(settings, name) for name in settings.docs() if name != "hash_key"},
+                "policy": None
+                if self._follower is None
+                else {
+                    "name": f"{self._follower.namespace}/{self._follower.name}",
+                    "connected": self._follower.connected,
+                    "generation": self._follower.generation,
+                    "last_error": self._follower.last_error,
+                },
             }
         )
 

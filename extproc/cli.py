@@ -22,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     config.add_arguments(commands.add_parser("extproc", help="run the Envoy external processor"))
+    commands.add_parser("controller", help="run the KVRoutingPolicy operator (kopf)")
 
     envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")
     envoy.add_argument("--listen-port", type=int, default=8080)
@@ -105,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from extproc import config, service
 
         service.main(config.load(args))
+    elif args.command == "controller":
+        from controller import operator
+
+        operator.main()
     elif args.command == "envoy-config":
         _envoy_config(args)
     elif args.command == "sim":

@@ -36,6 +36,7 @@ class ExtProcConfig:
     unhealthy_after: int = 2
     max_message_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
+    policy: str = ""
     routing: Settings = field(default_factory=Settings)
 
 
@@ -132,6 +133,8 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
     unknown = set(values) - set(_PROCESS_KEYS) - {"backends", "routing"}
     if unknown:
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
+    if values.get("policy") and values["policy"].count("/") != 1:
+        raise ValueError(f"policy must be NAMESPACE/NAME, got {values['policy']!r}")
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
     routing = Settings.from_mapping(values.pop("routing"))
     return ExtProcConfig(backends=backends, routing=routing, **values)

@@ -12,14 +12,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from extproc.policy import PolicyFollower
 from extproc.pool import BackendPool
 from extproc.router import Router
 
 
 class _StateCollector(Collector):
-    def __init__(self, router: Router, pool: BackendPool) -> None:
+    def __init__(self, router: Router, pool: BackendPool, follower: PolicyFollower | None) -> None:
         self._router = router
         self._pool = pool
+        self._follower = follower
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         state = self._router.state()
@@ -38,12 +40,18 @@ class _StateCollector(Collector):
         for backend in self._pool.backends:
             healthy.add_metric([backend.address], float(backend.healthy))
         yield healthy
+        if self._follower is not None:
+            yield GaugeMetricFamily(
+                "kvroute_policy_connected",
+                "1 while the KVRoutingPolicy watch is live; 0 means routing with the last known backends",
+                value=float(self._follower.connected),
+            )
 
 
 class Metrics:
     """The process's metrics, in a registry of its own."""
 
-    def __init__(self, router: Router, pool: BackendPool) -> None:
+    def __init__(self, router: Router, pool: BackendPool, follower: PolicyFollower | None = None) -> None:
         self.registry = CollectorRegistry()
         self.decisions = Counter(
             "kvroute_decisions", "routing decisions by label", ["decision"], registry=self.registry
@@ -61,4 +69,4 @@ class Metrics:
         self.rerouted = Counter(
             "kvroute_rerouted", "responses served by another backend than the first choice", registry=self.registry
         )
-        self.registry.register(_StateCollector(router, pool))
+        self.registry.register(_StateCollector(router, pool, follower))

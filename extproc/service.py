@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc.admin import Admin
 from extproc.config import ExtProcConfig
 from extproc.metrics import Metrics
+from extproc.policy import PolicyFollower, load_kubernetes_config
 from extproc.pool import BackendPool
 from extproc.processor import Processor
 from extproc.proto import ext_proc_pb2_grpc as pb_grpc
@@ -27,7 +28,12 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set."""
     router = Router(config.routing)
     pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after, router.set_backend_capacity)
-    metrics = Metrics(router, pool)
+    follower = None
+    if config.policy:
+        namespace, name = config.policy.split("/")
+        await load_kubernetes_config()
+        follower = PolicyFollower(namespace, name, config.routing, router, pool)
+    metrics = Metrics(router, pool, follower)
     limit = config.max_message_bytes
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -36,14 +42,16 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
-    admin = Admin(router, pool, metrics)
+    admin = Admin(router, pool, metrics, follower)
     runner = web.AppRunner(admin.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.admin_host, config.admin_port).start()
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     admin.serving = True
-    probes = asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s))
+    tasks = [asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s))]
+    if follower is not None:
+        tasks.append(asyncio.create_task(follower.run()))
     log.info(
         "ext_proc on %s:%d, admin on http://%s:%d, %d backends",
         config.grpc_host,
@@ -57,9 +65,10 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     finally:
         admin.serving = False
         await health_servicer.enter_graceful_shutdown()
-        probes.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await probes
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await server.stop(grace=2)
         await runner.cleanup()
 

@@ -1,0 +1,141 @@
+"""Follow one KVRoutingPolicy live: its status names the backends, its spec the routing settings.
+
+The operator publishes ready backends in the policy's status; this module watches that single
+object and applies it to the running router and backend pool, with no restart. If the API server
+goes away, routing continues with the last known backend set, and /readyz and
+`kvroute_policy_connected` say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes_asyncio import client, config, watch
+
+from extproc.backends import Backend
+from extproc.config import parse_address
+from extproc.pool import BackendPool
+from extproc.router import Router
+from extproc.settings import Settings
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "kvroute.io", "v1alpha1", "kvroutingpolicies"
+# spec.routing field -> Settings field. The SipHash key is a secret: never read from the policy.
+ROUTING_FIELDS = {
+    "blockSize": "block_size",
+    "locationTTLSeconds": "location_ttl_s",
+    "sessionTTLSeconds": "session_ttl_s",
+    "sessionCapacity": "session_capacity",
+    "activeRequestCost": "active_request_cost",
+    "balanceAbsGate": "balance_abs_gate",
+    "balanceRelGate": "balance_rel_gate",
+    "newSessionLoadWeight": "new_session_load_weight",
+}
+RETRY_S = 2.0
+
+
+def backends_from_status(status: Mapping[str, Any] | None) -> list[Backend]:
+    """The ready backends the operator published."""
+    out = []
+    for item in (status or {}).get("backends") or []:
+        if item.get("ready") and item.get("ip") and item.get("port"):
+            address = parse_address(f"{item['ip']}:{item['port']}")
+            out.append(Backend(address, frozenset(item.get("models") or ())))
+    return out
+
+
+def settings_from_spec(routing: Mapping[str, Any] | None, base: Settings) -> Settings:
+    """The process's settings with the policy's routing fields laid over them (validated)."""
+    routing = routing or {}
+    changes: dict[str, Any] = {ROUTING_FIELDS[k]: v for k, v in routing.items() if k in ROUTING_FIELDS}
+    capacity = routing.get("capacityBlocks")
+    if capacity == "auto":
+        changes["capacity_auto"] = True
+    elif capacity is not None:
+        changes["capacity_blocks"] = int(capacity)
+        changes["capacity_auto"] = False
+    if "sessionHeaders" in routing:
+        changes["session_headers"] = tuple(h.lower() for h in routing["sessionHeaders"])
+    return dataclasses.replace(base, **changes)
+
+
+class PolicyFollower:
+    """Keeps a router and pool in step with one policy."""
+
+    def __init__(self, namespace: str, name: str, base: Settings, router: Router, pool: BackendPool) -> None:
+        self.namespace = namespace
+        self.name = name
+        self._base = base
+        self._router = router
+        self._pool = pool
+        self.connected = False
+        self.last_error: str | None = None
+        self.generation = 0
+
+    def apply(self, event_type: str, policy: Mapping[str, Any]) -> None:
+        """Apply one watch event (ADDED, MODIFIED, DELETED) for the followed policy."""
+        if event_type == "DELETED":
+            log.warning("policy %s/%s was deleted: no backends to route to", self.namespace, self.name)
+            self._pool.replace([])
+            return
+        try:
+            settings = settings_from_spec((policy.get("spec") or {}).get("routing"), self._base)
+            backends = backends_from_status(policy.get("status"))
+        except (ValueError, TypeError) as exc:
+            self.last_error = f"policy rejected: {exc}"
+            log.error("policy %s/%s not applied: %s", self.namespace, self.name, exc)
+            return
+        if settings != self._router.settings:
+            self._router.reconfigure(settings)
+            for address, tokens in self._pool.capacities.items():
+                self._router.set_backend_capacity(address, tokens)
+        self._pool.replace(backends)
+        self.generation = (policy.get("metadata") or {}).get("generation", 0)
+
+    async def run(self, configuration: client.Configuration | None = None) -> None:
+        """List then watch, forever; on any failure keep the last state and start over."""
+        field_selector = f"metadata.name={self.name}"
+        while True:
+            try:
+                async with client.ApiClient(configuration) as api:
+                    objects = client.CustomObjectsApi(api)
+                    listing = await objects.list_namespaced_custom_object(
+                        GROUP, VERSION, self.namespace, PLURAL, field_selector=field_selector
+                    )
+                    items = listing.get("items") or []
+                    self.apply("ADDED" if items else "DELETED", items[0] if items else {})
+                    self.connected, self.last_error = True, None
+                    async with watch.Watch().stream(
+                        objects.list_namespaced_custom_object,
+                        GROUP,
+                        VERSION,
+                        self.namespace,
+                        PLURAL,
+                        field_selector=field_selector,
+                        resource_version=listing["metadata"]["resourceVersion"],
+                        timeout_seconds=300,
+                    ) as stream:
+                        async for event in stream:
+                            if event["type"] == "ERROR":
+                                raise RuntimeError(f"watch error: {event['object']}")
+                            self.apply(event["type"], event["object"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the API server is away or the watch broke: relist later
+                self.connected = False
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("policy watch failed (%s); routing with the last known backends", self.last_error)
+                await asyncio.sleep(RETRY_S)
+
+
+async def load_kubernetes_config() -> None:
+    """In-cluster credentials, or the local kubeconfig when run outside a cluster."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        await config.load_kube_config()

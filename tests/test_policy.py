@@ -1,0 +1,203 @@
+"""The ext_proc follows a KVRoutingPolicy: fed real watch-event objects, and through its
+list/watch loop against a stand-in for the Kubernetes API (no API server runs here)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from kubernetes_asyncio import client
+
+from controller import logic
+from extproc.backends import Backend
+from extproc.policy import PolicyFollower, backends_from_status, settings_from_spec
+from extproc.pool import BackendPool
+from extproc.request import parse_request
+from extproc.router import Router
+from extproc.settings import Settings
+from tests.k8s_objects import pod, policy
+
+BASE = Settings(hash_key=b"k" * 16)
+
+
+def published(*pods: dict[str, Any], generation: int = 1, **spec: Any) -> dict[str, Any]:
+    """A policy as the API returns it after the operator wrote its status."""
+    body = policy(generation=generation, **spec)
+    body["metadata"]["resourceVersion"] = str(generation)
+    body["status"] = logic.desired_status(body, [logic.pod_summary(p) for p in pods], "2026-11-29T10:00:00Z")
+    return body
+
+
+def make() -> tuple[Router, BackendPool, PolicyFollower]:
+    router = Router(BASE)
+    pool = BackendPool([], router.remove_backend, unhealthy_after=1)
+    return router, pool, PolicyFollower("llm", "default", BASE, router, pool)
+
+
+def test_status_backends_become_the_pool():
+    _router, pool, follower = make()
+    follower.apply("ADDED", published(pod("a", "10.1.0.1"), pod("b", "10.1.0.2", ready=False)))
+    assert [b.address for b in pool.backends] == ["10.1.0.1:8000"]
+    follower.apply("MODIFIED", published(pod("a", "10.1.0.1"), pod("b", "10.1.0.2"), generation=2))
+    assert [b.address for b in pool.backends] == ["10.1.0.1:8000", "10.1.0.2:8000"]
+    assert follower.generation == 2
+
+
+def test_a_backend_that_leaves_is_dropped_at_once():
+    router, pool, follower = make()
+    follower.apply("ADDED", published(pod("a", "10.1.0.1"), pod("b", "10.1.0.2")))
+    request = parse_request({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]})
+    decision = router.query(request, pool.backends, 0)
+    router.notify(request, decision.backend, 0)
+    follower.apply(
+        "MODIFIED",
+        published(
+            *(
+                p
+                for p in (pod("a", "10.1.0.1"), pod("b", "10.1.0.2"))
+                if p["status"]["podIP"] != decision.backend.split(":")[0]
+            )
+        ),
+    )
+    assert router.index.entries() == 0
+    assert decision.backend not in router.loads.snapshot()
+    assert decision.backend not in [b.address for b in pool.backends]
+
+
+def test_settings_change_live_and_the_key_never_comes_from_the_policy():
+    router, _pool, follower = make()
+    routing = {"blockSize": 256, "locationTTLSeconds": 30, "capacityBlocks": "auto", "sessionHeaders": ["X-Conv"]}
+    follower.apply("ADDED", published(pod("a"), routing=routing))
+    assert router.settings.block_size == 256 and router.settings.location_ttl_s == 30
+    assert router.settings.capacity_auto is True and router.settings.session_headers == ("x-conv",)
+    assert router.settings.hash_key == BASE.hash_key
+    follower.apply("MODIFIED", published(pod("a"), routing={"capacityBlocks": 500}, generation=2))
+    assert router.settings.capacity_blocks == 500 and router.settings.capacity_auto is False
+    assert router.settings.block_size == BASE.block_size
+
+
+def test_invalid_routing_keeps_the_previous_state():
+    router, pool, follower = make()
+    follower.apply("ADDED", published(pod("a")))
+    follower.apply("MODIFIED", published(pod("a"), pod("b", "10.1.0.2"), routing={"blockSize": 12}, generation=2))
+    assert router.settings == BASE and len(pool.backends) == 1
+    assert "block_size" in follower.last_error
+
+
+def test_deleted_policy_leaves_nothing_to_route_to():
+    _, pool, follower = make()
+    follower.apply("ADDED", published(pod("a")))
+    follower.apply("DELETED", published(pod("a")))
+    assert pool.backends == []
+
+
+def test_ipv6_and_models():
+    assert backends_from_status(
+        {"backends": [{"pod": "a", "ip": "fd00::5", "port": 8000, "ready": True, "models": ["llama"]}]}
+    ) == [Backend("[fd00::5]:8000", frozenset({"llama"}))]
+    assert settings_from_spec(None, BASE) == BASE
+
+
+class FakeApi:
+    """Serves list and watch of one namespace's KVRoutingPolicies, as the API server does."""
+
+    def __init__(self, initial: dict[str, Any]) -> None:
+        self.items = [initial]
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        assert request.query.get("fieldSelector") == "metadata.name=default"
+        if request.query.get("watch") not in ("true", "True", "1"):
+            return web.json_response(
+                {
+                    "kind": "KVRoutingPolicyList",
+                    "apiVersion": "kvroute.io/v1alpha1",
+                    "metadata": {"resourceVersion": "1"},
+                    "items": self.items,
+                }
+            )
+        response = web.StreamResponse()
+        await response.prepare(request)
+        while True:
+            event = await self.events.get()
+            if event.get("close"):
+                return response
+            await response.write(orjson.dumps(event) + b"\n")
+
+
+@pytest.mark.parametrize("scenario", ["watch", "api_down"])
+def test_list_watch_loop(scenario):
+    async def main() -> None:
+        _router, pool, follower = make()
+        api = FakeApi(published(pod("a", "10.1.0.1")))
+        app = web.Application()
+        app.router.add_get("/apis/kvroute.io/v1alpha1/namespaces/llm/kvroutingpolicies", api.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        configuration = client.Configuration(host=f"http://127.0.0.1:{port}")
+        task = asyncio.create_task(follower.run(configuration))
+
+        async def until(check) -> None:
+            for _ in range(200):
+                if check():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("not reached")
+
+        try:
+            await until(lambda: follower.connected and len(pool.backends) == 1)
+            if scenario == "watch":
+                await api.events.put(
+                    {"type": "MODIFIED", "object": published(pod("a", "10.1.0.1"), pod("b", "10.1.0.2"), generation=2)}
+                )
+                await until(lambda: len(pool.backends) == 2)
+                api.items = [published(pod("c", "10.1.0.3"), generation=3)]
+                await api.events.put({"close": True})  # the watch ends: the follower lists again
+                await until(lambda: [b.address for b in pool.backends] == ["10.1.0.3:8000"])
+            else:
+                known = copy.deepcopy(pool.backends)
+                await runner.cleanup()  # the API server goes away
+                await api.events.put({"close": True})
+                await until(lambda: not follower.connected)
+                assert pool.backends == known  # still routing with the last known set
+                assert follower.last_error
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await api.events.put({"close": True})  # end any open watch so the server can stop
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_readyz_and_metrics_report_a_lost_watch():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from extproc.admin import Admin
+    from extproc.metrics import Metrics
+
+    async def main() -> None:
+        router, pool, follower = make()
+        follower.apply("ADDED", published(pod("a", "10.1.0.1")))
+        follower.last_error = "ClientConnectorError: API server unreachable"
+        admin = Admin(router, pool, Metrics(router, pool, follower), follower)
+        admin.serving = True
+        async with TestClient(TestServer(admin.app())) as http:
+            ready = await http.get("/readyz")
+            body = await ready.json()
+            assert ready.status == 200 and "last known backends" in body["warnings"][0]
+            text = await (await http.get("/metrics")).text()
+            assert "kvroute_policy_connected 0.0" in text
+            state = await (await http.get("/debug/state")).json()
+            assert state["policy"]["connected"] is False and state["policy"]["name"] == "llm/default"
+
+    asyncio.run(main())
