@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     envoy.add_argument("--extproc-host", default="127.0.0.1")
     envoy.add_argument("--extproc-port", type=int, default=9002)
     envoy.add_argument("--backend", action="append", default=[], help="ip:port of a vLLM server (repeatable)")
+    envoy.add_argument("--backend-dns", default="", help="NAME:PORT of a headless Service of the vLLM pods")
+    envoy.add_argument("--admin-host", default="127.0.0.1", help="Envoy admin address (0.0.0.0 for kubelet probes)")
     envoy.add_argument("--message-timeout-ms", type=int, default=2000)
     envoy.add_argument("--no-ext-proc", action="store_true", help="plain round robin, for comparisons")
     envoy.add_argument("--output", "-o", help="file to write (default: stdout)")
@@ -59,9 +61,11 @@ def _envoy_config(args: argparse.Namespace) -> None:
         listen_port=args.listen_port,
         listen_host=args.listen_host,
         admin_port=args.admin_port,
+        admin_host=args.admin_host,
         extproc_host=args.extproc_host,
         extproc_port=args.extproc_port,
         backends=[parse_address(b) for b in args.backend],
+        backend_dns=args.backend_dns,
         message_timeout_ms=args.message_timeout_ms,
         ext_proc=not args.no_ext_proc,
     )

