@@ -174,3 +174,11 @@ def test_manifest_files_exist():
         "example.yaml",
     }
     assert Path(ROOT / "Dockerfile").exists()
+
+
+def test_kind_sim_fleet_is_valid():
+    for doc in documents(ROOT / "manifests" / "kind" / "sim-fleet.yaml"):
+        if doc["kind"] == "KVRoutingPolicy":
+            crd_validator().validate(doc)
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
