@@ -168,7 +168,15 @@ def _block_hashes(prompt: _Prompt, block_size: int) -> list[int]:
     return hashes
 
 
-class _PrefixCache:
+def prompt_blocks(body: Mapping[str, Any], block_size: int) -> tuple[int, list[int]]:
+    """A text-only chat prompt's length in tokens and the block hashes this simulator caches it by,
+    for offline analyses (the benchmark's oracle) that must count exactly as the backends do."""
+    text, _ = _render_chat(body)
+    prompt = _Prompt(tokenize(text), {})
+    return len(prompt.tokens), _block_hashes(prompt, block_size)
+
+
+class PrefixCache:
     """Block hashes in LRU order, least recent first; evicts beyond `capacity` blocks."""
 
     def __init__(self, capacity: int) -> None:
@@ -273,7 +281,7 @@ class SimBackend:
     def __init__(self, config: SimConfig, name: str) -> None:
         self.config = config
         self.name = name
-        self._cache = _PrefixCache(config.capacity_blocks)
+        self._cache = PrefixCache(config.capacity_blocks)
         self._slots = asyncio.Semaphore(config.max_num_seqs)  # FIFO: waiters are woken in arrival order
         self._prefill_lock = asyncio.Lock()
         self._running = 0

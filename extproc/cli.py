@@ -13,9 +13,12 @@ from pathlib import Path
 
 import orjson
 
+from bench.replay import Pacing
+
 
 def _parser() -> argparse.ArgumentParser:
     from bench import sim
+    from bench.peers import ROUTERS
     from extproc import config
 
     parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for vLLM fleets.")
@@ -48,9 +51,43 @@ def _parser() -> argparse.ArgumentParser:
     core = bench.add_parser("core", help="decision CPU time and memory per index entry (JSON lines)")
     core.add_argument("--block-size", type=int, default=512, help="bytes per block (default: 512)")
     core.add_argument("--quick", action="store_true", help="a few iterations per case, for smoke runs")
+    compare = bench.add_parser("compare", help="one trace through kvroute and its peers, side by side")
+    _trace_arguments(compare)
+    compare.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
+    compare.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
+    compare.add_argument("--backends", type=int, default=4, help="simulated backends (default: 4)")
+    compare.add_argument(
+        "--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS)
+    )
+    compare.add_argument(
+        "--sim-arg", action="append", default=[], help="extra `kvroute sim` flag, e.g. --sim-arg=--max-num-seqs=16"
+    )
+    replay = bench.add_parser("replay", help="send a trace through one router and measure it")
+    _trace_arguments(replay)
+    replay.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8080")
+    replay.add_argument(
+        "--backend", action="append", default=[], help="ip:port of a backend, for its metrics (repeatable)"
+    )
+    replay.add_argument("--model", default="sim-model")
+    replay.add_argument("--out", type=Path, help="write the summary and per-request records here as JSON")
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     return parser
+
+
+def _trace_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL, or JSONL of {body, session_id}")
+    parser.add_argument("--limit", type=int, help="first N requests")
+    parser.add_argument("--duration", type=float, help="stop sending after this many seconds")
+    parser.add_argument("--speedup", type=float, default=10.0, help="divide the trace's arrival times by this")
+    parser.add_argument("--concurrency", type=int, help="closed loop with N workers instead of the trace's times")
+    parser.add_argument("--max-output-tokens", type=int, default=32, help="cap on each request's output")
+
+
+def _pacing(args: argparse.Namespace) -> Pacing:
+    if args.concurrency:
+        return Pacing(concurrency=args.concurrency, duration_s=args.duration)
+    return Pacing(speedup=args.speedup, duration_s=args.duration)
 
 
 def _envoy_config(args: argparse.Namespace) -> None:
@@ -104,6 +141,22 @@ def _up(args: argparse.Namespace) -> None:
             signal.pause()
 
 
+def _replay(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from bench import compare, replay, trace
+    from bench.prompts import PromptBuilder
+
+    requests = trace.read(args.trace, args.limit)
+    cpt = compare.chars_per_token(args.backend[0], args.model) if args.backend else 4.0
+    builder = PromptBuilder(args.model, cpt, args.max_output_tokens)
+    summary = asyncio.run(replay.replay(args.url.rstrip("/"), requests, builder, _pacing(args), args.backend))
+    records = summary.pop("records")
+    print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+    if args.out:
+        args.out.write_bytes(orjson.dumps({**summary, "records": records}))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "extproc":
@@ -126,6 +179,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench import core
 
         core.main(args.block_size, args.quick)
+    elif args.command == "bench" and args.bench == "compare":
+        from bench import compare, report
+
+        options = compare.CompareOptions(
+            trace=args.trace,
+            limit=args.limit,
+            out=args.out,
+            capacity_ratio=args.capacity_ratio,
+            backends=args.backends,
+            routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+            pacing=_pacing(args),
+            max_output_tokens=args.max_output_tokens,
+            sim_args=tuple(args.sim_arg),
+        )
+        print(report.table(compare.run(options)))
+    elif args.command == "bench" and args.bench == "replay":
+        _replay(args)
     elif args.command == "bench" and args.bench == "latency":
         from bench import latency
 

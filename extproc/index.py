@@ -49,6 +49,10 @@ class LocationIndex(Protocol):
         """Locations held per backend."""
         ...
 
+    def occupancy(self, backend: str) -> float:
+        """How full our picture of the backend's cache is, 0 to 1."""
+        ...
+
 
 class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity."""
@@ -134,3 +138,7 @@ class LocalIndex:
 
     def entries_by_backend(self) -> dict[str, int]:
         return {backend: len(blocks) for backend, blocks in self._backends.items()}
+
+    def occupancy(self, backend: str) -> float:
+        blocks = self._backends.get(backend)
+        return len(blocks) / self._capacities.get(backend, self._capacity) if blocks else 0.0

@@ -35,6 +35,7 @@ ROUTING_FIELDS = {
     "balanceAbsGate": "balance_abs_gate",
     "balanceRelGate": "balance_rel_gate",
     "newSessionLoadWeight": "new_session_load_weight",
+    "evictionCostWeight": "eviction_cost_weight",
 }
 RETRY_S = 2.0
 

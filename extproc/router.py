@@ -72,10 +72,19 @@ class Router:
                 self.sessions.forget(request.session_key)
                 session_backend = None
         matched = self.index.lookup(chain, candidates, now)
+        occupancy = {backend: self.index.occupancy(backend) for backend in candidates}
         bootstrap = not request.followup or not chain
         self._turn += 1
         decision = decide(
-            candidates, matched, len(chain), self.loads, session_backend, bootstrap, self.settings, self._turn
+            candidates,
+            matched,
+            occupancy,
+            len(chain),
+            self.loads,
+            session_backend,
+            bootstrap,
+            self.settings,
+            self._turn,
         )
         if reserve and decision.backend is not None:
             novel = len(chain) - decision.matched_blocks
@@ -86,7 +95,7 @@ class Router:
         """Route a request whose body could not be read: least loaded healthy backend, reserved."""
         self._turn += 1
         candidates = [b.address for b in backends if b.healthy]
-        decision = decide(candidates, {}, 0, self.loads, None, False, self.settings, self._turn)
+        decision = decide(candidates, {}, {}, 0, self.loads, None, False, self.settings, self._turn)
         if decision.backend is not None:
             decision.label = Label.FALLBACK
             decision.reservation = self.loads.reserve(decision.backend, 0)

@@ -46,12 +46,18 @@ class Settings:
     balance_rel_gate: float = field(
         default=1.5, metadata=_doc("...and is more than this multiple of the least loaded backend's load.")
     )
+    eviction_cost_weight: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Extra cost per novel block times the backend's cache occupancy: new prompts go where they evict least."
+        ),
+    )
     session_headers: tuple[str, ...] = field(
         default=("x-session-id",),
         metadata=_doc("Request headers naming a conversation, tried in order before the body's session ids."),
     )
     capacity_auto: bool = field(
-        default=False,
+        default=True,
         metadata=_doc("Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."),
     )
     new_session_load_weight: float = field(
@@ -72,7 +78,7 @@ class Settings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not all(isinstance(h, str) and h for h in self.session_headers):
             raise ValueError("session_headers must be non-empty header names")
-        for name in ("active_request_cost", "balance_abs_gate", "new_session_load_weight"):
+        for name in ("active_request_cost", "balance_abs_gate", "new_session_load_weight", "eviction_cost_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 

@@ -42,8 +42,30 @@ def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen | Non
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s}s")
 
 
-def _kvroute(*args: str) -> list[str]:
+def kvroute_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "extproc.cli", *args]
+
+
+def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A child in its own process group (so stopping it stops its children), output to a log."""
+    log = open(log_path, "ab")  # noqa: SIM115 (lives as long as the child)
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+    )
+
+
+def stop(process: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Signal a child's whole process group and wait for it; SIGKILL if it lingers."""
+    if process is None or process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @dataclass
@@ -78,11 +100,7 @@ class Stack:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the child)
-        process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-        self.processes[name] = process
+        process = self.processes[name] = spawn(argv, self.workdir / f"{name}.log")
         return process
 
     def start(self) -> Stack:
@@ -103,14 +121,14 @@ class Stack:
 
     def start_sim(self, index: int, ports: Sequence[int]) -> None:
         args = [a for p in ports for a in ("--port", str(p))]
-        process = self._spawn(f"sim{index}", _kvroute("sim", *args, *self.sim_args))
+        process = self._spawn(f"sim{index}", kvroute_command("sim", *args, *self.sim_args))
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health", process=process)
 
     def start_extproc(self) -> None:
         args = ["--grpc-port", str(self.grpc_port), "--admin-port", str(self.admin_port)]
         args += [a for b in self.backends for a in ("--backend", b)]
-        process = self._spawn("extproc", _kvroute("extproc", *args, *self.extproc_args))
+        process = self._spawn("extproc", kvroute_command("extproc", *args, *self.extproc_args))
         wait_http(f"{self.admin_url}/readyz", process=process)
 
     def start_envoy(self) -> None:
@@ -128,19 +146,8 @@ class Stack:
         process = self._spawn("envoy", argv)
         wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", process=process)
 
-    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-        """Signal a child's whole process group and wait for it; SIGKILL if it lingers."""
-        process = self.processes.pop(name, None)
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    def stop_process(self, name: str, sig: int = signal.SIGTERM) -> None:
+        stop(self.processes.pop(name, None), sig)
 
     def stop(self) -> None:
         for name in ["envoy", "extproc", *[n for n in self.processes if n.startswith("sim")]]:

@@ -264,7 +264,7 @@ def test_capacity_auto_sizes_each_backend_from_its_kv_cache():
     serve(router, chat([], None, "big"), 0, [Backend(B)])
     assert router.index.entries_by_backend()[A] == 4
     assert router.index.entries_by_backend()[B] > 4
-    fixed = make_router(capacity_blocks=1000)
+    fixed = make_router(capacity_blocks=1000, capacity_auto=False)
     fixed.set_backend_capacity(A, kv_tokens=512)
     serve(fixed, chat([], None, "big"), 0, [Backend(A)])
     assert fixed.index.entries_by_backend()[A] > 4

@@ -1,0 +1,73 @@
+"""The routers kvroute is compared with, each started over the same backends.
+
+vllm-router and sglang-router are installed from PyPI into a virtualenv of their own
+(`.cache/peers`), pinned, by the benchmark itself. Launch lines and pitfalls: ../shared/FACTS.md.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from extproc.stack import Stack, free_port, spawn, stop, wait_http
+
+PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2")
+ROUTERS = (
+    "kvroute",
+    "envoy-round-robin",
+    "vllm-router-cache_aware",
+    "vllm-router-round_robin",
+    "sglang-router-cache_aware",
+)
+
+
+def peers_venv(root: Path) -> Path:
+    """The peers' virtualenv, created and filled on first use."""
+    venv = root / "peers"
+    marker = venv / ".installed"
+    if not marker.exists() or marker.read_text() != "\n".join(PEER_PACKAGES):
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", *PEER_PACKAGES], check=True)
+        marker.write_text("\n".join(PEER_PACKAGES))
+    return venv
+
+
+@dataclass
+class RunningRouter:
+    """A router in front of the backends, stoppable."""
+
+    name: str
+    url: str
+    stack: Stack | None = None
+    process: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+        stop(self.process)
+
+
+def start(name: str, backends: Sequence[str], workdir: Path, cache_root: Path) -> RunningRouter:
+    """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if name in ("kvroute", "envoy-round-robin"):
+        stack = Stack(workdir, backends=list(backends), ext_proc=name == "kvroute").start()
+        return RunningRouter(name, stack.url, stack=stack)
+    tool, policy = name.rsplit("-", 1)
+    port, metrics_port = free_port(), free_port()
+    binary = peers_venv(cache_root) / "bin" / tool
+    argv = [str(binary), *(["launch"] if tool == "sglang-router" else [])]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv += ["--worker-urls", *(f"http://{b}" for b in backends)]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    process = spawn(argv, workdir / f"{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/v1/models", timeout_s=60, process=process)
+    except BaseException:
+        stop(process)
+        raise
+    return RunningRouter(name, url, process=process)

@@ -1,0 +1,191 @@
+"""`kvroute bench replay`: send a trace through a router and measure what the fleet did with it.
+
+Per request: TTFT, end-to-end latency, prompt and cached tokens (from `usage`), the backend that
+served (`x-kvroute-backend`, or the simulator's `x-sim-backend`), status. Per run: the prompt
+cache hit rate measured on the backends (deltas of `vllm:prefix_cache_hits_total` over
+`vllm:prefix_cache_queries_total`), latency percentiles, requests per backend (deltas of
+`vllm:request_success_total`) and their max/mean, errors.
+
+Pacing: the trace's own arrival times divided by `speedup`, or a closed loop of `concurrency`
+workers. A session's requests go in order, each after the previous one finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from tqdm import tqdm
+
+from bench.prompts import PromptBuilder
+from bench.trace import TraceRequest, chains
+
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
+METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total")
+
+
+@dataclass(slots=True)
+class Record:
+    """What one request did."""
+
+    index: int
+    status: int
+    ttft_ms: float | None
+    e2e_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    backend: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    speedup: float | None = None
+    concurrency: int | None = None
+    duration_s: float | None = None
+
+
+async def scrape(session: aiohttp.ClientSession, backends: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The counters of METRICS on each backend, summed over labels."""
+    out: dict[str, dict[str, float]] = {}
+    for backend in backends:
+        async with session.get(f"http://{backend}/metrics") as response:
+            text = await response.text()
+        totals = dict.fromkeys(METRICS, 0.0)
+        for name, value in _SAMPLE.findall(text):
+            if name in totals:
+                totals[name] += float(value)
+        out[backend] = totals
+    return out
+
+
+async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest, body: dict[str, Any]) -> Record:
+    headers = {"content-type": "application/json"}
+    if request.session_id is not None:
+        headers["x-session-id"] = request.session_id
+    started = time.perf_counter()
+    ttft = None
+    usage: dict[str, Any] = {}
+    try:
+        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as response:
+            backend = response.headers.get("x-kvroute-backend") or response.headers.get("x-sim-backend")
+            if response.status != 200:
+                await response.read()
+                return Record(request.index, response.status, None, _ms(started), 0, 0, backend, "http status")
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                if ttft is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                    ttft = _ms(started)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+        return Record(request.index, 0, ttft, _ms(started), 0, 0, None, f"{type(exc).__name__}: {exc}")
+    details = usage.get("prompt_tokens_details") or {}
+    return Record(
+        request.index,
+        200,
+        ttft,
+        _ms(started),
+        int(usage.get("prompt_tokens") or 0),
+        int(details.get("cached_tokens") or 0),
+        backend,
+    )
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+async def replay(
+    url: str,
+    requests: Sequence[TraceRequest],
+    builder: PromptBuilder,
+    pacing: Pacing,
+    backends: Sequence[str] = (),
+    label: str = "replay",
+) -> dict[str, Any]:
+    """Run the trace through `url`; return the run's summary with every record."""
+    groups = chains(list(requests))
+    records: list[Record] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(limit=0)
+    progress = tqdm(total=len(requests), desc=label, unit="req", leave=False, disable=None)  # off without a TTY
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        before = await scrape(session, backends)
+        start = time.monotonic()
+        deadline = start + pacing.duration_s if pacing.duration_s else float("inf")
+
+        async def run_chain(chain: list[TraceRequest]) -> None:
+            for request in chain:
+                if pacing.speedup:
+                    await asyncio.sleep(
+                        max(0.0, start + request.timestamp_ms / 1000 / pacing.speedup - time.monotonic())
+                    )
+                if time.monotonic() >= deadline:
+                    return
+                records.append(await _send(session, url, request, builder.body(request)))
+                progress.update()
+
+        if pacing.concurrency:
+            queue = list(reversed(groups))
+
+            async def worker() -> None:
+                while queue:
+                    await run_chain(queue.pop())
+
+            await asyncio.gather(*(worker() for _ in range(pacing.concurrency)))
+        else:
+            await asyncio.gather(*(run_chain(chain) for chain in groups))
+        wall = time.monotonic() - start
+        after = await scrape(session, backends)
+    progress.close()
+    return summarize(records, before, after, wall)
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+    pick = lambda q: round(ordered[min(len(ordered) - 1, int(len(ordered) * q))], 1)  # noqa: E731
+    return {"p50": round(statistics.median(ordered), 1), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def summarize(
+    records: list[Record], before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], wall_s: float
+) -> dict[str, Any]:
+    """One run's figures; the hit rate is the backends' own count."""
+    ok = [r for r in records if r.status == 200]
+    delta = {b: {k: after[b][k] - before[b][k] for k in METRICS} for b in after}
+    queries = sum(d["vllm:prefix_cache_queries_total"] for d in delta.values())
+    hits = sum(d["vllm:prefix_cache_hits_total"] for d in delta.values())
+    per_backend = {b: int(d["vllm:request_success_total"]) for b, d in delta.items()}
+    mean = statistics.mean(per_backend.values()) if per_backend else 0
+    ttft = _percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None])
+    e2e = _percentiles([r.e2e_ms for r in ok])
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "wall_s": round(wall_s, 1),
+        "hit_rate": round(hits / queries, 4) if queries else None,
+        "hit_rate_usage": round(sum(r.cached_tokens for r in ok) / prompt_tokens, 4) if prompt_tokens else None,
+        "ttft_p50_ms": ttft["p50"],
+        "ttft_p90_ms": ttft["p90"],
+        "ttft_p99_ms": ttft["p99"],
+        "e2e_p50_ms": e2e["p50"],
+        "e2e_p90_ms": e2e["p90"],
+        "e2e_p99_ms": e2e["p99"],
+        "requests_per_backend": per_backend,
+        "load_max_over_mean": round(max(per_backend.values()) / mean, 3) if mean else None,
+        "records": [asdict(r) for r in sorted(records, key=lambda r: r.index)],
+    }

@@ -1,0 +1,90 @@
+"""Compare results -> results.json, summary.md and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import orjson
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+COLUMNS = (
+    ("hit_rate", "hit rate"),
+    ("fraction_of_oracle", "of oracle"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("e2e_p50_ms", "E2E p50 ms"),
+    ("load_max_over_mean", "load max/mean"),
+    ("errors", "errors"),
+)
+
+
+def table(results: dict[str, Any]) -> str:
+    """The side-by-side markdown table."""
+    lines = [
+        f"oracle hit rate {results['oracle_hit_rate']:.4f} (capacity ratio {results['capacity_ratio']}, "
+        f"{results['backends']} backends, {results['requests']} requests of {results['trace']})",
+        "",
+        "| router | " + " | ".join(title for _, title in COLUMNS) + " |",
+        "|---" * (len(COLUMNS) + 1) + "|",
+    ]
+    for name, row in results["routers"].items():
+        lines.append(f"| {name} | " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 10 else f"{value:.0f}"
+    return str(value)
+
+
+def write(results: dict[str, Any], records: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    (out / "records").mkdir(exist_ok=True)
+    for name, rows in records.items():
+        (out / "records" / f"{name}.json").write_bytes(orjson.dumps(rows))
+    (out / "summary.md").write_text(table(results) + "\n")
+    _plots(results, records, out)
+
+
+def _plots(results: dict[str, Any], records: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    names = list(results["routers"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in names:
+        ttft = sorted(r["ttft_ms"] for r in records[name] if r["ttft_ms"] is not None)
+        if ttft:
+            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", xscale="log", title="TTFT distribution")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rates = [results["routers"][n].get("hit_rate") or 0 for n in names]
+    ax.bar(range(len(names)), rates)
+    ax.axhline(results["oracle_hit_rate"], color="black", linestyle="--", label="oracle")
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
+    ax.set(ylabel="prompt-token cache hit rate", title="Cache hit rate (measured on the backends)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "hit_rate.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        per_backend = results["routers"][name]["requests_per_backend"]
+        ax.bar([j + i * width for j in range(len(per_backend))], list(per_backend.values()), width, label=name)
+    ax.set(xlabel="backend", ylabel="requests served", title="Load per backend")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "load.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,52 @@
+"""`kvroute bench compare` smoke run: every router over simulated backends, numbers consistent.
+
+Installs vllm-router and sglang-router from PyPI into .cache/peers on first use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.compare import CompareOptions, run
+from bench.peers import ROUTERS
+from bench.replay import Pacing
+
+TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+ROOT = Path(__file__).resolve().parent.parent
+FAST_SIM = ("--prefill-s-per-token", "0.000002", "--decode-s-per-token", "0.001", "--max-num-seqs", "16")
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake traces sit beside the checkout")
+def test_compare_smoke_all_routers(tmp_path: Path):
+    limit = 300
+    results = run(
+        CompareOptions(
+            trace=TRACE,
+            limit=limit,
+            out=tmp_path,
+            capacity_ratio=1.0,
+            backends=3,
+            pacing=Pacing(speedup=40.0),
+            max_output_tokens=4,
+            sim_args=FAST_SIM,
+            cache_root=ROOT / ".cache",
+        )
+    )
+    assert set(results["routers"]) == set(ROUTERS)
+    oracle = results["oracle_hit_rate"]
+    assert 0 < oracle < 1
+    for name, row in results["routers"].items():
+        assert row["requests"] == limit and row["errors"] == 0, name
+        assert sum(row["requests_per_backend"].values()) == row["ok"] == limit, name  # every request accounted for
+        # Hit rates lie between 0 and the oracle; the tolerance covers arrival-order effects on LRU.
+        assert 0 <= row["hit_rate"] <= oracle + 0.01, name
+        assert row["hit_rate_usage"] == pytest.approx(row["hit_rate"], abs=0.01), name
+        assert row["ttft_p50_ms"] is not None and row["load_max_over_mean"] >= 1.0
+    saved = orjson.loads((tmp_path / "results.json").read_bytes())
+    assert saved["oracle_hit_rate"] == oracle and set(saved["routers"]) == set(ROUTERS)
+    for plot in ("ttft.png", "hit_rate.png", "load.png", "summary.md"):
+        assert (tmp_path / plot).stat().st_size > 0
+    assert len(orjson.loads((tmp_path / "records" / "kvroute.json").read_bytes())) == limit

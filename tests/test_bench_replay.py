@@ -1,0 +1,78 @@
+"""Trace reading, prompt building and the oracle, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench import oracle, sim
+from bench.prompts import PromptBuilder
+from bench.trace import TraceRequest, chains, read, working_set_blocks
+from extproc.request import parse_request
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake"
+
+
+def mooncake(index: int, ids: tuple[int, ...], tokens: int, session: str | None = None) -> TraceRequest:
+    return TraceRequest(index, index * 100.0, tokens, 8, ids, session)
+
+
+def test_reads_mooncake_and_ready_requests(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(
+        b'{"timestamp": 5, "input_length": 700, "output_length": 3, "hash_ids": [1, 2], "session_id": 7}\n\n'
+        + orjson.dumps({"body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, "session_id": "s"})
+        + b"\n"
+    )
+    first, second = read(path)
+    assert (first.hash_ids, first.session_id, first.input_tokens) == ((1, 2), "7", 700)
+    assert second.body is not None and second.output_tokens == 4 and second.session_id == "s"
+    assert len(read(path, limit=1)) == 1
+    path.write_text('{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        read(path)
+
+
+def test_working_set_counts_prefix_blocks_once():
+    requests = [mooncake(0, (0, 1, 2), 1536), mooncake(1, (0, 1, 3), 1536), mooncake(2, (9, 1), 1024)]
+    assert working_set_blocks(requests) == 6  # 0, 0-1, 0-1-2, 0-1-3, 9, 9-1
+
+
+def test_chains_keep_sessions_in_order():
+    requests = [mooncake(0, (1,), 10, "a"), mooncake(1, (2,), 10), mooncake(2, (3,), 10, "a")]
+    assert [[r.index for r in chain] for chain in chains(requests)] == [[0, 2], [1]]
+
+
+def test_shared_hash_ids_give_shared_prompt_prefixes_of_the_right_length():
+    builder = PromptBuilder("sim-model", 4.0, 16)
+    a = builder.body(mooncake(0, (0, 1, 2), 1400))
+    b = builder.body(mooncake(1, (0, 1, 5, 6), 2048))
+    assert a["messages"][:2] == b["messages"][:2] and a["messages"][2] != b["messages"][2]
+    assert len(a["messages"][2]["content"]) == round((1400 - 1024) * 4.0)
+    tokens, _ = sim.prompt_blocks(b, 16)
+    assert abs(tokens - 2048) < 40  # the template adds a few tokens per message
+    chain_a, chain_b = (parse_request(x) for x in (a, b))
+    shared = len(orjson.dumps(a["messages"][:2]))
+    assert chain_a.cbr[: shared // 2] == chain_b.cbr[: shared // 2]
+    assert builder.body(mooncake(0, (0, 1, 2), 1400)) == a  # deterministic
+
+
+def test_oracle_bounds():
+    builder = PromptBuilder("sim-model", 4.0, 16)
+    repeated = [mooncake(i, (0, 1, 2, 3), 2048) for i in range(10)]
+    bodies = [builder.body(r) for r in repeated]
+    assert oracle.simulated(bodies, 16, capacity_blocks=10_000) == pytest.approx(0.9, abs=0.01)
+    assert oracle.simulated(bodies, 16, capacity_blocks=1) < 0.01  # only the head block survives
+    distinct = [mooncake(i, (i * 10, i * 10 + 1), 1024) for i in range(10)]
+    assert oracle.from_trace(distinct, 1000) == 0.0
+    assert oracle.from_trace(repeated, 1000) == pytest.approx(9 * 1536 / 20480)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="the shared Mooncake traces sit beside the checkout")
+def test_oracle_of_the_real_trace_rises_with_capacity():
+    requests = read(SHARED / "conversation_trace.jsonl", 500)
+    blocks = working_set_blocks(requests)
+    rates = [oracle.from_trace(requests, int(blocks * r)) for r in (0.25, 0.5, 1.0)]
+    assert 0 < rates[0] <= rates[1] <= rates[2] < 1
