@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from bench import sim
-from bench.trace import BLOCK_TOKENS, TraceRequest
 
 
 def _replay(prompts: Iterable[tuple[int, Sequence[int]]], block_tokens: int, capacity_blocks: int) -> float:
@@ -28,11 +27,15 @@ def simulated(bodies: Iterable[dict], block_size: int, capacity_blocks: int) -> 
     return _replay((sim.prompt_blocks(body, block_size) for body in bodies), block_size, capacity_blocks)
 
 
-def from_trace(requests: Sequence[TraceRequest], capacity_blocks: int) -> float:
-    """In the trace's units (512-token hash-id blocks), for backends we cannot replay offline."""
+def from_token_ids(prompts: Iterable[Sequence[int]], block_tokens: int, capacity_blocks: int) -> float:
+    """From prompts already tokenized by the backends (vLLM's /tokenize), in their block size."""
 
-    def prompts() -> Iterable[tuple[int, list[tuple[int, ...]]]]:
-        for request in requests:
-            yield request.input_tokens, [request.hash_ids[: i + 1] for i in range(len(request.hash_ids))]
+    def blocks(tokens: Sequence[int]) -> tuple[int, list[int]]:
+        parent = 0
+        hashes = []
+        for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+            parent = hash((parent, tuple(tokens[start : start + block_tokens])))
+            hashes.append(parent)
+        return len(tokens), hashes
 
-    return _replay(prompts(), BLOCK_TOKENS, capacity_blocks)
+    return _replay((blocks(tokens) for tokens in prompts), block_tokens, capacity_blocks)

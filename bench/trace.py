@@ -3,7 +3,7 @@ session_id) or JSONL of ready OpenAI chat requests (`{"body": {...}, "session_id
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,19 @@ def read(path: Path, limit: int | None = None) -> list[TraceRequest]:
                 break
             if line.strip():
                 out.append(_parse(len(out), orjson.loads(line)))
+    return out
+
+
+def truncate(requests: list[TraceRequest], max_input_tokens: int) -> list[TraceRequest]:
+    """Keep at most `max_input_tokens` of each prompt (whole leading blocks), for backends with a
+    short context or slow prefill. Prefix sharing among the kept blocks is unchanged."""
+    out = []
+    for request in requests:
+        if request.body is not None or request.input_tokens <= max_input_tokens:
+            out.append(request)
+            continue
+        keep = max(1, max_input_tokens // BLOCK_TOKENS)
+        out.append(replace(request, input_tokens=keep * BLOCK_TOKENS, hash_ids=request.hash_ids[:keep]))
     return out
 
 

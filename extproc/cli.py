@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     _trace_arguments(compare)
     compare.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
     compare.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
-    compare.add_argument("--backends", type=int, default=4, help="simulated backends (default: 4)")
+    compare.add_argument("--backends", default="4", help="N simulated backends, or vllm-cpu:N real ones (default: 4)")
     compare.add_argument(
         "--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS)
     )
@@ -82,6 +82,7 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=10.0, help="divide the trace's arrival times by this")
     parser.add_argument("--concurrency", type=int, help="closed loop with N workers instead of the trace's times")
     parser.add_argument("--max-output-tokens", type=int, default=32, help="cap on each request's output")
+    parser.add_argument("--max-input-tokens", type=int, help="keep at most this many prompt tokens (whole blocks)")
 
 
 def _pacing(args: argparse.Namespace) -> Pacing:
@@ -144,11 +145,13 @@ def _up(args: argparse.Namespace) -> None:
 def _replay(args: argparse.Namespace) -> None:
     import asyncio
 
-    from bench import compare, replay, trace
+    from bench import fleets, replay, trace
     from bench.prompts import PromptBuilder
 
     requests = trace.read(args.trace, args.limit)
-    cpt = compare.chars_per_token(args.backend[0], args.model) if args.backend else 4.0
+    if args.max_input_tokens:
+        requests = trace.truncate(requests, args.max_input_tokens)
+    cpt = fleets.chars_per_token(args.backend[0], args.model) if args.backend else 4.0
     builder = PromptBuilder(args.model, cpt, args.max_output_tokens)
     summary = asyncio.run(replay.replay(args.url.rstrip("/"), requests, builder, _pacing(args), args.backend))
     records = summary.pop("records")
@@ -187,10 +190,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             limit=args.limit,
             out=args.out,
             capacity_ratio=args.capacity_ratio,
-            backends=args.backends,
+            backends=int(args.backends.removeprefix("vllm-cpu:")),
+            vllm_cpu=args.backends.startswith("vllm-cpu:"),
             routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
             pacing=_pacing(args),
             max_output_tokens=args.max_output_tokens,
+            max_input_tokens=args.max_input_tokens,
             sim_args=tuple(args.sim_arg),
         )
         print(report.table(compare.run(options)))

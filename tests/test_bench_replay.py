@@ -9,7 +9,7 @@ import pytest
 
 from bench import oracle, sim
 from bench.prompts import PromptBuilder
-from bench.trace import TraceRequest, chains, read, working_set_blocks
+from bench.trace import TraceRequest, chains, read, truncate, working_set_blocks
 from extproc.request import parse_request
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake"
@@ -65,14 +65,19 @@ def test_oracle_bounds():
     bodies = [builder.body(r) for r in repeated]
     assert oracle.simulated(bodies, 16, capacity_blocks=10_000) == pytest.approx(0.9, abs=0.01)
     assert oracle.simulated(bodies, 16, capacity_blocks=1) < 0.01  # only the head block survives
-    distinct = [mooncake(i, (i * 10, i * 10 + 1), 1024) for i in range(10)]
-    assert oracle.from_trace(distinct, 1000) == 0.0
-    assert oracle.from_trace(repeated, 1000) == pytest.approx(9 * 1536 / 20480)
+    assert oracle.from_token_ids([list(range(300))] * 4, 128, 100) == pytest.approx(3 * 256 / 1200)
+    assert oracle.from_token_ids([list(range(300)), list(range(1, 301))], 128, 100) == 0.0
 
 
 @pytest.mark.skipif(not SHARED.exists(), reason="the shared Mooncake traces sit beside the checkout")
 def test_oracle_of_the_real_trace_rises_with_capacity():
-    requests = read(SHARED / "conversation_trace.jsonl", 500)
-    blocks = working_set_blocks(requests)
-    rates = [oracle.from_trace(requests, int(blocks * r)) for r in (0.25, 0.5, 1.0)]
+    requests = read(SHARED / "conversation_trace.jsonl", 300)
+    builder = PromptBuilder("sim-model", 4.0, 16)
+    blocks = working_set_blocks(requests) * 512 // 16
+    rates = [oracle.simulated((builder.body(r) for r in requests), 16, int(blocks * r)) for r in (0.25, 0.5, 1.0)]
     assert 0 < rates[0] <= rates[1] <= rates[2] < 1
+
+
+def test_truncate_keeps_whole_leading_blocks():
+    (short,) = truncate([mooncake(0, (1, 2, 3, 4), 1900)], 1200)
+    assert (short.hash_ids, short.input_tokens) == ((1, 2), 1024)

@@ -25,7 +25,8 @@ SYSTEM = text(RNG, 12_000)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    with Stack(tmp_path_factory.mktemp("stack"), sims=4) as running:
+    fast_prefill = ["--prefill-s-per-token", "0.000001"]  # the 4 MB prompt would take 20 s at the default
+    with Stack(tmp_path_factory.mktemp("stack"), sims=4, sim_args=fast_prefill) as running:
         yield running
 
 

