@@ -14,7 +14,7 @@ from bench.fleets import VllmFleet
 from bench.replay import METRICS
 from bench.workload import text
 from extproc.stack import Stack
-from tests.e2e import post
+from tests.e2e import get, post
 
 ROOT = Path(__file__).resolve().parent.parent
 RNG = random.Random(5)
@@ -65,7 +65,7 @@ def test_conversations_stay_and_reuse_the_cache_on_real_vllm(stack: Stack):
     assert after[backends[0]] - before[backends[0]] == 4  # the header names the server that really served
 
     headers, body = chat(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "another"}], "conversation-b"
+        stack.url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "another"}], "conversation-b"
     )
     assert headers["x-kvroute-backend"] == backends[0]
     assert headers["x-kvroute-decision"] == "prefix_match"
