@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 
 from bench.replay import Pacing
+from extproc.envoy_config import EnvoyLayout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,11 +92,12 @@ def _pacing(args: argparse.Namespace) -> Pacing:
     return Pacing(speedup=args.speedup, duration_s=args.duration)
 
 
-def _envoy_config(args: argparse.Namespace) -> None:
+def envoy_layout(args: argparse.Namespace) -> EnvoyLayout:
+    """The Envoy layout `kvroute envoy-config` flags describe."""
     from extproc.config import parse_address
-    from extproc.envoy_config import EnvoyLayout, render
+    from extproc.envoy_config import EnvoyLayout
 
-    layout = EnvoyLayout(
+    return EnvoyLayout(
         listen_port=args.listen_port,
         listen_host=args.listen_host,
         admin_port=args.admin_port,
@@ -107,7 +109,12 @@ def _envoy_config(args: argparse.Namespace) -> None:
         message_timeout_ms=args.message_timeout_ms,
         ext_proc=not args.no_ext_proc,
     )
-    text = render(layout)
+
+
+def _envoy_config(args: argparse.Namespace) -> None:
+    from extproc.envoy_config import render
+
+    text = render(envoy_layout(args))
     if args.output:
         Path(args.output).write_text(text)
     else:

@@ -13,9 +13,8 @@ import pytest
 import yaml
 
 from controller import logic
-from extproc.cli import _parser
-from extproc.config import parse_address
-from extproc.envoy_config import EnvoyLayout, render
+from extproc.cli import _parser, envoy_layout
+from extproc.envoy_config import render
 from tests.crd_schema import ROOT, crd_validator, documents
 from tests.k8s_objects import pod
 
@@ -136,18 +135,7 @@ def test_pods_are_hardened_and_probed(deployment):
 def test_envoy_bootstrap_is_what_envoy_config_writes():
     path = ROOT / "manifests" / "envoy.yaml"
     command = next(line for line in path.read_text().splitlines() if "kvroute envoy-config" in line)
-    args = _parser().parse_args(shlex.split(command.split("kvroute", 1)[1]))
-    layout = EnvoyLayout(
-        listen_port=args.listen_port,
-        listen_host=args.listen_host,
-        admin_port=args.admin_port,
-        admin_host=args.admin_host,
-        extproc_host=args.extproc_host,
-        extproc_port=args.extproc_port,
-        backends=[parse_address(b) for b in args.backend],
-        backend_dns=args.backend_dns,
-        message_timeout_ms=args.message_timeout_ms,
-    )
+    layout = envoy_layout(_parser().parse_args(shlex.split(command.split("kvroute", 1)[1])))
     (config_map,) = by_kind("ConfigMap")
     assert config_map["data"]["envoy.yaml"] == render(layout)
     bootstrap = yaml.safe_load(config_map["data"]["envoy.yaml"])
