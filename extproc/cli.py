@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--model", default="sim-model")
     replay.add_argument("--out", type=Path, help="write the summary and per-request records here as JSON")
+    skew = bench.add_parser("skew-trace", help="write a skewed multi-session workload (Mooncake JSONL)")
+    skew.add_argument("--out", required=True, type=Path)
+    skew.add_argument("--seed", type=int, default=0)
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     return parser
@@ -208,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(report.table(compare.run(options)))
     elif args.command == "bench" and args.bench == "replay":
         _replay(args)
+    elif args.command == "bench" and args.bench == "skew-trace":
+        from bench import skew
+
+        skew.write(args.out, seed=args.seed)
     elif args.command == "bench" and args.bench == "latency":
         from bench import latency
 

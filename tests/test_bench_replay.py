@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import orjson
@@ -81,3 +82,21 @@ def test_oracle_of_the_real_trace_rises_with_capacity():
 def test_truncate_keeps_whole_leading_blocks():
     (short,) = truncate([mooncake(0, (1, 2, 3, 4), 1900)], 1200)
     assert (short.hash_ids, short.input_tokens) == ((1, 2), 1024)
+
+
+def test_skew_trace_has_heavy_sessions_in_order(tmp_path):
+    from bench import skew
+
+    path = tmp_path / "skew.jsonl"
+    skew.write(path)
+    requests = read(path)
+    by_session: dict[str, list[TraceRequest]] = {}
+    for request in requests:
+        by_session.setdefault(request.session_id, []).append(request)
+    heavy = [s for s in by_session if s.startswith("heavy")]
+    assert len(heavy) == 4 and len(by_session) == 64
+    for turns in by_session.values():
+        assert all(a.hash_ids == b.hash_ids[: len(a.hash_ids)] for a, b in itertools.pairwise(turns))
+        assert all(t.hash_ids[0] == 0 for t in turns)
+    heavy_tokens = sum(r.input_tokens for r in requests if r.session_id.startswith("heavy"))
+    assert heavy_tokens > sum(r.input_tokens for r in requests) / 2  # a few sessions carry most of the work
