@@ -1,9 +1,10 @@
 """Decision: pick a backend by session, cached prefix and load, and say why.
 
 Cost of sending a request to backend b, in blocks of prefill:
-    novel_b * (1 + eviction_cost_weight * occupancy_b) + w * (reserved_b + active_request_cost * active_b)
-where novel_b is the part of the prompt b has not cached, occupancy_b how full b's cache is (its
-novel blocks will evict that share of useful ones), and w is 1 for follow-ups and
+    novel_b * (1 + eviction_cost_weight * churn_b) + w * (reserved_b + active_request_cost * active_b)
+where novel_b is the part of the prompt b has not cached, churn_b how fast b's cache has been
+turning over lately relative to the busiest candidate (0 to 1: new blocks there evict useful
+ones sooner), and w is 1 for follow-ups and
 `new_session_load_weight` for bootstrap requests (placing one places its whole conversation).
 So a cached prefix wins until its backend is busier than the prefill it saves, and new prompts
 spread the fleet's cache evenly instead of overfilling one backend. A session
@@ -42,7 +43,7 @@ class CandidateCost:
     reserved: int
     active: int
     load: float
-    occupancy: float
+    churn: float
     cost: float
 
 
@@ -76,7 +77,7 @@ class Decision:
                     "reserved": c.reserved,
                     "active": c.active,
                     "load": c.load,
-                    "occupancy": round(c.occupancy, 4),
+                    "churn": round(c.churn, 4),
                     "cost": c.cost,
                 }
                 for c in self.candidates
@@ -92,7 +93,7 @@ def overloaded(load: float, least: float, settings: Settings) -> bool:
 def decide(
     candidates: Sequence[str],
     matched: Mapping[str, int],
-    occupancy: Mapping[str, float],
+    churn: Mapping[str, float],
     total_blocks: int,
     loads: LoadTracker,
     session_backend: str | None,
@@ -108,14 +109,15 @@ def decide(
         return Decision(Label.NO_CANDIDATES, None, None, 0, total_blocks, bootstrap, [])
     weight = settings.new_session_load_weight if bootstrap else 1.0
     costs: list[CandidateCost] = []
+    busiest = max(churn.values(), default=0.0) or 1.0
     for backend in candidates:
         load = loads.get(backend)
         busy = load.cost(settings.active_request_cost)
         held = matched.get(backend, 0)
         novel = total_blocks - held
-        full = occupancy.get(backend, 0.0)
-        cost = novel * (1 + settings.eviction_cost_weight * full) + weight * busy
-        costs.append(CandidateCost(backend, held, novel, load.reserved_blocks, load.active, busy, full, cost))
+        turnover = churn.get(backend, 0.0) / busiest
+        cost = novel * (1 + settings.eviction_cost_weight * turnover) + weight * busy
+        costs.append(CandidateCost(backend, held, novel, load.reserved_blocks, load.active, busy, turnover, cost))
     ranked = sorted(costs, key=lambda c: c.cost)
     least = min(c.load for c in costs)
     best_prefix = max(c.matched for c in costs)

@@ -49,19 +49,22 @@ class LocationIndex(Protocol):
         """Locations held per backend."""
         ...
 
-    def occupancy(self, backend: str) -> float:
-        """How full our picture of the backend's cache is, 0 to 1."""
+    def churn(self, backend: str, now: float) -> float:
+        """Blocks newly placed on the backend lately (exponentially decayed): how fast its cache
+        turns over, so how much a new prompt there will evict."""
         ...
 
 
 class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity."""
 
-    __slots__ = ("_backends", "_capacities", "_capacity", "_next_vacuum", "_ttl")
+    __slots__ = ("_backends", "_capacities", "_capacity", "_churn", "_half_life", "_next_vacuum", "_ttl")
 
-    def __init__(self, ttl_s: float, capacity_blocks: int) -> None:
+    def __init__(self, ttl_s: float, capacity_blocks: int, churn_half_life_s: float = 60.0) -> None:
         self._ttl = ttl_s
         self._capacity = capacity_blocks
+        self._half_life = churn_half_life_s
+        self._churn: dict[str, tuple[float, float]] = {}  # backend -> (decayed new blocks, as of)
         self._capacities: dict[str, int] = {}
         self._backends: dict[str, OrderedDict[int, float]] = {}
         self._next_vacuum = float("inf")
@@ -106,9 +109,11 @@ class LocalIndex:
             blocks = self._backends[backend] = OrderedDict()
         # Tail first, so the head of the prefix is the most recently used and is evicted last,
         # as in vLLM, which frees a sequence's blocks from the tail.
+        held = len(blocks)
         for block in reversed(chain):
             blocks[block] = now
             blocks.move_to_end(block)
+        self._churn[backend] = (self.churn(backend, now) + len(blocks) - held, now)
         self._trim(blocks, self._capacities.get(backend, self._capacity))
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
@@ -116,6 +121,7 @@ class LocalIndex:
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
         self._capacities.pop(backend, None)
+        self._churn.pop(backend, None)
 
     def vacuum(self, now: float) -> int:
         """Pop expired entries from the old end of each LRU; each entry is popped at most once."""
@@ -139,6 +145,6 @@ class LocalIndex:
     def entries_by_backend(self) -> dict[str, int]:
         return {backend: len(blocks) for backend, blocks in self._backends.items()}
 
-    def occupancy(self, backend: str) -> float:
-        blocks = self._backends.get(backend)
-        return len(blocks) / self._capacities.get(backend, self._capacity) if blocks else 0.0
+    def churn(self, backend: str, now: float) -> float:
+        value, since = self._churn.get(backend, (0.0, now))
+        return value * 0.5 ** (max(0.0, now - since) / self._half_life)

@@ -31,7 +31,9 @@ class Router:
     def __init__(self, settings: Settings, index: LocationIndex | None = None) -> None:
         self.settings = settings
         self.hasher = BlockHasher(settings.block_size, settings.hash_key)
-        self.index: LocationIndex = index or LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
+        self.index: LocationIndex = index or LocalIndex(
+            settings.location_ttl_s, settings.capacity_blocks, settings.churn_half_life_s
+        )
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity)
         self.loads = LoadTracker()
         self._turn = 0
@@ -41,7 +43,7 @@ class Router:
         so the index starts afresh; sessions and in-flight reservations are kept."""
         if (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key):
             self.hasher = BlockHasher(settings.block_size, settings.hash_key)
-            self.index = LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
+            self.index = LocalIndex(settings.location_ttl_s, settings.capacity_blocks, settings.churn_half_life_s)
         else:
             self.index.configure(settings.location_ttl_s, settings.capacity_blocks)
         self.sessions.configure(settings.session_ttl_s, settings.session_capacity)
@@ -72,13 +74,13 @@ class Router:
                 self.sessions.forget(request.session_key)
                 session_backend = None
         matched = self.index.lookup(chain, candidates, now)
-        occupancy = {backend: self.index.occupancy(backend) for backend in candidates}
+        churn = {backend: self.index.churn(backend, now) for backend in candidates}
         bootstrap = not request.followup or not chain
         self._turn += 1
         decision = decide(
             candidates,
             matched,
-            occupancy,
+            churn,
             len(chain),
             self.loads,
             session_backend,

@@ -49,8 +49,11 @@ class Settings:
     eviction_cost_weight: float = field(
         default=1.0,
         metadata=_doc(
-            "Extra cost per novel block times the backend's cache occupancy: new prompts go where they evict least."
+            "Extra cost per novel block times the backend's recent cache turnover: new prompts evict least there."
         ),
+    )
+    churn_half_life_s: float = field(
+        default=60.0, metadata=_doc("Half-life of the recent-turnover count behind eviction_cost_weight.")
     )
     session_headers: tuple[str, ...] = field(
         default=("x-session-id",),
@@ -72,7 +75,14 @@ class Settings:
             raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
         if len(self.hash_key) != 16:
             raise ValueError("hash_key must be exactly 16 bytes")
-        positive = ("location_ttl_s", "capacity_blocks", "session_ttl_s", "session_capacity", "balance_rel_gate")
+        positive = (
+            "location_ttl_s",
+            "capacity_blocks",
+            "session_ttl_s",
+            "session_capacity",
+            "balance_rel_gate",
+            "churn_half_life_s",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -117,3 +118,14 @@ def test_configure_and_per_backend_capacity_trim_oldest_first():
     index.configure(ttl_s=1, capacity_blocks=3)
     assert index.lookup([5, 6, 7], [B], 5) == {B: 0}
     assert index.entries() == 0  # the shorter TTL's vacuum ran on that lookup
+
+
+def test_churn_counts_new_blocks_and_decays():
+    index = LocalIndex(ttl_s=1000, capacity_blocks=100, churn_half_life_s=10)
+    index.learn([1, 2, 3], A, 0)
+    index.learn([1, 2, 3, 4], A, 0)  # only block 4 is new
+    assert index.churn(A, 0) == 4
+    assert index.churn(A, 10) == pytest.approx(2)
+    assert index.churn(B, 10) == 0
+    index.remove_backend(A)
+    assert index.churn(A, 10) == 0

@@ -268,3 +268,13 @@ def test_capacity_auto_sizes_each_backend_from_its_kv_cache():
     fixed.set_backend_capacity(A, kv_tokens=512)
     serve(fixed, chat([], None, "big"), 0, [Backend(A)])
     assert fixed.index.entries_by_backend()[A] > 4
+
+
+def test_new_prompts_avoid_the_backend_whose_cache_turns_over_fastest():
+    router = make_router()
+    for i in range(6):  # A has just taken in a lot of new prompt
+        router.index.learn([1000 + 100 * i + j for j in range(50)], A, 0)
+    picks = Counter(router.query(chat([], None, f"fresh {i}"), FLEET, 1, reserve=False).backend for i in range(12))
+    assert A not in picks
+    explained = router.query(chat([], None, "fresh"), FLEET, 1, reserve=False).explain()
+    assert {c["backend"]: c["churn"] for c in explained["candidates"]}[A] == 1.0
