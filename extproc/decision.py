@@ -7,8 +7,12 @@ turning over lately relative to the busiest candidate (0 to 1: new blocks there 
 ones sooner), and w is 1 for follow-ups and
 `new_session_load_weight` for bootstrap requests (placing one places its whole conversation).
 So a cached prefix wins until its backend is busier than the prefill it saves, and new prompts
-spread the fleet's cache evenly instead of overfilling one backend. A session
-binding wins outright unless its backend is past both balance gates.
+spread the fleet's cache evenly instead of overfilling one backend.
+
+Two bindings win outright unless their backend is past both balance gates: a session's, and
+that of a backend already holding at least `prefix_stick_ratio` of the prompt. Moving such a
+request would not only recompute its prefix but copy the conversation into a second cache,
+which under cache pressure evicts someone else's.
 """
 
 from __future__ import annotations
@@ -123,8 +127,12 @@ def decide(
     best_prefix = max(c.matched for c in costs)
 
     session = next((c for c in costs if c.backend == session_backend), None)
+    holder = max(costs, key=lambda c: c.matched)
+    sticky = total_blocks > 0 and holder.matched >= settings.prefix_stick_ratio * total_blocks
     if session is not None and not overloaded(session.load, least, settings):
         chosen, label = session, Label.SESSION_MATCH
+    elif session is None and sticky and not overloaded(holder.load, least, settings):
+        chosen, label = holder, Label.PREFIX_MATCH
     else:
         tied = [c for c in ranked if c.cost <= ranked[0].cost]
         chosen = tied[turn % len(tied)]

@@ -36,6 +36,7 @@ ROUTING_FIELDS = {
     "balanceRelGate": "balance_rel_gate",
     "newSessionLoadWeight": "new_session_load_weight",
     "evictionCostWeight": "eviction_cost_weight",
+    "prefixStickRatio": "prefix_stick_ratio",
     "churnHalfLifeSeconds": "churn_half_life_s",
 }
 RETRY_S = 2.0

@@ -46,6 +46,10 @@ class Settings:
     balance_rel_gate: float = field(
         default=1.5, metadata=_doc("...and is more than this multiple of the least loaded backend's load.")
     )
+    prefix_stick_ratio: float = field(
+        default=0.5,
+        metadata=_doc("A request stays on a backend holding this share of its prompt unless past the balance gates."),
+    )
     eviction_cost_weight: float = field(
         default=1.0,
         metadata=_doc(
@@ -82,6 +86,7 @@ class Settings:
             "session_capacity",
             "balance_rel_gate",
             "churn_half_life_s",
+            "prefix_stick_ratio",
         )
         for name in positive:
             if getattr(self, name) <= 0:
