@@ -51,7 +51,7 @@ class Settings:
         metadata=_doc("A request stays on a backend holding this share of its prompt unless past the balance gates."),
     )
     eviction_cost_weight: float = field(
-        default=1.0,
+        default=3.0,
         metadata=_doc(
             "Extra cost per novel block times the backend's recent cache turnover: new prompts evict least there."
         ),
