@@ -10,7 +10,7 @@ the chain and the number of candidates, never on the index size.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 
@@ -29,8 +29,10 @@ class LocationIndex(Protocol):
         """Forget everything about a backend at once."""
         ...
 
-    def configure(self, ttl_s: float, capacity_blocks: int) -> None:
-        """Apply a new TTL and default capacity live."""
+    def configure(
+        self, ttl_s: float, capacity_blocks: int, churn_half_life_s: float, capacities: Mapping[str, int]
+    ) -> None:
+        """Apply new limits live: TTL, default capacity, churn half-life and per-backend capacities."""
         ...
 
     def set_capacity(self, backend: str, blocks: int) -> None:
@@ -69,9 +71,13 @@ class LocalIndex:
         self._backends: dict[str, OrderedDict[int, float]] = {}
         self._next_vacuum = float("inf")
 
-    def configure(self, ttl_s: float, capacity_blocks: int) -> None:
+    def configure(
+        self, ttl_s: float, capacity_blocks: int, churn_half_life_s: float, capacities: Mapping[str, int]
+    ) -> None:
         self._ttl = ttl_s
         self._capacity = capacity_blocks
+        self._half_life = churn_half_life_s
+        self._capacities = dict(capacities)
         self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
         for backend, blocks in self._backends.items():
             self._trim(blocks, self._capacities.get(backend, capacity_blocks))
@@ -120,7 +126,6 @@ class LocalIndex:
 
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
-        self._capacities.pop(backend, None)
         self._churn.pop(backend, None)
 
     def vacuum(self, now: float) -> int:

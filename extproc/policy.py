@@ -95,8 +95,6 @@ class PolicyFollower:
             return
         if settings != self._router.settings:
             self._router.reconfigure(settings)
-            for address, tokens in self._pool.capacities.items():
-                self._router.set_backend_capacity(address, tokens)
         self._pool.replace(backends)
         self.generation = (policy.get("metadata") or {}).get("generation", 0)
 

@@ -49,7 +49,7 @@ class BackendPool:
         self._unhealthy_after = unhealthy_after
         self._backends: dict[str, Backend] = {}
         self._failures: dict[str, int] = {}
-        self.capacities: dict[str, int] = {}
+        self._sized: set[str] = set()
         self.replace(backends)
 
     def replace(self, backends: Iterable[Backend]) -> None:
@@ -58,7 +58,7 @@ class BackendPool:
         for address in self._backends.keys() - incoming.keys():
             self._on_down(address)
             self._failures.pop(address, None)
-            self.capacities.pop(address, None)
+            self._sized.discard(address)
         self._backends = {
             address: Backend(
                 b.address, b.models, self._backends[address].healthy if address in self._backends else True
@@ -108,12 +108,12 @@ class BackendPool:
                 results = await asyncio.gather(*(self._probe(session, a) for a in backends))
                 for address, up in zip(backends, results, strict=True):
                     self.mark(address, up)
-                unsized = [a for a, up in zip(backends, results, strict=True) if up and a not in self.capacities]
+                unsized = [a for a, up in zip(backends, results, strict=True) if up and a not in self._sized]
                 for address, tokens in zip(
                     unsized, await asyncio.gather(*(self._size(session, a) for a in unsized)), strict=True
                 ):
                     if tokens is not None and address in self._backends:
-                        self.capacities[address] = tokens
+                        self._sized.add(address)
                         self._on_capacity(address, tokens)
                 await asyncio.sleep(interval_s)
 

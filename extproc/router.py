@@ -26,7 +26,7 @@ BYTES_PER_TOKEN = 4
 class Router:
     """Owns the index, sessions and load of one router process. Not thread-safe: one event loop."""
 
-    __slots__ = ("_turn", "hasher", "index", "loads", "sessions", "settings")
+    __slots__ = ("_kv_tokens", "_turn", "hasher", "index", "loads", "sessions", "settings")
 
     def __init__(self, settings: Settings, index: LocationIndex | None = None) -> None:
         self.settings = settings
@@ -36,6 +36,7 @@ class Router:
         )
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity)
         self.loads = LoadTracker()
+        self._kv_tokens: dict[str, int] = {}
         self._turn = 0
 
     def reconfigure(self, settings: Settings) -> None:
@@ -44,15 +45,20 @@ class Router:
         if (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key):
             self.hasher = BlockHasher(settings.block_size, settings.hash_key)
             self.index = LocalIndex(settings.location_ttl_s, settings.capacity_blocks, settings.churn_half_life_s)
-        else:
-            self.index.configure(settings.location_ttl_s, settings.capacity_blocks)
-        self.sessions.configure(settings.session_ttl_s, settings.session_capacity)
         self.settings = settings
+        capacities = {b: self._blocks(t) for b, t in self._kv_tokens.items()} if settings.capacity_auto else {}
+        self.index.configure(settings.location_ttl_s, settings.capacity_blocks, settings.churn_half_life_s, capacities)
+        self.sessions.configure(settings.session_ttl_s, settings.session_capacity)
 
     def set_backend_capacity(self, backend: str, kv_tokens: int) -> None:
-        """A backend reported its KV cache size in tokens; with `capacity_auto`, size its LRU by it."""
+        """A backend reported its KV cache size in tokens; with `capacity_auto`, size its LRU by it.
+        The size is kept, so a later change of settings can re-derive it."""
+        self._kv_tokens[backend] = kv_tokens
         if self.settings.capacity_auto:
-            self.index.set_capacity(backend, max(1, kv_tokens * BYTES_PER_TOKEN // self.settings.block_size))
+            self.index.set_capacity(backend, self._blocks(kv_tokens))
+
+    def _blocks(self, kv_tokens: int) -> int:
+        return max(1, kv_tokens * BYTES_PER_TOKEN // self.settings.block_size)
 
     def chain_of(self, request: PromptRequest) -> list[int]:
         """The request's block chain, hashed once and kept on the request."""

@@ -113,9 +113,9 @@ def test_configure_and_per_backend_capacity_trim_oldest_first():
     index.learn([5, 6, 7, 8], B, 0)
     index.set_capacity(A, 2)
     assert index.lookup([1, 2, 3, 4], [A], 1) == {A: 2}
-    index.configure(ttl_s=100, capacity_blocks=3)
+    index.configure(ttl_s=100, capacity_blocks=3, churn_half_life_s=60, capacities={A: 2})
     assert index.entries_by_backend() == {A: 2, B: 3}
-    index.configure(ttl_s=1, capacity_blocks=3)
+    index.configure(ttl_s=1, capacity_blocks=3, churn_half_life_s=60, capacities={A: 2})
     assert index.lookup([5, 6, 7], [B], 5) == {B: 0}
     assert index.entries() == 0  # the shorter TTL's vacuum ran on that lookup
 

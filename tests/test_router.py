@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -278,3 +279,22 @@ def test_new_prompts_avoid_the_backend_whose_cache_turns_over_fastest():
     assert A not in picks
     explained = router.query(chat([], None, "fresh"), FLEET, 1, reserve=False).explain()
     assert {c["backend"]: c["churn"] for c in explained["candidates"]}[A] == 1.0
+
+
+def test_settings_changes_keep_reported_capacities_right():
+    router = make_router(capacity_blocks=1000)
+    router.set_backend_capacity(A, kv_tokens=512)  # 4 blocks while capacity_auto holds
+    router.reconfigure(Settings(hash_key=b"test-key-16bytes", capacity_blocks=1000, churn_half_life_s=5))
+    serve(router, chat([], None, "big"), 0, [Backend(A)])
+    assert router.index.entries_by_backend()[A] == 4
+    router.index.learn([1, 2], B, 0)
+    assert router.index.churn(B, 5) == pytest.approx(1)  # the new half-life applies at once
+    router.remove_backend(A)  # down, then back: its reported size still holds
+    serve(router, chat([], None, "big"), 1, [Backend(A)])
+    assert router.index.entries_by_backend()[A] == 4
+    router.reconfigure(Settings(hash_key=b"test-key-16bytes", capacity_blocks=1000, capacity_auto=False))
+    serve(router, chat([], None, "bigger"), 2, [Backend(A)])
+    assert router.index.entries_by_backend()[A] > 4  # a fixed capacity replaces the reported one
+    router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
+    serve(router, chat([], None, "big"), 3, [Backend(A)])
+    assert router.index.entries_by_backend()[A] == 8  # a fresh index, re-sized: 512 * 4 / 256
