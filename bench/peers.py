@@ -1,20 +1,19 @@
 """The routers kvroute is compared with, each started over the same backends.
 
 vllm-router and sglang-router are installed from PyPI into a virtualenv of their own
-(`.cache/peers`), pinned, by the benchmark itself. Launch lines and pitfalls: ../shared/FACTS.md.
+(bench/venvs.py, outside the clone), pinned, by the benchmark itself. Launch lines and pitfalls: ../shared/FACTS.md.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.venvs import peers_venv
 from extproc.stack import Stack, free_port, spawn, stop, wait_http
 
-PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2")
 ROUTERS = (
     "kvroute",
     "envoy-round-robin",
@@ -22,17 +21,6 @@ ROUTERS = (
     "vllm-router-round_robin",
     "sglang-router-cache_aware",
 )
-
-
-def peers_venv(root: Path) -> Path:
-    """The peers' virtualenv, created and filled on first use."""
-    venv = root / "peers"
-    marker = venv / ".installed"
-    if not marker.exists() or marker.read_text() != "\n".join(PEER_PACKAGES):
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", *PEER_PACKAGES], check=True)
-        marker.write_text("\n".join(PEER_PACKAGES))
-    return venv
 
 
 @dataclass
@@ -50,7 +38,7 @@ class RunningRouter:
         stop(self.process)
 
 
-def start(name: str, backends: Sequence[str], workdir: Path, cache_root: Path) -> RunningRouter:
+def start(name: str, backends: Sequence[str], workdir: Path) -> RunningRouter:
     """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves."""
     workdir.mkdir(parents=True, exist_ok=True)
     if name in ("kvroute", "envoy-round-robin"):
@@ -58,7 +46,7 @@ def start(name: str, backends: Sequence[str], workdir: Path, cache_root: Path) -
         return RunningRouter(name, stack.url, stack=stack)
     tool, policy = name.rsplit("-", 1)
     port, metrics_port = free_port(), free_port()
-    binary = peers_venv(cache_root) / "bin" / tool
+    binary = peers_venv() / "bin" / tool
     argv = [str(binary), *(["launch"] if tool == "sglang-router" else [])]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
     argv += ["--worker-urls", *(f"http://{b}" for b in backends)]

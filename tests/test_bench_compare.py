@@ -1,6 +1,6 @@
 """`kvroute bench compare` smoke run: every router over simulated backends, numbers consistent.
 
-Installs vllm-router and sglang-router from PyPI into .cache/peers on first use.
+Installs vllm-router and sglang-router from PyPI on first use (bench/venvs.py: outside the clone).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from bench.peers import ROUTERS
 from bench.replay import Pacing
 
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
-ROOT = Path(__file__).resolve().parent.parent
 FAST_SIM = ("--prefill-s-per-token", "0.000002", "--decode-s-per-token", "0.001", "--max-num-seqs", "16")
 
 
@@ -32,7 +31,6 @@ def test_compare_smoke_all_routers(tmp_path: Path):
             pacing=Pacing(speedup=40.0),
             max_output_tokens=4,
             sim_args=FAST_SIM,
-            cache_root=ROOT / ".cache",
         )
     )
     assert set(results["routers"]) == set(ROUTERS)

