@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvroute up
+	$(BIN)/kvroute-dev up
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -22,8 +22,8 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/kvroute bench core
-	$(BIN)/kvroute bench latency
+	$(BIN)/kvroute-dev bench core
+	$(BIN)/kvroute-dev bench latency
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .benchmarks

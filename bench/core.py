@@ -1,4 +1,4 @@
-"""`kvroute bench core`: CPU cost of one routing decision, and memory per index entry.
+"""`kvroute-dev bench core`: CPU cost of one routing decision, and memory per index entry.
 
 Each timed iteration is what the ext_proc does per request: parse the raw body, build the CBR
 and chain, look up the index, decide and reserve, release the prefill, learn, finish. The body
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import orjson
 
 from bench.workload import conversation
-from extproc.backends import Backend
-from extproc.request import parse_request
-from extproc.router import Router
-from extproc.settings import Settings
+from extproc.core.backends import Backend
+from extproc.core.request import parse_request
+from extproc.core.router import Router
+from extproc.core.settings import Settings
 
 BODY_SIZES = (8_000, 84_000, 2_000_000)
 INDEX_SIZES = (10_000, 1_000_000)

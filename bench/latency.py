@@ -1,4 +1,4 @@
-"""`kvroute bench latency`: what kvroute adds to Envoy, and what one ext_proc process sustains.
+"""`kvroute-dev bench latency`: what kvroute adds to Envoy, and what one ext_proc process sustains.
 
 Runs the same requests through two stacks over the same fast simulated backends (no prefill or
 decode time): Envoy alone with round robin, and Envoy + kvroute's ext_proc. Reports p50/p99
@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.stack import Stack
 from bench.workload import conversation
-from extproc.stack import Stack
 
 FAST_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--default-max-tokens", "1"]
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.stack import Stack, free_port, spawn, stop, wait_http
 from bench.venvs import peers_venv
-from extproc.stack import Stack, free_port, spawn, stop, wait_http
 
 ROUTERS = (
     "kvroute",

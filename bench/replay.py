@@ -1,4 +1,4 @@
-"""`kvroute bench replay`: send a trace through a router and measure what the fleet did with it.
+"""`kvroute-dev bench replay`: send a trace through a router and measure what the fleet did with it.
 
 Per request: TTFT, end-to-end latency, prompt and cached tokens (from `usage`), the backend that
 served (`x-kvroute-backend`, or the simulator's `x-sim-backend`), status. Per run: the prompt

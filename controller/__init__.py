@@ -1,1 +1,1 @@
-"""The Kubernetes operator for KVRoutingPolicy resources (built under the Kubernetes issue)."""
+"""The KVRoutingPolicy operator (kopf) and the CRD contract it shares with the ext_proc's follower."""

@@ -12,14 +12,14 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from extproc.admin import Admin
-from extproc.config import ExtProcConfig
-from extproc.metrics import Metrics
-from extproc.policy import PolicyFollower, load_kubernetes_config
-from extproc.pool import BackendPool
-from extproc.processor import Processor
-from extproc.proto import ext_proc_pb2_grpc as pb_grpc
-from extproc.router import Router
+from extproc.admin.app import Admin
+from extproc.core.router import Router
+from extproc.envoy.processor import Processor
+from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
+from extproc.kube.follower import PolicyFollower, load_kubernetes_config
+from extproc.runtime.config import ExtProcConfig
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
 
 log = logging.getLogger("kvroute")
 

@@ -9,12 +9,12 @@ from typing import Any
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
-from extproc.admin import Admin
-from extproc.backends import Backend
-from extproc.metrics import Metrics
-from extproc.pool import BackendPool
-from extproc.router import Router
-from extproc.settings import Settings
+from extproc.admin.app import Admin
+from extproc.core.backends import Backend
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BODY = {"model": "m", "messages": [{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "q"}]}

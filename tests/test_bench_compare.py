@@ -1,4 +1,4 @@
-"""`kvroute bench compare` smoke run: every router over simulated backends, numbers consistent.
+"""`kvroute-dev bench compare` smoke run: every router over simulated backends, numbers consistent.
 
 Installs vllm-router and sglang-router from PyPI on first use (bench/venvs.py: outside the clone).
 """

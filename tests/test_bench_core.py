@@ -1,11 +1,11 @@
-"""`kvroute bench core` runs end to end and reports the promised fields (figures are not judged here)."""
+"""`kvroute-dev bench core` runs end to end and reports the promised fields (figures are not judged here)."""
 
 from __future__ import annotations
 
 import orjson
 
+from bench.cli import main
 from bench.core import Case, run_case
-from extproc.cli import main
 
 
 def test_run_case_reports_every_field():

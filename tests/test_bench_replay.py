@@ -11,7 +11,7 @@ import pytest
 from bench import oracle, sim
 from bench.prompts import PromptBuilder
 from bench.trace import TraceRequest, chains, read, truncate, working_set_blocks
-from extproc.request import parse_request
+from extproc.core.request import parse_request
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake"
 

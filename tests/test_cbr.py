@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.chain import BlockHasher
-from extproc.errors import InvalidRequest
-from extproc.request import parse_request
+from extproc.core.chain import BlockHasher
+from extproc.core.errors import InvalidRequest
+from extproc.core.request import parse_request
 from tests.strategies import generation, json_values, messages, shaping
 
 HASHER = BlockHasher(64, b"0123456789abcdef")

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from siphash24 import siphash24
 
-from extproc.chain import HASH_MASK, BlockHasher
+from extproc.core.chain import HASH_MASK, BlockHasher
 
 KEY = b"0123456789abcdef"
 

@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.envoy_config import EnvoyLayout, render
+from extproc.envoy.bootstrap import EnvoyLayout, render
 from tests.crd_schema import ROOT, crd_validator, documents
 from tests.helm_subset import Chart, _parse, _tokens
 

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from extproc import config
-from extproc.backends import Backend
+from extproc.core.backends import Backend
+from extproc.runtime import config
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

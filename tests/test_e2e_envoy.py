@@ -14,8 +14,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from bench.stack import Stack
 from bench.workload import text
-from extproc.stack import Stack
 from tests.e2e import eventually, get, metric, post, state
 
 MODEL = "sim-model"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.load import LoadTracker
+from extproc.core.load import LoadTracker
 
 
 def test_release_is_idempotent():

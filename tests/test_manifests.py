@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from controller import logic
-from extproc.cli import _parser, envoy_layout
-from extproc.envoy_config import render
+from extproc.cli import envoy_layout, parser
+from extproc.envoy.bootstrap import render
 from tests.crd_schema import ROOT, crd_validator, documents
 from tests.k8s_objects import pod
 
@@ -135,7 +135,7 @@ def test_pods_are_hardened_and_probed(deployment):
 def test_envoy_bootstrap_is_what_envoy_config_writes():
     path = ROOT / "manifests" / "envoy.yaml"
     command = next(line for line in path.read_text().splitlines() if "kvroute envoy-config" in line)
-    layout = envoy_layout(_parser().parse_args(shlex.split(command.split("kvroute", 1)[1])))
+    layout = envoy_layout(parser().parse_args(shlex.split(command.split("kvroute", 1)[1])))
     (config_map,) = by_kind("ConfigMap")
     assert config_map["data"]["envoy.yaml"] == render(layout)
     bootstrap = yaml.safe_load(config_map["data"]["envoy.yaml"])

@@ -14,12 +14,12 @@ from aiohttp import web
 from kubernetes_asyncio import client
 
 from controller import logic
-from extproc.backends import Backend
-from extproc.policy import PolicyFollower, backends_from_status, settings_from_spec
-from extproc.pool import BackendPool
-from extproc.request import parse_request
-from extproc.router import Router
-from extproc.settings import Settings
+from extproc.core.backends import Backend
+from extproc.core.request import parse_request
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.kube.follower import PolicyFollower, backends_from_status, settings_from_spec
+from extproc.runtime.pool import BackendPool
 from tests.k8s_objects import pod, policy
 
 BASE = Settings(hash_key=b"k" * 16)
@@ -182,8 +182,8 @@ def test_list_watch_loop(scenario):
 def test_readyz_and_metrics_report_a_lost_watch():
     from aiohttp.test_utils import TestClient, TestServer
 
-    from extproc.admin import Admin
-    from extproc.metrics import Metrics
+    from extproc.admin.app import Admin
+    from extproc.runtime.metrics import Metrics
 
     async def main() -> None:
         router, pool, follower = make()

@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 
 from bench.sim import SimConfig, serve
-from extproc.backends import Backend
-from extproc.pool import BackendPool, kv_cache_tokens
+from extproc.core.backends import Backend
+from extproc.runtime.pool import BackendPool, kv_cache_tokens
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 

@@ -6,13 +6,13 @@ import orjson
 import pytest
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.backends import Backend
-from extproc.metrics import Metrics
-from extproc.pool import BackendPool
-from extproc.processor import DESTINATION_HEADER, Exchange, Processor
-from extproc.proto import ext_proc_pb2 as pb
-from extproc.router import Router
-from extproc.settings import Settings
+from extproc.core.backends import Backend
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.envoy.processor import DESTINATION_HEADER, Exchange, Processor
+from extproc.envoy.proto import ext_proc_pb2 as pb
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]})

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.protogen import ROOT, generate
+from protos.generate import ROOT, generate
 
 
 def test_generated_code_is_current(tmp_path: Path):
     generate(tmp_path)
-    generated = sorted((tmp_path / "extproc" / "proto").glob("ext_proc_pb2*"))
+    generated = sorted((tmp_path / "extproc" / "envoy" / "proto").glob("ext_proc_pb2*"))
     assert [p.name for p in generated] == ["ext_proc_pb2.py", "ext_proc_pb2.pyi", "ext_proc_pb2_grpc.py"]
     for fresh in generated:
-        committed = ROOT / "extproc" / "proto" / fresh.name
-        assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run python -m extproc.protogen"
+        committed = ROOT / "extproc" / "envoy" / "proto" / fresh.name
+        assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run python protos/generate.py"
 
 
 def test_service_path_is_envoys():
-    from extproc.proto import ext_proc_pb2
+    from extproc.envoy.proto import ext_proc_pb2
 
     service = ext_proc_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"]
     assert service.full_name == "envoy.service.ext_proc.v3.ExternalProcessor"

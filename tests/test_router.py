@@ -12,12 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.workload import text
-from extproc.backends import Backend
-from extproc.decision import Decision, Label
-from extproc.errors import InvalidRequest
-from extproc.request import PromptRequest, parse_request
-from extproc.router import Router
-from extproc.settings import Settings
+from extproc.core.backends import Backend
+from extproc.core.decision import Decision, Label
+from extproc.core.errors import InvalidRequest
+from extproc.core.request import PromptRequest, parse_request
+from extproc.core.router import Router
+from extproc.core.settings import Settings
 from tests.strategies import json_values, messages, shaping
 
 A, B, C, D = (f"10.0.0.{i}:8000" for i in range(1, 5))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.sessions import SessionTable, derive_session_key
+from extproc.core.sessions import SessionTable, derive_session_key
 
 
 @pytest.mark.parametrize(

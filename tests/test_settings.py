@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.settings import Settings
+from extproc.core.settings import Settings
 
 
 @pytest.mark.parametrize(

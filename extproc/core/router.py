@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from extproc.backends import Backend
-from extproc.chain import BlockHasher
-from extproc.decision import Decision, Label, decide
-from extproc.index import LocalIndex, LocationIndex
-from extproc.load import LoadTracker
-from extproc.request import PromptRequest
-from extproc.sessions import SessionTable
-from extproc.settings import Settings
+from extproc.core.backends import Backend
+from extproc.core.chain import BlockHasher
+from extproc.core.decision import Decision, Label, decide
+from extproc.core.index import LocalIndex, LocationIndex
+from extproc.core.load import LoadTracker
+from extproc.core.request import PromptRequest
+from extproc.core.sessions import SessionTable
+from extproc.core.settings import Settings
 
 # Bytes of CBR per backend token, to translate a KV cache size in tokens into blocks: about 4
 # for English text with a BPE tokenizer (what vLLM's tokenizers and kvroute's simulator see).

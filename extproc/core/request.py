@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 
-from extproc import cbr
-from extproc.errors import InvalidRequest
-from extproc.sessions import DEFAULT_SESSION_HEADERS, derive_session_key
+from extproc.core import cbr
+from extproc.core.errors import InvalidRequest
+from extproc.core.sessions import DEFAULT_SESSION_HEADERS, derive_session_key
 
 _EMPTY: Mapping[str, str] = {}
 

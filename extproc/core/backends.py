@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 
@@ -15,3 +16,12 @@ class Backend:
 
     def serves(self, model: str) -> bool:
         return self.healthy and (not self.models or model in self.models)
+
+
+def parse_address(text: str) -> str:
+    """`ip:port` (IPv6 as `[ip]:port`), checked: routing must name exact, literal addresses."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"backend address must be ip:port, got {text!r}")
+    ip = ipaddress.ip_address(host.strip("[]"))
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"

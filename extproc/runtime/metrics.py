@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.policy import PolicyFollower
-from extproc.pool import BackendPool
-from extproc.router import Router
+from extproc.core.router import Router
+from extproc.kube.follower import PolicyFollower
+from extproc.runtime.pool import BackendPool
 
 
 class _StateCollector(Collector):

@@ -9,7 +9,6 @@ are `routing.block_size` / `KVROUTE_BLOCK_SIZE` / `--block-size`.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -18,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from extproc.backends import Backend
-from extproc.settings import Settings
+from extproc.core.backends import Backend, parse_address
+from extproc.core.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +66,6 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 _CASTS = {"int": int, "float": float, "str": str, "bytes": str, "bool": _flag, "tuple[str, ...]": _names}
-
-
-def parse_address(text: str) -> str:
-    """`ip:port` (IPv6 as `[ip]:port`), checked: routing must name exact, literal addresses."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"backend address must be ip:port, got {text!r}")
-    ip = ipaddress.ip_address(host.strip("[]"))
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def parse_backend(item: str | Mapping[str, Any]) -> Backend:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from extproc.proto import ext_proc_pb2 as extproc_dot_proto_dot_ext__proc__pb2
+from extproc.envoy.proto import ext_proc_pb2 as extproc_dot_envoy_dot_proto_dot_ext__proc__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in extproc/proto/ext_proc_pb2_grpc.py depends on'
+        + ' but the generated code in extproc/envoy/proto/ext_proc_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class ExternalProcessorStub:
         """
         self.Process = channel.stream_stream(
                 '/envoy.service.ext_proc.v3.ExternalProcessor/Process',
-                request_serializer=extproc_dot_proto_dot_ext__proc__pb2.ProcessingRequest.SerializeToString,
-                response_deserializer=extproc_dot_proto_dot_ext__proc__pb2.ProcessingResponse.FromString,
+                request_serializer=extproc_dot_envoy_dot_proto_dot_ext__proc__pb2.ProcessingRequest.SerializeToString,
+                response_deserializer=extproc_dot_envoy_dot_proto_dot_ext__proc__pb2.ProcessingResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_ExternalProcessorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Process': grpc.stream_stream_rpc_method_handler(
                     servicer.Process,
-                    request_deserializer=extproc_dot_proto_dot_ext__proc__pb2.ProcessingRequest.FromString,
-                    response_serializer=extproc_dot_proto_dot_ext__proc__pb2.ProcessingResponse.SerializeToString,
+                    request_deserializer=extproc_dot_envoy_dot_proto_dot_ext__proc__pb2.ProcessingRequest.FromString,
+                    response_serializer=extproc_dot_envoy_dot_proto_dot_ext__proc__pb2.ProcessingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class ExternalProcessor:
             request_iterator,
             target,
             '/envoy.service.ext_proc.v3.ExternalProcessor/Process',
-            extproc_dot_proto_dot_ext__proc__pb2.ProcessingRequest.SerializeToString,
-            extproc_dot_proto_dot_ext__proc__pb2.ProcessingResponse.FromString,
+            extproc_dot_envoy_dot_proto_dot_ext__proc__pb2.ProcessingRequest.SerializeToString,
+            extproc_dot_envoy_dot_proto_dot_ext__proc__pb2.ProcessingResponse.FromString,
             options,
             channel_credentials,
             insecure,

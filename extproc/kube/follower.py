@@ -16,11 +16,10 @@ from typing import Any
 
 from kubernetes_asyncio import client, config, watch
 
-from extproc.backends import Backend
-from extproc.config import parse_address
-from extproc.pool import BackendPool
-from extproc.router import Router
-from extproc.settings import Settings
+from extproc.core.backends import Backend, parse_address
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.runtime.pool import BackendPool
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from extproc.errors import InvalidRequest
+from extproc.core.errors import InvalidRequest
 
 # Fields that only steer generation (or identify the caller); they never change the prompt.
 GENERATION_ONLY: frozenset[str] = frozenset(

@@ -10,12 +10,12 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from extproc.errors import InvalidRequest
-from extproc.metrics import Metrics
-from extproc.policy import PolicyFollower
-from extproc.pool import BackendPool
-from extproc.request import PromptRequest, parse_request
-from extproc.router import Router
+from extproc.core.errors import InvalidRequest
+from extproc.core.request import PromptRequest, parse_request
+from extproc.core.router import Router
+from extproc.kube.follower import PolicyFollower
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
 
 
 def _json(data: Any, status: int = 200) -> web.Response:

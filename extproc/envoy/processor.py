@@ -15,14 +15,14 @@ from typing import Any
 
 import grpc
 
-from extproc.decision import Decision
-from extproc.errors import InvalidRequest
-from extproc.metrics import Metrics
-from extproc.pool import BackendPool
-from extproc.proto import ext_proc_pb2 as pb
-from extproc.proto import ext_proc_pb2_grpc as pb_grpc
-from extproc.request import PromptRequest, parse_request
-from extproc.router import Router
+from extproc.core.decision import Decision
+from extproc.core.errors import InvalidRequest
+from extproc.core.request import PromptRequest, parse_request
+from extproc.core.router import Router
+from extproc.envoy.proto import ext_proc_pb2 as pb
+from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from extproc.load import LoadTracker, Reservation
-from extproc.settings import Settings
+from extproc.core.load import LoadTracker, Reservation
+from extproc.core.settings import Settings
 
 
 class Label(StrEnum):

@@ -1,7 +1,8 @@
-"""Compile protos/ into extproc/proto/ with grpcio-tools (`python -m extproc.protogen`).
+"""Developer tool: compile protos/ into extproc/envoy/proto/ with grpcio-tools.
 
-The generated modules are committed, so installs need no compiler; a test regenerates them into
-a temporary folder and fails if the committed ones differ.
+Run `python protos/generate.py` after editing a .proto. The generated modules are committed, so
+installs need no compiler; tests/test_protos.py regenerates them into a temporary folder and fails
+if the committed ones differ.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "extproc/proto/ext_proc.proto"
+PROTO = "extproc/envoy/proto/ext_proc.proto"
 
 
 def generate(out_dir: Path) -> None:

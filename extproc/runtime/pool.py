@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import aiohttp
 
-from extproc.backends import Backend
+from extproc.core.backends import Backend
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,169 @@
+"""`kvroute-dev`: developer tools around the product: the vLLM simulator, the local stack
+(`make run`), trace replay and benchmarks. It uses the product; the product never imports it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import orjson
+
+from bench.replay import Pacing
+
+
+def _parser() -> argparse.ArgumentParser:
+    from bench import sim
+    from bench.peers import ROUTERS
+
+    parser = argparse.ArgumentParser(prog="kvroute-dev", description="kvroute's simulator, local stack and benchmarks.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    sim.add_arguments(commands.add_parser("sim", help="serve simulated vLLM backends"))
+
+    up = commands.add_parser("up", help="start Envoy + ext_proc + backends, print a curl, stop on Ctrl-C")
+    up.add_argument("--port", type=int, default=8080, help="Envoy's listening port (default: 8080)")
+    up.add_argument("--backend", action="append", default=[], help="URL or ip:port of a real vLLM server")
+    up.add_argument("--sims", type=int, default=4, help="simulated backends when no --backend is given")
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    core = bench.add_parser("core", help="decision CPU time and memory per index entry (JSON lines)")
+    core.add_argument("--block-size", type=int, default=512, help="bytes per block (default: 512)")
+    core.add_argument("--quick", action="store_true", help="a few iterations per case, for smoke runs")
+    compare = bench.add_parser("compare", help="one trace through kvroute and its peers, side by side")
+    _trace_arguments(compare)
+    compare.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
+    compare.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
+    compare.add_argument("--backends", default="4", help="N simulated backends, or vllm-cpu:N real ones (default: 4)")
+    compare.add_argument(
+        "--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS)
+    )
+    compare.add_argument(
+        "--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag, e.g. --sim-arg=--max-num-seqs=16"
+    )
+    replay = bench.add_parser("replay", help="send a trace through one router and measure it")
+    _trace_arguments(replay)
+    replay.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8080")
+    replay.add_argument(
+        "--backend", action="append", default=[], help="ip:port of a backend, for its metrics (repeatable)"
+    )
+    replay.add_argument("--model", default="sim-model")
+    replay.add_argument("--out", type=Path, help="write the summary and per-request records here as JSON")
+    skew = bench.add_parser("skew-trace", help="write a skewed multi-session workload (Mooncake JSONL)")
+    skew.add_argument("--out", required=True, type=Path)
+    skew.add_argument("--seed", type=int, default=0)
+    latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
+    latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
+    return parser
+
+
+def _trace_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL, or JSONL of {body, session_id}")
+    parser.add_argument("--limit", type=int, help="first N requests")
+    parser.add_argument("--duration", type=float, help="stop sending after this many seconds")
+    parser.add_argument("--speedup", type=float, default=10.0, help="divide the trace's arrival times by this")
+    parser.add_argument("--concurrency", type=int, help="closed loop with N workers instead of the trace's times")
+    parser.add_argument("--max-output-tokens", type=int, default=32, help="cap on each request's output")
+    parser.add_argument("--max-input-tokens", type=int, help="keep at most this many prompt tokens (whole blocks)")
+
+
+def _pacing(args: argparse.Namespace) -> Pacing:
+    if args.concurrency:
+        return Pacing(concurrency=args.concurrency, duration_s=args.duration)
+    return Pacing(speedup=args.speedup, duration_s=args.duration)
+
+
+def _served_model(backend: str) -> str:
+    """The first model a backend lists, for the example curl."""
+    with urllib.request.urlopen(f"http://{backend}/v1/models", timeout=5) as response:
+        return orjson.loads(response.read())["data"][0]["id"]
+
+
+def _up(args: argparse.Namespace) -> None:
+    from bench.stack import Stack
+    from extproc.core.backends import parse_address
+
+    backends = [parse_address(b.removeprefix("http://").rstrip("/")) for b in args.backend]
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
+    stack = Stack(workdir, port=args.port, sims=args.sims, backends=backends)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with stack:
+        body = orjson.dumps(
+            {"model": _served_model(stack.backends[0]), "messages": [{"role": "user", "content": "Hi!"}]}
+        )
+        print(f"kvroute is up: {stack.url}  (admin {stack.admin_url}, logs in {workdir})")
+        print(f"backends: {', '.join(stack.backends)}")
+        print(
+            f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body.decode()}'"
+        )
+        print("Ctrl-C stops everything.", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
+
+
+def _replay(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from bench import fleets, replay, trace
+    from bench.prompts import PromptBuilder
+
+    requests = trace.read(args.trace, args.limit)
+    if args.max_input_tokens:
+        requests = trace.truncate(requests, args.max_input_tokens)
+    cpt = fleets.chars_per_token(args.backend[0], args.model) if args.backend else 4.0
+    builder = PromptBuilder(args.model, cpt, args.max_output_tokens)
+    summary = asyncio.run(replay.replay(args.url.rstrip("/"), requests, builder, _pacing(args), args.backend))
+    records = summary.pop("records")
+    print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+    if args.out:
+        args.out.write_bytes(orjson.dumps({**summary, "records": records}))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "sim":
+        from bench import sim
+
+        sim.main(args.port, sim.config_from_args(args), args.host)
+    elif args.command == "up":
+        _up(args)
+    elif args.command == "bench" and args.bench == "core":
+        from bench import core
+
+        core.main(args.block_size, args.quick)
+    elif args.command == "bench" and args.bench == "compare":
+        from bench import compare, report
+
+        options = compare.CompareOptions(
+            trace=args.trace,
+            limit=args.limit,
+            out=args.out,
+            capacity_ratio=args.capacity_ratio,
+            backends=int(args.backends.removeprefix("vllm-cpu:")),
+            vllm_cpu=args.backends.startswith("vllm-cpu:"),
+            routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+            pacing=_pacing(args),
+            max_output_tokens=args.max_output_tokens,
+            max_input_tokens=args.max_input_tokens,
+            sim_args=tuple(args.sim_arg),
+        )
+        print(report.table(compare.run(options)))
+    elif args.command == "bench" and args.bench == "replay":
+        _replay(args)
+    elif args.command == "bench" and args.bench == "skew-trace":
+        from bench import skew
+
+        skew.write(args.out, seed=args.seed)
+    elif args.command == "bench" and args.bench == "latency":
+        from bench import latency
+
+        latency.main(args.requests)
+
+
+if __name__ == "__main__":
+    main()

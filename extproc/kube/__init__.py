@@ -1,0 +1,1 @@
+"""The Kubernetes adapter: follows one KVRoutingPolicy live."""

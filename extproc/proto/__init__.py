@@ -1,1 +1,0 @@
-"""Generated from protos/ by `python -m extproc.protogen`; do not edit."""

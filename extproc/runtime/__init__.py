@@ -1,0 +1,1 @@
+"""Process pieces the adapters share: configuration layers, the backend pool and its probes, metrics."""
