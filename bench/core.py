@@ -20,7 +20,7 @@ import orjson
 from bench.workload import conversation
 from extproc.core.backends import Backend
 from extproc.core.request import parse_request
-from extproc.core.router import Router
+from extproc.core.router import ResponseStart, Router
 from extproc.core.settings import Settings
 
 BODY_SIZES = (8_000, 84_000, 2_000_000)
@@ -51,7 +51,7 @@ def _fill(router: Router, entries: int, rng: random.Random) -> float:
                 break
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    return (after - before) / router.index.entries()
+    return (after - before) / router.state()["index_entries"]
 
 
 def _bodies(size: int, count: int) -> Iterator[bytes]:
@@ -70,7 +70,7 @@ def run_case(case: Case, block_size: int) -> dict[str, float | int]:
     router = Router(settings)
     bytes_per_entry = _fill(router, case.index_entries, random.Random(1))
     warm = parse_request(orjson.dumps(conversation(case.body_bytes, seed=case.body_bytes)))
-    router.notify(warm, BACKENDS[0].address, 1.0)
+    router.learn(warm, BACKENDS[0].address, 1.0)
     bodies = list(_bodies(case.body_bytes, case.iterations))
     timings: list[float] = []
     gc.collect()
@@ -78,22 +78,22 @@ def run_case(case: Case, block_size: int) -> dict[str, float | int]:
         now = 2.0 + i
         start = time.perf_counter_ns()
         request = parse_request(raw)
-        decision = router.query(request, BACKENDS, now)
-        decision.reservation.release_prefill()
-        router.notify(request, decision.backend, now)
-        decision.reservation.finish()
+        exchange = router.begin(request, BACKENDS, now)
+        served = ResponseStart(exchange.decision.backend or "", known=True, status=200, from_upstream=True)
+        router.response_started(exchange, served, now)
+        exchange.end()
         timings.append((time.perf_counter_ns() - start) / 1000)
     timings.sort()
     return {
         "body_bytes": len(bodies[0]),
-        "index_entries": router.index.entries(),
+        "index_entries": router.state()["index_entries"],
         "block_size": block_size,
         "blocks": len(router.chain_of(request)),
         "iterations": case.iterations,
         "decide_p50_us": round(statistics.median(timings), 1),
         "decide_p99_us": round(timings[min(len(timings) - 1, int(len(timings) * 0.99))], 1),
         "bytes_per_entry": round(bytes_per_entry, 1),
-        "label": decision.label.value,
+        "label": exchange.decision.label.value,
     }
 
 

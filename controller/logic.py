@@ -9,10 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-GROUP = "kvroute.io"
-VERSION = "v1alpha1"
-PLURAL = "kvroutingpolicies"
-MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
+from controller.crd import MODELS_KEY, StatusBackend, routing_changes
 
 
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
@@ -74,7 +71,7 @@ def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
     return sorted({m.strip() for m in (pod["models"] or "").split(",") if m.strip()})
 
 
-def backends(spec: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+def backends(spec: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> tuple[list[StatusBackend], int]:
     """The backends of every selected pod (sorted by name), and how many selected pods lack the port."""
     out = []
     portless = 0
@@ -86,13 +83,13 @@ def backends(spec: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> tupl
             portless += 1
             continue
         out.append(
-            {
-                "pod": pod["name"],
-                "ip": pod["ip"],
-                "port": port,
-                "ready": bool(pod["ready"] and pod["ip"]),
-                "models": _models(spec, pod),
-            }
+            StatusBackend(
+                pod=pod["name"],
+                ip=pod["ip"],
+                port=port,
+                ready=bool(pod["ready"] and pod["ip"]),
+                models=_models(spec, pod),
+            )
         )
     out.sort(key=lambda b: b["pod"])
     return out, portless
@@ -130,11 +127,22 @@ def desired_status(policy: Mapping[str, Any], pods: Iterable[Mapping[str, Any]],
         previous,
         now,
     )
+    _, unknown = routing_changes(spec.get("routing"))
+    accepted = _condition(
+        "RoutingAccepted",
+        not unknown,
+        "UnknownFields" if unknown else "Accepted",
+        f"spec.routing fields kvroute does not know, ignored: {', '.join(unknown)}"
+        if unknown
+        else "every spec.routing field is known",
+        previous,
+        now,
+    )
     return {
         "backends": found,
         "readyBackends": ready,
         "observedGeneration": (policy.get("metadata") or {}).get("generation", 0),
-        "conditions": [routable, available],
+        "conditions": [routable, available, accepted],
     }
 
 

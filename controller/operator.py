@@ -20,7 +20,7 @@ import kopf
 from aiohttp import web
 from kubernetes_asyncio import client, config
 
-from controller import logic
+from controller import crd, logic
 from controller.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
@@ -31,10 +31,10 @@ HEALTH_PORT = 8080
 async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
     async with client.ApiClient() as api:
         await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-            logic.GROUP,
-            logic.VERSION,
+            crd.GROUP,
+            crd.VERSION,
             namespace,
-            logic.PLURAL,
+            crd.PLURAL,
             name,
             {"status": status},
             _content_type="application/merge-patch+json",
@@ -86,7 +86,7 @@ def pods_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, di
     return {namespace: logic.pod_summary(body)}
 
 
-@kopf.index(logic.GROUP, logic.VERSION, logic.PLURAL, registry=REGISTRY)
+@kopf.index(crd.GROUP, crd.VERSION, crd.PLURAL, registry=REGISTRY)
 def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     return {
         namespace: {
@@ -99,7 +99,7 @@ def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) 
 
 
 @kopf.on.event("", "v1", "pods", registry=REGISTRY)
-@kopf.on.event(logic.GROUP, logic.VERSION, logic.PLURAL, registry=REGISTRY)
+@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL, registry=REGISTRY)
 def changed(
     namespace: str, memo: kopf.Memo, pods_by_namespace: kopf.Index, policies_by_namespace: kopf.Index, **_: Any
 ) -> None:

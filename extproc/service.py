@@ -16,7 +16,6 @@ from extproc.admin.app import Admin
 from extproc.core.router import Router
 from extproc.envoy.processor import Processor
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
-from extproc.kube.follower import PolicyFollower, load_kubernetes_config
 from extproc.runtime.config import ExtProcConfig
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
@@ -29,11 +28,14 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     router = Router(config.routing)
     pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after, router.set_backend_capacity)
     follower = None
-    if config.policy:
+    if config.policy:  # the Kubernetes client is loaded only by processes that follow a policy
+        from extproc.kube.follower import PolicyFollower, load_kubernetes_config
+
         namespace, name = config.policy.split("/")
         await load_kubernetes_config()
         follower = PolicyFollower(namespace, name, config.routing, router, pool)
-    metrics = Metrics(router, pool, follower)
+    policy = follower.state if follower is not None else None
+    metrics = Metrics(router, pool, policy)
     limit = config.max_message_bytes
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -42,14 +44,17 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
-    admin = Admin(router, pool, metrics, follower)
+    admin = Admin(router, pool, metrics, policy, lease_ttl_s=config.lease_ttl_s)
     runner = web.AppRunner(admin.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.admin_host, config.admin_port).start()
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     admin.serving = True
-    tasks = [asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s))]
+    tasks = [
+        asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),
+        asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
+    ]
     if follower is not None:
         tasks.append(asyncio.create_task(follower.run()))
     log.info(

@@ -35,15 +35,44 @@ async def _json(response: Any) -> Any:
     return orjson.loads(await response.read())
 
 
-def test_query_then_notify_then_query_again():
+async def _post(client: TestClient, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+    response = await client.post(path, data=orjson.dumps(payload))
+    return response.status, await _json(response)
+
+
+def test_a_lease_reserves_learns_and_releases_exactly_once():
     async def scenario(client: TestClient, _admin: Admin, router: Router) -> None:
-        first = await _json(await client.post("/v1/query", data=orjson.dumps({"body": BODY})))
-        assert first["decision"] == "least_loaded" and first["total_blocks"] == 7
-        assert set(router.loads.snapshot().values()) == {(0, 0)}  # queries over HTTP reserve nothing
-        notified = await client.post("/v1/notify", data=orjson.dumps({"body": BODY, "backend": B}))
-        assert (await _json(notified))["learned_blocks"] == 7
-        again = await _json(await client.post("/v1/query", data=orjson.dumps({"body": orjson.dumps(BODY).decode()})))
-        assert (again["decision"], again["backend"], again["matched_blocks"]) == ("prefix_match", B, 7)
+        status, first = await _post(client, "/v1/query", {"body": BODY})
+        assert status == 200 and first["decision"] == "least_loaded" and first["total_blocks"] == 7
+        chosen, lease = first["backend"], first["lease"]
+        assert router.loads.snapshot()[chosen] == (7, 1)  # the query reserved its prefill and a slot
+        status, notified = await _post(client, "/v1/notify", {"lease": lease, "backend": chosen, "status": 200})
+        assert status == 200 and notified["learned"] is True
+        assert notified["headers"]["x-kvroute-prefix"] == "0/7"
+        assert router.loads.snapshot()[chosen] == (0, 1)  # prefill done, still in flight
+        assert (await _post(client, "/v1/release", {"lease": lease}))[0] == 200
+        assert router.loads.snapshot()[chosen] == (0, 0)
+        assert (await _post(client, "/v1/release", {"lease": lease}))[0] == 404  # exactly once
+        _, again = await _post(client, "/v1/query", {"body": orjson.dumps(BODY).decode(), "dry_run": True})
+        assert (again["decision"], again["backend"], again["matched_blocks"]) == ("prefix_match", chosen, 7)
+        assert "lease" not in again and router.loads.snapshot()[chosen] == (0, 0)
+        assert sum(router.stats.decisions.values()) == 1  # the dry run is not a decision
+
+    run(scenario)
+
+
+def test_failed_responses_teach_nothing_and_unclaimed_leases_expire():
+    async def scenario(client: TestClient, admin: Admin, router: Router) -> None:
+        _, first = await _post(client, "/v1/query", {"body": BODY})
+        _, notified = await _post(
+            client, "/v1/notify", {"lease": first["lease"], "backend": first["backend"], "status": 503}
+        )
+        assert notified["learned"] is False and router.state()["index_entries"] == 0
+        _, second = await _post(client, "/v1/query", {"body": BODY})
+        assert len(admin.leases) == 2
+        assert admin.leases.expire(5.0 + 301) == 2  # past lease_ttl_s: the gateway never came back
+        assert all(load == (0, 0) for load in router.loads.snapshot().values())
+        assert (await _post(client, "/v1/notify", {"lease": second["lease"], "backend": A}))[0] == 404
 
     run(scenario)
 
@@ -51,7 +80,7 @@ def test_query_then_notify_then_query_again():
 def test_session_header_in_query_is_honoured():
     async def scenario(client: TestClient, _admin: Admin, _router: Router) -> None:
         payload = {"body": BODY, "headers": {"X-Session-Id": "s1"}, "backend": A}
-        await client.post("/v1/notify", data=orjson.dumps(payload))
+        assert (await _post(client, "/v1/notify", payload))[1]["learned_blocks"] == 7  # no lease: learn directly
         other = {**BODY, "messages": [{"role": "user", "content": "different"}]}
         decided = await _json(
             await client.post("/v1/query", data=orjson.dumps({"body": other, "headers": {"x-session-id": "s1"}}))

@@ -34,7 +34,15 @@ def test_ready_pods_become_backends_with_named_ports():
     assert [(c["type"], c["status"], c["reason"]) for c in result["conditions"]] == [
         ("Ready", "True", "Reconciled"),
         ("BackendsAvailable", "True", "ReadyPods"),
+        ("RoutingAccepted", "True", "Accepted"),
     ]
+
+
+def test_unknown_routing_fields_are_reported_in_a_condition():
+    result = status(policy(routing={"blocksize": 256, "prefixStickRatio": 0.7}), pod("a", "10.1.0.1"))
+    accepted = next(c for c in result["conditions"] if c["type"] == "RoutingAccepted")
+    assert (accepted["status"], accepted["reason"]) == ("False", "UnknownFields")
+    assert "blocksize" in accepted["message"] and "prefixStickRatio" not in accepted["message"]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.index import LocalIndex
+from extproc.core.churn import ChurnMeter
+from extproc.core.index import BoundedIndex, LocalIndex
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -44,14 +45,14 @@ def test_vacuum_removes_expired_entries_on_its_deadline():
     assert index.vacuum(12) == 3
     assert index.entries_by_backend() == {A: 0, B: 2}
     index.lookup([7], [B], 16)  # a lookup past the next deadline vacuums on its way
-    assert index.entries() == 0
+    assert sum(index.entries_by_backend().values()) == 0
 
 
 def test_capacity_evicts_least_recently_used_and_keeps_prefix_heads():
     index = LocalIndex(ttl_s=100, capacity_blocks=5)
     index.learn([1, 2, 3], A, 0)
     index.learn([10, 20, 30], A, 1)
-    assert index.entries() == 5
+    assert sum(index.entries_by_backend().values()) == 5
     # the older chain lost its tail first: its head is still usable
     assert index.lookup([1, 2, 3], [A], 2) == {A: 2}
     index.learn([1, 2], A, 3)  # touching moves them to the recent end
@@ -73,7 +74,7 @@ def test_remove_backend_drops_everything_at_once():
     index.learn([1, 2], B, 0)
     index.remove_backend(A)
     assert index.lookup([1, 2], [A, B], 1) == {A: 0, B: 2}
-    assert index.entries() == 2
+    assert sum(index.entries_by_backend().values()) == 2
 
 
 @given(
@@ -113,19 +114,26 @@ def test_configure_and_per_backend_capacity_trim_oldest_first():
     index.learn([5, 6, 7, 8], B, 0)
     index.set_capacity(A, 2)
     assert index.lookup([1, 2, 3, 4], [A], 1) == {A: 2}
-    index.configure(ttl_s=100, capacity_blocks=3, churn_half_life_s=60, capacities={A: 2})
+    index.configure(ttl_s=100, capacity_blocks=3, capacities={A: 2})
     assert index.entries_by_backend() == {A: 2, B: 3}
-    index.configure(ttl_s=1, capacity_blocks=3, churn_half_life_s=60, capacities={A: 2})
+    index.configure(ttl_s=1, capacity_blocks=3, capacities={A: 2})
     assert index.lookup([5, 6, 7], [B], 5) == {B: 0}
-    assert index.entries() == 0  # the shorter TTL's vacuum ran on that lookup
+    assert sum(index.entries_by_backend().values()) == 0  # the shorter TTL's vacuum ran on that lookup
 
 
-def test_churn_counts_new_blocks_and_decays():
-    index = LocalIndex(ttl_s=1000, capacity_blocks=100, churn_half_life_s=10)
-    index.learn([1, 2, 3], A, 0)
-    index.learn([1, 2, 3, 4], A, 0)  # only block 4 is new
-    assert index.churn(A, 0) == 4
-    assert index.churn(A, 10) == pytest.approx(2)
-    assert index.churn(B, 10) == 0
-    index.remove_backend(A)
-    assert index.churn(A, 10) == 0
+def test_learn_reports_new_blocks_and_churn_decays():
+    index = LocalIndex(ttl_s=1000, capacity_blocks=100)
+    meter = ChurnMeter(half_life_s=10)
+    meter.add(A, index.learn([1, 2, 3], A, 0), 0)
+    meter.add(A, index.learn([1, 2, 3, 4], A, 0), 0)  # only block 4 is new
+    assert meter.rate(A, 0) == 4
+    assert meter.rate(A, 10) == pytest.approx(2)
+    assert meter.rate(B, 10) == 0
+    meter.remove_backend(A)
+    assert meter.rate(A, 10) == 0
+
+
+def test_local_index_fits_both_index_protocols():
+    index = LocalIndex(ttl_s=1, capacity_blocks=1)
+    assert isinstance(index, BoundedIndex)
+    assert all(callable(getattr(index, name)) for name in ("lookup", "learn", "remove_backend", "entries_by_backend"))

@@ -14,11 +14,12 @@ from aiohttp import web
 from kubernetes_asyncio import client
 
 from controller import logic
+from controller.crd import routing_changes
 from extproc.core.backends import Backend
 from extproc.core.request import parse_request
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.kube.follower import PolicyFollower, backends_from_status, settings_from_spec
+from extproc.kube.follower import PolicyFollower, backends_from_status
 from extproc.runtime.pool import BackendPool
 from tests.k8s_objects import pod, policy
 
@@ -45,15 +46,15 @@ def test_status_backends_become_the_pool():
     assert [b.address for b in pool.backends] == ["10.1.0.1:8000"]
     follower.apply("MODIFIED", published(pod("a", "10.1.0.1"), pod("b", "10.1.0.2"), generation=2))
     assert [b.address for b in pool.backends] == ["10.1.0.1:8000", "10.1.0.2:8000"]
-    assert follower.generation == 2
+    assert follower.state.generation == 2
 
 
 def test_a_backend_that_leaves_is_dropped_at_once():
     router, pool, follower = make()
     follower.apply("ADDED", published(pod("a", "10.1.0.1"), pod("b", "10.1.0.2")))
     request = parse_request({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]})
-    decision = router.query(request, pool.backends, 0)
-    router.notify(request, decision.backend, 0)
+    decision = router.begin(request, pool.backends, 0).decision
+    router.learn(request, decision.backend, 0)
     follower.apply(
         "MODIFIED",
         published(
@@ -64,7 +65,7 @@ def test_a_backend_that_leaves_is_dropped_at_once():
             )
         ),
     )
-    assert router.index.entries() == 0
+    assert router.state()["index_entries"] == 0
     assert decision.backend not in router.loads.snapshot()
     assert decision.backend not in [b.address for b in pool.backends]
 
@@ -86,7 +87,14 @@ def test_invalid_routing_keeps_the_previous_state():
     follower.apply("ADDED", published(pod("a")))
     follower.apply("MODIFIED", published(pod("a"), pod("b", "10.1.0.2"), routing={"blockSize": 12}, generation=2))
     assert router.settings == BASE and len(pool.backends) == 1
-    assert "block_size" in follower.last_error
+    assert "block_size" in follower.state.last_error
+
+
+def test_unknown_routing_fields_are_reported_and_the_known_ones_applied():
+    router, _, follower = make()
+    follower.apply("ADDED", published(pod("a"), routing={"blocksize": 256, "prefixStickRatio": 0.7}))
+    assert follower.state.unknown_fields == ["blocksize"]
+    assert router.settings.prefix_stick_ratio == 0.7 and router.settings.block_size == BASE.block_size
 
 
 def test_deleted_policy_leaves_nothing_to_route_to():
@@ -100,7 +108,7 @@ def test_ipv6_and_models():
     assert backends_from_status(
         {"backends": [{"pod": "a", "ip": "fd00::5", "port": 8000, "ready": True, "models": ["llama"]}]}
     ) == [Backend("[fd00::5]:8000", frozenset({"llama"}))]
-    assert settings_from_spec(None, BASE) == BASE
+    assert routing_changes(None) == ({}, [])
 
 
 class FakeApi:
@@ -153,7 +161,7 @@ def test_list_watch_loop(scenario):
             raise AssertionError("not reached")
 
         try:
-            await until(lambda: follower.connected and len(pool.backends) == 1)
+            await until(lambda: follower.state.connected and len(pool.backends) == 1)
             if scenario == "watch":
                 await api.events.put(
                     {"type": "MODIFIED", "object": published(pod("a", "10.1.0.1"), pod("b", "10.1.0.2"), generation=2)}
@@ -166,9 +174,9 @@ def test_list_watch_loop(scenario):
                 known = copy.deepcopy(pool.backends)
                 await runner.cleanup()  # the API server goes away
                 await api.events.put({"close": True})
-                await until(lambda: not follower.connected)
+                await until(lambda: not follower.state.connected)
                 assert pool.backends == known  # still routing with the last known set
-                assert follower.last_error
+                assert follower.state.last_error
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -188,8 +196,8 @@ def test_readyz_and_metrics_report_a_lost_watch():
     async def main() -> None:
         router, pool, follower = make()
         follower.apply("ADDED", published(pod("a", "10.1.0.1")))
-        follower.last_error = "ClientConnectorError: API server unreachable"
-        admin = Admin(router, pool, Metrics(router, pool, follower), follower)
+        follower.state.last_error = "ClientConnectorError: API server unreachable"
+        admin = Admin(router, pool, Metrics(router, pool, follower.state), follower.state)
         admin.serving = True
         async with TestClient(TestServer(admin.app())) as http:
             ready = await http.get("/readyz")

@@ -9,7 +9,8 @@ from google.protobuf.struct_pb2 import Struct
 from extproc.core.backends import Backend
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.envoy.processor import DESTINATION_HEADER, Exchange, Processor
+from extproc.envoy.headers import DESTINATION_HEADER
+from extproc.envoy.processor import Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
@@ -54,34 +55,34 @@ def set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
 
 def test_routes_learns_and_releases(parts):
     router, _, _, processor = parts
-    exchange = Exchange()
-    assert not processor.handle(request_headers(), exchange).request_headers.response.HasField("header_mutation")
-    routed = processor.handle(body(), exchange).request_body.response.header_mutation
+    stream = Stream()
+    assert not processor.handle(request_headers(), stream).request_headers.response.HasField("header_mutation")
+    routed = processor.handle(body(), stream).request_body.response.header_mutation
     target = set_headers(routed)[DESTINATION_HEADER]
     first, second = target.split(",")
     assert {first, second} == {A, B}
     assert router.loads.snapshot()[first] == (5, 1)
-    reply = processor.handle(response_headers("200", "via_upstream", first), exchange)
+    reply = processor.handle(response_headers("200", "via_upstream", first), stream)
     added = set_headers(reply.response_headers.response.header_mutation)
     assert added == {"x-kvroute-decision": "least_loaded", "x-kvroute-backend": first, "x-kvroute-prefix": "0/5"}
     assert router.loads.snapshot()[first] == (0, 1)
     assert router.index.entries_by_backend() == {first: 5}
-    exchange.close()
-    exchange.close()
+    stream.close()
+    stream.close()
     assert router.loads.snapshot()[first] == (0, 0)
 
 
 def test_learns_where_the_response_really_came_from(parts):
-    router, _, metrics, processor = parts
-    exchange = Exchange()
-    processor.handle(request_headers(), exchange)
-    _first, second = set_headers(processor.handle(body(), exchange).request_body.response.header_mutation)[
+    router, _, _, processor = parts
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    _first, second = set_headers(processor.handle(body(), stream).request_body.response.header_mutation)[
         DESTINATION_HEADER
     ].split(",")
-    reply = processor.handle(response_headers("200", "via_upstream", second), exchange)
+    reply = processor.handle(response_headers("200", "via_upstream", second), stream)
     assert set_headers(reply.response_headers.response.header_mutation)["x-kvroute-backend"] == second
     assert router.index.entries_by_backend() == {second: 5}
-    assert metrics.rerouted._value.get() == 1
+    assert router.stats.rerouted == 1
 
 
 @pytest.mark.parametrize(
@@ -95,30 +96,30 @@ def test_learns_where_the_response_really_came_from(parts):
 )
 def test_only_upstream_successes_from_known_backends_teach(parts, status, details, upstream):
     router, _, _, processor = parts
-    exchange = Exchange()
-    processor.handle(request_headers(), exchange)
-    processor.handle(body(), exchange)
-    processor.handle(response_headers(status, details, upstream), exchange)
-    assert router.index.entries() == 0
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    processor.handle(body(), stream)
+    processor.handle(response_headers(status, details, upstream), stream)
+    assert router.state()["index_entries"] == 0
     assert all(reserved == 0 for reserved, _ in router.loads.snapshot().values())
 
 
 def test_refused_connection_marks_backend_down(parts):
     _, pool, _, processor = parts
-    exchange = Exchange()
-    processor.handle(request_headers(), exchange)
-    processor.handle(body(), exchange)
-    processor.handle(response_headers("503", "upstream_reset_before_response_started{connection_failure}", A), exchange)
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    processor.handle(body(), stream)
+    processor.handle(response_headers("503", "upstream_reset_before_response_started{connection_failure}", A), stream)
     assert [b.healthy for b in pool.backends] == [False, True]
 
 
 def test_non_llm_paths_pass_through_and_client_destination_is_removed(parts):
     _, _, metrics, processor = parts
     for headers in (request_headers("/v1/models", "GET"), request_headers("/metrics", "POST")):
-        reply = processor.handle(headers, Exchange())
+        reply = processor.handle(headers, Stream())
         assert reply.mode_override.request_body_mode == pb.ProcessingMode.NONE
         assert reply.mode_override.response_header_mode == pb.ProcessingMode.SKIP
-    spoofed = processor.handle(request_headers("/v1/models", "GET", **{DESTINATION_HEADER: A}), Exchange())
+    spoofed = processor.handle(request_headers("/v1/models", "GET", **{DESTINATION_HEADER: A}), Stream())
     assert list(spoofed.request_headers.response.header_mutation.remove_headers) == [DESTINATION_HEADER]
     assert metrics.errors.labels("client_destination_header")._value.get() == 1
 
@@ -126,37 +127,64 @@ def test_non_llm_paths_pass_through_and_client_destination_is_removed(parts):
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"messages": 5}', b"\xff\xfe"])
 def test_bad_bodies_route_fail_open_and_are_counted(parts, raw):
     router, _, metrics, processor = parts
-    exchange = Exchange()
-    processor.handle(request_headers(), exchange)
-    routed = set_headers(processor.handle(body(raw), exchange).request_body.response.header_mutation)
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    routed = set_headers(processor.handle(body(raw), stream).request_body.response.header_mutation)
     assert set(routed[DESTINATION_HEADER].split(",")) == {A, B}
-    assert exchange.decision.label == "fallback"
+    assert stream.exchange.decision.label == "fallback"
     assert metrics.errors.labels("invalid_request")._value.get() == 1
-    exchange.close()
+    stream.close()
     assert all(load == (0, 0) for load in router.loads.snapshot().values())
 
 
 def test_post_without_body_is_routed_from_its_headers(parts):
     _, _, metrics, processor = parts
-    exchange = Exchange()
-    reply = processor.handle(request_headers(eos=True), exchange)
+    stream = Stream()
+    reply = processor.handle(request_headers(eos=True), stream)
     assert set(set_headers(reply.request_headers.response.header_mutation)[DESTINATION_HEADER].split(",")) == {A, B}
     assert metrics.errors.labels("empty_body")._value.get() == 1
+    assert metrics.errors.labels("invalid_request")._value.get() == 0  # counted once, as empty_body
+    assert stream.exchange.decision.label == "fallback"
 
 
 def test_no_healthy_backend_leaves_routing_to_envoy(parts):
     _, pool, _, processor = parts
     pool.mark_refused(A)
     pool.mark_refused(B)
-    exchange = Exchange()
-    processor.handle(request_headers(), exchange)
-    mutation = processor.handle(body(), exchange).request_body.response.header_mutation
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    mutation = processor.handle(body(), stream).request_body.response.header_mutation
     assert not mutation.set_headers and list(mutation.remove_headers) == [DESTINATION_HEADER]
-    assert exchange.decision.label == "no_candidates"
+    assert stream.exchange.decision.label == "no_candidates"
 
 
 def test_other_messages_get_their_matching_empty_reply(parts):
     processor = parts[3]
     for kind, reply_kind in (("response_body", "response_body"), ("request_trailers", "request_trailers")):
         message = pb.ProcessingRequest(**{kind: pb.HttpBody() if kind == "response_body" else pb.HttpTrailers()})
-        assert processor.handle(message, Exchange()).WhichOneof("response") == reply_kind
+        assert processor.handle(message, Stream()).WhichOneof("response") == reply_kind
+
+
+def test_a_failure_on_response_headers_answers_with_a_response_headers_reply(parts):
+    _, pool, metrics, processor = parts
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    processor.handle(body(), stream)
+
+    def broken(*_args: object) -> bool:
+        raise RuntimeError("boom")
+
+    pool.is_known = broken  # an internal failure while reading the response start
+    reply = processor.handle(response_headers("200", "via_upstream", A), stream)
+    assert reply.WhichOneof("response") == "response_headers"
+    assert metrics.errors.labels("internal")._value.get() == 1
+
+
+def test_decisions_are_counted_by_the_core_once_per_request(parts):
+    router, _, _, processor = parts
+    for _ in range(3):
+        stream = Stream()
+        processor.handle(request_headers(), stream)
+        processor.handle(body(), stream)
+        stream.close()
+    assert sum(router.stats.decisions.values()) == 3

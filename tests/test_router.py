@@ -16,7 +16,7 @@ from extproc.core.backends import Backend
 from extproc.core.decision import Decision, Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.request import PromptRequest, parse_request
-from extproc.core.router import Router
+from extproc.core.router import Exchange, ResponseStart, Router
 from extproc.core.settings import Settings
 from tests.strategies import json_values, messages, shaping
 
@@ -37,13 +37,18 @@ def chat(history: list[dict[str, Any]], session: str | None = None, user_text: s
     return parse_request(body, {"x-session-id": session} if session else {})
 
 
+def ok(backend: str) -> ResponseStart:
+    """A 2xx response sent by a known backend."""
+    return ResponseStart(upstream=backend, known=True, status=200, from_upstream=True)
+
+
 def serve(router: Router, request: PromptRequest, now: float, backends: list[Backend] = FLEET) -> Decision:
-    """A whole successful request: decide, response starts (learn), response ends."""
-    decision = router.query(request, backends, now)
+    """A whole successful request through the lifecycle: begin, response started (learn), end."""
+    exchange = router.begin(request, backends, now)
+    decision = exchange.decision
     assert decision.reservation is not None and decision.backend is not None
-    decision.reservation.release_prefill()
-    router.notify(request, decision.backend, now)
-    decision.reservation.finish()
+    assert router.response_started(exchange, ok(decision.backend), now).learned
+    assert exchange.end()
     return decision
 
 
@@ -85,7 +90,7 @@ def test_new_session_sharing_system_prompt_goes_where_it_is_cached_unless_loaded
     assert second.backend == first.backend
     assert second.label == Label.PREFIX_MATCH
     held = occupy(router, first.backend, 20)
-    third = router.query(chat([], "s3", "a third question"), FLEET, 2)
+    third = router.begin(chat([], "s3", "a third question"), FLEET, 2).decision
     assert third.backend != first.backend
     assert third.label == Label.LOAD_OVERRIDE
     for r in held:
@@ -98,7 +103,7 @@ def test_imbalance_overrides_session_affinity():
     home = decisions[0].backend
     held = occupy(router, home, 30)
     history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    moved = router.query(chat(history, "busy", "next"), FLEET, 10)
+    moved = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
     assert moved.backend != home
     assert moved.label == Label.LOAD_OVERRIDE
     assert moved.second is not None
@@ -110,7 +115,7 @@ def test_session_survives_moderate_load():
     router = make_router()
     home = converse(router, 2, "steady")[0].backend
     held = occupy(router, home, 3)
-    again = router.query(chat([], "steady", "more"), FLEET, 5)
+    again = router.begin(chat([], "steady", "more"), FLEET, 5).decision
     assert (again.backend, again.label) == (home, Label.SESSION_MATCH)
     for r in held:
         r.finish()
@@ -123,7 +128,7 @@ def test_unknown_session_falls_back_to_its_history_prefix():
         q = f"q{turn}"
         home = serve(router, chat(history, "old-id", q), turn).backend
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": text(RNG, 2000)}]
-    decision = router.query(chat(history, "never-seen", "follow-up"), FLEET, 10)
+    decision = router.begin(chat(history, "never-seen", "follow-up"), FLEET, 10).decision
     assert decision.backend == home
     assert decision.label == Label.PREFIX_MATCH
     assert not decision.bootstrap
@@ -132,7 +137,7 @@ def test_unknown_session_falls_back_to_its_history_prefix():
 def test_empty_history_goes_least_loaded():
     router = make_router()
     held = [*occupy(router, A, 2), *occupy(router, B, 1), *occupy(router, D, 1)]
-    decision = router.query(parse_request({"model": "m", "messages": []}), FLEET, 0)
+    decision = router.begin(parse_request({"model": "m", "messages": []}), FLEET, 0).decision
     assert (decision.backend, decision.label) == (C, Label.LEAST_LOADED)
     assert decision.bootstrap and decision.total_blocks == 0
     for r in held:
@@ -141,13 +146,13 @@ def test_empty_history_goes_least_loaded():
 
 def test_identical_requests_do_not_herd():
     router = make_router()
-    picks = Counter(router.query(chat([], None, "same"), FLEET, 0, reserve=False).backend for _ in range(8))
+    picks = Counter(router.query(chat([], None, "same"), FLEET, 0).backend for _ in range(8))
     assert set(picks) == {A, B, C, D}
 
 
 def test_concurrent_identical_requests_spread_by_reservations():
     router = make_router()
-    decisions = [router.query(chat([], None, "same"), FLEET, 0) for _ in range(4)]
+    decisions = [router.begin(chat([], None, "same"), FLEET, 0).decision for _ in range(4)]
     assert {d.backend for d in decisions} == {A, B, C, D}
 
 
@@ -158,7 +163,7 @@ def test_removed_backend_is_never_chosen_again():
     assert router.state()["index_entries_by_backend"].get(home) is None
     rest = [b for b in FLEET if b.address != home]
     for i in range(200):
-        decision = router.query(chat([], "s" if i % 2 else f"x{i}", f"q{i}"), rest, 20 + i)
+        decision = router.begin(chat([], "s" if i % 2 else f"x{i}", f"q{i}"), rest, 20 + i).decision
         assert decision.backend != home and decision.second != home
         decision.reservation.finish()
 
@@ -167,7 +172,7 @@ def test_binding_dropped_when_backend_stops_serving_the_model():
     router = make_router()
     home = converse(router, 2, "s")[0].backend
     changed = [Backend(b.address, frozenset({"other"}) if b.address == home else frozenset()) for b in FLEET]
-    decision = router.query(chat([], "s", "again"), changed, 10)
+    decision = router.begin(chat([], "s", "again"), changed, 10).decision
     assert decision.backend != home
     assert router.sessions.get("session:s", 11) is None
 
@@ -175,14 +180,14 @@ def test_binding_dropped_when_backend_stops_serving_the_model():
 def test_no_candidates_when_nobody_serves_the_model():
     router = make_router()
     fleet = [Backend(A, frozenset({"other"})), Backend(B, healthy=False)]
-    decision = router.query(chat([], None), fleet, 0)
+    decision = router.begin(chat([], None), fleet, 0).decision
     assert (decision.label, decision.backend, decision.reservation) == (Label.NO_CANDIDATES, None, None)
 
 
 def test_explanation_lists_every_candidate_with_its_terms():
     router = make_router()
     serve(router, chat([], None, "warm"), 0)
-    decision = router.query(chat([], None, "warm"), FLEET, 1)
+    decision = router.begin(chat([], None, "warm"), FLEET, 1).decision
     explained = orjson.loads(orjson.dumps(decision.explain()))
     assert {c["backend"] for c in explained["candidates"]} == {A, B, C, D}
     chosen = next(c for c in explained["candidates"] if c["backend"] == decision.backend)
@@ -195,29 +200,26 @@ def test_random_lifecycles_leave_no_reservation_behind():
     router = make_router(capacity_blocks=200)
     rng = random.Random(11)
     bodies = [chat([], f"s{i % 7}" if i % 3 else None, f"q{i % 13}") for i in range(40)]
-    live: list[tuple[Decision, PromptRequest]] = []
+    live: list[Exchange] = []
     for step in range(10_000):
         action = rng.random()
         if action < 0.4 or not live:
-            request = bodies[rng.randrange(len(bodies))]
-            decision = router.query(request, FLEET, step)
-            if decision.reservation:
-                live.append((decision, request))
+            live.append(router.begin(bodies[rng.randrange(len(bodies))], FLEET, step))
         elif action < 0.65:
-            decision, request = rng.choice(live)
-            decision.reservation.release_prefill()
-            router.notify(request, decision.backend, step)
+            exchange = rng.choice(live)
+            status = rng.choice((200, 200, 503))
+            start = ResponseStart(exchange.decision.backend or "", known=True, status=status, from_upstream=True)
+            router.response_started(exchange, start, step)
         elif action < 0.9:
-            decision, _ = live.pop(rng.randrange(len(live)))
-            decision.reservation.finish()  # completion, error or client abort: one path
+            live.pop(rng.randrange(len(live))).end()  # completion, error or client abort: one path
         elif action < 0.95:
-            decision, _ = rng.choice(live)
-            decision.reservation.finish()  # a second release of an already-finished request
-            decision.reservation.release_prefill()
+            exchange = rng.choice(live)
+            exchange.end()
+            assert not exchange.end()  # a second end of an already-ended request does nothing
         else:
             router.remove_backend(rng.choice(FLEET).address)
-    for decision, _ in live:
-        decision.reservation.finish()
+    for exchange in live:
+        exchange.end()
     assert all(value == (0, 0) for value in router.loads.snapshot().values())
 
 
@@ -228,34 +230,34 @@ def test_decision_path_never_raises_on_any_body(value):
         request = parse_request(orjson.dumps(value))
     except InvalidRequest:
         return
-    decision = router.query(request, FLEET, 0)
+    decision = router.begin(request, FLEET, 0).decision
     assert decision.backend in {A, B, C, D}
     decision.reservation.finish()
-    router.notify(request, decision.backend, 0)
+    router.learn(request, decision.backend, 0)
 
 
 def test_fallback_goes_least_loaded_and_reserves():
     router = make_router()
     held = [*occupy(router, A, 1), *occupy(router, C, 1), *occupy(router, D, 1)]
-    decision = router.fallback([*FLEET[:3], Backend(D, healthy=False)], 0)
+    decision = router.begin_unreadable([*FLEET[:3], Backend(D, healthy=False)]).decision
     assert (decision.label, decision.backend) == (Label.FALLBACK, B)
     assert router.loads.snapshot()[B] == (0, 1)
     decision.reservation.finish()
     for r in held:
         r.finish()
-    assert router.fallback([Backend(A, healthy=False)], 0).label == Label.NO_CANDIDATES
+    assert router.begin_unreadable([Backend(A, healthy=False)]).decision.label == Label.NO_CANDIDATES
 
 
 def test_reconfigure_keeps_the_index_unless_chains_change():
     router = make_router()
     serve(router, chat([], "s", "warm"), 0)
-    entries = router.index.entries()
+    entries = router.state()["index_entries"]
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", location_ttl_s=30, session_ttl_s=5))
-    assert router.index.entries() == entries and router.settings.location_ttl_s == 30
-    assert router.query(chat([], None, "warm"), FLEET, 1, reserve=False).label == Label.PREFIX_MATCH
+    assert router.state()["index_entries"] == entries and router.settings.location_ttl_s == 30
+    assert router.query(chat([], None, "warm"), FLEET, 1).label == Label.PREFIX_MATCH
     assert router.sessions.get("session:s", 10) is None  # the new session TTL applies at once
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
-    assert router.index.entries() == 0 and router.hasher.block_size == 256
+    assert router.state()["index_entries"] == 0 and router.hasher.block_size == 256
 
 
 def test_capacity_auto_sizes_each_backend_from_its_kv_cache():
@@ -274,10 +276,11 @@ def test_capacity_auto_sizes_each_backend_from_its_kv_cache():
 def test_new_prompts_avoid_the_backend_whose_cache_turns_over_fastest():
     router = make_router()
     for i in range(6):  # A has just taken in a lot of new prompt
-        router.index.learn([1000 + 100 * i + j for j in range(50)], A, 0)
-    picks = Counter(router.query(chat([], None, f"fresh {i}"), FLEET, 1, reserve=False).backend for i in range(12))
+        bulk = {"model": "m", "messages": [{"role": "user", "content": f"bulk {i} " + text(RNG, 3000)}]}
+        router.learn(parse_request(bulk), A, 0)
+    picks = Counter(router.query(chat([], None, f"fresh {i}"), FLEET, 1).backend for i in range(12))
     assert A not in picks
-    explained = router.query(chat([], None, "fresh"), FLEET, 1, reserve=False).explain()
+    explained = router.query(chat([], None, "fresh"), FLEET, 1).explain()
     assert {c["backend"]: c["churn"] for c in explained["candidates"]}[A] == 1.0
 
 
@@ -287,8 +290,8 @@ def test_settings_changes_keep_reported_capacities_right():
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", capacity_blocks=1000, churn_half_life_s=5))
     serve(router, chat([], None, "big"), 0, [Backend(A)])
     assert router.index.entries_by_backend()[A] == 4
-    router.index.learn([1, 2], B, 0)
-    assert router.index.churn(B, 5) == pytest.approx(1)  # the new half-life applies at once
+    added = router.learn(chat([], None, "small"), B, 0)
+    assert router.churn.rate(B, 5) == pytest.approx(added / 2)  # the new half-life applies at once
     router.remove_backend(A)  # down, then back: its reported size still holds
     serve(router, chat([], None, "big"), 1, [Backend(A)])
     assert router.index.entries_by_backend()[A] == 4

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import yaml
 
+from controller import crd
+from controller.crd import CRD_FILES
+from extproc.cli import parser
 from extproc.core.settings import Settings
+from extproc.runtime import config
+from extproc.runtime.config import settings_reference
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -27,7 +37,7 @@ def test_bad_settings_are_rejected(bad):
 
 
 def test_every_setting_is_documented():
-    docs = Settings.docs()
+    docs = Settings.help()
     assert docs and all(len(doc) > 10 for doc in docs.values())
 
 
@@ -42,7 +52,51 @@ def test_default_key_is_random_per_process():
     assert Settings().hash_key != Settings().hash_key
 
 
-def test_readme_documents_every_setting():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    missing = [name for name in Settings.docs() if f"| `{name}` |" not in readme]
-    assert not missing
+def test_settings_reference_is_generated_from_the_declarations():
+    committed = (ROOT / "docs" / "settings.md").read_text()
+    assert committed == settings_reference(), "stale: python -m extproc.runtime.config > docs/settings.md"
+
+
+def test_every_setting_has_a_flag_and_an_environment_variable():
+    flags = parser().parse_args(["extproc"])
+    for f in fields(Settings):
+        assert hasattr(flags, "routing_" + f.name)
+    environ = {"KVROUTE_" + f.name.upper(): "8" for f in fields(Settings) if f.type in ("int", "float")}
+    loaded = config.load(None, environ).routing
+    assert all(getattr(loaded, f.name) == 8 for f in fields(Settings) if f.type in ("int", "float"))
+
+
+def test_crd_files_are_generated_and_identical():
+    for path in CRD_FILES:
+        assert path.read_text() == crd.render(), f"{path} is stale: python -m controller.crd"
+
+
+def test_crd_routing_schema_matches_every_policy_setting():
+    schema = yaml.safe_load(CRD_FILES[0].read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    routing = schema["properties"]["spec"]["properties"]["routing"]["properties"]
+    declared = {f.metadata["policy"]: f for f in fields(Settings) if f.metadata["policy"]}
+    assert set(routing) == set(declared)
+    for key, f in declared.items():
+        bounds = f.metadata["bounds"]
+        prop = routing[key]
+        number = prop["anyOf"][0] if "anyOf" in prop else prop
+        if bounds is not None:
+            assert number["minimum"] == bounds.minimum, key
+            assert number.get("exclusiveMinimum", False) == bounds.exclusive_minimum, key
+            assert number.get("maximum") == bounds.maximum, key
+            assert number.get("multipleOf") == bounds.multiple_of, key
+
+
+@pytest.mark.parametrize("key", [f.metadata["policy"] for f in fields(Settings) if f.metadata["policy"]])
+def test_every_policy_field_reaches_its_setting(key):
+    value = {"sessionHeaders": ["X-Conversation"], "capacityBlocks": 77}.get(key, 8)
+    changes, unknown = crd.routing_changes({key: value})
+    assert not unknown
+    settings = dataclasses.replace(Settings(), **changes)
+    name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
+    assert getattr(settings, name) == {"session_headers": ("x-conversation",), "capacity_blocks": 77}.get(name, 8)
+
+
+def test_hash_key_is_never_read_from_a_policy():
+    assert crd.routing_changes({"hashKey": "00" * 16}) == ({}, ["hashKey"])
+    assert crd.routing_changes({"capacityBlocks": "auto"})[0] == {"capacity_auto": True}

@@ -1,7 +1,16 @@
-"""Admin HTTP port: metrics, probes, state, and query/notify for gateways other than Envoy."""
+"""Admin HTTP port: metrics, probes, state, and the request lifecycle for gateways other than Envoy.
+
+    POST /v1/query    {"body", "headers"?, "dry_run"?}  -> the decision, and a lease holding its load
+    POST /v1/notify   {"lease", "backend", "status"?}   -> the response started there (learn on 2xx)
+    POST /v1/release  {"lease"}                         -> the request ended: its load is released
+Leases end by themselves `lease_ttl_s` after they were opened. A dry run reserves nothing and is
+not counted as a decision. `/v1/notify` with {"body", "headers"?, "backend"} and no lease teaches
+the index directly (a gateway that routed on its own).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,10 +20,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.core.errors import InvalidRequest
+from extproc.core.leases import LeaseTable
 from extproc.core.request import PromptRequest, parse_request
-from extproc.core.router import Router
-from extproc.kube.follower import PolicyFollower
+from extproc.core.router import ResponseStart, Router
 from extproc.runtime.metrics import Metrics
+from extproc.runtime.policy_state import PolicyState
 from extproc.runtime.pool import BackendPool
 
 
@@ -30,14 +40,16 @@ class Admin:
         router: Router,
         pool: BackendPool,
         metrics: Metrics,
-        follower: PolicyFollower | None = None,
+        policy: PolicyState | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lease_ttl_s: float = 300.0,
     ) -> None:
         self._router = router
         self._pool = pool
         self._metrics = metrics
-        self._follower = follower
+        self._policy = policy
         self._clock = clock
+        self.leases = LeaseTable(lease_ttl_s)
         self.serving = False
 
     def app(self) -> web.Application:
@@ -48,6 +60,7 @@ class Admin:
         app.router.add_get("/debug/state", self.state)
         app.router.add_post("/v1/query", self.query)
         app.router.add_post("/v1/notify", self.notify)
+        app.router.add_post("/v1/release", self.release)
         return app
 
     async def metrics(self, _request: web.Request) -> web.Response:
@@ -65,8 +78,10 @@ class Admin:
         if self._pool.healthy_count() == 0:
             problems.append("no healthy backend")
         warnings = []
-        if self._follower is not None and not self._follower.connected:
-            warnings.append(f"policy watch down ({self._follower.last_error}); routing with the last known backends")
+        if self._policy is not None and not self._policy.connected:
+            warnings.append(f"policy watch down ({self._policy.last_error}); routing with the last known backends")
+        if self._policy is not None and self._policy.unknown_fields:
+            warnings.append(f"policy spec.routing fields ignored: {', '.join(self._policy.unknown_fields)}")
         body = {"ready": not problems, "problems": problems, "warnings": warnings}
         return _json(body, 503 if problems else 200)
 
@@ -79,47 +94,92 @@ class Admin:
                     {"address": b.address, "healthy": b.healthy, "models": sorted(b.models)}
                     for b in self._pool.backends
                 ],
-                "settings": {name: getattr(settings, name) for name in settings.docs() if name != "hash_key"},
+                "settings": {name: getattr(settings, name) for name in settings.help() if name != "hash_key"},
+                "open_leases": len(self.leases),
                 "policy": None
-                if self._follower is None
+                if self._policy is None
                 else {
-                    "name": f"{self._follower.namespace}/{self._follower.name}",
-                    "connected": self._follower.connected,
-                    "generation": self._follower.generation,
-                    "last_error": self._follower.last_error,
+                    "name": self._policy.name,
+                    "connected": self._policy.connected,
+                    "generation": self._policy.generation,
+                    "last_error": self._policy.last_error,
+                    "unknown_fields": self._policy.unknown_fields,
                 },
             }
         )
 
-    async def _read(self, request: web.Request) -> tuple[dict[str, Any], PromptRequest]:
-        """{"body": <request object or JSON text>, "headers": {...}} -> parsed request, or a 400."""
+    def _bad_request(self, message: str) -> web.HTTPBadRequest:
+        self._metrics.errors.labels("invalid_request").inc()
+        return web.HTTPBadRequest(text=orjson.dumps({"error": message}).decode(), content_type="application/json")
+
+    async def _payload(self, request: web.Request) -> dict[str, Any]:
+        """The JSON object posted, or a 400; expired leases are ended first."""
+        self.leases.expire(self._clock())
         try:
             payload = orjson.loads(await request.read())
-            if not isinstance(payload, dict) or "body" not in payload:
+        except orjson.JSONDecodeError as exc:
+            raise self._bad_request(str(exc)) from None
+        if not isinstance(payload, dict):
+            raise self._bad_request("expected a JSON object")
+        return payload
+
+    def _prompt(self, payload: dict[str, Any]) -> PromptRequest:
+        """{"body": <request object or JSON text>, "headers": {...}} -> parsed request, or a 400."""
+        try:
+            if "body" not in payload:
                 raise InvalidRequest('expected {"body": ..., "headers": {...}}')
             headers = {str(k).lower(): str(v) for k, v in (payload.get("headers") or {}).items()}
             body = payload["body"]
             raw = body.encode() if isinstance(body, str) else body
-            return payload, parse_request(raw, headers, self._router.settings.session_headers)
-        except (orjson.JSONDecodeError, InvalidRequest, AttributeError) as exc:
-            self._metrics.errors.labels("invalid_request").inc()
-            raise web.HTTPBadRequest(
-                text=orjson.dumps({"error": str(exc)}).decode(), content_type="application/json"
-            ) from None
+            return parse_request(raw, headers, self._router.settings.session_headers)
+        except (InvalidRequest, AttributeError) as exc:
+            raise self._bad_request(str(exc)) from None
 
     async def query(self, request: web.Request) -> web.Response:
-        """Decide without reserving: the caller routes, then reports success via /v1/notify."""
-        _, parsed = await self._read(request)
-        decision = self._router.query(parsed, self._pool.backends, self._clock(), reserve=False)
-        self._metrics.decisions.labels(decision.label.value).inc()
-        return _json(decision.explain())
+        """Decide; unless a dry run, reserve the load and hold it under a lease."""
+        payload = await self._payload(request)
+        parsed = self._prompt(payload)
+        if payload.get("dry_run"):
+            return _json(self._router.query(parsed, self._pool.backends, self._clock()).explain())
+        if self.leases.full():
+            return _json({"error": "too many open leases; release or let them expire"}, 503)
+        exchange = self._router.begin(parsed, self._pool.backends, self._clock())
+        answer = exchange.decision.explain()
+        if exchange.decision.backend is None:
+            exchange.end()
+        else:
+            answer["lease"] = self.leases.open(exchange, self._clock())
+        return _json(answer)
 
     async def notify(self, request: web.Request) -> web.Response:
-        """{"body", "headers", "backend"}: that known backend now holds this prompt."""
-        payload, parsed = await self._read(request)
+        """The response started on `backend` (a known one): 2xx teaches the index."""
+        payload = await self._payload(request)
         backend = payload.get("backend")
         if not isinstance(backend, str) or not self._pool.is_known(backend):
             return _json({"error": f"unknown backend {backend!r}"}, 400)
-        self._router.notify(parsed, backend, self._clock())
-        self._metrics.learned.inc()
-        return _json({"backend": backend, "learned_blocks": len(self._router.chain_of(parsed))})
+        if "lease" not in payload:
+            learned = self._router.learn(self._prompt(payload), backend, self._clock())
+            return _json({"backend": backend, "learned_blocks": learned})
+        exchange = self.leases.get(str(payload["lease"]))
+        if exchange is None:
+            return _json({"error": "no such lease (released or expired)"}, 404)
+        status = payload.get("status", 200)
+        if not isinstance(status, int):
+            raise self._bad_request("status must be an integer")
+        outcome = self._router.response_started(
+            exchange, ResponseStart(upstream=backend, known=True, status=status, from_upstream=True), self._clock()
+        )
+        return _json({"backend": outcome.served, "learned": outcome.learned, "headers": dict(outcome.headers)})
+
+    async def release(self, request: web.Request) -> web.Response:
+        """The request ended: release its load (idempotent: a second release is a 404)."""
+        payload = await self._payload(request)
+        if self.leases.close(str(payload.get("lease"))) is None:
+            return _json({"error": "no such lease (released or expired)"}, 404)
+        return _json({"released": True})
+
+    async def expire_forever(self, interval_s: float) -> None:
+        """End leases whose gateway never came back, even when no API call arrives."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.leases.expire(self._clock())

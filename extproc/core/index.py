@@ -1,7 +1,8 @@
 """Location index: which backend holds which block of which prefix, and since when.
 
-Behind the small `LocationIndex` interface so a shared index for several router replicas can
-replace the in-process one later. The in-process index keeps one LRU map per backend
+Behind the small `LocationIndex` interface so a precise or shared index can replace the
+in-process one; capacity is a separate, optional interface (`BoundedIndex`) and cache turnover is
+measured outside the index (churn.py). The in-process index keeps one LRU map per backend
 (block hash -> last seen): a backend's KV cache is finite and evicts, so must our picture of it.
 A lookup walks the chain on each candidate only until the first miss, so its cost depends on
 the chain and the number of candidates, never on the index size.
@@ -11,72 +12,58 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class LocationIndex(Protocol):
-    """What the router needs from an index of (block hash, backend) locations."""
+    """What the router needs from an index of (block hash, backend) locations. Small on purpose:
+    an in-process LRU, a precise index fed by engine events or a shared one can each stand here."""
 
     def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
         """For each backend, how many leading blocks of the chain it holds (fresh entries only)."""
         ...
 
-    def learn(self, chain: Sequence[int], backend: str, now: float) -> None:
-        """Record that the backend now holds every block of the chain."""
+    def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
+        """Record that the backend now holds every block of the chain; return how many were new."""
         ...
 
     def remove_backend(self, backend: str) -> None:
         """Forget everything about a backend at once."""
         ...
 
-    def configure(
-        self, ttl_s: float, capacity_blocks: int, churn_half_life_s: float, capacities: Mapping[str, int]
-    ) -> None:
-        """Apply new limits live: TTL, default capacity, churn half-life and per-backend capacities."""
+    def entries_by_backend(self) -> dict[str, int]:
+        """Locations held per backend (its size)."""
+        ...
+
+
+@runtime_checkable
+class BoundedIndex(Protocol):
+    """An index that models each backend's finite cache itself (LocalIndex): the router sizes it."""
+
+    def configure(self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int]) -> None:
+        """Apply new limits live: TTL, default capacity and per-backend capacities."""
         ...
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         """Size one backend's capacity from what it reports about its KV cache."""
         ...
 
-    def vacuum(self, now: float) -> int:
-        """Drop expired locations; return how many went."""
-        ...
-
-    def entries(self) -> int:
-        """Number of (block, backend) locations held."""
-        ...
-
-    def entries_by_backend(self) -> dict[str, int]:
-        """Locations held per backend."""
-        ...
-
-    def churn(self, backend: str, now: float) -> float:
-        """Blocks newly placed on the backend lately (exponentially decayed): how fast its cache
-        turns over, so how much a new prompt there will evict."""
-        ...
-
 
 class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity."""
 
-    __slots__ = ("_backends", "_capacities", "_capacity", "_churn", "_half_life", "_next_vacuum", "_ttl")
+    __slots__ = ("_backends", "_capacities", "_capacity", "_next_vacuum", "_ttl")
 
-    def __init__(self, ttl_s: float, capacity_blocks: int, churn_half_life_s: float = 60.0) -> None:
+    def __init__(self, ttl_s: float, capacity_blocks: int) -> None:
         self._ttl = ttl_s
         self._capacity = capacity_blocks
-        self._half_life = churn_half_life_s
-        self._churn: dict[str, tuple[float, float]] = {}  # backend -> (decayed new blocks, as of)
         self._capacities: dict[str, int] = {}
         self._backends: dict[str, OrderedDict[int, float]] = {}
         self._next_vacuum = float("inf")
 
-    def configure(
-        self, ttl_s: float, capacity_blocks: int, churn_half_life_s: float, capacities: Mapping[str, int]
-    ) -> None:
+    def configure(self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int]) -> None:
         self._ttl = ttl_s
         self._capacity = capacity_blocks
-        self._half_life = churn_half_life_s
         self._capacities = dict(capacities)
         self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
         for backend, blocks in self._backends.items():
@@ -109,7 +96,7 @@ class LocalIndex:
             matched[backend] = count
         return matched
 
-    def learn(self, chain: Sequence[int], backend: str, now: float) -> None:
+    def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
         blocks = self._backends.get(backend)
         if blocks is None:
             blocks = self._backends[backend] = OrderedDict()
@@ -119,14 +106,14 @@ class LocalIndex:
         for block in reversed(chain):
             blocks[block] = now
             blocks.move_to_end(block)
-        self._churn[backend] = (self.churn(backend, now) + len(blocks) - held, now)
+        added = len(blocks) - held
         self._trim(blocks, self._capacities.get(backend, self._capacity))
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
+        return added
 
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
-        self._churn.pop(backend, None)
 
     def vacuum(self, now: float) -> int:
         """Pop expired entries from the old end of each LRU; each entry is popped at most once."""
@@ -144,12 +131,5 @@ class LocalIndex:
         self._next_vacuum = oldest + self._ttl
         return removed
 
-    def entries(self) -> int:
-        return sum(len(blocks) for blocks in self._backends.values())
-
     def entries_by_backend(self) -> dict[str, int]:
         return {backend: len(blocks) for backend, blocks in self._backends.items()}
-
-    def churn(self, backend: str, now: float) -> float:
-        value, since = self._churn.get(backend, (0.0, now))
-        return value * 0.5 ** (max(0.0, now - since) / self._half_life)

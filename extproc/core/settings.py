@@ -1,4 +1,9 @@
-"""Routing settings: every knob with its name, default and a one-line reason."""
+"""Routing settings, each declared once: name, type, default, bounds, help and policy field.
+
+Everything else is derived from these declarations: validation here, the config file /
+environment / flag layer (extproc/runtime/config.py) and docs/settings.md, the KVRoutingPolicy `spec.routing` fields
+the follower accepts and the CRD schema for them (controller/crd.py).
+"""
 
 from __future__ import annotations
 
@@ -7,100 +12,129 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-def _doc(text: str) -> dict[str, str]:
-    return {"doc": text}
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Inclusive or exclusive limits of a numeric setting (None: unbounded on that side)."""
+
+    minimum: float | None = None
+    exclusive_minimum: bool = False
+    maximum: float | None = None
+    multiple_of: int | None = None
+
+    def check(self, name: str, value: float) -> None:
+        if self.minimum is not None:
+            low = value <= self.minimum if self.exclusive_minimum else value < self.minimum
+            if low:
+                word = "greater than" if self.exclusive_minimum else "at least"
+                raise ValueError(f"{name} must be {word} {self.minimum}, got {value}")
+        if self.maximum is not None and value > self.maximum:
+            raise ValueError(f"{name} must be at most {self.maximum}, got {value}")
+        if self.multiple_of is not None and value % self.multiple_of:
+            raise ValueError(f"{name} must be a multiple of {self.multiple_of}, got {value}")
+
+
+POSITIVE = Bounds(minimum=0, exclusive_minimum=True)
+NON_NEGATIVE = Bounds(minimum=0)
+
+
+def _setting(default: Any, text: str, bounds: Bounds | None = None, policy: str | None = None, **kw: Any) -> Any:
+    """One declared setting. `policy` names its KVRoutingPolicy spec.routing field, if exposed."""
+    metadata = {"help": text, "bounds": bounds, "policy": policy}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     """All routing settings. Validated on construction so a bad config fails at start-up."""
 
-    block_size: int = field(
-        default=512,
-        metadata=_doc("Bytes of canonical prompt per block (multiple of 8); ~128 tokens, vLLM's CPU KV block."),
+    block_size: int = _setting(
+        512,
+        "Bytes of canonical prompt per block (multiple of 8); ~128 tokens, vLLM's CPU KV block.",
+        Bounds(minimum=8, maximum=1 << 20, multiple_of=8),
+        "blockSize",
     )
-    hash_key: bytes = field(
-        default_factory=lambda: os.urandom(16),
-        metadata=_doc(
-            "16-byte SipHash key; set it explicitly so replicas agree, keep it secret so hashes can't be forged."
-        ),
+    hash_key: bytes = _setting(
+        lambda: os.urandom(16),
+        "16-byte SipHash key (hex in files and flags); set it explicitly so replicas agree, keep it secret "
+        "so hashes can't be forged. Never read from a policy.",
     )
-    location_ttl_s: float = field(
-        default=600.0, metadata=_doc("Seconds a learned (block, backend) location is trusted without being seen again.")
+    location_ttl_s: float = _setting(
+        600.0,
+        "Seconds a learned (block, backend) location is trusted without being seen again.",
+        POSITIVE,
+        "locationTTLSeconds",
     )
-    capacity_blocks: int = field(
-        default=8192,
-        metadata=_doc(
-            "Blocks remembered per backend (LRU); set to the backend's KV capacity in tokens / tokens per block."
-        ),
+    capacity_blocks: int = _setting(
+        8192,
+        "Blocks remembered per backend (LRU) until the backend reports its KV size; in a policy, a number "
+        'or "auto" (capacity_auto).',
+        Bounds(minimum=1),
+        "capacityBlocks",
     )
-    session_ttl_s: float = field(default=3600.0, metadata=_doc("Seconds a session binding lives after its last use."))
-    session_capacity: int = field(default=100_000, metadata=_doc("Session bindings kept (LRU beyond this)."))
-    active_request_cost: float = field(
-        default=4.0, metadata=_doc("Load of one in-flight request, in blocks of prefill it is worth.")
+    session_ttl_s: float = _setting(
+        3600.0, "Seconds a session binding lives after its last use.", POSITIVE, "sessionTTLSeconds"
     )
-    balance_abs_gate: float = field(
-        default=32.0,
-        metadata=_doc("A session's backend is overloaded only if its load exceeds the least loaded by this much..."),
+    session_capacity: int = _setting(
+        100_000, "Session bindings kept (LRU beyond this).", Bounds(minimum=1), "sessionCapacity"
     )
-    balance_rel_gate: float = field(
-        default=1.5, metadata=_doc("...and is more than this multiple of the least loaded backend's load.")
+    active_request_cost: float = _setting(
+        4.0, "Load of one in-flight request, in blocks of prefill it is worth.", NON_NEGATIVE, "activeRequestCost"
     )
-    prefix_stick_ratio: float = field(
-        default=0.5,
-        metadata=_doc("A request stays on a backend holding this share of its prompt unless past the balance gates."),
+    balance_abs_gate: float = _setting(
+        32.0,
+        "A session's backend is overloaded only if its load exceeds the least loaded by this much...",
+        NON_NEGATIVE,
+        "balanceAbsGate",
     )
-    eviction_cost_weight: float = field(
-        default=3.0,
-        metadata=_doc(
-            "Extra cost per novel block times the backend's recent cache turnover: new prompts evict least there."
-        ),
+    balance_rel_gate: float = _setting(
+        1.5, "...and is more than this multiple of the least loaded backend's load.", POSITIVE, "balanceRelGate"
     )
-    churn_half_life_s: float = field(
-        default=60.0, metadata=_doc("Half-life of the recent-turnover count behind eviction_cost_weight.")
+    prefix_stick_ratio: float = _setting(
+        0.5,
+        "A request stays on a backend holding this share of its prompt unless past the balance gates.",
+        POSITIVE,
+        "prefixStickRatio",
     )
-    session_headers: tuple[str, ...] = field(
-        default=("x-session-id",),
-        metadata=_doc("Request headers naming a conversation, tried in order before the body's session ids."),
+    eviction_cost_weight: float = _setting(
+        3.0,
+        "Extra cost per novel block times the backend's recent cache turnover: new prompts evict least there.",
+        NON_NEGATIVE,
+        "evictionCostWeight",
     )
-    capacity_auto: bool = field(
-        default=True,
-        metadata=_doc("Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."),
+    churn_half_life_s: float = _setting(
+        60.0, "Half-life of the recent-turnover count behind eviction_cost_weight.", POSITIVE, "churnHalfLifeSeconds"
     )
-    new_session_load_weight: float = field(
-        default=2.0,
-        metadata=_doc(
-            "Load multiplier when placing a bootstrap request: it decides where a whole conversation will live."
-        ),
+    session_headers: tuple[str, ...] = _setting(
+        ("x-session-id",),
+        "Request headers naming a conversation, tried in order before the body's session ids.",
+        policy="sessionHeaders",
+    )
+    capacity_auto: bool = _setting(
+        True, "Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."
+    )
+    new_session_load_weight: float = _setting(
+        2.0,
+        "Load multiplier when placing a bootstrap request: it decides where a whole conversation will live.",
+        NON_NEGATIVE,
+        "newSessionLoadWeight",
     )
 
     def __post_init__(self) -> None:
-        if self.block_size < 8 or self.block_size % 8:
-            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+        for f in fields(self):
+            bounds = f.metadata["bounds"]
+            if bounds is not None:
+                bounds.check(f.name, getattr(self, f.name))
         if len(self.hash_key) != 16:
             raise ValueError("hash_key must be exactly 16 bytes")
-        positive = (
-            "location_ttl_s",
-            "capacity_blocks",
-            "session_ttl_s",
-            "session_capacity",
-            "balance_rel_gate",
-            "churn_half_life_s",
-            "prefix_stick_ratio",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not all(isinstance(h, str) and h for h in self.session_headers):
             raise ValueError("session_headers must be non-empty header names")
-        for name in ("active_request_cost", "balance_abs_gate", "new_session_load_weight", "eviction_cost_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
     @classmethod
-    def docs(cls) -> dict[str, str]:
-        """Setting name -> one-line description, for the README and `--help`."""
-        return {f.name: f.metadata["doc"] for f in fields(cls)}
+    def help(cls) -> dict[str, str]:
+        """Setting name -> one-line description."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> Settings:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy.processor import DESTINATION_HEADER
+from extproc.envoy.headers import DESTINATION_HEADER
 
 BODY_LIMIT = 32 * 1024 * 1024
 _TYPES = "type.googleapis.com/envoy."

@@ -1,9 +1,9 @@
 """The Envoy external processor: one gRPC stream per HTTP request.
 
-request headers -> (LLM path?) -> buffered body -> routing core decision -> destination header;
-response headers -> learn (2xx from the upstream) and release the prefill reservation, add the
-decision headers; stream end (completion, error, client abort, Envoy timeout) -> release the
-rest, exactly once, from the gRPC done callback.
+A translator between Envoy's protobuf messages and the core's request lifecycle:
+request headers -> (LLM path?) -> buffered body -> Router.begin -> destination header;
+response headers -> Router.response_started (the core decides what to learn and which headers
+to add); stream end -> Exchange.end, exactly once, from the gRPC done callback.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 
-from extproc.core.decision import Decision
 from extproc.core.errors import InvalidRequest
-from extproc.core.request import PromptRequest, parse_request
-from extproc.core.router import Router
+from extproc.core.request import parse_request
+from extproc.core.router import Exchange, ResponseStart, Router
+from extproc.envoy.headers import DESTINATION_HEADER
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
@@ -27,7 +27,6 @@ from extproc.runtime.pool import BackendPool
 log = logging.getLogger(__name__)
 
 LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
 _OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 # Replies without per-request content are built once.
@@ -40,7 +39,11 @@ _STRIP_HEADERS = pb.ProcessingResponse(
 _PASS_THROUGH = pb.ProcessingMode(request_body_mode=pb.ProcessingMode.NONE, response_header_mode=pb.ProcessingMode.SKIP)
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-_OTHER_REPLIES = {
+# The empty reply to each kind of message: Envoy expects the reply to match what it sent.
+_CONTINUE = {
+    "request_headers": _CONTINUE_HEADERS,
+    "request_body": _CONTINUE_BODY,
+    "response_headers": _CONTINUE_RESPONSE_HEADERS,
     "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
     "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
     "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
@@ -64,21 +67,20 @@ def _attribute(message: pb.ProcessingRequest, name: str) -> str | None:
     return None
 
 
-class Exchange:
-    """One HTTP request's routing state across its stream."""
+class Stream:
+    """One HTTP request's state across its gRPC stream: its headers, then the core's exchange."""
 
-    __slots__ = ("decision", "headers", "request", "routed")
+    __slots__ = ("exchange", "headers", "routed")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
-        self.request: PromptRequest | None = None
-        self.decision: Decision | None = None
+        self.exchange: Exchange | None = None
         self.routed = False
 
     def close(self, _context: Any = None) -> None:
-        """The stream ended, however it ended: release whatever the request still holds."""
-        if self.decision is not None and self.decision.reservation is not None:
-            self.decision.reservation.finish()
+        """The stream ended, however it ended (completion, error, client abort, Envoy timeout)."""
+        if self.exchange is not None:
+            self.exchange.end()
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
@@ -95,28 +97,29 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        exchange = Exchange()
-        context.add_done_callback(exchange.close)
+        stream = Stream()
+        context.add_done_callback(stream.close)
         async for message in request_iterator:
-            yield self.handle(message, exchange)
+            yield self.handle(message, stream)
 
-    def handle(self, message: pb.ProcessingRequest, exchange: Exchange) -> pb.ProcessingResponse:
-        """One reply per message; a failure here never stops the request, it only skips routing."""
+    def handle(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
+        """One reply per message, of the message's own kind; a failure here never stops the
+        request, it only skips routing."""
         kind = message.WhichOneof("request")
         try:
             if kind == "request_headers":
-                return self._on_request_headers(message.request_headers, exchange)
+                return self._on_request_headers(message.request_headers, stream)
             if kind == "request_body":
-                return self._on_request_body(message.request_body, exchange)
+                return self._on_request_body(message.request_body, stream)
             if kind == "response_headers":
-                return self._on_response_headers(message, exchange)
+                return self._on_response_headers(message, stream)
         except Exception:
             log.exception("ext_proc failed on %s; the request continues unrouted", kind)
             self._metrics.errors.labels("internal").inc()
-        return _OTHER_REPLIES.get(kind, _CONTINUE_BODY if kind == "request_body" else _CONTINUE_HEADERS)
+        return _CONTINUE[kind]
 
-    def _on_request_headers(self, message: pb.HttpHeaders, exchange: Exchange) -> pb.ProcessingResponse:
-        headers = exchange.headers = _headers(message)
+    def _on_request_headers(self, message: pb.HttpHeaders, stream: Stream) -> pb.ProcessingResponse:
+        headers = stream.headers = _headers(message)
         spoofed = DESTINATION_HEADER in headers
         if spoofed:
             self._metrics.errors.labels("client_destination_header").inc()
@@ -128,31 +131,34 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return response
         if message.end_of_stream:
             self._metrics.errors.labels("empty_body").inc()
-            response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._route(exchange, b"")))
-            return response
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._route(stream, None)))
         return _STRIP_HEADERS if spoofed else _CONTINUE_HEADERS
 
-    def _on_request_body(self, message: pb.HttpBody, exchange: Exchange) -> pb.ProcessingResponse:
-        if exchange.routed or not exchange.headers:
+    def _on_request_body(self, message: pb.HttpBody, stream: Stream) -> pb.ProcessingResponse:
+        if stream.routed or not stream.headers:
             return _CONTINUE_BODY
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=self._route(exchange, message.body)))
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=self._route(stream, message.body)))
 
-    def _route(self, exchange: Exchange, body: bytes) -> pb.CommonResponse:
-        """Body -> decision -> destination header. Unreadable bodies go least loaded (fail-open)."""
-        exchange.routed = True
+    def _route(self, stream: Stream, body: bytes | None) -> pb.CommonResponse:
+        """Body -> exchange -> destination header. A missing or unreadable body goes least loaded
+        (fail-open), counted once under its own kind."""
+        stream.routed = True
         started = time.perf_counter()
-        now = self._clock()
         backends = self._pool.backends
-        try:
-            exchange.request = parse_request(body, exchange.headers, self._router.settings.session_headers)
-            decision = self._router.query(exchange.request, backends, now)
-        except InvalidRequest as exc:
-            log.info("unroutable body (%s), request %s routed least loaded", exc, exchange.headers.get("x-request-id"))
-            self._metrics.errors.labels("invalid_request").inc()
-            decision = self._router.fallback(backends, now)
-        exchange.decision = decision
+        exchange = None
+        if body is not None:
+            try:
+                request = parse_request(body, stream.headers, self._router.settings.session_headers)
+                exchange = self._router.begin(request, backends, self._clock())
+            except InvalidRequest as exc:
+                request_id = stream.headers.get("x-request-id")
+                log.info("unroutable body (%s), request %s routed least loaded", exc, request_id)
+                self._metrics.errors.labels("invalid_request").inc()
+        if exchange is None:
+            exchange = self._router.begin_unreadable(backends)
+        stream.exchange = exchange
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
-        self._metrics.decisions.labels(decision.label.value).inc()
+        decision = exchange.decision
         mutation = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
         if decision.backend is not None:
             target = decision.backend if decision.second is None else f"{decision.backend},{decision.second}"
@@ -160,32 +166,24 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             mutation.set_headers.append(_header(DESTINATION_HEADER, target))
         return pb.CommonResponse(header_mutation=mutation)
 
-    def _on_response_headers(self, message: pb.ProcessingRequest, exchange: Exchange) -> pb.ProcessingResponse:
-        decision = exchange.decision
-        if decision is None:
+    def _on_response_headers(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
+        """Translate Envoy's view of the response start for the core, and its answer back."""
+        if stream.exchange is None:
             return _CONTINUE_RESPONSE_HEADERS
-        if decision.reservation is not None:
-            decision.reservation.release_prefill()
         status = _headers(message.response_headers).get(":status", "")
         details = _attribute(message, "response.code_details") or ""
         upstream = _attribute(message, "upstream.address") or ""
-        served = upstream if self._pool.is_known(upstream) else None
-        if served and status.startswith("2") and details == "via_upstream" and exchange.request is not None:
-            self._router.notify(exchange.request, served, self._clock())
-            self._metrics.learned.inc()
-        elif served and "connection_failure" in details:
-            self._pool.mark_refused(served)
-        if served and served != decision.backend:
-            self._metrics.rerouted.inc()
-        backend = served or decision.backend or ""
-        matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
-        mutation = pb.HeaderMutation(
-            set_headers=[
-                _header("x-kvroute-decision", decision.label.value),
-                _header("x-kvroute-backend", backend),
-                _header("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
-            ]
+        start = ResponseStart(
+            upstream=upstream,
+            known=self._pool.is_known(upstream),
+            status=int(status) if status.isdigit() else 0,
+            from_upstream=details == "via_upstream",
+            connect_failed="connection_failure" in details,
         )
+        outcome = self._router.response_started(stream.exchange, start, self._clock())
+        if outcome.refused:
+            self._pool.mark_refused(outcome.served)
+        mutation = pb.HeaderMutation(set_headers=[_header(key, value) for key, value in outcome.headers])
         return pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
         )

@@ -16,54 +16,21 @@ from typing import Any
 
 from kubernetes_asyncio import client, config, watch
 
+from controller.crd import GROUP, PLURAL, VERSION, ready_backends, routing_changes
 from extproc.core.backends import Backend, parse_address
 from extproc.core.router import Router
 from extproc.core.settings import Settings
+from extproc.runtime.policy_state import PolicyState
 from extproc.runtime.pool import BackendPool
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "kvroute.io", "v1alpha1", "kvroutingpolicies"
-# spec.routing field -> Settings field. The SipHash key is a secret: never read from the policy.
-ROUTING_FIELDS = {
-    "blockSize": "block_size",
-    "locationTTLSeconds": "location_ttl_s",
-    "sessionTTLSeconds": "session_ttl_s",
-    "sessionCapacity": "session_capacity",
-    "activeRequestCost": "active_request_cost",
-    "balanceAbsGate": "balance_abs_gate",
-    "balanceRelGate": "balance_rel_gate",
-    "newSessionLoadWeight": "new_session_load_weight",
-    "evictionCostWeight": "eviction_cost_weight",
-    "prefixStickRatio": "prefix_stick_ratio",
-    "churnHalfLifeSeconds": "churn_half_life_s",
-}
 RETRY_S = 2.0
 
 
 def backends_from_status(status: Mapping[str, Any] | None) -> list[Backend]:
     """The ready backends the operator published."""
-    out = []
-    for item in (status or {}).get("backends") or []:
-        if item.get("ready") and item.get("ip") and item.get("port"):
-            address = parse_address(f"{item['ip']}:{item['port']}")
-            out.append(Backend(address, frozenset(item.get("models") or ())))
-    return out
-
-
-def settings_from_spec(routing: Mapping[str, Any] | None, base: Settings) -> Settings:
-    """The process's settings with the policy's routing fields laid over them (validated)."""
-    routing = routing or {}
-    changes: dict[str, Any] = {ROUTING_FIELDS[k]: v for k, v in routing.items() if k in ROUTING_FIELDS}
-    capacity = routing.get("capacityBlocks")
-    if capacity == "auto":
-        changes["capacity_auto"] = True
-    elif capacity is not None:
-        changes["capacity_blocks"] = int(capacity)
-        changes["capacity_auto"] = False
-    if "sessionHeaders" in routing:
-        changes["session_headers"] = tuple(h.lower() for h in routing["sessionHeaders"])
-    return dataclasses.replace(base, **changes)
+    return [Backend(parse_address(f"{ip}:{port}"), frozenset(models)) for ip, port, models in ready_backends(status)]
 
 
 class PolicyFollower:
@@ -75,9 +42,7 @@ class PolicyFollower:
         self._base = base
         self._router = router
         self._pool = pool
-        self.connected = False
-        self.last_error: str | None = None
-        self.generation = 0
+        self.state = PolicyState(f"{namespace}/{name}")
 
     def apply(self, event_type: str, policy: Mapping[str, Any]) -> None:
         """Apply one watch event (ADDED, MODIFIED, DELETED) for the followed policy."""
@@ -86,16 +51,21 @@ class PolicyFollower:
             self._pool.replace([])
             return
         try:
-            settings = settings_from_spec((policy.get("spec") or {}).get("routing"), self._base)
+            changes, unknown = routing_changes((policy.get("spec") or {}).get("routing"))
+            settings = dataclasses.replace(self._base, **changes)
             backends = backends_from_status(policy.get("status"))
         except (ValueError, TypeError) as exc:
-            self.last_error = f"policy rejected: {exc}"
+            self.state.last_error = f"policy rejected: {exc}"
             log.error("policy %s/%s not applied: %s", self.namespace, self.name, exc)
             return
+        if unknown != self.state.unknown_fields:
+            self.state.unknown_fields = unknown
+            if unknown:
+                log.warning("policy %s/%s: ignoring unknown spec.routing fields %s", self.namespace, self.name, unknown)
         if settings != self._router.settings:
             self._router.reconfigure(settings)
         self._pool.replace(backends)
-        self.generation = (policy.get("metadata") or {}).get("generation", 0)
+        self.state.generation = (policy.get("metadata") or {}).get("generation", 0)
 
     async def run(self, configuration: client.Configuration | None = None) -> None:
         """List then watch, forever; on any failure keep the last state and start over."""
@@ -109,7 +79,7 @@ class PolicyFollower:
                     )
                     items = listing.get("items") or []
                     self.apply("ADDED" if items else "DELETED", items[0] if items else {})
-                    self.connected, self.last_error = True, None
+                    self.state.connected, self.state.last_error = True, None
                     async with watch.Watch().stream(
                         objects.list_namespaced_custom_object,
                         GROUP,
@@ -127,9 +97,9 @@ class PolicyFollower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server is away or the watch broke: relist later
-                self.connected = False
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("policy watch failed (%s); routing with the last known backends", self.last_error)
+                self.state.connected = False
+                self.state.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("policy watch failed (%s); routing with the last known backends", self.state.last_error)
                 await asyncio.sleep(RETRY_S)
 
 

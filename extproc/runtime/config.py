@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,40 +19,35 @@ from typing import Any
 import yaml
 
 from extproc.core.backends import Backend, parse_address
-from extproc.core.settings import Settings
+from extproc.core.settings import Bounds, Settings
+
+
+def _key(default: Any, text: str) -> Any:
+    return field(default=default, metadata={"help": text})
 
 
 @dataclass(frozen=True, slots=True)
 class ExtProcConfig:
-    """Everything `kvroute extproc` needs to run."""
+    """Everything `kvroute extproc` needs to run; each process key declared once, with its help."""
 
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = 9002
-    admin_host: str = "127.0.0.1"
-    admin_port: int = 9003
-    backends: tuple[Backend, ...] = ()
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 1.0
-    unhealthy_after: int = 2
-    max_message_bytes: int = 64 * 1024 * 1024
-    log_level: str = "info"
-    policy: str = ""
+    grpc_host: str = _key("127.0.0.1", "ext_proc listen address")
+    grpc_port: int = _key(9002, "ext_proc gRPC port")
+    admin_host: str = _key("127.0.0.1", "admin HTTP listen address")
+    admin_port: int = _key(9003, "admin HTTP port: /metrics, /readyz, /v1/query...")
+    backends: tuple[Backend, ...] = _key((), "ip:port of each vLLM server (`--backend` repeatable; a list in YAML)")
+    health_interval_s: float = _key(2.0, "seconds between backend /health probes")
+    health_timeout_s: float = _key(1.0, "timeout of one probe")
+    unhealthy_after: int = _key(2, "failed probes before a backend is dropped")
+    max_message_bytes: int = _key(64 * 1024 * 1024, "largest gRPC message (request body) accepted")
+    lease_ttl_s: float = _key(300.0, "seconds a /v1/query lease holds its reservation if never released")
+    log_level: str = _key("info", "debug, info, warning, error")
+    policy: str = _key("", "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes)")
     routing: Settings = field(default_factory=Settings)
 
 
-_HELP = {
-    "grpc_host": "ext_proc listen address",
-    "grpc_port": "ext_proc gRPC port (default 9002)",
-    "admin_host": "admin HTTP listen address",
-    "admin_port": "admin HTTP port: /metrics, /readyz, /v1/query... (default 9003)",
-    "health_interval_s": "seconds between backend /health probes",
-    "health_timeout_s": "timeout of one probe",
-    "unhealthy_after": "failed probes before a backend is dropped",
-    "max_message_bytes": "largest gRPC message (request body) accepted",
-    "log_level": "debug, info, warning, error",
-    "policy": "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes)",
-}
 _PROCESS_KEYS = {f.name: f.type for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")}
+_DEFAULTS = {f.name: f.default for f in fields(ExtProcConfig) if f.name in _PROCESS_KEYS}
+_PROCESS_HELP = {f.name: f.metadata["help"] for f in fields(ExtProcConfig) if f.name != "routing"}
 _ROUTING_KEYS = {f.name for f in fields(Settings)}
 
 
@@ -105,12 +101,18 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for every key; unset flags leave lower layers alone."""
     parser.add_argument("--config", help="YAML config file (also KVROUTE_CONFIG)")
-    parser.add_argument("--backend", action="append", dest="backends", help="ip:port of a vLLM server (repeatable)")
+    parser.add_argument("--backend", action="append", dest="backends", help=_PROCESS_HELP["backends"])
     for key, kind in _PROCESS_KEYS.items():
-        parser.add_argument("--" + key.replace("_", "-"), dest=key, type=_CASTS[kind], default=None, help=_HELP[key])
+        parser.add_argument(
+            "--" + key.replace("_", "-"),
+            dest=key,
+            type=_CASTS[kind],
+            default=None,
+            help=f"{_PROCESS_HELP[key]} (default: {_default_text(_DEFAULTS[key])})",
+        )
     for f in fields(Settings):
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest="routing_" + f.name, type=_CASTS[f.type], help=f.metadata["doc"]
+            "--" + f.name.replace("_", "-"), dest="routing_" + f.name, type=_CASTS[f.type], help=f.metadata["help"]
         )
 
 
@@ -140,3 +142,62 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
     routing = Settings.from_mapping(values.pop("routing"))
     return ExtProcConfig(backends=backends, routing=routing, **values)
+
+
+def _bounds_text(bounds: Bounds | None) -> str:
+    if bounds is None:
+        return ""
+    parts = []
+    if bounds.minimum is not None:
+        parts.append(f"{'>' if bounds.exclusive_minimum else '>='} {bounds.minimum}")
+    if bounds.maximum is not None:
+        parts.append(f"<= {bounds.maximum}")
+    if bounds.multiple_of is not None:
+        parts.append(f"multiple of {bounds.multiple_of}")
+    return ", ".join(parts)
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ", ".join(value) or "none"
+    return "none" if value == "" else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def settings_reference() -> str:
+    """docs/settings.md, rendered from the declarations (a test fails if the file differs)."""
+    lines = [
+        "# Settings reference",
+        "",
+        "Generated from `extproc/core/settings.py` and `extproc/runtime/config.py` by",
+        "`python -m extproc.runtime.config > docs/settings.md`; tests/test_settings.py fails if it is stale.",
+        "",
+        "Layers, lowest first: defaults, a YAML file (`--config` or `KVROUTE_CONFIG`), `KVROUTE_*`",
+        "environment, flags. A KVRoutingPolicy's `spec.routing` is laid over the routing settings live.",
+        "",
+        "## Process",
+        "",
+        "| key (YAML) | environment | flag | default | what |",
+        "|---|---|---|---|---|",
+    ]
+    for name, text in _PROCESS_HELP.items():
+        flag = "--backend" if name == "backends" else "--" + name.replace("_", "-")
+        default = "none" if name == "backends" else _default_text(_DEFAULTS[name])
+        lines.append(f"| `{name}` | `KVROUTE_{name.upper()}` | `{flag}` | {default} | {text} |")
+    lines += [
+        "",
+        "## Routing (`routing:` in YAML)",
+        "",
+        "| setting | environment / flag | policy `spec.routing` | default | bounds | what |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in fields(Settings):
+        default = "random per process" if f.name == "hash_key" else _default_text(f.default)
+        policy = f"`{f.metadata['policy']}`" if f.metadata["policy"] else "not in policies"
+        env_flag = f"`KVROUTE_{f.name.upper()}` / `--{f.name.replace('_', '-')}`"
+        row = f"| `{f.name}` | {env_flag} | {policy} | {default} | {_bounds_text(f.metadata['bounds'])} |"
+        lines.append(f"{row} {f.metadata['help']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(settings_reference())

@@ -1,7 +1,8 @@
 """Prometheus metrics of one ext_proc process.
 
-Counters and the latency histogram are updated on the request path; sizes and per-backend load
-are read from the router at scrape time, so they can never drift from the real state.
+What the routing core did (decisions, learning, reroutes) and the sizes and per-backend load it
+holds are read from the router at scrape time, so they can never drift from the real state;
+the adapters count their own failures and time the decision path.
 """
 
 from __future__ import annotations
@@ -9,21 +10,30 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.core.router import Router
-from extproc.kube.follower import PolicyFollower
+from extproc.runtime.policy_state import PolicyState
 from extproc.runtime.pool import BackendPool
 
 
-class _StateCollector(Collector):
-    def __init__(self, router: Router, pool: BackendPool, follower: PolicyFollower | None) -> None:
+class _RouterCollector(Collector):
+    def __init__(self, router: Router, pool: BackendPool, policy: PolicyState | None) -> None:
         self._router = router
         self._pool = pool
-        self._follower = follower
+        self._policy = policy
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
+        stats = self._router.stats
+        decisions = CounterMetricFamily("kvroute_decisions", "routing decisions by label", labels=["decision"])
+        for label, count in stats.decisions.items():
+            decisions.add_metric([label.value], count)
+        yield decisions
+        yield CounterMetricFamily("kvroute_learned", "successful responses that taught the index", value=stats.learned)
+        yield CounterMetricFamily(
+            "kvroute_rerouted", "responses served by another backend than the first choice", value=stats.rerouted
+        )
         state = self._router.state()
         yield GaugeMetricFamily(
             "kvroute_index_entries", "(block, backend) locations held", value=state["index_entries"]
@@ -40,22 +50,19 @@ class _StateCollector(Collector):
         for backend in self._pool.backends:
             healthy.add_metric([backend.address], float(backend.healthy))
         yield healthy
-        if self._follower is not None:
+        if self._policy is not None:
             yield GaugeMetricFamily(
                 "kvroute_policy_connected",
                 "1 while the KVRoutingPolicy watch is live; 0 means routing with the last known backends",
-                value=float(self._follower.connected),
+                value=float(self._policy.connected),
             )
 
 
 class Metrics:
     """The process's metrics, in a registry of its own."""
 
-    def __init__(self, router: Router, pool: BackendPool, follower: PolicyFollower | None = None) -> None:
+    def __init__(self, router: Router, pool: BackendPool, policy: PolicyState | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.decisions = Counter(
-            "kvroute_decisions", "routing decisions by label", ["decision"], registry=self.registry
-        )
         self.decision_seconds = Histogram(
             "kvroute_decision_seconds",
             "CPU time from body to decision",
@@ -65,8 +72,4 @@ class Metrics:
         self.errors = Counter(
             "kvroute_errors", "requests kvroute could not handle, by kind", ["kind"], registry=self.registry
         )
-        self.learned = Counter("kvroute_learned", "successful responses that taught the index", registry=self.registry)
-        self.rerouted = Counter(
-            "kvroute_rerouted", "responses served by another backend than the first choice", registry=self.registry
-        )
-        self.registry.register(_StateCollector(router, pool, follower))
+        self.registry.register(_RouterCollector(router, pool, policy))

@@ -1,0 +1,242 @@
+"""The KVRoutingPolicy contract, defined once for the operator (writer) and the ext_proc's
+follower (reader): API coordinates, the `status.backends` entry shape, `spec.routing` <-> routing
+settings, and the CRD itself.
+
+`spec.routing` is derived from the routing settings' declarations (extproc/core/settings.py):
+each setting with a policy field becomes a schema property with its type, bounds and help.
+`python -m controller.crd` writes manifests/crd.yaml and the chart's copy; tests fail if either
+differs from what this module renders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypedDict
+
+import yaml
+
+from extproc.core.settings import Settings
+
+GROUP = "kvroute.io"
+VERSION = "v1alpha1"
+PLURAL = "kvroutingpolicies"
+KIND = "KVRoutingPolicy"
+MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
+AUTO = "auto"  # capacityBlocks: size each backend from its own metrics (capacity_auto)
+HEADER_NAME = "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
+ROOT = Path(__file__).resolve().parent.parent
+CRD_FILES = (ROOT / "manifests" / "crd.yaml", ROOT / "charts" / "kvroute" / "crds" / "kvroutingpolicies.yaml")
+
+
+class StatusBackend(TypedDict):
+    """One selected pod in `status.backends`; the follower routes to the ready ones."""
+
+    pod: str
+    ip: str
+    port: int
+    ready: bool
+    models: list[str]
+
+
+def ready_backends(status: Mapping[str, Any] | None) -> list[tuple[str, str, list[str]]]:
+    """(ip, port, models) of every ready backend the operator published."""
+    out = []
+    for item in (status or {}).get("backends") or []:
+        if item.get("ready") and item.get("ip") and item.get("port"):
+            out.append((str(item["ip"]), str(item["port"]), list(item.get("models") or ())))
+    return out
+
+
+def _policy_fields() -> dict[str, dataclasses.Field]:
+    return {f.metadata["policy"]: f for f in dataclasses.fields(Settings) if f.metadata["policy"]}
+
+
+def routing_changes(routing: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """`spec.routing` -> (Settings field changes, unknown keys). Values are validated when the
+    changes are applied to Settings; unknown keys are returned so callers can report them."""
+    known = _policy_fields()
+    changes: dict[str, Any] = {}
+    unknown = []
+    for key, value in (routing or {}).items():
+        f = known.get(key)
+        if f is None:
+            unknown.append(key)
+        elif f.name == "capacity_blocks":
+            changes["capacity_auto"] = value == AUTO
+            if value != AUTO:
+                changes["capacity_blocks"] = int(value)
+        elif f.name == "session_headers":
+            changes["session_headers"] = tuple(str(h).lower() for h in value)
+        else:
+            changes[f.name] = value
+    return changes, sorted(unknown)
+
+
+def _property(f: dataclasses.Field) -> dict[str, Any]:
+    """The OpenAPI schema of one routing setting, from its declaration."""
+    schema: dict[str, Any] = {"description": f.metadata["help"]}
+    if f.name == "session_headers":
+        return {**schema, "type": "array", "items": {"type": "string", "pattern": HEADER_NAME}}
+    kind = "integer" if f.type == "int" else "number"
+    bounds = f.metadata["bounds"]
+    number: dict[str, Any] = {"type": kind}
+    if bounds is not None:
+        cast = int if kind == "integer" else float
+        if bounds.minimum is not None:
+            number["minimum"] = cast(bounds.minimum)
+            if bounds.exclusive_minimum:
+                number["exclusiveMinimum"] = True
+        if bounds.maximum is not None:
+            number["maximum"] = cast(bounds.maximum)
+        if bounds.multiple_of is not None:
+            number["multipleOf"] = bounds.multiple_of
+    if f.name == "capacity_blocks":
+        return {**schema, "x-kubernetes-int-or-string": True, "anyOf": [number, {"type": "string", "enum": [AUTO]}]}
+    return {**schema, **number}
+
+
+def routing_schema() -> dict[str, Any]:
+    """`spec.routing`: unknown keys are kept (not pruned) so the operator can report them."""
+    return {
+        "description": "Routing settings; unset fields keep the ext_proc's own configuration (docs/settings.md).",
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {key: _property(f) for key, f in _policy_fields().items()},
+    }
+
+
+def _string_list() -> dict[str, Any]:
+    return {"type": "array", "items": {"type": "string"}}
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition of KVRoutingPolicy."""
+    selector = {
+        "description": "Label selector of the vLLM pods, in the policy's namespace.",
+        "type": "object",
+        "properties": {
+            "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+            "matchExpressions": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["key", "operator"],
+                    "properties": {
+                        "key": {"type": "string"},
+                        "operator": {"type": "string", "enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                        "values": _string_list(),
+                    },
+                },
+            },
+        },
+    }
+    backend = {
+        "type": "object",
+        "required": ["pod", "ip", "port", "ready"],
+        "properties": {
+            "pod": {"type": "string"},
+            "ip": {"type": "string"},
+            "port": {"type": "integer"},
+            "ready": {"type": "boolean"},
+            "models": _string_list(),
+        },
+    }
+    condition = {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string"},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+        },
+    }
+    spec = {
+        "type": "object",
+        "required": ["selector", "targetPort"],
+        "properties": {
+            "selector": selector,
+            "targetPort": {
+                "description": "The vLLM port, a number or a container port name.",
+                "x-kubernetes-int-or-string": True,
+            },
+            "models": {
+                "description": "Models every selected pod serves. Otherwise read from the pod label or annotation "
+                f"{MODELS_KEY} (comma-separated).",
+                **_string_list(),
+            },
+            "routing": routing_schema(),
+        },
+    }
+    status = {
+        "type": "object",
+        "properties": {
+            "backends": {"type": "array", "items": backend},
+            "readyBackends": {"type": "integer"},
+            "observedGeneration": {"type": "integer"},
+            "conditions": {"type": "array", "items": condition},
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": ["kvrp"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {
+                            "name": "Ready",
+                            "type": "string",
+                            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+                        },
+                        {
+                            "name": "Backends",
+                            "type": "integer",
+                            "description": "ready backends",
+                            "jsonPath": ".status.readyBackends",
+                        },
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "required": ["spec"],
+                            "properties": {"spec": spec, "status": status},
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render() -> str:
+    """The CRD file's text, as committed in manifests/ and in the chart."""
+    header = "# KVRoutingPolicy: which vLLM pods kvroute routes to, and how.\n"
+    header += "# Generated by `python -m controller.crd` from controller/crd.py and extproc/core/settings.py.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+
+
+if __name__ == "__main__":
+    text = render()
+    for path in CRD_FILES:
+        path.write_text(text)
+    sys.stdout.write(f"wrote {', '.join(str(p.relative_to(ROOT)) for p in CRD_FILES)}\n")
