@@ -1,10 +1,11 @@
 # make run: the local stack (Envoy + ext_proc + 4 simulated vLLM backends). make test: the whole suite.
+# make test-fast: the quick lane (no real vLLM, no peer routers, no Kubernetes).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench clean crd docs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,17 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
+
+# Your own loop, under a minute: everything but real vLLM, peer routers and Kubernetes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not vllm and not peers and not k8s"
+
+# Regenerate what is derived from the settings' declarations (tests fail when these are stale).
+crd: $(STAMP)
+	$(BIN)/python -m controller.crd
+
+docs: $(STAMP)
+	$(BIN)/python -m extproc.runtime.config > docs/settings.md
 
 bench: $(STAMP)
 	$(BIN)/kvroute-dev bench core

@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     skew = bench.add_parser("skew-trace", help="write a skewed multi-session workload (Mooncake JSONL)")
     skew.add_argument("--out", required=True, type=Path)
     skew.add_argument("--seed", type=int, default=0)
+    decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
+    decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
+    decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
+    decisions.add_argument("--out", type=Path, help="write one line per decision here")
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     return parser
@@ -159,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench import skew
 
         skew.write(args.out, seed=args.seed)
+    elif args.command == "bench" and args.bench == "decisions":
+        from bench import decisions
+
+        print(orjson.dumps(decisions.run(args.trace, args.limit, args.out)).decode())
     elif args.command == "bench" and args.bench == "latency":
         from bench import latency
 

@@ -14,6 +14,8 @@ from bench.compare import CompareOptions, run
 from bench.peers import ROUTERS
 from bench.replay import Pacing
 
+pytestmark = [pytest.mark.peers, pytest.mark.envoy]
+
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 FAST_SIM = ("--prefill-s-per-token", "0.000002", "--decode-s-per-token", "0.001", "--max-num-seqs", "16")
 

@@ -18,6 +18,8 @@ from bench.stack import Stack
 from bench.workload import text
 from tests.e2e import eventually, get, metric, post, state
 
+pytestmark = pytest.mark.envoy
+
 MODEL = "sim-model"
 RNG = random.Random(3)
 SYSTEM = text(RNG, 12_000)

@@ -145,7 +145,7 @@ def test_list_watch_loop(scenario):
         api = FakeApi(published(pod("a", "10.1.0.1")))
         app = web.Application()
         app.router.add_get("/apis/kvroute.io/v1alpha1/namespaces/llm/kvroutingpolicies", api.handle)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=1.0)  # an open watch must not hold the shutdown
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

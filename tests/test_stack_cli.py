@@ -16,6 +16,8 @@ from bench.stack import free_port
 from extproc.cli import main
 from tests.e2e import eventually, post
 
+pytestmark = pytest.mark.envoy
+
 
 @pytest.mark.parametrize("extra", [[], ["--no-ext-proc"]], ids=["kvroute", "round-robin"])
 def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):

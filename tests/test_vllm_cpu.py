@@ -16,6 +16,8 @@ from bench.stack import Stack
 from bench.workload import text
 from tests.e2e import get, post
 
+pytestmark = [pytest.mark.vllm, pytest.mark.envoy]
+
 RNG = random.Random(5)
 SYSTEM = text(RNG, 9000)  # about 3,000 tokens with the tiny model's tokenizer
 

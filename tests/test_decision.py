@@ -1,0 +1,123 @@
+"""The decision rule alone: candidates, matched blocks, churn and load in, backend and label out.
+
+No parsing and no hashing: every input is given directly, so each gate and label is pinned down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.core.decision import Label, decide, overloaded
+from extproc.core.load import LoadTracker
+from extproc.core.settings import Settings
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+SETTINGS = Settings(hash_key=bytes(16))  # gates: abs 32, rel 1.5; active request = 4 blocks; stick at 0.5
+
+
+def loads(**active: int) -> LoadTracker:
+    """In-flight requests per backend (a=2 puts two on A)."""
+    tracker = LoadTracker()
+    for name, count in active.items():
+        for _ in range(count):
+            tracker.reserve({"a": A, "b": B, "c": C}[name], 0)
+    return tracker
+
+
+def run(matched: dict[str, int] | None = None, total: int = 20, **kw: Any):
+    args = {
+        "candidates": [A, B, C],
+        "matched": matched or {},
+        "churn": {},
+        "total_blocks": total,
+        "loads": LoadTracker(),
+        "session_backend": None,
+        "bootstrap": False,
+        "settings": SETTINGS,
+        "turn": 0,
+    }
+    args.update(kw)
+    return decide(**args)
+
+
+def test_no_candidates():
+    decision = run(candidates=[])
+    assert (decision.label, decision.backend, decision.second) == (Label.NO_CANDIDATES, None, None)
+
+
+def test_nothing_cached_goes_least_loaded():
+    decision = run(loads=loads(a=1, b=2))
+    assert (decision.label, decision.backend) == (Label.LEAST_LOADED, C)
+
+
+def test_session_wins_while_its_backend_is_within_the_gates():
+    decision = run({C: 20}, session_backend=A, loads=loads(a=8))  # A: 32 blocks of load, exactly at the abs gate
+    assert (decision.label, decision.backend) == (Label.SESSION_MATCH, A)
+
+
+def test_session_is_overridden_only_past_both_gates():
+    past_both = run(session_backend=A, loads=loads(a=9))  # 36 > 0 + 32 and 36 > 1.5 * 0
+    assert (past_both.label, past_both.backend) == (Label.LOAD_OVERRIDE, B)
+    busy_everywhere = run(session_backend=A, loads=loads(a=30, b=20, c=20))  # 120 < 1.5 * 80: not overloaded
+    assert (busy_everywhere.label, busy_everywhere.backend) == (Label.SESSION_MATCH, A)
+
+
+@pytest.mark.parametrize(
+    ("load", "least", "expected"), [(33, 0, True), (32, 0, False), (100, 70, False), (106, 70, True)]
+)
+def test_overloaded_needs_both_the_absolute_and_the_relative_gate(load: float, least: float, expected: bool):
+    assert overloaded(load, least, SETTINGS) is expected
+
+
+def test_a_backend_holding_half_the_prompt_keeps_it_against_a_cheaper_cost():
+    # B holds 10 of 20 blocks (the stick ratio); A is idle, B carries 2 requests (8 blocks): by cost
+    # alone A (20 novel) would lose to B (10 novel + 8 load) anyway, so make B dearer: 3 requests.
+    decision = run({B: 10}, loads=loads(b=3))
+    assert (decision.label, decision.backend) == (Label.PREFIX_MATCH, B)
+    below = run({B: 9}, loads=loads(b=3))  # under the ratio, cost decides: 11 + 12 > 20
+    assert below.backend != B and below.label == Label.LOAD_OVERRIDE
+
+
+def test_stickiness_yields_past_the_balance_gates():
+    decision = run({B: 15}, loads=loads(b=12))  # 48 blocks of load against 0
+    assert decision.backend != B and decision.label == Label.LOAD_OVERRIDE
+
+
+def test_prefix_match_by_cost_when_the_longest_holder_is_cheapest():
+    decision = run({A: 4, B: 2}, total=20)  # below the stick ratio; fewest novel blocks wins
+    assert (decision.label, decision.backend, decision.matched_blocks) == (Label.PREFIX_MATCH, A, 4)
+
+
+def test_ties_rotate_with_the_turn_so_identical_requests_do_not_herd():
+    picks = [run(turn=turn).backend for turn in range(6)]
+    assert picks == [A, B, C, A, B, C]
+
+
+def test_second_choice_is_the_next_cheapest_other_backend():
+    decision = run({A: 20, B: 12}, total=20)
+    assert (decision.backend, decision.second) == (A, B)
+
+
+def test_bootstrap_requests_weigh_load_more():
+    # B is busy by one request (4 blocks): a follow-up takes the 5 cached blocks there (15 + 4 < 20),
+    # a bootstrap request, placing a whole conversation, pays the load twice (15 + 8 > 20).
+    followup = run({B: 5}, loads=loads(b=1), bootstrap=False)
+    bootstrap = run({B: 5}, loads=loads(b=1), bootstrap=True)
+    assert followup.backend == B and bootstrap.backend != B
+
+
+def test_new_prompts_avoid_the_backend_with_the_fastest_turnover():
+    decision = run(churn={A: 100.0, B: 10.0, C: 0.0}, turn=0)
+    costs = {c.backend: c.cost for c in decision.candidates}
+    assert costs[A] == 20 * (1 + 3.0) and costs[B] == pytest.approx(20 * 1.3) and costs[C] == 20
+    assert decision.backend == C
+
+
+def test_explanation_carries_every_term():
+    decision = run({A: 5}, loads=loads(a=1))
+    explained = {c["backend"]: c for c in decision.explain()["candidates"]}
+    assert explained[A] == {
+        "backend": A, "matched": 5, "novel": 15, "reserved": 0, "active": 1, "load": 4.0, "churn": 0.0, "cost": 19.0
+    }  # fmt: skip
