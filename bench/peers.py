@@ -1,7 +1,10 @@
 """The routers kvroute is compared with, each started over the same backends.
 
 vllm-router and sglang-router are installed from PyPI into a virtualenv of their own
-(bench/venvs.py, outside the clone), pinned, by the benchmark itself. Launch lines and pitfalls: ../shared/FACTS.md.
+(bench/venvs.py, outside the clone), pinned, by the benchmark itself. Both default their
+metrics port to 29000, so each gets its own; both pick the least-loaded worker on a cache miss.
+vllm-router's cache_aware renders every request on every worker (`/v1/chat/completions/render`,
+which vLLM serves only with --enable-scale-out), which shows in its TTFT.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 class Admin:
-    """The aiohttp application; `ready` is flipped by the service once gRPC is serving."""
+    """The aiohttp application; `serving` is set by the service once gRPC serves, so /readyz waits for it."""
 
     def __init__(
         self,

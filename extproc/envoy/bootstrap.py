@@ -3,8 +3,8 @@
 Listener -> header_mutation (strip any client-supplied destination header) -> ext_proc
 (buffered request body, response headers with the attributes kvroute learns from, fail-open)
 -> router. The backend cluster's override_host policy follows the header kvroute sets and falls
-back to round robin; connect failures are retried on the second choice. Facts behind each
-setting: ../shared/FACTS.md.
+back to round robin; connect failures are retried on the second choice. Why each setting is
+what it is: docs/envoy.md.
 """
 
 from __future__ import annotations
