@@ -87,6 +87,8 @@ class Stack:
     separate_sims: bool = False
     ext_proc: bool = True
     envoy_concurrency: int = 1
+    policy: str = ""  # NAMESPACE/NAME: the ext_proc follows this KVRoutingPolicy instead of `backends`
+    extproc_env: dict[str, str] | None = None  # e.g. the KUBECONFIG of its ServiceAccount
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,8 +107,8 @@ class Stack:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        process = self.processes[name] = spawn(argv, self.workdir / f"{name}.log")
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        process = self.processes[name] = spawn(argv, self.workdir / f"{name}.log", env=env)
         return process
 
     def start(self) -> Stack:
@@ -133,8 +135,11 @@ class Stack:
 
     def start_extproc(self) -> None:
         args = ["--grpc-port", str(self.grpc_port), "--admin-port", str(self.admin_port)]
-        args += [a for b in self.backends for a in ("--backend", b)]
-        process = self._spawn("extproc", kvroute_command("extproc", *args, *self.extproc_args))
+        if self.policy:
+            args += ["--policy", self.policy]
+        else:
+            args += [a for b in self.backends for a in ("--backend", b)]
+        process = self._spawn("extproc", kvroute_command("extproc", *args, *self.extproc_args), self.extproc_env)
         wait_http(f"{self.admin_url}/readyz", process=process)
 
     def start_envoy(self) -> None:

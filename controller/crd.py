@@ -93,8 +93,14 @@ def _property(f: dataclasses.Field) -> dict[str, Any]:
             number["maximum"] = cast(bounds.maximum)
         if bounds.multiple_of is not None:
             number["multipleOf"] = bounds.multiple_of
-    if f.name == "capacity_blocks":
-        return {**schema, "x-kubernetes-int-or-string": True, "anyOf": [number, {"type": "string", "enum": [AUTO]}]}
+    if f.name == "capacity_blocks":  # a number or "auto"; a structural schema says so in CEL
+        rule = f'type(self) == string ? self == "{AUTO}" : self >= {int(bounds.minimum)}'
+        message = f'must be a number of blocks (at least {int(bounds.minimum)}) or "{AUTO}"'
+        return {
+            **schema,
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [{"rule": rule, "message": message}],
+        }
     return {**schema, **number}
 
 

@@ -25,7 +25,6 @@ from controller.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
 REGISTRY = kopf.OperatorRegistry()
-HEALTH_PORT = 8080
 
 
 async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -55,6 +54,35 @@ def _health_app(reconciler: Reconciler) -> web.Application:
     return app
 
 
+async def _client_configuration() -> client.Configuration:
+    """In-cluster credentials, or the local kubeconfig when run outside a cluster."""
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        await config.load_kube_config(client_configuration=configuration)
+    return configuration
+
+
+@kopf.on.login(registry=REGISTRY)
+async def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's own API calls use the same credentials as ours (kopf has no built-in login for
+    kubernetes-asyncio); kopf calls this again when they stop working (a rotated token)."""
+    configuration = await _client_configuration()
+    if configuration.refresh_api_key_hook is not None:
+        configuration.refresh_api_key_hook(configuration)
+    token = configuration.api_key.get("BearerToken") or configuration.api_key.get("authorization") or ""
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        scheme="Bearer" if token else None,
+        token=token.removeprefix("Bearer ") or None,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
+
+
 @kopf.on.startup(registry=REGISTRY)
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Quiet kopf (no events, no CRD scans), load API credentials, start the reconciler and probes."""
@@ -62,15 +90,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.scanning.disabled = True
     settings.peering.mandatory = True
     settings.peering.priority = random.randint(1, 1_000_000)  # distinct priorities: one replica leads
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        await config.load_kube_config()
+    client.Configuration.set_default(await _client_configuration())
     memo.reconciler = Reconciler(_patch_status)
     memo.reconciler_task = asyncio.create_task(memo.reconciler.run())
     memo.health = web.AppRunner(_health_app(memo.reconciler), access_log=None)
     await memo.health.setup()
-    await web.TCPSite(memo.health, "0.0.0.0", HEALTH_PORT).start()
+    await web.TCPSite(memo.health, memo.health_host, memo.health_port).start()
 
 
 @kopf.on.cleanup(registry=REGISTRY)
@@ -107,7 +132,8 @@ def changed(
     memo.reconciler.touch(namespace, pods_by_namespace, policies_by_namespace)
 
 
-def main() -> None:
-    """Blocking entry point: all namespaces, peering on."""
+def main(health_host: str = "0.0.0.0", health_port: int = 8080) -> None:
+    """Blocking entry point: all namespaces, peering on; /healthz and /readyz on the health port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kopf.run(registry=REGISTRY, clusterwide=True, peering_name="kvroute")
+    memo = kopf.Memo(health_host=health_host, health_port=health_port)
+    kopf.run(registry=REGISTRY, clusterwide=True, peering_name="kvroute", memo=memo)

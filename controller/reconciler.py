@@ -57,6 +57,7 @@ class Reconciler:
                     await self._patch_status(namespace, policy["name"], desired)
                     self.patches += 1
                     self.last_error = None
+                    log.info("status of %s/%s: %d ready backends", namespace, policy["name"], desired["readyBackends"])
                 except Exception as exc:  # the API server may be away: retry on the next event
                     self.last_error = f"{namespace}/{policy['name']}: {exc}"
                     log.warning("status patch failed: %s", self.last_error)

@@ -20,7 +20,9 @@ def parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     config.add_arguments(commands.add_parser("extproc", help="run the Envoy external processor"))
-    commands.add_parser("controller", help="run the KVRoutingPolicy operator (kopf)")
+    controller = commands.add_parser("controller", help="run the KVRoutingPolicy operator (kopf)")
+    controller.add_argument("--health-host", default="0.0.0.0", help="address of /healthz and /readyz")
+    controller.add_argument("--health-port", type=int, default=8080, help="port of /healthz and /readyz")
 
     envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")
     envoy.add_argument("--listen-port", type=int, default=8080)
@@ -75,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "controller":
         from controller import operator
 
-        operator.main()
+        operator.main(args.health_host, args.health_port)
     elif args.command == "envoy-config":
         _envoy_config(args)
 

@@ -1,11 +1,25 @@
-"""Shared test set-up: hypothesis without deadlines (this machine is shared and noisy)."""
+"""Shared test set-up: hypothesis without deadlines (this machine is shared and noisy), and one
+Kubernetes control plane for the whole session (started by the first `k8s` test that asks)."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile("ci", parent=settings.get_profile("default"), max_examples=200)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory):
+    """etcd + kube-apiserver (RBAC) + kube-controller-manager on loopback, for the `k8s` tests."""
+    from tests.controlplane import ControlPlane
+
+    plane = ControlPlane(tmp_path_factory.mktemp("controlplane")).start()
+    try:
+        yield plane
+    finally:
+        plane.stop()

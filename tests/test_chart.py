@@ -1,22 +1,56 @@
-"""charts/kvroute rendered (with tests/helm_subset.py: no Helm binary can be installed here) and
-validated: Kubernetes schemas, the CRD's own schema, and agreement with manifests/ and
-`kvroute envoy-config`."""
+"""charts/kvroute with real Helm: lint, template (validated offline against Kubernetes schemas and
+compared with manifests/ and `kvroute envoy-config`), then install, upgrade and uninstall against
+the live control plane."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from extproc.envoy.bootstrap import EnvoyLayout, render
-from tests.crd_schema import ROOT, crd_validator, documents
-from tests.helm_subset import Chart, _parse, _tokens
+from tests.controlplane import ROOT, ControlPlane, binaries
+from tests.e2e import eventually
 
-CHART = Chart(ROOT / "charts" / "kvroute")
+pytestmark = pytest.mark.k8s
+
+CHART = ROOT / "charts" / "kvroute"
+CUSTOM_KINDS = {"KVRoutingPolicy", "ClusterKopfPeering", "CustomResourceDefinition"}
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory):
+    """`helm ARGS` -> stdout, with the pinned helm and a scratch home."""
+    import subprocess
+
+    home = tmp_path_factory.mktemp("helm")
+    binary = binaries() / "helm"
+    env = {"HELM_CACHE_HOME": str(home / "c"), "HELM_CONFIG_HOME": str(home / "f"), "HELM_DATA_HOME": str(home / "d")}
+
+    def run(*args: str) -> str:
+        result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    return run
+
+
+def template(helm, tmp_path: Path, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values or {}))
+    text = helm("template", "kvroute", str(CHART), "--namespace", "kvroute", "--include-crds", "-f", str(path))
+    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def kinds(docs: list[dict]) -> list[str]:
     return sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+
+
+def test_lint_passes(helm):
+    assert "0 chart(s) failed" in helm("lint", str(CHART), "--strict")
 
 
 @pytest.mark.parametrize(
@@ -24,16 +58,14 @@ def kinds(docs: list[dict]) -> list[str]:
     [{}, {"envoy": {"enabled": False}}, {"policy": {"create": False}}, {"controller": {"replicas": 3}}],
     ids=["defaults", "no-envoy", "no-policy", "three-controllers"],
 )
-def test_rendered_objects_are_valid(values):
-    for doc in CHART.documents(values):
-        if doc["kind"] == "KVRoutingPolicy":
-            crd_validator().validate(doc)
-        elif doc["kind"] != "ClusterKopfPeering":
+def test_rendered_builtin_objects_are_valid(helm, tmp_path, values):
+    for doc in template(helm, tmp_path, values):
+        if doc["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(doc, "1.37.0", strict=True)
 
 
-def test_defaults_install_everything():
-    assert kinds(CHART.documents()) == [
+def test_defaults_render_everything(helm, tmp_path):
+    assert kinds(template(helm, tmp_path)) == [
         "ClusterKopfPeering/kvroute",
         "ClusterRole/kvroute-controller",
         "ClusterRoleBinding/kvroute-controller",
@@ -54,21 +86,20 @@ def test_defaults_install_everything():
     ]
 
 
-def test_values_switch_parts_off_and_on():
-    no_envoy = kinds(CHART.documents({"envoy": {"enabled": False}}))
-    assert not [k for k in no_envoy if "envoy" in k]
-    assert "KVRoutingPolicy/default" not in kinds(CHART.documents({"policy": {"create": False}}))
+def test_values_switch_parts_off_and_on(helm, tmp_path):
+    assert not [k for k in kinds(template(helm, tmp_path, {"envoy": {"enabled": False}})) if "envoy" in k]
+    assert "KVRoutingPolicy/default" not in kinds(template(helm, tmp_path, {"policy": {"create": False}}))
     (controller,) = [
         d
-        for d in CHART.documents({"controller": {"replicas": 3}})
+        for d in template(helm, tmp_path, {"controller": {"replicas": 3}})
         if d["metadata"]["name"] == "kvroute-controller" and d["kind"] == "Deployment"
     ]
     assert controller["spec"]["replicas"] == 3
 
 
-def test_envoy_bootstrap_is_what_envoy_config_writes():
+def test_envoy_bootstrap_is_what_envoy_config_writes(helm, tmp_path):
     values = {"envoy": {"backends": {"host": "vllm-pods.prod.svc.cluster.local", "port": 8001}}}
-    (config_map,) = [d for d in CHART.documents(values) if d["kind"] == "ConfigMap"]
+    (config_map,) = [d for d in template(helm, tmp_path, values) if d["kind"] == "ConfigMap"]
     expected = render(
         EnvoyLayout(
             listen_host="0.0.0.0",
@@ -82,10 +113,10 @@ def test_envoy_bootstrap_is_what_envoy_config_writes():
     assert config_map["data"]["envoy.yaml"] == expected
 
 
-def test_chart_matches_the_plain_manifests():
-    """Same CRDs, same RBAC rules, same policy spec as manifests/."""
-    manifests = [d for p in sorted((ROOT / "manifests").glob("*.yaml")) for d in documents(p)]
-    chart = CHART.documents()
+def test_chart_matches_the_plain_manifests(helm, tmp_path):
+    """Same CRDs, same RBAC rules as manifests/; the ext_proc follows the chart's policy."""
+    manifests = [d for p in sorted((ROOT / "manifests").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+    chart = template(helm, tmp_path)
 
     def pick(docs: list[dict], kind: str) -> list:
         return sorted(yaml.safe_dump(d.get("spec") or d.get("rules")) for d in docs if d["kind"] == kind)
@@ -97,16 +128,45 @@ def test_chart_matches_the_plain_manifests():
     assert args[args.index("--policy") + 1] == "llm/default"
 
 
-def test_renderer_trims_like_go_templates_and_refuses_the_unknown():
-    chart = Chart.__new__(Chart)
-    chart.defines = {}
-    tree = _parse(
-        _tokens("a:\n  {{- if .Values.on }}\n  b: {{ .Values.x | quote }}\n{{- end }}\nc: 1\n"), chart.defines
+@pytest.fixture
+def release(control_plane: ControlPlane):
+    """Whatever the test leaves installed is removed, so later tests start clean."""
+    control_plane.kubectl("create", "namespace", "chart-llm")
+    yield control_plane
+    control_plane.helm("uninstall", "kvroute", "-n", "chart", "--wait=false", check=False)
+    control_plane.kubectl("delete", "namespace", "chart", "chart-llm", "--wait=false", check=False)
+
+
+def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, tmp_path: Path):
+    cp = release
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"policy": {"namespace": "chart-llm"}}))
+    cp.helm("install", "kvroute", str(CHART), "-n", "chart", "--create-namespace", "-f", str(values), "--wait=false")
+    rendered = [d for d in yaml.safe_load_all(cp.helm("get", "manifest", "kvroute", "-n", "chart").stdout) if d]
+    assert len(rendered) >= 15
+    for doc in rendered:
+        namespace = doc["metadata"].get("namespace")
+        where = ["-n", namespace] if namespace else []
+        cp.kubectl("get", doc["kind"].lower(), doc["metadata"]["name"], *where)  # every object exists
+    assert cp.get("crd", "kvroutingpolicies.kvroute.io")["spec"]["group"] == "kvroute.io"
+    policy = cp.get("kvrp", "default", "-n", "chart-llm")
+    assert policy["spec"]["routing"]["blockSize"] == 512
+
+    values.write_text(
+        yaml.safe_dump(
+            {"policy": {"namespace": "chart-llm", "routing": {"blockSize": 1024}}, "controller": {"replicas": 3}}
+        )
     )
-    context = {"Values": {"on": True, "x": "y"}}
-    assert chart._run(tree, context) == 'a:\n  b: "y"\nc: 1\n'
-    assert chart._run(tree, {"Values": {"on": False}}) == "a:\nc: 1\n"
-    with pytest.raises(NotImplementedError):
-        _parse(_tokens("{{ range .Values.x }}{{ end }}"), {})
-    with pytest.raises(NotImplementedError):
-        chart._pipeline(".Values.x | upper", context)
+    cp.helm("upgrade", "kvroute", str(CHART), "-n", "chart", "-f", str(values), "--wait=false")
+    assert cp.get("deployment", "kvroute-controller", "-n", "chart")["spec"]["replicas"] == 3
+    assert cp.get("kvrp", "default", "-n", "chart-llm")["spec"]["routing"]["blockSize"] == 1024
+
+    cp.helm("uninstall", "kvroute", "-n", "chart", "--wait=false")
+    eventually(
+        lambda: cp.kubectl("get", "deployment,service,role,rolebinding", "-n", "chart", "-o", "name").stdout == "",
+        timeout_s=60,
+        message="the release's namespaced objects are gone",
+    )
+    assert cp.kubectl("get", "serviceaccount", "kvroute-controller", "-n", "chart", check=False).returncode != 0
+    assert cp.kubectl("get", "clusterrole", "kvroute-controller", check=False).returncode != 0
+    assert cp.kubectl("get", "kvrp", "default", "-n", "chart-llm", check=False).returncode != 0

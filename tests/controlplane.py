@@ -1,0 +1,183 @@
+"""A Kubernetes control plane on loopback for the tests: etcd, kube-apiserver (RBAC on) and
+kube-controller-manager, built by tests/k8s/controlplane/build and cached outside the clone.
+
+No kubelet runs here: pods stay Pending unless a test patches their status. An admin kubeconfig
+is written for kubectl, helm and the Python clients; `kubeconfig_for` mints a ServiceAccount token
+(TokenRequest) so a process runs with exactly that account's rights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.stack import free_port, spawn, stop, wait_http
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "tests" / "k8s" / "controlplane" / "build"
+ADMIN_TOKEN = "kvroute-test-admin-token"
+
+
+def binaries() -> Path:
+    """The pinned control-plane binaries, built on first use (several minutes on 2 cores)."""
+    out = subprocess.run([str(BUILD)], check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+class ControlPlane:
+    """Start with `start()`, stop with `stop()` (idempotent); `stop_apiserver`/`start_apiserver`
+    take the API server away and bring it back on the same port, keeping etcd's state."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.bin = binaries()
+        self.etcd_port, self.etcd_peer_port = free_port(), free_port()
+        self.port = free_port()
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.kubeconfig = workdir / "admin.kubeconfig"
+
+    def _keys(self) -> None:
+        """The ServiceAccount signing key pair and the static admin token."""
+        key = self.workdir / "sa.key"
+        subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "rsa", "-in", str(key), "-pubout", "-out", str(self.workdir / "sa.pub")],
+            check=True,
+            capture_output=True,
+        )
+        (self.workdir / "tokens.csv").write_text(f"{ADMIN_TOKEN},kvroute-admin,kvroute-admin,system:masters\n")
+        self.kubeconfig.write_text(yaml.safe_dump(self._kubeconfig("admin", ADMIN_TOKEN)))
+
+    def _kubeconfig(self, user: str, token: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "test", "cluster": {"server": self.url, "insecure-skip-tls-verify": True}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
+            "current-context": "test",
+        }
+
+    def start(self) -> ControlPlane:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._keys()
+            self._start_etcd()
+            self.start_apiserver()
+            self._start_controller_manager()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_etcd(self) -> None:
+        client, peer = f"http://127.0.0.1:{self.etcd_port}", f"http://127.0.0.1:{self.etcd_peer_port}"
+        argv = [str(self.bin / "etcd"), "--data-dir", str(self.workdir / "etcd"), "--unsafe-no-fsync"]
+        argv += ["--listen-client-urls", client, "--advertise-client-urls", client]
+        argv += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer]
+        argv += ["--initial-cluster", f"default={peer}", "--log-level", "warn"]
+        self.processes["etcd"] = spawn(argv, self.workdir / "etcd.log")
+        wait_http(f"{client}/health", timeout_s=60, process=self.processes["etcd"])
+
+    def start_apiserver(self) -> None:
+        argv = [str(self.bin / "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{self.etcd_port}"]
+        argv += ["--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(self.port)]
+        argv += ["--cert-dir", str(self.workdir / "certs"), "--authorization-mode", "RBAC"]
+        argv += ["--token-auth-file", str(self.workdir / "tokens.csv")]
+        argv += ["--service-account-issuer", "https://kubernetes.default.svc.cluster.local"]
+        argv += ["--service-account-key-file", str(self.workdir / "sa.pub")]
+        argv += ["--service-account-signing-key-file", str(self.workdir / "sa.key")]
+        argv += ["--service-cluster-ip-range", "10.96.0.0/16", "--allow-privileged=false"]
+        argv += ["--endpoint-reconciler-type", "none"]  # the kubernetes Service cannot point at loopback
+        self.processes["kube-apiserver"] = spawn(argv, self.workdir / "kube-apiserver.log")
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            process = self.processes["kube-apiserver"]
+            if process.poll() is not None:
+                raise RuntimeError(f"kube-apiserver exited {process.returncode}; see {self.workdir}/kube-apiserver.log")
+            if self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"kube-apiserver not ready within {timeout_s}s")
+
+    def stop_apiserver(self) -> None:
+        stop(self.processes.pop("kube-apiserver", None))
+
+    def _start_controller_manager(self) -> None:
+        argv = [str(self.bin / "kube-controller-manager"), "--kubeconfig", str(self.kubeconfig)]
+        argv += ["--leader-elect=false", "--bind-address", "127.0.0.1", "--secure-port", str(free_port())]
+        argv += ["--service-account-private-key-file", str(self.workdir / "sa.key")]
+        argv += ["--use-service-account-credentials=false", "--controllers", "*"]
+        self.processes["kube-controller-manager"] = spawn(argv, self.workdir / "kube-controller-manager.log")
+
+    def stop(self) -> None:
+        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+            stop(self.processes.pop(name, None))
+
+    def env(self, kubeconfig: Path | None = None) -> dict[str, str]:
+        """Environment for a client process: its kubeconfig, the control plane's tools first on PATH."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig or self.kubeconfig),
+            "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+            "HELM_CACHE_HOME": str(self.workdir / "helm" / "cache"),
+            "HELM_CONFIG_HOME": str(self.workdir / "helm" / "config"),
+            "HELM_DATA_HOME": str(self.workdir / "helm" / "data"),
+        }
+
+    def kubectl(
+        self, *args: str, stdin: str | None = None, check: bool = True, kubeconfig: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(self.bin / "kubectl"), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=self.env(kubeconfig),
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(self.bin / "helm"), *args], capture_output=True, text=True, env=self.env(), timeout=300
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def get(self, *args: str) -> Any:
+        """`kubectl get ... -o json`, parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, objects: Sequence[dict[str, Any]] | str, *flags: str) -> subprocess.CompletedProcess[str]:
+        text = objects if isinstance(objects, str) else yaml.safe_dump_all(objects)
+        return self.kubectl("apply", *flags, "-f", "-", stdin=text)
+
+    def kubeconfig_for(self, namespace: str, service_account: str, hours: int = 2) -> Path:
+        """A kubeconfig holding a fresh token of that ServiceAccount (TokenRequest)."""
+        token = self.kubectl("create", "token", service_account, "-n", namespace, f"--duration={hours}h").stdout
+        path = self.workdir / f"{namespace}-{service_account}.kubeconfig"
+        path.write_text(yaml.safe_dump(self._kubeconfig(f"{namespace}-{service_account}", token.strip())))
+        return path
+
+    def can_i(self, namespace: str, service_account: str, verb: str, resource: str, where: str = "") -> bool:
+        """`kubectl auth can-i` as that ServiceAccount (impersonated by the admin)."""
+        resource, _, subresource = resource.partition("/")
+        args = ["auth", "can-i", verb, resource, "--as", f"system:serviceaccount:{namespace}:{service_account}"]
+        args += [f"--subresource={subresource}"] if subresource else []
+        args += ["-n", where] if where else ["--all-namespaces"]
+        return self.kubectl(*args, check=False).stdout.strip() == "yes"

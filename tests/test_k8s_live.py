@@ -1,0 +1,295 @@
+"""The operator and the ext_proc against a live API server, each with its own ServiceAccount's token
+from the Helm chart, so RBAC is enforced as deployed.
+
+No kubelet runs here, so the test plays it: it creates pods through the API and patches their
+status (Running, Ready, a 127.0.0.x podIP where a real `kvroute-dev sim` listens on the policy's
+port). Requests go through a real Envoy to the ext_proc, which follows the policy's status.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bench.stack import Stack, dev_command, free_port, kvroute_command, spawn, stop, wait_http
+from tests.controlplane import ROOT, ControlPlane
+from tests.e2e import eventually, get, post
+
+pytestmark = [pytest.mark.k8s, pytest.mark.envoy]
+
+NS, SYSTEM, RELEASE = "live", "kvroute-live", "kvr"
+PORT = free_port()  # every simulated pod listens on this port, each on its own 127.0.0.x
+SIM_IPS = [f"127.0.0.{i}" for i in range(2, 7)]
+BODY = {"model": "sim-model", "max_tokens": 2}
+
+
+def pod_manifest(name: str, ip_label: str, app: str = "sim") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": app, "ip": ip_label}},
+        "spec": {"containers": [{"name": "vllm", "image": "sim", "ports": [{"name": "http", "containerPort": PORT}]}]},
+    }
+
+
+class Cluster:
+    """The control plane plus the chart, the simulated pods and the processes under test."""
+
+    def __init__(self, cp: ControlPlane, workdir: Path) -> None:
+        self.cp = cp
+        self.workdir = workdir
+        self.operators: dict[str, subprocess.Popen] = {}
+
+    def add_pod(self, name: str, ip: str, ready: bool = True, app: str = "sim") -> None:
+        self.cp.apply([pod_manifest(name, ip.replace(".", "-"), app)])
+        self.set_ready(name, ip, ready)
+
+    def set_ready(self, name: str, ip: str, ready: bool) -> None:
+        status = {
+            "phase": "Running",
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+        self.cp.kubectl(
+            "patch", "pod", name, "-n", NS, "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
+        )
+
+    def status(self, policy: str = "default") -> dict[str, Any]:
+        return self.cp.get("kvrp", policy, "-n", NS).get("status") or {}
+
+    def ready(self, policy: str = "default") -> set[str]:
+        return {f"{b['ip']}:{b['port']}" for b in self.status(policy).get("backends", []) if b["ready"]}
+
+    def start_operator(self, name: str) -> subprocess.Popen:
+        kubeconfig = self.cp.kubeconfig_for(SYSTEM, f"{RELEASE}-controller")
+        argv = kvroute_command("controller", "--health-host", "127.0.0.1", "--health-port", str(free_port()))
+        env = {**self.cp.env(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        self.operators[name] = spawn(argv, self.workdir / f"{name}.log", env=env)
+        return self.operators[name]
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory):
+    """The chart installed (policy NS/default selects app=sim on port `http`), simulated pods for
+    three of the addresses, one operator, and a stack whose ext_proc follows the policy."""
+    cp = control_plane
+    workdir = tmp_path_factory.mktemp("live")
+    cp.kubectl("create", "namespace", NS)
+    values = workdir / "values.yaml"
+    policy = {"namespace": NS, "selector": {"matchLabels": {"app": "sim"}}, "routing": {"blockSize": 512}}
+    values.write_text(yaml.safe_dump({"policy": policy, "envoy": {"enabled": False}}))
+    cp.helm("install", RELEASE, str(ROOT / "charts" / "kvroute"), "-n", SYSTEM, "--create-namespace", "-f", str(values))
+    sims = [spawn(dev_command("sim", "--host", ip, "--port", str(PORT)), workdir / f"sim-{ip}.log") for ip in SIM_IPS]
+    cluster = Cluster(cp, workdir)
+    stack = None
+    try:
+        for ip, process in zip(SIM_IPS, sims, strict=True):
+            wait_http(f"http://{ip}:{PORT}/health", process=process)
+        for index, ip in enumerate(SIM_IPS[:3]):
+            cluster.add_pod(f"sim-{index}", ip)
+        cluster.start_operator("operator-a")
+        eventually(lambda: len(cluster.ready()) == 3, timeout_s=60, message="the operator publishes three backends")
+        extproc_kubeconfig = cp.kubeconfig_for(SYSTEM, f"{RELEASE}-extproc")
+        stack = Stack(
+            workdir / "stack",
+            backends=[f"{ip}:{PORT}" for ip in SIM_IPS],  # Envoy's cluster: every address a pod may have
+            policy=f"{NS}/default",
+            extproc_env={**cp.env(extproc_kubeconfig), "PYTHONUNBUFFERED": "1"},
+        ).start()
+        cluster.stack = stack
+        yield cluster
+    finally:
+        if stack is not None:
+            stack.stop()
+        for process in [*cluster.operators.values(), *sims]:
+            stop(process)
+        cp.helm("uninstall", RELEASE, "-n", SYSTEM, "--wait=false", check=False)
+        cp.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def served(ip: str) -> float:
+    """Requests a simulated pod finished, by its own counter."""
+    text = get(f"http://{ip}:{PORT}", "/metrics")[2].decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{")
+    )
+
+
+def extproc_backends(cluster: Cluster) -> set[str]:
+    state = json.loads(get(cluster.stack.admin_url, "/debug/state")[2])
+    return {b["address"] for b in state["backends"]}
+
+
+def chat(cluster: Cluster, content: str, session: str | None = None) -> dict[str, str]:
+    headers = {"x-session-id": session} if session else {}
+    status, response_headers, body = post(
+        cluster.stack.url, {**BODY, "messages": [{"role": "user", "content": content}]}, headers
+    )
+    assert status == 200, body
+    return response_headers
+
+
+# --- the operator --------------------------------------------------------------------------
+
+
+def test_status_lists_exactly_the_ready_selected_pods(cluster: Cluster):
+    assert cluster.ready() == {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}
+    conditions = {c["type"]: c["status"] for c in cluster.status()["conditions"]}
+    assert conditions == {"Ready": "True", "BackendsAvailable": "True", "RoutingAccepted": "True"}
+
+
+def test_readiness_labels_deletion_and_selector_edits_show_within_seconds(cluster: Cluster):
+    cp = cluster.cp
+    expected = {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}
+    cluster.set_ready("sim-2", SIM_IPS[2], False)
+    eventually(lambda: cluster.ready() == expected - {f"{SIM_IPS[2]}:{PORT}"}, timeout_s=15, message="not ready")
+    cluster.set_ready("sim-2", SIM_IPS[2], True)
+    eventually(lambda: cluster.ready() == expected, timeout_s=15, message="ready again")
+    cp.kubectl("label", "pod", "sim-1", "-n", NS, "app=other", "--overwrite")
+    eventually(lambda: cluster.ready() == expected - {f"{SIM_IPS[1]}:{PORT}"}, timeout_s=15, message="unselected")
+    cp.kubectl("label", "pod", "sim-1", "-n", NS, "app=sim", "--overwrite")
+    eventually(lambda: cluster.ready() == expected, timeout_s=15, message="selected again")
+    cluster.add_pod("sim-extra", SIM_IPS[3])
+    eventually(lambda: f"{SIM_IPS[3]}:{PORT}" in cluster.ready(), timeout_s=15, message="a new pod")
+    cp.kubectl("delete", "pod", "sim-extra", "-n", NS, "--wait=false")
+    eventually(lambda: cluster.ready() == expected, timeout_s=15, message="a deleted pod")
+    # A policy selecting by another label, then a selector edit.
+    other = {
+        "apiVersion": "kvroute.io/v1alpha1",
+        "kind": "KVRoutingPolicy",
+        "metadata": {"name": "second", "namespace": NS},
+        "spec": {"selector": {"matchLabels": {"ip": SIM_IPS[0].replace(".", "-")}}, "targetPort": PORT},
+    }
+    cp.apply([other])
+    eventually(lambda: cluster.ready("second") == {f"{SIM_IPS[0]}:{PORT}"}, timeout_s=15, message="a new policy")
+    other["spec"]["selector"] = {"matchExpressions": [{"key": "app", "operator": "In", "values": ["sim"]}]}
+    cp.apply([other])
+    eventually(lambda: cluster.ready("second") == expected, timeout_s=15, message="a selector edit")
+    cp.kubectl("delete", "kvrp", "second", "-n", NS)
+
+
+def test_unknown_routing_fields_are_reported_in_the_status(cluster: Cluster):
+    cp = cluster.cp
+    cp.kubectl("patch", "kvrp", "default", "-n", NS, "--type=merge", "-p", '{"spec":{"routing":{"blocksize":256}}}')
+
+    def condition() -> dict[str, str] | None:
+        return next((c for c in cluster.status()["conditions"] if c["type"] == "RoutingAccepted"), None)
+
+    eventually(lambda: condition()["status"] == "False", timeout_s=15, message="RoutingAccepted=False")
+    assert condition()["reason"] == "UnknownFields" and "blocksize" in condition()["message"]
+    readyz = json.loads(get(cluster.stack.admin_url, "/readyz")[2])
+    eventually(
+        lambda: any("blocksize" in w for w in json.loads(get(cluster.stack.admin_url, "/readyz")[2])["warnings"]),
+        timeout_s=15,
+        message=f"the ext_proc warns ({readyz})",
+    )
+    cp.kubectl(
+        "patch", "kvrp", "default", "-n", NS, "--type=json", "-p", '[{"op":"remove","path":"/spec/routing/blocksize"}]'
+    )
+    eventually(lambda: condition()["status"] == "True", timeout_s=15, message="RoutingAccepted=True again")
+
+
+def test_two_operator_replicas_one_works_and_the_other_takes_over(cluster: Cluster):
+    """kopf peering: the replica of higher priority works. A newcomer of higher priority makes the
+    other log that it pauses; one of lower priority starts paused and stays silent."""
+    cluster.start_operator("operator-b")
+    eventually(lambda: "Initial authentication has finished" in cluster.log("operator-b"), message="b starts")
+    try:
+        eventually(lambda: "Pausing operations" in cluster.log("operator-a"), timeout_s=10, message="a pauses")
+        paused, active = "operator-a", "operator-b"
+    except AssertionError:
+        assert "Resuming operations" not in cluster.log("operator-b")
+        paused, active = "operator-b", "operator-a"
+    writes = {name: cluster.log(name).count("ready backends") for name in (paused, active)}
+    cluster.set_ready("sim-0", SIM_IPS[0], False)
+    eventually(lambda: f"{SIM_IPS[0]}:{PORT}" not in cluster.ready(), timeout_s=15, message="the active one works")
+    assert cluster.log(active).count("ready backends") > writes[active]
+    assert cluster.log(paused).count("ready backends") == writes[paused]  # the paused one wrote nothing
+    stop(cluster.operators.pop(active), signal.SIGTERM)  # its pod is deleted
+    cluster.set_ready("sim-0", SIM_IPS[0], True)
+    eventually(lambda: f"{SIM_IPS[0]}:{PORT}" in cluster.ready(), timeout_s=60, message="the other takes over")
+    assert "Resuming operations" in cluster.log(paused)
+
+
+def test_a_restarted_operator_converges_to_the_same_status(cluster: Cluster):
+    for name in list(cluster.operators):
+        stop(cluster.operators.pop(name), signal.SIGKILL)  # killed mid-way
+    cluster.set_ready("sim-2", SIM_IPS[2], False)  # changes while no operator runs
+    cluster.add_pod("sim-late", SIM_IPS[4])
+    cluster.start_operator("operator-c")
+    expected = {f"{ip}:{PORT}" for ip in (SIM_IPS[0], SIM_IPS[1], SIM_IPS[4])}
+    eventually(lambda: cluster.ready() == expected, timeout_s=90, message="the restarted operator converges")
+    cluster.set_ready("sim-2", SIM_IPS[2], True)
+    cluster.cp.kubectl("delete", "pod", "sim-late", "-n", NS, "--wait=false")
+    eventually(lambda: cluster.ready() == {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}, timeout_s=30, message="settled")
+
+
+# --- the ext_proc following the policy --------------------------------------------------------
+
+
+def test_requests_land_only_on_the_pods_the_policy_lists(cluster: Cluster):
+    listed = {ip for ip in SIM_IPS if f"{ip}:{PORT}" in cluster.ready()}
+    eventually(lambda: extproc_backends(cluster) == {f"{ip}:{PORT}" for ip in listed}, timeout_s=30, message="follow")
+    before = {ip: served(ip) for ip in SIM_IPS}
+    for i in range(24):
+        chat(cluster, f"question {i}: " + "lorem ipsum " * 40)
+    after = {ip: served(ip) for ip in SIM_IPS}
+    assert sum(after[ip] - before[ip] for ip in listed) == 24
+    assert all(after[ip] == before[ip] for ip in set(SIM_IPS) - listed)
+
+
+def test_a_conversation_stays_on_its_pod(cluster: Cluster):
+    backends = {
+        chat(cluster, f"turn {turn} " + "a long shared history " * 50, "conv-1")["x-kvroute-backend"]
+        for turn in range(4)
+    }
+    assert len(backends) == 1
+
+
+def test_scaling_pods_changes_the_backend_set_within_seconds(cluster: Cluster):
+    new = f"{SIM_IPS[3]}:{PORT}"
+    cluster.add_pod("sim-3", SIM_IPS[3])
+    eventually(lambda: new in extproc_backends(cluster), timeout_s=20, message="scaled up")
+    cluster.cp.kubectl("delete", "pod", "sim-3", "-n", NS, "--wait=false")
+    eventually(lambda: new not in extproc_backends(cluster), timeout_s=20, message="scaled down")
+
+
+def test_a_routing_edit_applies_without_a_restart(cluster: Cluster):
+    pid = cluster.stack.processes["extproc"].pid
+    cluster.cp.kubectl(
+        "patch", "kvrp", "default", "-n", NS, "--type=merge", "-p", '{"spec":{"routing":{"prefixStickRatio":0.8}}}'
+    )
+
+    def ratio() -> float:
+        return json.loads(get(cluster.stack.admin_url, "/debug/state")[2])["settings"]["prefix_stick_ratio"]
+
+    eventually(lambda: ratio() == 0.8, timeout_s=20, message="the new setting")
+    assert cluster.stack.processes["extproc"].pid == pid and cluster.stack.processes["extproc"].poll() is None
+
+
+def test_routing_goes_on_while_the_api_server_is_away_and_following_resumes(cluster: Cluster):
+    listed = set(extproc_backends(cluster))
+    cluster.cp.stop_apiserver()
+    try:
+        eventually(
+            lambda: json.loads(get(cluster.stack.admin_url, "/readyz")[2])["warnings"] != [],
+            timeout_s=60,
+            message="the ext_proc notices the lost watch",
+        )
+        for i in range(6):
+            assert chat(cluster, f"while away {i}")["x-kvroute-backend"] in listed
+    finally:
+        cluster.cp.start_apiserver()
+    cluster.add_pod("sim-4", SIM_IPS[4])
+    eventually(lambda: f"{SIM_IPS[4]}:{PORT}" in extproc_backends(cluster), timeout_s=60, message="following resumed")
+    cluster.cp.kubectl("delete", "pod", "sim-4", "-n", NS, "--wait=false")
