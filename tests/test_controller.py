@@ -189,7 +189,7 @@ def test_kopf_layer_registers_indexes_events_and_lifecycle():
     assert not registry._changing.get_all_handlers()  # nothing that would write finalizers or annotations
     assert not registry._spawning.get_all_handlers()
     activities = {h.activity.value for h in registry._activities.get_all_handlers()}
-    assert activities == {"startup", "cleanup"}
+    assert activities == {"startup", "cleanup", "authentication"}
 
 
 def test_kopf_handlers_feed_the_reconciler():
@@ -210,9 +210,12 @@ def test_kopf_handlers_feed_the_reconciler():
 
 def test_startup_configures_kopf_quietly(monkeypatch):
     settings = kopf.OperatorSettings()
-    monkeypatch.setattr(operator.config, "load_incluster_config", lambda: None)
-    monkeypatch.setattr(operator, "HEALTH_PORT", 0)
-    memo = kopf.Memo()
+
+    async def local() -> Any:
+        return operator.client.Configuration(host="https://127.0.0.1:1")
+
+    monkeypatch.setattr(operator, "_client_configuration", local)
+    memo = kopf.Memo(health_host="127.0.0.1", health_port=0)
 
     async def scenario() -> None:
         await operator.start(settings=settings, memo=memo)
