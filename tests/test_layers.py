@@ -110,3 +110,8 @@ def test_commands_load_only_what_they_run(argv: list[str], absent: set[str]):
         subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
     )
     assert not loaded & absent, loaded & absent
+
+
+@pytest.mark.parametrize("path", PRODUCT_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_product_code_points_at_nothing_outside_the_repository(path: Path):
+    assert "../shared" not in path.read_text(), f"{path} refers to a file outside the repository"
