@@ -188,3 +188,23 @@ def test_decisions_are_counted_by_the_core_once_per_request(parts):
         processor.handle(body(), stream)
         stream.close()
     assert sum(router.stats.decisions.values()) == 3
+
+
+def test_one_stream_decides_once_and_learns_once(parts):
+    router, _, metrics, processor = parts
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    first = set_headers(processor.handle(body(), stream).request_body.response.header_mutation)[DESTINATION_HEADER]
+    chosen = first.split(",")[0]
+    # A forged second round on the same stream: headers with end of stream, another body, two responses.
+    assert not processor.handle(request_headers(eos=True), stream).request_headers.response.HasField("header_mutation")
+    assert not processor.handle(body(b'{"model": "m", "messages": []}'), stream).request_body.response.HasField(
+        "header_mutation"
+    )
+    processor.handle(response_headers("200", "via_upstream", chosen), stream)
+    processor.handle(response_headers("200", "via_upstream", chosen), stream)
+    assert sum(router.stats.decisions.values()) == 1 and router.stats.learned == 1
+    assert router.loads.snapshot()[chosen] == (0, 1)
+    stream.close()
+    assert all(load == (0, 0) for load in router.loads.snapshot().values())
+    assert metrics.errors.labels("repeated_message")._value.get() == 1

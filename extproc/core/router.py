@@ -164,6 +164,7 @@ class Router:
         """Choose a backend among the healthy ones serving the request's model and reserve the
         load it adds; the returned exchange must be ended (`end`) however the request ends."""
         decision = self.query(request, backends, now)
+        request.cbr = b""  # the chain is all the exchange needs from here: hold no copy of the body
         if decision.backend is not None:
             decision.reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
         self.stats.decisions[decision.label] += 1

@@ -119,6 +119,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return _CONTINUE[kind]
 
     def _on_request_headers(self, message: pb.HttpHeaders, stream: Stream) -> pb.ProcessingResponse:
+        if stream.routed:  # one stream decides once: a repeated message changes nothing
+            self._metrics.errors.labels("repeated_message").inc()
+            return _CONTINUE_HEADERS
         headers = stream.headers = _headers(message)
         spoofed = DESTINATION_HEADER in headers
         if spoofed:
