@@ -70,6 +70,8 @@ def routing_changes(routing: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
                 changes["capacity_blocks"] = int(value)
         elif f.name == "session_headers":
             changes["session_headers"] = tuple(str(h).lower() for h in value)
+        elif f.name == "tenant_header":
+            changes["tenant_header"] = str(value).lower()
         else:
             changes[f.name] = value
     return changes, sorted(unknown)
@@ -80,6 +82,8 @@ def _property(f: dataclasses.Field) -> dict[str, Any]:
     schema: dict[str, Any] = {"description": f.metadata["help"]}
     if f.name == "session_headers":
         return {**schema, "type": "array", "items": {"type": "string", "pattern": HEADER_NAME}}
+    if f.type == "str":  # a header name, or empty
+        return {**schema, "type": "string", "pattern": HEADER_NAME.replace("]+$", "]*$")}
     kind = "integer" if f.type == "int" else "number"
     bounds = f.metadata["bounds"]
     number: dict[str, Any] = {"type": kind}

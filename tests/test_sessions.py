@@ -30,7 +30,7 @@ def test_session_and_user_namespaces_do_not_collide():
 
 
 def test_bindings_expire_and_are_dropped():
-    table = SessionTable(ttl_s=10, capacity=10)
+    table = SessionTable(ttl_s=10, capacity=10, key=bytes(16))
     table.bind("s1", "A", 0)
     assert table.get("s1", 9) == "A"
     assert table.get("s1", 11) is None
@@ -38,14 +38,14 @@ def test_bindings_expire_and_are_dropped():
 
 
 def test_use_refreshes_binding():
-    table = SessionTable(ttl_s=10, capacity=10)
+    table = SessionTable(ttl_s=10, capacity=10, key=bytes(16))
     table.bind("s1", "A", 0)
     table.bind("s1", "A", 8)
     assert table.get("s1", 15) == "A"
 
 
 def test_capacity_evicts_least_recently_bound():
-    table = SessionTable(ttl_s=100, capacity=2)
+    table = SessionTable(ttl_s=100, capacity=2, key=bytes(16))
     table.bind("s1", "A", 0)
     table.bind("s2", "A", 1)
     table.bind("s1", "B", 2)
@@ -54,7 +54,7 @@ def test_capacity_evicts_least_recently_bound():
 
 
 def test_similar_keys_are_distinct():
-    table = SessionTable(ttl_s=100, capacity=10)
+    table = SessionTable(ttl_s=100, capacity=10, key=bytes(16))
     table.bind("session:session-1", "A", 0)
     table.bind("session:session-12", "B", 0)
     assert table.get("session:session-1", 1) == "A"
@@ -62,7 +62,7 @@ def test_similar_keys_are_distinct():
 
 
 def test_remove_backend_and_forget():
-    table = SessionTable(ttl_s=100, capacity=10)
+    table = SessionTable(ttl_s=100, capacity=10, key=bytes(16))
     table.bind("s1", "A", 0)
     table.bind("s2", "B", 0)
     assert table.remove_backend("A") == 1
@@ -78,8 +78,31 @@ def test_configured_session_headers_come_first_in_order():
 
 
 def test_configure_shrinks_capacity_oldest_first():
-    table = SessionTable(ttl_s=100, capacity=3)
+    table = SessionTable(ttl_s=100, capacity=3, key=bytes(16))
     for i in range(3):
         table.bind(f"s{i}", "A", i)
-    table.configure(ttl_s=100, capacity=1)
+    table.configure(ttl_s=100, capacity=1, key=bytes(16))
     assert (table.get("s0", 5), table.get("s2", 5)) == (None, "A")
+
+
+def test_long_identifiers_are_not_sessions_and_keys_are_stored_as_keyed_digests():
+    huge = "u" * (256 * 1024)
+    assert derive_session_key({}, {"user": huge}) is None
+    assert derive_session_key({"x-session-id": huge}, {"user": "alice"}) == "user:alice"
+    table = SessionTable(ttl_s=100, capacity=10, key=b"k" * 16)
+    table.bind("session:" + "s" * 500, "10.0.0.1:8000", 0)
+    stored = next(iter(table._bindings))
+    assert isinstance(stored, bytes) and len(stored) == 16 and b"sss" not in stored
+    assert table.get("session:" + "s" * 500, 1) == "10.0.0.1:8000"
+    other = SessionTable(ttl_s=100, capacity=10, key=b"j" * 16)
+    other.bind("session:" + "s" * 500, "10.0.0.1:8000", 0)
+    assert next(iter(other._bindings)) != stored  # another key, another digest
+    table.configure(100, 10, b"j" * 16)  # a new key: old digests are unreachable, so they go
+    assert len(table) == 0
+
+
+def test_a_tenant_header_scopes_session_ids():
+    a = derive_session_key({"x-session-id": "s1", "x-tenant": "a"}, {}, ("x-session-id",), "x-tenant")
+    b = derive_session_key({"x-session-id": "s1", "x-tenant": "b"}, {}, ("x-session-id",), "x-tenant")
+    assert a != b and a.endswith("session:s1")
+    assert derive_session_key({"x-session-id": "s1"}, {}, ("x-session-id",), "") == "session:s1"

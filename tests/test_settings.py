@@ -94,12 +94,13 @@ def test_crd_routing_schema_matches_every_policy_setting():
 
 @pytest.mark.parametrize("key", [f.metadata["policy"] for f in fields(Settings) if f.metadata["policy"]])
 def test_every_policy_field_reaches_its_setting(key):
-    value = {"sessionHeaders": ["X-Conversation"], "capacityBlocks": 77}.get(key, 8)
+    value = {"sessionHeaders": ["X-Conversation"], "capacityBlocks": 77, "tenantHeader": "X-Tenant"}.get(key, 8)
     changes, unknown = crd.routing_changes({key: value})
     assert not unknown
     settings = dataclasses.replace(Settings(), **changes)
     name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
-    assert getattr(settings, name) == {"session_headers": ("x-conversation",), "capacity_blocks": 77}.get(name, 8)
+    expected = {"session_headers": ("x-conversation",), "capacity_blocks": 77, "tenant_header": "x-tenant"}
+    assert getattr(settings, name) == expected.get(name, 8)
 
 
 def test_hash_key_is_never_read_from_a_policy():

@@ -131,7 +131,8 @@ class Admin:
             headers = {str(k).lower(): str(v) for k, v in (payload.get("headers") or {}).items()}
             body = payload["body"]
             raw = body.encode() if isinstance(body, str) else body
-            return parse_request(raw, headers, self._router.settings.session_headers)
+            settings = self._router.settings
+            return parse_request(raw, headers, settings.session_headers, settings.tenant_header)
         except (InvalidRequest, AttributeError) as exc:
             raise self._bad_request(str(exc)) from None
 

@@ -30,6 +30,7 @@ def parse_request(
     body: bytes | str | Mapping[str, Any],
     headers: Mapping[str, str] = _EMPTY,
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS,
+    tenant_header: str = "",
 ) -> PromptRequest:
     """Parse a raw or decoded chat/completions body.
 
@@ -50,4 +51,4 @@ def parse_request(
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string")
     encoded, followup = cbr.encode(parsed)
-    return PromptRequest(model, encoded, followup, derive_session_key(headers, parsed, session_headers))
+    return PromptRequest(model, encoded, followup, derive_session_key(headers, parsed, session_headers, tenant_header))

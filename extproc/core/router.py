@@ -97,7 +97,7 @@ class Router:
         self.hasher = BlockHasher(settings.block_size, settings.hash_key)
         self.index: LocationIndex = index or LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
         self.churn = ChurnMeter(settings.churn_half_life_s)
-        self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity)
+        self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
         self.loads = LoadTracker()
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
@@ -116,7 +116,7 @@ class Router:
         if isinstance(self.index, BoundedIndex):
             capacities = {b: self._blocks(t) for b, t in self._kv_tokens.items()} if settings.capacity_auto else {}
             self.index.configure(settings.location_ttl_s, settings.capacity_blocks, capacities)
-        self.sessions.configure(settings.session_ttl_s, settings.session_capacity)
+        self.sessions.configure(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
 
     def set_backend_capacity(self, backend: str, kv_tokens: int) -> None:
         """A backend reported its KV cache size in tokens; with `capacity_auto`, size its LRU by it.

@@ -2,35 +2,50 @@
 
 Keys come from explicit client identifiers only; per-request ids (x-request-id, x-trace-id)
 never name a session. Keys live in their own table, never in the prefix index, so
-`session-1` and `session-12` cannot collide.
+`session-1` and `session-12` cannot collide. Identifiers longer than MAX_ID_CHARS are not
+sessions, and the table stores only a keyed 16-byte digest of each key: a client cannot make
+kvroute hold its identifiers verbatim, nor forge another's binding without the key.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 DEFAULT_SESSION_HEADERS = ("x-session-id",)
 USER_HEADER = "x-user-id"
+MAX_ID_CHARS = 512
 
 
 def _text(value: Any) -> str | None:
-    """A usable identifier: a non-empty string or an integer (not a bool)."""
+    """A usable identifier: a non-empty string of at most MAX_ID_CHARS, or an integer (not a bool)."""
     if isinstance(value, str):
-        return value or None
+        return value if 0 < len(value) <= MAX_ID_CHARS else None
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     return None
 
 
 def derive_session_key(
-    headers: Mapping[str, str], body: Mapping[str, Any], session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS,
+    tenant_header: str = "",
 ) -> str | None:
-    """The session a request belongs to, by precedence: conversation ids, then user ids.
+    """The session a request belongs to, by precedence: conversation ids, then user ids; scoped
+    by the tenant header's value when one is configured, so tenants' ids never meet.
 
     Header names are expected in lower case (as Envoy sends them).
     """
+    key = _unscoped_key(headers, body, session_headers)
+    if key is None or not tenant_header:
+        return key
+    return f"{_text(headers.get(tenant_header)) or ''}\0{key}"
+
+
+def _unscoped_key(headers: Mapping[str, str], body: Mapping[str, Any], session_headers: tuple[str, ...]) -> str | None:
     params = body.get("session_params")
     candidates = (
         *(headers.get(name) for name in session_headers),
@@ -49,27 +64,36 @@ def derive_session_key(
 
 
 class SessionTable:
-    """session key -> (backend, last access), with a TTL and LRU capacity."""
+    """digest(session key) -> (backend, last access), with a TTL and LRU capacity."""
 
-    __slots__ = ("_bindings", "_capacity", "_ttl")
+    __slots__ = ("_bindings", "_capacity", "_key", "_ttl")
 
-    def __init__(self, ttl_s: float, capacity: int) -> None:
+    def __init__(self, ttl_s: float, capacity: int, key: bytes) -> None:
         self._ttl = ttl_s
         self._capacity = capacity
-        self._bindings: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._key = key
+        self._bindings: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+
+    def _digest(self, session_key: str) -> bytes:
+        return hashlib.blake2b(session_key.encode("utf-8", "surrogatepass"), key=self._key, digest_size=16).digest()
 
     def __len__(self) -> int:
         return len(self._bindings)
 
-    def configure(self, ttl_s: float, capacity: int) -> None:
-        """Apply new limits live; bindings beyond the new capacity go, oldest first."""
+    def configure(self, ttl_s: float, capacity: int, key: bytes) -> None:
+        """Apply new limits live; bindings beyond the new capacity go, oldest first. A new key
+        makes every stored digest unreachable, so the table starts afresh."""
+        if key != self._key:
+            self._key = key
+            self._bindings.clear()
         self._ttl = ttl_s
         self._capacity = capacity
         while len(self._bindings) > capacity:
             self._bindings.popitem(last=False)
 
-    def get(self, key: str, now: float) -> str | None:
+    def get(self, session_key: str, now: float) -> str | None:
         """The bound backend, or None if unbound or expired (an expired binding is dropped)."""
+        key = self._digest(session_key)
         binding = self._bindings.get(key)
         if binding is None:
             return None
@@ -78,15 +102,16 @@ class SessionTable:
             return None
         return binding[0]
 
-    def bind(self, key: str, backend: str, now: float) -> None:
+    def bind(self, session_key: str, backend: str, now: float) -> None:
+        key = self._digest(session_key)
         self._bindings[key] = (backend, now)
         self._bindings.move_to_end(key)
         while len(self._bindings) > self._capacity:
             self._bindings.popitem(last=False)
         self._expire(now)
 
-    def forget(self, key: str) -> bool:
-        return self._bindings.pop(key, None) is not None
+    def forget(self, session_key: str) -> bool:
+        return self._bindings.pop(self._digest(session_key), None) is not None
 
     def remove_backend(self, backend: str) -> int:
         """Drop every binding to a backend that left; return how many."""

@@ -111,6 +111,12 @@ class Settings:
         "Request headers naming a conversation, tried in order before the body's session ids.",
         policy="sessionHeaders",
     )
+    tenant_header: str = _setting(
+        "",
+        "Request header naming the tenant (set by the gateway, not the client); session ids are scoped by it. "
+        "Empty: one tenant.",
+        policy="tenantHeader",
+    )
     capacity_auto: bool = _setting(
         True, "Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."
     )
@@ -130,6 +136,8 @@ class Settings:
             raise ValueError("hash_key must be exactly 16 bytes")
         if not all(isinstance(h, str) and h for h in self.session_headers):
             raise ValueError("session_headers must be non-empty header names")
+        if self.tenant_header != self.tenant_header.lower():
+            raise ValueError("tenant_header must be a lower-case header name")
 
     @classmethod
     def help(cls) -> dict[str, str]:

@@ -151,7 +151,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         exchange = None
         if body is not None:
             try:
-                request = parse_request(body, stream.headers, self._router.settings.session_headers)
+                settings = self._router.settings
+                request = parse_request(body, stream.headers, settings.session_headers, settings.tenant_header)
                 exchange = self._router.begin(request, backends, self._clock())
             except InvalidRequest as exc:
                 request_id = stream.headers.get("x-request-id")
