@@ -135,6 +135,7 @@ class Stack:
 
     def start_extproc(self) -> None:
         args = ["--grpc-port", str(self.grpc_port), "--admin-port", str(self.admin_port)]
+        args += ["--decision-headers", "true"]  # a developer's stack shows why each request went where
         if self.policy:
             args += ["--policy", self.policy]
         else:

@@ -82,6 +82,8 @@ def _property(f: dataclasses.Field) -> dict[str, Any]:
     schema: dict[str, Any] = {"description": f.metadata["help"]}
     if f.name == "session_headers":
         return {**schema, "type": "array", "items": {"type": "string", "pattern": HEADER_NAME}}
+    if f.type == "bool":
+        return {**schema, "type": "boolean"}
     if f.type == "str":  # a header name, or empty
         return {**schema, "type": "string", "pattern": HEADER_NAME.replace("]+$", "]*$")}
     kind = "integer" if f.type == "int" else "number"

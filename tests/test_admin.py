@@ -22,7 +22,7 @@ BODY = {"model": "m", "messages": [{"role": "system", "content": "s" * 4000}, {"
 
 def run(scenario: Callable[[TestClient, Admin, Router], Awaitable[None]]) -> None:
     async def main() -> None:
-        router = Router(Settings(hash_key=b"k" * 16))
+        router = Router(Settings(hash_key=b"k" * 16, decision_headers=True))
         pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=1)
         admin = Admin(router, pool, Metrics(router, pool), clock=lambda: 5.0)
         async with TestClient(TestServer(admin.app())) as client:

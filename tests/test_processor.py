@@ -21,7 +21,7 @@ BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" 
 
 @pytest.fixture
 def parts():
-    router = Router(Settings(hash_key=b"k" * 16))
+    router = Router(Settings(hash_key=b"k" * 16, decision_headers=True))
     pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
     metrics = Metrics(router, pool)
     return router, pool, metrics, Processor(router, pool, metrics, clock=lambda: 100.0)
@@ -208,3 +208,15 @@ def test_one_stream_decides_once_and_learns_once(parts):
     stream.close()
     assert all(load == (0, 0) for load in router.loads.snapshot().values())
     assert metrics.errors.labels("repeated_message")._value.get() == 1
+
+
+@pytest.mark.parametrize(("headers_on", "status"), [(False, "200"), (True, "400"), (True, "503")])
+def test_decision_headers_are_opt_in_and_never_on_errors(headers_on, status):
+    router = Router(Settings(hash_key=b"k" * 16, decision_headers=headers_on))
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
+    processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0)
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    chosen = set_headers(processor.handle(body(), stream).request_body.response.header_mutation)[DESTINATION_HEADER]
+    reply = processor.handle(response_headers(status, "via_upstream", chosen.split(",")[0]), stream)
+    assert not reply.response_headers.response.HasField("header_mutation")

@@ -198,12 +198,14 @@ class Router:
         if rerouted:
             self.stats.rerouted += 1
         backend = served or decision.backend or ""
-        matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
-        headers = (
-            ("x-kvroute-decision", decision.label.value),
-            ("x-kvroute-backend", backend),
-            ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
-        )
+        headers: tuple[tuple[str, str], ...] = ()
+        if self.settings.decision_headers and 200 <= start.status < 300:  # never on errors
+            matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
+            headers = (
+                ("x-kvroute-decision", decision.label.value),
+                ("x-kvroute-backend", backend),
+                ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
+            )
         exchange.outcome = Outcome(backend, learned, bool(served) and start.connect_failed, rerouted, headers)
         return exchange.outcome
 

@@ -117,6 +117,12 @@ class Settings:
         "Empty: one tenant.",
         policy="tenantHeader",
     )
+    decision_headers: bool = _setting(
+        False,
+        "Add x-kvroute-decision/-backend/-prefix to successful responses. They tell a client whether other "
+        "clients' prompts are cached and name pod addresses: enable only where clients are trusted.",
+        policy="decisionHeaders",
+    )
     capacity_auto: bool = _setting(
         True, "Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."
     )

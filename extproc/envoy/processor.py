@@ -187,6 +187,18 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         outcome = self._router.response_started(stream.exchange, start, self._clock())
         if outcome.refused:
             self._pool.mark_refused(outcome.served)
+        decision = stream.exchange.decision
+        log.debug(
+            "request %s: %s on %s, %d/%d blocks held, status %s",
+            stream.headers.get("x-request-id"),
+            decision.label.value,
+            outcome.served,
+            decision.matched_blocks,
+            decision.total_blocks,
+            status,
+        )
+        if not outcome.headers:
+            return _CONTINUE_RESPONSE_HEADERS
         mutation = pb.HeaderMutation(set_headers=[_header(key, value) for key, value in outcome.headers])
         return pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
