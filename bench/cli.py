@@ -100,7 +100,8 @@ def _up(args: argparse.Namespace) -> None:
         body = orjson.dumps(
             {"model": _served_model(stack.backends[0]), "messages": [{"role": "user", "content": "Hi!"}]}
         )
-        print(f"kvroute is up: {stack.url}  (admin {stack.admin_url}, logs in {workdir})")
+        print(f"kvroute is up: {stack.url}  (metrics {stack.admin_url}/metrics, logs in {workdir})")
+        print(f"control API: {stack.control_url}  (bearer token in {workdir}/control.token)")
         print(f"backends: {', '.join(stack.backends)}")
         print(
             f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body.decode()}'"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -96,6 +97,9 @@ class Stack:
         self.envoy_admin_port = free_port()
         self.grpc_port = free_port()
         self.admin_port = free_port()
+        self.control_port = free_port()
+        self.control_token = secrets.token_hex(16)
+        self.grpc_token = secrets.token_hex(16)
         self.sim_ports = [] if self.backends else [free_port() for _ in range(self.sims)]
         self.backends = list(self.backends) or [f"127.0.0.1:{p}" for p in self.sim_ports]
 
@@ -106,6 +110,20 @@ class Stack:
     @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    @property
+    def control_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.control_token}"}
+
+    def _secret(self, name: str, value: str) -> str:
+        path = self.workdir / name
+        path.write_text(value)
+        path.chmod(0o600)
+        return str(path)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         process = self.processes[name] = spawn(argv, self.workdir / f"{name}.log", env=env)
@@ -135,6 +153,9 @@ class Stack:
 
     def start_extproc(self) -> None:
         args = ["--grpc-port", str(self.grpc_port), "--admin-port", str(self.admin_port)]
+        args += ["--control-port", str(self.control_port)]
+        args += ["--control-token-file", self._secret("control.token", self.control_token)]
+        args += ["--grpc-token-file", self._secret("grpc.token", self.grpc_token)]
         args += ["--decision-headers", "true"]  # a developer's stack shows why each request went where
         if self.policy:
             args += ["--policy", self.policy]
@@ -150,6 +171,7 @@ class Stack:
             extproc_port=self.grpc_port,
             backends=self.backends,
             ext_proc=self.ext_proc,
+            extproc_token=self.grpc_token,
         )
         config = self.workdir / "envoy.yaml"
         config.write_text(render(layout))

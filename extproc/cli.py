@@ -35,6 +35,12 @@ def parser() -> argparse.ArgumentParser:
     envoy.add_argument("--admin-host", default="127.0.0.1", help="Envoy admin address (0.0.0.0 for kubelet probes)")
     envoy.add_argument("--message-timeout-ms", type=int, default=2000)
     envoy.add_argument("--no-ext-proc", action="store_true", help="plain round robin, for comparisons")
+    envoy.add_argument(
+        "--extproc-token-file", default="", help="file with the token Envoy sends the ext_proc (its --grpc-token-file)"
+    )
+    envoy.add_argument(
+        "--forward-header", action="append", default=[], help="one more request header the ext_proc reads (repeatable)"
+    )
     envoy.add_argument("--output", "-o", help="file to write (default: stdout)")
     return parser
 
@@ -42,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
 def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
     """The Envoy layout `kvroute envoy-config` flags describe."""
     from extproc.core.backends import parse_address
-    from extproc.envoy.bootstrap import EnvoyLayout
+    from extproc.envoy.bootstrap import FORWARD_HEADERS, EnvoyLayout
+    from extproc.runtime.config import read_token
 
     return EnvoyLayout(
         listen_port=args.listen_port,
@@ -55,6 +62,8 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         backend_dns=args.backend_dns,
         message_timeout_ms=args.message_timeout_ms,
         ext_proc=not args.no_ext_proc,
+        extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
+        forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
     )
 
 

@@ -14,9 +14,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.admin.app import Admin
 from extproc.core.router import Router
+from extproc.envoy.auth import TokenInterceptor
 from extproc.envoy.processor import Processor
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
-from extproc.runtime.config import ExtProcConfig
+from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
 
@@ -37,17 +38,26 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     policy = follower.state if follower is not None else None
     metrics = Metrics(router, pool, policy)
     limit = config.max_message_bytes
+    interceptors = []
+    if config.grpc_token_file:
+        refused = metrics.errors.labels("unauthenticated_stream")
+        interceptors.append(TokenInterceptor(read_token(config.grpc_token_file), refused.inc))
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(Processor(router, pool, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
     admin = Admin(router, pool, metrics, policy, lease_ttl_s=config.lease_ttl_s)
-    runner = web.AppRunner(admin.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, config.admin_host, config.admin_port).start()
+    runners = [web.AppRunner(admin.monitoring_app(), access_log=None)]
+    await runners[0].setup()
+    await web.TCPSite(runners[0], config.admin_host, config.admin_port).start()
+    if config.control_port:
+        runners.append(web.AppRunner(admin.control_app(read_token(config.control_token_file)), access_log=None))
+        await runners[1].setup()
+        await web.TCPSite(runners[1], config.control_host, config.control_port).start()
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     admin.serving = True
@@ -75,7 +85,8 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await server.stop(grace=2)
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
 
 
 def main(config: ExtProcConfig) -> None:

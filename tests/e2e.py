@@ -40,8 +40,9 @@ def get(url: str, path: str, headers: dict[str, str] | None = None):
         conn.close()
 
 
-def state(admin_url: str) -> dict[str, Any]:
-    return orjson.loads(get(admin_url, "/debug/state")[2])
+def state(stack: Any) -> dict[str, Any]:
+    """The ext_proc's /debug/state, from the stack's control port (bearer token)."""
+    return orjson.loads(get(stack.control_url, "/debug/state", stack.control_headers)[2])
 
 
 def metric(admin_url: str, line_prefix: str) -> float:

@@ -11,12 +11,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from extproc.admin.app import Admin
 from extproc.core.backends import Backend
+from extproc.core.decision import Label
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+TOKEN = "control-token-for-tests"
 BODY = {"model": "m", "messages": [{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "q"}]}
 
 
@@ -25,7 +27,9 @@ def run(scenario: Callable[[TestClient, Admin, Router], Awaitable[None]]) -> Non
         router = Router(Settings(hash_key=b"k" * 16, decision_headers=True))
         pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=1)
         admin = Admin(router, pool, Metrics(router, pool), clock=lambda: 5.0)
-        async with TestClient(TestServer(admin.app())) as client:
+        control = TestClient(TestServer(admin.control_app(TOKEN)), headers={"authorization": f"Bearer {TOKEN}"})
+        async with control as client, TestClient(TestServer(admin.monitoring_app())) as monitoring:
+            client.monitoring = monitoring  # type: ignore[attr-defined]
             await scenario(client, admin, router)
 
     asyncio.run(main())
@@ -96,7 +100,7 @@ def test_bad_requests_and_unknown_backends_are_400():
             assert (await client.post("/v1/query", data=data)).status == 400
         unknown = await client.post("/v1/notify", data=orjson.dumps({"body": BODY, "backend": "203.0.113.1:80"}))
         assert unknown.status == 400
-        metrics = (await (await client.get("/metrics")).read()).decode()
+        metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
         assert 'kvroute_errors_total{kind="invalid_request"} 4.0' in metrics
 
     run(scenario)
@@ -104,16 +108,34 @@ def test_bad_requests_and_unknown_backends_are_400():
 
 def test_probes_state_and_metrics():
     async def scenario(client: TestClient, admin: Admin, router: Router) -> None:
-        assert (await client.get("/healthz")).status == 200
-        assert (await client.get("/readyz")).status == 503  # gRPC not serving yet
+        monitoring = client.monitoring
+        assert (await monitoring.get("/healthz")).status == 200
+        assert (await monitoring.get("/readyz")).status == 503  # gRPC not serving yet
         admin.serving = True
-        assert (await client.get("/readyz")).status == 200
+        assert (await monitoring.get("/readyz")).status == 200
         router.loads.reserve(A, 3)
         state = await _json(await client.get("/debug/state"))
         assert state["load"] == {A: {"reserved_blocks": 3, "active": 1}}
         assert "hash_key" not in state["settings"] and state["settings"]["block_size"] == 512
-        metrics = (await (await client.get("/metrics")).read()).decode()
+        metrics = (await (await monitoring.get("/metrics")).read()).decode()
         assert f'kvroute_backend_reserved_blocks{{backend="{A}"}} 3.0' in metrics
         assert f'kvroute_backend_healthy{{backend="{B}"}} 1.0' in metrics
+
+    run(scenario)
+
+
+def test_the_control_port_needs_the_token_and_the_monitoring_port_controls_nothing():
+    async def scenario(client: TestClient, _admin: Admin, router: Router) -> None:
+        payload = orjson.dumps({"body": BODY})
+        for headers in ({"authorization": ""}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+            response = await client.post("/v1/query", data=payload, headers=headers)
+            assert response.status == 401
+            assert (await client.get("/debug/state", headers=headers)).status == 401
+        assert router.stats.decisions[Label.LEAST_LOADED] == 0 and router.loads.snapshot() == {}
+        for path in ("/v1/query", "/v1/notify", "/v1/release"):
+            assert (await client.monitoring.post(path, data=payload)).status in (404, 405)
+        assert (await client.monitoring.get("/debug/state")).status == 404
+        metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
+        assert 'kvroute_errors_total{kind="unauthorized"} 6.0' in metrics
 
     run(scenario)

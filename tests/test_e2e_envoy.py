@@ -5,12 +5,14 @@ Each test's processes are started by a fixture and stopped, whatever happens, at
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import itertools
 import random
 import threading
 from pathlib import Path
 
+import grpc
 import orjson
 import pytest
 
@@ -123,13 +125,13 @@ def test_client_disconnect_mid_stream_releases_load(stack: Stack):
     assert response.read(5) == b"data:"
 
     def active() -> int:
-        return sum(load["active"] for load in state(stack.admin_url)["load"].values())
+        return sum(load["active"] for load in state(stack)["load"].values())
 
     assert active() == 1
     conn.sock.close()
     conn.close()
     eventually(lambda: active() == 0, message="active requests back to zero")
-    assert all(load["reserved_blocks"] == 0 for load in state(stack.admin_url)["load"].values())
+    assert all(load["reserved_blocks"] == 0 for load in state(stack)["load"].values())
 
 
 def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
@@ -167,7 +169,7 @@ def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
         status, headers, _ = post(stack.url, chat(history), {"x-session-id": "doomed"})
         home = headers["x-kvroute-backend"]
         victim = f"sim{stack.backends.index(home)}"
-        entries = state(stack.admin_url)["index_entries_by_backend"]
+        entries = state(stack)["index_entries_by_backend"]
         assert entries[home] > 0
         stack.stop_process(victim, sig=9)
         for i in range(10):
@@ -175,7 +177,42 @@ def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
                 stack.url, chat([*history, {"role": "user", "content": f"again {i}"}]), {"x-session-id": "doomed"}
             )
             assert status == 200 and headers["x-sim-backend"] != home
-        eventually(lambda: home not in state(stack.admin_url)["index_entries_by_backend"], message="index dropped")
-        current = state(stack.admin_url)
+        eventually(lambda: home not in state(stack)["index_entries_by_backend"], message="index dropped")
+        current = state(stack)
         assert home not in current["load"]
         assert next(b for b in current["backends"] if b["address"] == home)["healthy"] is False
+
+
+def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
+    """Streams without the shared token are refused before any handler runs; health stays open."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from extproc.envoy.proto import ext_proc_pb2 as pb
+    from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
+
+    before = metric(stack.admin_url, 'kvroute_errors_total{kind="unauthenticated_stream"}')
+    headers = pb.HttpHeaders(headers=pb.HeaderMap(headers=[pb.HeaderValue(key=":path", raw_value=b"/v1/models")]))
+
+    async def attempt(metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=metadata)
+            try:
+                await call.write(pb.ProcessingRequest(request_headers=headers))
+                await call.read()
+                return grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            finally:
+                call.cancel()
+
+    async def health() -> int:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+            return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
+
+    assert asyncio.run(attempt(())) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(attempt((("authorization", "Bearer forged"),))) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(attempt((("authorization", f"Bearer {stack.grpc_token}"),))) == grpc.StatusCode.OK
+    assert asyncio.run(health()) == health_pb2.HealthCheckResponse.SERVING
+    assert metric(stack.admin_url, 'kvroute_errors_total{kind="unauthenticated_stream"}') == before + 2
+    status, _, _ = post(stack.url, chat([{"role": "user", "content": "through Envoy, which has the token"}]))
+    assert status == 200

@@ -199,13 +199,14 @@ def test_readyz_and_metrics_report_a_lost_watch():
         follower.state.last_error = "ClientConnectorError: API server unreachable"
         admin = Admin(router, pool, Metrics(router, pool, follower.state), follower.state)
         admin.serving = True
-        async with TestClient(TestServer(admin.app())) as http:
+        control = TestClient(TestServer(admin.control_app("t")), headers={"authorization": "Bearer t"})
+        async with TestClient(TestServer(admin.monitoring_app())) as http, control:
             ready = await http.get("/readyz")
             body = await ready.json()
             assert ready.status == 200 and "last known backends" in body["warnings"][0]
             text = await (await http.get("/metrics")).text()
             assert "kvroute_policy_connected 0.0" in text
-            state = await (await http.get("/debug/state")).json()
+            state = await (await control.get("/debug/state")).json()
             assert state["policy"]["connected"] is False and state["policy"]["name"] == "llm/default"
 
     asyncio.run(main())

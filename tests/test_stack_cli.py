@@ -53,11 +53,12 @@ def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm():
         text=True,
     )
     try:
-        lines = [process.stdout.readline() for _ in range(4)]
+        lines = [process.stdout.readline() for _ in range(5)]
         assert lines[0].startswith(f"kvroute is up: http://127.0.0.1:{port}"), lines
-        backends = re.findall(r"127\.0\.0\.1:(\d+)", lines[1])
+        assert lines[1].startswith("control API: http://127.0.0.1:") and "control.token" in lines[1]
+        backends = re.findall(r"127\.0\.0\.1:(\d+)", lines[2])
         assert len(backends) == 2
-        assert "curl" in lines[2] + lines[3]
+        assert "curl" in lines[3] + lines[4]
         status, headers, _ = post(
             f"http://127.0.0.1:{port}", {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
         )

@@ -1,5 +1,8 @@
-"""Admin HTTP port: metrics, probes, state, and the request lifecycle for gateways other than Envoy.
+"""The HTTP adapter, on two ports: monitoring (/metrics, /healthz, /readyz: read-only, open) and
+control (state and the request lifecycle for gateways other than Envoy: bearer token, off unless
+configured). Control endpoints:
 
+    GET  /debug/state                                   -> index, sessions, load, backends, settings
     POST /v1/query    {"body", "headers"?, "dry_run"?}  -> the decision, and a lease holding its load
     POST /v1/notify   {"lease", "backend", "status"?}   -> the response started there (learn on 2xx)
     POST /v1/release  {"lease"}                         -> the request ended: its load is released
@@ -11,6 +14,7 @@ the index directly (a gateway that routed on its own).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,11 +56,30 @@ class Admin:
         self.leases = LeaseTable(lease_ttl_s)
         self.serving = False
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+    def monitoring_app(self) -> web.Application:
+        """The admin port: read-only, unauthenticated, for probes and scrapers."""
+        app = web.Application(client_max_size=1024)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
+        return app
+
+    def control_app(self, token: str) -> web.Application:
+        """The control port: the lifecycle API and state, each request with `Authorization:
+        Bearer <token>`; anything else gets a 401 and is counted."""
+        if not token:
+            raise ValueError("the control API needs a token")
+        expected = f"Bearer {token}".encode()
+
+        @web.middleware
+        async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                self._metrics.errors.labels("unauthorized").inc()
+                return _json({"error": "unauthorized"}, 401)
+            return await handler(request)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[authenticate])
         app.router.add_get("/debug/state", self.state)
         app.router.add_post("/v1/query", self.query)
         app.router.add_post("/v1/notify", self.notify)

@@ -19,6 +19,10 @@ import yaml
 from extproc.envoy.headers import DESTINATION_HEADER
 
 BODY_LIMIT = 32 * 1024 * 1024
+# The headers kvroute reads (request and response); nothing else (Authorization, cookies) reaches
+# the ext_proc.
+# Add configured session or tenant headers with `--forward-header`.
+FORWARD_HEADERS = (":method", ":path", ":status", "x-request-id", "x-session-id", "x-user-id")
 _TYPES = "type.googleapis.com/envoy."
 
 
@@ -37,6 +41,8 @@ class EnvoyLayout:
     backend_dns: str = ""
     message_timeout_ms: int = 2000
     ext_proc: bool = True
+    extproc_token: str = ""  # sent as `authorization: Bearer` gRPC metadata; the ext_proc checks it
+    forward_headers: Sequence[str] = FORWARD_HEADERS
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -124,7 +130,10 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _TYPES + "extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
+                # Keepalive pings notice a dead processor in seconds, not when TCP gives up.
+                "explicit_http_config": {
+                    "http2_protocol_options": {"connection_keepalive": {"interval": "10s", "timeout": "5s"}}
+                },
             }
         },
         **_checked_and_unthrottled({"grpc_health_check": {}}),
@@ -144,7 +153,15 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _TYPES + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "kvroute_extproc"}},
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": "kvroute_extproc"},
+                **(
+                    {"initial_metadata": [{"key": "authorization", "value": f"Bearer {layout.extproc_token}"}]}
+                    if layout.extproc_token
+                    else {}
+                ),
+            },
+            "forward_rules": {"allowed_headers": {"patterns": [{"exact": h} for h in layout.forward_headers]}},
             "failure_mode_allow": True,
             "message_timeout": f"{layout.message_timeout_ms / 1000:g}s",
             "allow_mode_override": True,

@@ -33,7 +33,13 @@ class ExtProcConfig:
     grpc_host: str = _key("127.0.0.1", "ext_proc listen address")
     grpc_port: int = _key(9002, "ext_proc gRPC port")
     admin_host: str = _key("127.0.0.1", "admin HTTP listen address")
-    admin_port: int = _key(9003, "admin HTTP port: /metrics, /readyz, /v1/query...")
+    admin_port: int = _key(9003, "monitoring HTTP port: /metrics, /healthz, /readyz (read-only, no auth)")
+    control_host: str = _key("127.0.0.1", "control HTTP listen address")
+    control_port: int = _key(0, "control HTTP port: /v1/query, /v1/notify, /v1/release, /debug/state; 0: off")
+    control_token_file: str = _key("", "file holding the control port's bearer token (required with control_port)")
+    grpc_token_file: str = _key(
+        "", "file holding the token Envoy must send as `authorization: Bearer` gRPC metadata; empty: no check"
+    )
     backends: tuple[Backend, ...] = _key((), "ip:port of each vLLM server (`--backend` repeatable; a list in YAML)")
     health_interval_s: float = _key(2.0, "seconds between backend /health probes")
     health_timeout_s: float = _key(1.0, "timeout of one probe")
@@ -137,6 +143,8 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
     unknown = set(values) - set(_PROCESS_KEYS) - {"backends", "routing"}
     if unknown:
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
+    if values.get("control_port") and not values.get("control_token_file"):
+        raise ValueError("control_port needs control_token_file: the control API is never open")
     if values.get("policy") and values["policy"].count("/") != 1:
         raise ValueError(f"policy must be NAMESPACE/NAME, got {values['policy']!r}")
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
@@ -201,3 +209,11 @@ def settings_reference() -> str:
 
 if __name__ == "__main__":
     sys.stdout.write(settings_reference())
+
+
+def read_token(path: str) -> str:
+    """A secret from a file (a mounted Secret), surrounding whitespace removed; never empty."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"{path}: the token file is empty")
+    return token
