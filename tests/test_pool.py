@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from aiohttp import web
+
 from bench.sim import SimConfig, serve
 from extproc.core.backends import Backend
-from extproc.runtime.pool import BackendPool, kv_cache_tokens
+from extproc.runtime.pool import SLOW_FACTOR, BackendPool, kv_cache_tokens
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -67,5 +69,99 @@ def test_probes_find_health_and_capacity_of_real_servers():
                 await runner.cleanup()
         assert sized == [(address, 4800)]
         assert [b.address for b in pool.backends if b.healthy] == [address]
+
+    asyncio.run(scenario())
+
+
+async def _slow_health_server(delay_s: float) -> tuple[web.AppRunner, str]:
+    async def health(_request: web.Request) -> web.Response:
+        await asyncio.sleep(delay_s)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
+
+
+def test_a_suspect_is_dropped_only_when_its_own_probe_fails():
+    async def scenario() -> None:
+        runners = await serve([0], SimConfig())
+        alive = f"127.0.0.1:{runners[0].addresses[0][1]}"
+        dead = "127.0.0.1:9"  # nothing listens: connection refused
+        dropped: list[str] = []
+        pool = BackendPool([Backend(alive), Backend(dead)], dropped.append, unhealthy_after=3)
+        probes = asyncio.create_task(pool.probe_forever(3600, 1.0))  # only suspects wake it
+        try:
+            await asyncio.sleep(0.3)  # the first round: one failure each is not enough
+            assert dropped == []
+            pool.mark_suspect(alive)
+            pool.mark_suspect(dead)
+            for _ in range(100):
+                if dropped:
+                    break
+                await asyncio.sleep(0.02)
+            assert dropped == [dead]  # confirmed by its own probe, at once
+            assert {b.address for b in pool.backends if b.healthy} == {alive}
+        finally:
+            probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probes
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_health_answer_is_busy_not_down():
+    async def scenario() -> None:
+        runner, slow = await _slow_health_server(0.5)
+        dropped: list[str] = []
+        pool = BackendPool([Backend(slow)], dropped.append, unhealthy_after=1)
+        probes = asyncio.create_task(pool.probe_forever(0.01, 0.05))
+        try:
+            for _ in range(SLOW_FACTOR - 1):
+                await asyncio.sleep(0.07)
+            assert pool._slow[slow] >= 1 and not dropped and pool.healthy_count() == 1
+            for _ in range(200):
+                if dropped:
+                    break
+                await asyncio.sleep(0.02)
+            assert dropped == [slow]  # a backend that never answers does leave, SLOW_FACTOR times later
+        finally:
+            probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probes
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_the_probe_loop_survives_an_error_and_goes_on():
+    async def scenario() -> None:
+        dropped: list[str] = []
+
+        def on_down(address: str) -> None:
+            dropped.append(address)
+            if len(dropped) == 1:
+                raise RuntimeError("a bug in a callback")
+
+        pool = BackendPool([Backend("127.0.0.1:9"), Backend("127.0.0.1:10")], on_down, unhealthy_after=1)
+        probes = asyncio.create_task(pool.probe_forever(0.01, 0.2))
+        try:
+            for _ in range(300):
+                if len(dropped) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.probe_errors == 1  # the round that raised was logged and counted...
+            assert sorted(dropped) == ["127.0.0.1:10", "127.0.0.1:9"]  # ...and the next round went on
+            assert not probes.done()
+        finally:
+            probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probes
 
     asyncio.run(scenario())

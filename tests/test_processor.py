@@ -104,13 +104,14 @@ def test_only_upstream_successes_from_known_backends_teach(parts, status, detail
     assert all(reserved == 0 for reserved, _ in router.loads.snapshot().values())
 
 
-def test_refused_connection_marks_backend_down(parts):
+def test_a_refused_connection_only_makes_the_backend_suspect(parts):
     _, pool, _, processor = parts
     stream = Stream()
     processor.handle(request_headers(), stream)
     processor.handle(body(), stream)
     processor.handle(response_headers("503", "upstream_reset_before_response_started{connection_failure}", A), stream)
-    assert [b.healthy for b in pool.backends] == [False, True]
+    assert [b.healthy for b in pool.backends] == [True, True]  # one report wipes nothing
+    assert pool._suspects == {A}  # the pool probes it at once (tests/test_pool.py)
 
 
 def test_non_llm_paths_pass_through_and_client_destination_is_removed(parts):
@@ -149,8 +150,9 @@ def test_post_without_body_is_routed_from_its_headers(parts):
 
 def test_no_healthy_backend_leaves_routing_to_envoy(parts):
     _, pool, _, processor = parts
-    pool.mark_refused(A)
-    pool.mark_refused(B)
+    for _ in range(2):
+        pool.mark(A, False)
+        pool.mark(B, False)
     stream = Stream()
     processor.handle(request_headers(), stream)
     mutation = processor.handle(body(), stream).request_body.response.header_mutation

@@ -103,6 +103,8 @@ class Admin:
         warnings = []
         if self._policy is not None and not self._policy.connected:
             warnings.append(f"policy watch down ({self._policy.last_error}); routing with the last known backends")
+        if self._pool.last_probe_error is not None:
+            warnings.append(f"backend probes failing ({self._pool.last_probe_error}); health may be stale")
         if self._policy is not None and self._policy.unknown_fields:
             warnings.append(f"policy spec.routing fields ignored: {', '.join(self._policy.unknown_fields)}")
         body = {"ready": not problems, "problems": problems, "warnings": warnings}

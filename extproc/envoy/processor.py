@@ -186,7 +186,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         )
         outcome = self._router.response_started(stream.exchange, start, self._clock())
         if outcome.refused:
-            self._pool.mark_refused(outcome.served)
+            self._pool.mark_suspect(outcome.served)
         decision = stream.exchange.decision
         log.debug(
             "request %s: %s on %s, %d/%d blocks held, status %s",

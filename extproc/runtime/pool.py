@@ -1,13 +1,18 @@
 """The backend set: which addresses may be routed to, and which of them are up.
 
 Only addresses in this set are ever written into the destination header. A backend that fails
-its health checks (or refuses a connection Envoy reports) leaves the routing core at once:
-index entries, session bindings and reservations go with it. It comes back when it answers again.
+`unhealthy_after` health checks in a row leaves the routing core at once: index entries, session
+bindings and reservations go with it. It comes back when it answers again. A single report of a
+refused connection only makes a backend suspect: it is probed at once and dropped only if that
+probe fails too, so one forged or transient report cannot wipe a backend. A backend that accepts
+the probe but answers slowly is busy, not down: it is dropped only after SLOW_FACTOR times as many
+slow answers in a row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -18,6 +23,8 @@ from extproc.core.backends import Backend
 
 log = logging.getLogger(__name__)
 
+SLOW_FACTOR = 5
+UP, DOWN, SLOW = "up", "down", "slow"
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -49,7 +56,12 @@ class BackendPool:
         self._unhealthy_after = unhealthy_after
         self._backends: dict[str, Backend] = {}
         self._failures: dict[str, int] = {}
+        self._slow: dict[str, int] = {}
         self._sized: set[str] = set()
+        self._suspects: set[str] = set()
+        self._wake = asyncio.Event()
+        self.probe_errors = 0
+        self.last_probe_error: str | None = None
         self.replace(backends)
 
     def replace(self, backends: Iterable[Backend]) -> None:
@@ -58,7 +70,9 @@ class BackendPool:
         for address in self._backends.keys() - incoming.keys():
             self._on_down(address)
             self._failures.pop(address, None)
+            self._slow.pop(address, None)
             self._sized.discard(address)
+            self._suspects.discard(address)
         self._backends = {
             address: Backend(
                 b.address, b.models, self._backends[address].healthy if address in self._backends else True
@@ -83,6 +97,7 @@ class BackendPool:
             return
         if up:
             self._failures[address] = 0
+            self._slow[address] = 0
             if not backend.healthy:
                 log.info("backend %s is up again", address)
                 self._backends[address] = Backend(address, backend.models, True)
@@ -93,29 +108,56 @@ class BackendPool:
             self._backends[address] = Backend(address, backend.models, False)
             self._on_down(address)
 
-    def mark_refused(self, address: str) -> None:
-        """Envoy could not connect to it: down now, without waiting for the probes."""
-        for _ in range(self._unhealthy_after):
-            self.mark(address, False)
+    def mark_suspect(self, address: str) -> None:
+        """Envoy reported a refused connection: probe it now; drop it only if that probe fails."""
+        if address in self._backends:
+            self._suspects.add(address)
+            self._wake.set()
+
+    def _observe(self, address: str, result: str, suspect: bool) -> None:
+        """One probe's result: a failed probe of a suspect confirms it down at once."""
+        if result == UP:
+            self.mark(address, True)
+        elif result == DOWN:
+            for _ in range(self._unhealthy_after if suspect else 1):
+                self.mark(address, False)
+        else:
+            self._slow[address] = self._slow.get(address, 0) + 1
+            if self._slow[address] >= SLOW_FACTOR * self._unhealthy_after:
+                self._slow[address] = 0
+                for _ in range(self._unhealthy_after):
+                    self.mark(address, False)
 
     async def probe_forever(self, interval_s: float, timeout_s: float) -> None:
-        """GET /health on every backend each interval, concurrently; read each one's KV cache
-        size once from /metrics."""
+        """GET /health on every backend each interval (at once for a suspect), concurrently; read
+        each one's KV cache size once from /metrics. Survives any error: logs, counts, goes on."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                backends = list(self._backends)
-                results = await asyncio.gather(*(self._probe(session, a) for a in backends))
-                for address, up in zip(backends, results, strict=True):
-                    self.mark(address, up)
-                unsized = [a for a, up in zip(backends, results, strict=True) if up and a not in self._sized]
-                for address, tokens in zip(
-                    unsized, await asyncio.gather(*(self._size(session, a) for a in unsized)), strict=True
-                ):
-                    if tokens is not None and address in self._backends:
-                        self._sized.add(address)
-                        self._on_capacity(address, tokens)
-                await asyncio.sleep(interval_s)
+                try:
+                    await self._probe_round(session)
+                    self.last_probe_error = None
+                except Exception as exc:  # a bug or a surprise must not stop health checking
+                    self.probe_errors += 1
+                    self.last_probe_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("backend probe round failed; probing goes on")
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), interval_s)
+
+    async def _probe_round(self, session: aiohttp.ClientSession) -> None:
+        suspects, self._suspects = self._suspects, set()
+        backends = list(self._backends)
+        results = await asyncio.gather(*(self._probe(session, a) for a in backends))
+        for address, result in zip(backends, results, strict=True):
+            self._observe(address, result, address in suspects)
+        unsized = [a for a, r in zip(backends, results, strict=True) if r == UP and a not in self._sized]
+        for address, tokens in zip(
+            unsized, await asyncio.gather(*(self._size(session, a) for a in unsized)), strict=True
+        ):
+            if tokens is not None and address in self._backends:
+                self._sized.add(address)
+                self._on_capacity(address, tokens)
 
     @staticmethod
     async def _size(session: aiohttp.ClientSession, address: str) -> int | None:
@@ -126,9 +168,12 @@ class BackendPool:
             return None
 
     @staticmethod
-    async def _probe(session: aiohttp.ClientSession, address: str) -> bool:
+    async def _probe(session: aiohttp.ClientSession, address: str) -> str:
+        """UP on a 200, SLOW if it took the connection but did not answer in time, else DOWN."""
         try:
             async with session.get(f"http://{address}/health") as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+                return UP if response.status == 200 else DOWN
+        except (aiohttp.ServerTimeoutError, TimeoutError):
+            return SLOW
+        except (aiohttp.ClientError, OSError):
+            return DOWN
