@@ -190,3 +190,24 @@ def test_any_json_value_parses_or_raises_invalid_request(value):
 def test_any_bytes_parse_or_raise_invalid_request(raw):
     with contextlib.suppress(InvalidRequest):
         parse_request(raw)
+
+
+def test_encoding_stops_at_its_budget_and_keeps_the_head():
+    from extproc.core.cbr import MAX_RECORDS
+
+    parts = [{"type": "text", "text": ""} for _ in range(MAX_RECORDS + 10)]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "the shared head"}, {"role": "user", "content": parts}],
+    }
+    request = parse_request(orjson.dumps(body))
+    assert request.truncated
+    head = parse_request({"model": "m", "messages": [{"role": "user", "content": "the shared head"}]})
+    assert request.cbr.startswith(head.cbr) and not head.truncated
+
+
+def test_unknown_fields_enter_the_prompt_as_a_digest_only():
+    junk = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "x_junk": "j" * (8 * 1024 * 1024)}
+    other = {**junk, "x_junk": "k" * (8 * 1024 * 1024)}
+    encoded, different = parse_request(junk).cbr, parse_request(other).cbr
+    assert len(encoded) < 200 and encoded != different  # the field still shapes the key, in 16 bytes

@@ -49,7 +49,7 @@ def test_vacuum_removes_expired_entries_on_its_deadline():
 
 
 def test_capacity_evicts_least_recently_used_and_keeps_prefix_heads():
-    index = LocalIndex(ttl_s=100, capacity_blocks=5)
+    index = LocalIndex(ttl_s=100, capacity_blocks=5, learn_share=1.0)
     index.learn([1, 2, 3], A, 0)
     index.learn([10, 20, 30], A, 1)
     assert sum(index.entries_by_backend().values()) == 5
@@ -62,7 +62,7 @@ def test_capacity_evicts_least_recently_used_and_keeps_prefix_heads():
 
 
 def test_capacity_is_per_backend():
-    index = LocalIndex(ttl_s=100, capacity_blocks=2)
+    index = LocalIndex(ttl_s=100, capacity_blocks=2, learn_share=1.0)
     index.learn([1, 2], A, 0)
     index.learn([3, 4], B, 0)
     assert index.entries_by_backend() == {A: 2, B: 2}
@@ -84,7 +84,7 @@ def test_remove_backend_drops_everything_at_once():
 )
 def test_lookup_matches_a_simple_model(ops):
     """Against a brute-force model of the same rules (TTL 5, capacity 6, LRU)."""
-    index = LocalIndex(ttl_s=5, capacity_blocks=6)
+    index = LocalIndex(ttl_s=5, capacity_blocks=6, learn_share=1.0)
     model: dict[str, dict[int, float]] = {A: {}, B: {}}
     now = 0
     for chain, backend, step in ops:
@@ -137,3 +137,12 @@ def test_local_index_fits_both_index_protocols():
     index = LocalIndex(ttl_s=1, capacity_blocks=1)
     assert isinstance(index, BoundedIndex)
     assert all(callable(getattr(index, name)) for name in ("lookup", "learn", "remove_backend", "entries_by_backend"))
+
+
+def test_one_response_teaches_at_most_half_the_capacity_from_the_head():
+    index = LocalIndex(ttl_s=100, capacity_blocks=10)
+    index.learn([1, 2, 3], B, 0)
+    assert index.learn(list(range(100, 130)), A, 0) == 5  # a huge prompt: only its first 5 blocks
+    assert index.lookup(list(range(100, 130)), [A], 1) == {A: 5}
+    index.learn([1, 2, 3], A, 1)
+    assert index.lookup([1, 2, 3], [A, B], 2) == {A: 3, B: 3}  # what others taught is still there

@@ -265,7 +265,7 @@ def test_capacity_auto_sizes_each_backend_from_its_kv_cache():
     router.set_backend_capacity(A, kv_tokens=512)  # 512 tokens * 4 bytes / 512-byte blocks = 4 blocks
     serve(router, chat([], None, "big"), 0, [Backend(A)])
     serve(router, chat([], None, "big"), 0, [Backend(B)])
-    assert router.index.entries_by_backend()[A] == 4
+    assert router.index.entries_by_backend()[A] == 2  # one response teaches at most half
     assert router.index.entries_by_backend()[B] > 4
     fixed = make_router(capacity_blocks=1000, capacity_auto=False)
     fixed.set_backend_capacity(A, kv_tokens=512)
@@ -289,15 +289,15 @@ def test_settings_changes_keep_reported_capacities_right():
     router.set_backend_capacity(A, kv_tokens=512)  # 4 blocks while capacity_auto holds
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", capacity_blocks=1000, churn_half_life_s=5))
     serve(router, chat([], None, "big"), 0, [Backend(A)])
-    assert router.index.entries_by_backend()[A] == 4
+    assert router.index.entries_by_backend()[A] == 2  # half of 4: one response's share
     added = router.learn(chat([], None, "small"), B, 0)
     assert router.churn.rate(B, 5) == pytest.approx(added / 2)  # the new half-life applies at once
     router.remove_backend(A)  # down, then back: its reported size still holds
     serve(router, chat([], None, "big"), 1, [Backend(A)])
-    assert router.index.entries_by_backend()[A] == 4
+    assert router.index.entries_by_backend()[A] == 2
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", capacity_blocks=1000, capacity_auto=False))
     serve(router, chat([], None, "bigger"), 2, [Backend(A)])
     assert router.index.entries_by_backend()[A] > 4  # a fixed capacity replaces the reported one
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
     serve(router, chat([], None, "big"), 3, [Backend(A)])
-    assert router.index.entries_by_backend()[A] == 8  # a fresh index, re-sized: 512 * 4 / 256
+    assert router.index.entries_by_backend()[A] == 4  # a fresh index, re-sized: 512 * 4 / 256, half learned

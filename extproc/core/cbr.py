@@ -5,7 +5,11 @@ the prompt but are not messages, then each message in order. Each item is a tagg
 terminated record, so the encoding is unambiguous, a conversation's continuation encodes to a
 byte extension of it, and two prompts sharing the start of a text share those bytes too.
 The prompt-shaping header starts with a digest of itself: change the model or any tool and
-even block 0 differs, so nothing is shared across them.
+even block 0 differs, so nothing is shared across them. Fields kvroute does not know enter the
+header as a digest only, so a huge junk field cannot fill the index with blocks.
+
+Encoding is bounded: past MAX_RECORDS records or MAX_BYTES bytes it stops, and the request is
+routed on what was read (the leading blocks are what prefix routing needs).
 """
 
 from __future__ import annotations
@@ -88,9 +92,31 @@ ORDERED_HEADER: tuple[str, ...] = (
     "response_format",
 )
 _PROMPT_KEYS = frozenset({"messages", "prompt"})
+MAX_RECORDS = 65_536  # messages and content parts: a body of millions of tiny parts stops here
+MAX_BYTES = 8 * 1024 * 1024  # of canonical bytes: 16,384 blocks of 512
 _SKIP_IN_HEADER = GENERATION_ONLY | _PROMPT_KEYS | frozenset(ORDERED_HEADER)
 _MESSAGE_KNOWN = frozenset({"role", "name", "content", "tool_calls", "tool_call_id"})
 _ASSISTANT_ROLES = frozenset({"assistant", "tool", "function"})
+
+
+class _Full(Exception):
+    """The budget is spent: stop encoding."""
+
+
+class _Out(list):
+    """The records so far, counted against the budget."""
+
+    __slots__ = ("size",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0
+
+    def append(self, record: bytes) -> None:
+        if len(self) >= MAX_RECORDS or self.size + len(record) > MAX_BYTES:
+            raise _Full
+        self.size += len(record)
+        super().append(record)
 
 
 def _record(tag: bytes, payload: bytes) -> bytes:
@@ -126,7 +152,8 @@ def _header(body: Mapping[str, Any], kind: bytes) -> bytes:
     if not all(isinstance(k, str) for k in extensions):
         raise InvalidRequest("field names must be strings")
     for key in sorted(extensions):
-        parts.append(_record(b"h", _utf8(key, "field name") + b"=" + _canonical_json(body[key], key)))
+        value = _digest(_canonical_json(body[key], key))
+        parts.append(_record(b"h", _digest(_utf8(key, "field name")) + b"=" + value))
     header = b"".join(parts)
     return _digest(header) + header
 
@@ -210,19 +237,24 @@ def _prompt(prompt: Any, out: list[bytes]) -> None:
             raise InvalidRequest(f"{where}: a prompt is a string, token ids, or a list of either")
 
 
-def encode(body: Mapping[str, Any]) -> tuple[bytes, bool]:
-    """The CBR of a parsed chat or completions body, and whether it has an assistant/tool turn."""
-    if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list):
-            raise InvalidRequest("'messages' must be a list")
-        out = [_header(body, b"chat\x00")]
-        followup = False
-        for i, message in enumerate(messages):
-            followup = _message(message, i, out) or followup
-        return b"".join(out), followup
-    if "prompt" in body:
-        out = [_header(body, b"completion\x00")]
-        _prompt(body["prompt"], out)
-        return b"".join(out), False
-    raise InvalidRequest("the body has neither 'messages' nor 'prompt'")
+def encode(body: Mapping[str, Any]) -> tuple[bytes, bool, bool]:
+    """The CBR of a parsed chat or completions body, whether it has an assistant/tool turn, and
+    whether the budget cut it short."""
+    out = _Out()
+    followup = False
+    try:
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise InvalidRequest("'messages' must be a list")
+            out.append(_header(body, b"chat\x00"))
+            for i, message in enumerate(messages):
+                followup = _message(message, i, out) or followup
+        elif "prompt" in body:
+            out.append(_header(body, b"completion\x00"))
+            _prompt(body["prompt"], out)
+        else:
+            raise InvalidRequest("the body has neither 'messages' nor 'prompt'")
+    except _Full:
+        return b"".join(out), followup, True
+    return b"".join(out), followup, False

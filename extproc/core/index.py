@@ -52,11 +52,14 @@ class BoundedIndex(Protocol):
 class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity."""
 
-    __slots__ = ("_backends", "_capacities", "_capacity", "_next_vacuum", "_ttl")
+    __slots__ = ("_backends", "_capacities", "_capacity", "_learn_share", "_next_vacuum", "_ttl")
 
-    def __init__(self, ttl_s: float, capacity_blocks: int) -> None:
+    def __init__(self, ttl_s: float, capacity_blocks: int, learn_share: float = 0.5) -> None:
+        """`learn_share`: the most of a backend's capacity one response may teach (from the head),
+        so a single huge prompt cannot push everyone else's prefixes out of kvroute's picture."""
         self._ttl = ttl_s
         self._capacity = capacity_blocks
+        self._learn_share = learn_share
         self._capacities: dict[str, int] = {}
         self._backends: dict[str, OrderedDict[int, float]] = {}
         self._next_vacuum = float("inf")
@@ -100,6 +103,8 @@ class LocalIndex:
         blocks = self._backends.get(backend)
         if blocks is None:
             blocks = self._backends[backend] = OrderedDict()
+        capacity = self._capacities.get(backend, self._capacity)
+        chain = chain[: max(1, int(capacity * self._learn_share))]
         # Tail first, so the head of the prefix is the most recently used and is evicted last,
         # as in vLLM, which frees a sequence's blocks from the tail.
         held = len(blocks)
@@ -107,7 +112,7 @@ class LocalIndex:
             blocks[block] = now
             blocks.move_to_end(block)
         added = len(blocks) - held
-        self._trim(blocks, self._capacities.get(backend, self._capacity))
+        self._trim(blocks, capacity)
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
         return added

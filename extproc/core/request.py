@@ -24,6 +24,7 @@ class PromptRequest:
     followup: bool
     session_key: str | None
     chain: list[int] | None = None
+    truncated: bool = False  # the encoding budget cut the prompt short (cbr.MAX_RECORDS, MAX_BYTES)
 
 
 def parse_request(
@@ -50,5 +51,6 @@ def parse_request(
     model = parsed.get("model", "")
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string")
-    encoded, followup = cbr.encode(parsed)
-    return PromptRequest(model, encoded, followup, derive_session_key(headers, parsed, session_headers, tenant_header))
+    encoded, followup, truncated = cbr.encode(parsed)
+    session = derive_session_key(headers, parsed, session_headers, tenant_header)
+    return PromptRequest(model, encoded, followup, session, truncated=truncated)

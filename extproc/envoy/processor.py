@@ -8,6 +8,7 @@ to add); stream end -> Exchange.end, exactly once, from the gRPC done callback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +17,7 @@ from typing import Any
 import grpc
 
 from extproc.core.errors import InvalidRequest
-from extproc.core.request import parse_request
+from extproc.core.request import PromptRequest, parse_request
 from extproc.core.router import Exchange, ResponseStart, Router
 from extproc.envoy.headers import DESTINATION_HEADER
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -26,6 +27,7 @@ from extproc.runtime.pool import BackendPool
 
 log = logging.getLogger(__name__)
 
+OFFLOAD_BYTES = 256 * 1024  # bodies above this are parsed and hashed in a worker thread
 LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -70,11 +72,12 @@ def _attribute(message: pb.ProcessingRequest, name: str) -> str | None:
 class Stream:
     """One HTTP request's state across its gRPC stream: its headers, then the core's exchange."""
 
-    __slots__ = ("exchange", "headers", "routed")
+    __slots__ = ("exchange", "headers", "prepared", "routed")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.exchange: Exchange | None = None
+        self.prepared: PromptRequest | InvalidRequest | None = None  # a large body, parsed off the loop
         self.routed = False
 
     def close(self, _context: Any = None) -> None:
@@ -100,6 +103,15 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         stream = Stream()
         context.add_done_callback(stream.close)
         async for message in request_iterator:
+            if (
+                not stream.routed
+                and stream.headers
+                and message.WhichOneof("request") == "request_body"
+                and len(message.request_body.body) > OFFLOAD_BYTES
+            ):
+                # Parsing and hashing a large body takes milliseconds to seconds: do it off the
+                # event loop so health answers and other requests do not wait behind it.
+                stream.prepared = await asyncio.to_thread(self._prepare, message.request_body.body, stream.headers)
             yield self.handle(message, stream)
 
     def handle(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
@@ -151,9 +163,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         exchange = None
         if body is not None:
             try:
-                settings = self._router.settings
-                request = parse_request(body, stream.headers, settings.session_headers, settings.tenant_header)
-                exchange = self._router.begin(request, backends, self._clock())
+                prepared = stream.prepared if stream.prepared is not None else self._prepare(body, stream.headers)
+                stream.prepared = None
+                if isinstance(prepared, InvalidRequest):
+                    raise prepared
+                if prepared.truncated:
+                    self._metrics.errors.labels("prompt_budget").inc()
+                exchange = self._router.begin(prepared, backends, self._clock())
             except InvalidRequest as exc:
                 request_id = stream.headers.get("x-request-id")
                 log.info("unroutable body (%s), request %s routed least loaded", exc, request_id)
@@ -169,6 +185,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             del mutation.remove_headers[:]
             mutation.set_headers.append(_header(DESTINATION_HEADER, target))
         return pb.CommonResponse(header_mutation=mutation)
+
+    def _prepare(self, body: bytes, headers: dict[str, str]) -> PromptRequest | InvalidRequest:
+        """Parse and hash a body (thread-safe: touches no shared state)."""
+        settings = self._router.settings
+        try:
+            request = parse_request(body, headers, settings.session_headers, settings.tenant_header)
+        except InvalidRequest as exc:
+            return exc
+        self._router.chain_of(request)
+        return request
 
     def _on_response_headers(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
         """Translate Envoy's view of the response start for the core, and its answer back."""
