@@ -44,9 +44,15 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         interceptors.append(TokenInterceptor(read_token(config.grpc_token_file), refused.inc))
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_concurrent_streams", config.max_streams),
+        ],
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(Processor(router, pool, metrics), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(
+        Processor(router, pool, metrics, max_stream_age_s=config.max_stream_age_s), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 from google.protobuf.struct_pb2 import Struct
@@ -222,3 +224,29 @@ def test_decision_headers_are_opt_in_and_never_on_errors(headers_on, status):
     chosen = set_headers(processor.handle(body(), stream).request_body.response.header_mutation)[DESTINATION_HEADER]
     reply = processor.handle(response_headers(status, "via_upstream", chosen.split(",")[0]), stream)
     assert not reply.response_headers.response.HasField("header_mutation")
+
+
+def test_a_stream_past_its_age_limit_is_closed_and_releases_its_load():
+    router = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
+    metrics = Metrics(router, pool)
+    processor = Processor(router, pool, metrics, max_stream_age_s=0.2)
+
+    class Context:
+        def add_done_callback(self, callback: object) -> None:
+            pass
+
+    async def forever():
+        yield request_headers()
+        yield body()
+        await asyncio.Event().wait()  # Envoy never closes this stream
+
+    async def scenario() -> int:
+        replies = 0
+        async for _ in processor.Process(forever(), Context()):
+            replies += 1
+        return replies
+
+    assert asyncio.run(scenario()) == 2
+    assert all(load == (0, 0) for load in router.loads.snapshot().values())
+    assert metrics.errors.labels("stream_age_limit")._value.get() == 1

@@ -90,18 +90,35 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     """Serves envoy.service.ext_proc.v3.ExternalProcessor/Process."""
 
     def __init__(
-        self, router: Router, pool: BackendPool, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+        self,
+        router: Router,
+        pool: BackendPool,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        max_stream_age_s: float = 3600.0,
     ) -> None:
         self._router = router
         self._pool = pool
         self._metrics = metrics
         self._clock = clock
+        self._max_stream_age_s = max_stream_age_s
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = Stream()
         context.add_done_callback(stream.close)
+        try:
+            async with asyncio.timeout(self._max_stream_age_s):
+                async for reply in self._replies(request_iterator, stream):
+                    yield reply
+        except TimeoutError:  # a stream never closed must not hold its reservation forever
+            self._metrics.errors.labels("stream_age_limit").inc()
+            stream.close()
+
+    async def _replies(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], stream: Stream
+    ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
             if (
                 not stream.routed

@@ -45,6 +45,8 @@ class ExtProcConfig:
     health_timeout_s: float = _key(1.0, "timeout of one probe")
     unhealthy_after: int = _key(2, "failed probes before a backend is dropped")
     max_message_bytes: int = _key(64 * 1024 * 1024, "largest gRPC message (request body) accepted")
+    max_stream_age_s: float = _key(3600.0, "an ext_proc stream older than this is closed and its load released")
+    max_streams: int = _key(4096, "concurrent ext_proc streams per connection from Envoy")
     lease_ttl_s: float = _key(300.0, "seconds a /v1/query lease holds its reservation if never released")
     log_level: str = _key("info", "debug, info, warning, error")
     policy: str = _key("", "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes)")
