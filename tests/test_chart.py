@@ -76,6 +76,12 @@ def test_defaults_render_everything(helm, tmp_path):
         "Deployment/kvroute-envoy",
         "Deployment/kvroute-extproc",
         "KVRoutingPolicy/default",
+        "NetworkPolicy/kvroute-controller",
+        "NetworkPolicy/kvroute-extproc",
+        "NetworkPolicy/kvroute-vllm",
+        "PodDisruptionBudget/kvroute-controller",
+        "PodDisruptionBudget/kvroute-envoy",
+        "PodDisruptionBudget/kvroute-extproc",
         "Role/kvroute-extproc",
         "RoleBinding/kvroute-extproc",
         "Service/kvroute-controller",
@@ -114,7 +120,7 @@ def test_envoy_bootstrap_is_what_envoy_config_writes(helm, tmp_path):
 
 
 def test_chart_matches_the_plain_manifests(helm, tmp_path):
-    """Same CRDs, same RBAC rules as manifests/; the ext_proc follows the chart's policy."""
+    """Same CRDs, RBAC rules, NetworkPolicy ports and PDBs as manifests/; the ext_proc follows the chart's policy."""
     manifests = [d for p in sorted((ROOT / "manifests").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
     chart = template(helm, tmp_path)
 
@@ -123,6 +129,18 @@ def test_chart_matches_the_plain_manifests(helm, tmp_path):
 
     for kind in ("CustomResourceDefinition", "ClusterRole", "Role"):
         assert pick(chart, kind) == pick(manifests, kind), kind
+
+    def shape(docs: list[dict], kind: str) -> list:
+        """Names and ports/budgets, leaving out the chart's extra instance labels."""
+        out = []
+        for d in docs:
+            if d["kind"] == kind:
+                rules = d["spec"].get("ingress") or []
+                out.append((d["metadata"]["name"], [r.get("ports") for r in rules], d["spec"].get("maxUnavailable")))
+        return sorted(out, key=str)
+
+    for kind in ("NetworkPolicy", "PodDisruptionBudget"):
+        assert shape(chart, kind) == shape(manifests, kind), kind
     extproc = next(d for d in chart if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
     args = extproc["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--policy") + 1] == "llm/default"
