@@ -69,7 +69,6 @@ def test_defaults_render_everything(helm, tmp_path):
         "ClusterKopfPeering/kvroute",
         "ClusterRole/kvroute-controller",
         "ClusterRoleBinding/kvroute-controller",
-        "ConfigMap/kvroute-envoy",
         "CustomResourceDefinition/clusterkopfpeerings.kopf.dev",
         "CustomResourceDefinition/kvroutingpolicies.kvroute.io",
         "Deployment/kvroute-controller",
@@ -84,6 +83,8 @@ def test_defaults_render_everything(helm, tmp_path):
         "PodDisruptionBudget/kvroute-extproc",
         "Role/kvroute-extproc",
         "RoleBinding/kvroute-extproc",
+        "Secret/kvroute-envoy",
+        "Secret/kvroute-grpc-token",
         "Service/kvroute-controller",
         "Service/kvroute-envoy",
         "Service/kvroute-extproc",
@@ -103,9 +104,12 @@ def test_values_switch_parts_off_and_on(helm, tmp_path):
     assert controller["spec"]["replicas"] == 3
 
 
-def test_envoy_bootstrap_is_what_envoy_config_writes(helm, tmp_path):
+def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm, tmp_path):
     values = {"envoy": {"backends": {"host": "vllm-pods.prod.svc.cluster.local", "port": 8001}}}
-    (config_map,) = [d for d in template(helm, tmp_path, values) if d["kind"] == "ConfigMap"]
+    docs = template(helm, tmp_path, values)
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in docs if d["kind"] == "Secret"}
+    token = secrets["kvroute-grpc-token"]["token"]
+    assert len(token) == 40
     expected = render(
         EnvoyLayout(
             listen_host="0.0.0.0",
@@ -114,9 +118,13 @@ def test_envoy_bootstrap_is_what_envoy_config_writes(helm, tmp_path):
             extproc_host="kvroute-extproc.kvroute.svc.cluster.local",
             extproc_port=9002,
             backend_dns="vllm-pods.prod.svc.cluster.local:8001",
+            extproc_token=token,
         )
     )
-    assert config_map["data"]["envoy.yaml"] == expected
+    assert secrets["kvroute-envoy"]["envoy.yaml"] == expected
+    extproc = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
+    args = extproc["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--grpc-token-file") + 1] == "/etc/kvroute/grpc/token"
 
 
 def test_chart_matches_the_plain_manifests(helm, tmp_path):
@@ -175,7 +183,9 @@ def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, t
             {"policy": {"namespace": "chart-llm", "routing": {"blockSize": 1024}}, "controller": {"replicas": 3}}
         )
     )
+    token = cp.get("secret", "kvroute-grpc-token", "-n", "chart")["data"]["token"]
     cp.helm("upgrade", "kvroute", str(CHART), "-n", "chart", "-f", str(values), "--wait=false")
+    assert cp.get("secret", "kvroute-grpc-token", "-n", "chart")["data"]["token"] == token  # kept on upgrade
     assert cp.get("deployment", "kvroute-controller", "-n", "chart")["spec"]["replicas"] == 3
     assert cp.get("kvrp", "default", "-n", "chart-llm")["spec"]["routing"]["blockSize"] == 1024
 
