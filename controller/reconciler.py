@@ -37,6 +37,7 @@ class Reconciler:
         self._pods: Snapshot = {}
         self._policies: Snapshot = {}
         self.patches = 0
+        self.errors = 0
         self.last_error: str | None = None
 
     def touch(self, namespace: str, pods: Snapshot, policies: Snapshot) -> None:
@@ -50,7 +51,13 @@ class Reconciler:
         for namespace in namespaces:
             pods = list(self._pods.get(namespace, ()))
             for policy in list(self._policies.get(namespace, ())):
-                desired = logic.desired_status(policy, pods, self._clock())
+                try:
+                    desired = logic.desired_status(policy, pods, self._clock())
+                except Exception as exc:  # one malformed policy must not stop the others
+                    self.errors += 1
+                    self.last_error = f"{namespace}/{policy.get('name')}: {type(exc).__name__}: {exc}"
+                    log.exception("cannot compute the status of %s/%s", namespace, policy.get("name"))
+                    continue
                 if not logic.status_differs(policy.get("status"), desired):
                     continue
                 try:
@@ -64,13 +71,20 @@ class Reconciler:
                     self._dirty.add(namespace)
 
     async def run(self) -> None:
-        """Forever: wait for a change, let the burst finish, settle what it touched."""
+        """Forever: wait for a change, let the burst finish, settle what it touched. Survives any
+        error: logs it, counts it, reports it in /readyz, and goes on."""
         while True:
             await self._wake.wait()
             await asyncio.sleep(self._debounce_s)
             self._wake.clear()
             dirty, self._dirty = self._dirty, set()
-            await self.settle(dirty)
+            try:
+                await self.settle(dirty)
+            except Exception as exc:
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("reconciliation failed; it goes on")
+                self._dirty |= dirty
             if self._dirty:  # a patch failed: retry later, not in a tight loop
                 await asyncio.sleep(RETRY_S)
                 self._wake.set()

@@ -224,3 +224,20 @@ def test_startup_configures_kopf_quietly(monkeypatch):
     asyncio.run(scenario())
     assert settings.posting.enabled is False and settings.scanning.disabled is True
     assert settings.peering.mandatory is True and settings.peering.priority > 0
+
+
+def test_a_malformed_policy_does_not_stop_the_others():
+    patched: list[str] = []
+
+    async def patch(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        patched.append(name)
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0)
+        broken = record("llm", policy("broken"))
+        del broken["spec"]["targetPort"]  # the CRD forbids it; a reconciler must survive it anyway
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy("good")), broken]})
+        await reconciler.settle(["llm"])
+        assert patched == ["good"] and reconciler.errors == 1 and "broken" in reconciler.last_error
+
+    asyncio.run(scenario())

@@ -89,6 +89,7 @@ class PolicyFollower:
                         field_selector=field_selector,
                         resource_version=listing["metadata"]["resourceVersion"],
                         timeout_seconds=300,
+                        _request_timeout=330,  # a watch that goes silent (a dead connection) is redone
                     ) as stream:
                         async for event in stream:
                             if event["type"] == "ERROR":
