@@ -19,6 +19,7 @@ import yaml
 from extproc.envoy.headers import DESTINATION_HEADER
 
 BODY_LIMIT = 32 * 1024 * 1024
+MAX_CONNECTIONS = 50_000
 # The headers kvroute reads (request and response); nothing else (Authorization, cookies) reaches
 # the ext_proc.
 # Add configured session or tenant headers with `--forward-header`.
@@ -198,6 +199,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         "@type": _TYPES + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvroute",
         "codec_type": "AUTO",
+        "request_headers_timeout": "10s",  # a client that never finishes its headers holds nothing for long
         "route_config": {"name": "llm", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
         "http_filters": _http_filters(layout),
     }
@@ -215,6 +217,20 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     return {
         "admin": {"address": {"socket_address": {"address": layout.admin_host, "port_value": layout.admin_port}}},
         "static_resources": {"listeners": [listener], "clusters": clusters},
+        # A cap on downstream connections, so a connection flood meets a limit, not the file table.
+        "overload_manager": {
+            "refresh_interval": "0.25s",
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": _TYPES + "extensions.resource_monitors.downstream_connections.v3."
+                        "DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": MAX_CONNECTIONS,
+                    },
+                }
+            ],
+        },
     }
 
 
