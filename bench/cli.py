@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
     decisions.add_argument("--out", type=Path, help="write one line per decision here")
+    soak = bench.add_parser("soak", help="never-repeating prompts: does the ext_proc's memory plateau? (JSON)")
+    soak.add_argument("--requests", type=int, default=200_000)
+    soak.add_argument("--concurrency", type=int, default=32)
+    soak.add_argument("--extproc-env", action="append", default=[], help="NAME=VALUE for the ext_proc (repeatable)")
     bench.add_parser("stall", help="event-loop stall from one 16 MiB body of tiny parts (JSON line)")
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
@@ -169,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench import decisions
 
         print(orjson.dumps(decisions.run(args.trace, args.limit, args.out)).decode())
+    elif args.command == "bench" and args.bench == "soak":
+        from bench import soak
+
+        soak.main(args.requests, args.concurrency, dict(item.split("=", 1) for item in args.extproc_env))
     elif args.command == "bench" and args.bench == "stall":
         from bench import stall
 

@@ -178,7 +178,7 @@ def test_a_failure_on_response_headers_answers_with_a_response_headers_reply(par
     def broken(*_args: object) -> bool:
         raise RuntimeError("boom")
 
-    pool.is_known = broken  # an internal failure while reading the response start
+    pool.canonical = broken  # an internal failure while reading the response start
     reply = processor.handle(response_headers("200", "via_upstream", A), stream)
     assert reply.WhichOneof("response") == "response_headers"
     assert metrics.errors.labels("internal")._value.get() == 1

@@ -220,9 +220,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         status = _headers(message.response_headers).get(":status", "")
         details = _attribute(message, "response.code_details") or ""
         upstream = _attribute(message, "upstream.address") or ""
+        known = self._pool.canonical(upstream)
         start = ResponseStart(
-            upstream=upstream,
-            known=self._pool.is_known(upstream),
+            upstream=known or upstream,
+            known=known is not None,
             status=int(status) if status.isdigit() else 0,
             from_upstream=details == "via_upstream",
             connect_failed="connection_failure" in details,

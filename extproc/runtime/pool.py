@@ -87,6 +87,11 @@ class BackendPool:
     def is_known(self, address: str) -> bool:
         return address in self._backends
 
+    def canonical(self, address: str) -> str | None:
+        """The pool's own string for a known address (so millions of bindings share one), or None."""
+        backend = self._backends.get(address)
+        return None if backend is None else backend.address
+
     def healthy_count(self) -> int:
         return sum(b.healthy for b in self._backends.values())
 
