@@ -14,6 +14,22 @@ from extproc.runtime.pool import SLOW_FACTOR, BackendPool, kv_cache_tokens
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
 
+async def _until(check, attempts: int = 200, pause_s: float = 0.02) -> None:
+    """Poll `check` (the test's assertions say what was reached)."""
+    for _ in range(attempts):
+        if check():
+            return
+        await asyncio.sleep(pause_s)
+
+
+async def _stop(probes: asyncio.Task, runners=()) -> None:
+    probes.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await probes
+    for runner in runners:
+        await runner.cleanup()
+
+
 def test_down_after_threshold_up_after_one_success():
     dropped: list[str] = []
     pool = BackendPool([Backend(A), Backend(B)], dropped.append, unhealthy_after=2)
@@ -57,16 +73,9 @@ def test_probes_find_health_and_capacity_of_real_servers():
         )
         probes = asyncio.create_task(pool.probe_forever(0.05, 1.0))
         try:
-            for _ in range(100):
-                if sized and pool.healthy_count() == 1:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: sized and pool.healthy_count() == 1, 100, 0.05)
         finally:
-            probes.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probes
-            for runner in runners:
-                await runner.cleanup()
+            await _stop(probes, runners)
         assert sized == [(address, 4800)]
         assert [b.address for b in pool.backends if b.healthy] == [address]
 
@@ -100,18 +109,11 @@ def test_a_suspect_is_dropped_only_when_its_own_probe_fails():
             assert dropped == []
             pool.mark_suspect(alive)
             pool.mark_suspect(dead)
-            for _ in range(100):
-                if dropped:
-                    break
-                await asyncio.sleep(0.02)
+            await _until(lambda: dropped, 100)
             assert dropped == [dead]  # confirmed by its own probe, at once
             assert {b.address for b in pool.backends if b.healthy} == {alive}
         finally:
-            probes.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probes
-            for runner in runners:
-                await runner.cleanup()
+            await _stop(probes, runners)
 
     asyncio.run(scenario())
 
@@ -126,16 +128,10 @@ def test_a_slow_health_answer_is_busy_not_down():
             for _ in range(SLOW_FACTOR - 1):
                 await asyncio.sleep(0.07)
             assert pool._slow[slow] >= 1 and not dropped and pool.healthy_count() == 1
-            for _ in range(200):
-                if dropped:
-                    break
-                await asyncio.sleep(0.02)
+            await _until(lambda: dropped)
             assert dropped == [slow]  # a backend that never answers does leave, SLOW_FACTOR times later
         finally:
-            probes.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probes
-            await runner.cleanup()
+            await _stop(probes, [runner])
 
     asyncio.run(scenario())
 
@@ -152,16 +148,11 @@ def test_the_probe_loop_survives_an_error_and_goes_on():
         pool = BackendPool([Backend("127.0.0.1:9"), Backend("127.0.0.1:10")], on_down, unhealthy_after=1)
         probes = asyncio.create_task(pool.probe_forever(0.01, 0.2))
         try:
-            for _ in range(300):
-                if len(dropped) == 2:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(dropped) == 2, 300, 0.01)
             assert pool.probe_errors == 1  # the round that raised was logged and counted...
             assert sorted(dropped) == ["127.0.0.1:10", "127.0.0.1:9"]  # ...and the next round went on
             assert not probes.done()
         finally:
-            probes.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probes
+            await _stop(probes)
 
     asyncio.run(scenario())
