@@ -53,8 +53,20 @@ class Fleet:
         for backend in self.backends:
             post(f"http://{backend}/reset_prefix_cache")
 
-    def oracle(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> float:
+    block_tokens: int
+    capacity_blocks: int
+
+    def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
+        """Each request's prompt as the backends count it (length, block hashes), by index."""
         raise NotImplementedError
+
+    def ideal(self, prompts: Sequence[oracle.Prompt]) -> dict[str, float]:
+        """The one-LRU figure and Belady's MIN bound over the fleet's total cache, in this order."""
+        total = self.capacity_blocks * len(self.backends)
+        return {
+            "lru": oracle.lru(prompts, self.block_tokens, total),
+            "bound": oracle.bound(prompts, self.block_tokens, total),
+        }
 
     def stop(self) -> None:
         for process in self.processes:
@@ -79,9 +91,11 @@ class SimFleet(Fleet):
             self.stop()
             raise
 
-    def oracle(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> float:
-        total = self.capacity_blocks * len(self.backends)
-        return oracle.simulated((builder.body(r) for r in requests), SIM_BLOCK_TOKENS, total)
+    block_tokens = SIM_BLOCK_TOKENS
+
+    def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
+        bodies = [builder.body(r) for r in requests]
+        return dict(zip((r.index for r in requests), oracle.simulated_prompts(bodies, SIM_BLOCK_TOKENS), strict=True))
 
 
 def tiny_model() -> Path:
@@ -132,8 +146,10 @@ class VllmFleet(Fleet):
             self.stop()
             raise
 
-    def oracle(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> float:
-        """Prompts tokenized by the server itself (chat template included), then one LRU."""
+    block_tokens = VLLM_BLOCK_TOKENS
+
+    def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
+        """Prompts tokenized by the server itself (chat template included)."""
         url = f"http://{self.backends[0]}/tokenize"
 
         def tokens(request: TraceRequest) -> list[int]:
@@ -142,5 +158,5 @@ class VllmFleet(Fleet):
                 "tokens"
             ]
 
-        total = self.capacity_blocks * len(self.backends)
-        return oracle.from_token_ids((tokens(r) for r in requests), VLLM_BLOCK_TOKENS, total)
+        prompts = oracle.token_prompts((tokens(r) for r in requests), VLLM_BLOCK_TOKENS)
+        return dict(zip((r.index for r in requests), prompts, strict=True))

@@ -43,6 +43,7 @@ class Record:
     cached_tokens: int
     backend: str | None
     error: str | None = None
+    sent_at: float = 0.0  # perf_counter when it was sent: the order the bound is computed on
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +133,10 @@ async def replay(
                     )
                 if time.monotonic() >= deadline:
                     return
-                records.append(await _send(session, url, request, builder.body(request)))
+                sent_at = time.perf_counter()
+                record = await _send(session, url, request, builder.body(request))
+                record.sent_at = sent_at
+                records.append(record)
                 progress.update()
 
         if pacing.concurrency:

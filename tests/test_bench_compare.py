@@ -41,8 +41,8 @@ def test_compare_smoke_all_routers(tmp_path: Path):
     for name, row in results["routers"].items():
         assert row["requests"] == limit and row["errors"] == 0, name
         assert sum(row["requests_per_backend"].values()) == row["ok"] == limit, name  # every request accounted for
-        # Hit rates lie between 0 and the oracle; the tolerance covers arrival-order effects on LRU.
-        assert 0 <= row["hit_rate"] <= oracle + 0.01, name
+        # No router beats Belady's MIN on the order its own requests were sent.
+        assert 0 <= row["hit_rate"] <= row["bound_hit_rate"], name
         assert row["hit_rate_usage"] == pytest.approx(row["hit_rate"], abs=0.01), name
         assert row["ttft_p50_ms"] is not None and row["load_max_over_mean"] >= 1.0
     saved = orjson.loads((tmp_path / "results.json").read_bytes())

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench import oracle, sim
 from bench.prompts import PromptBuilder
@@ -64,10 +66,12 @@ def test_oracle_bounds():
     builder = PromptBuilder("sim-model", 4.0, 16)
     repeated = [mooncake(i, (0, 1, 2, 3), 2048) for i in range(10)]
     bodies = [builder.body(r) for r in repeated]
-    assert oracle.simulated(bodies, 16, capacity_blocks=10_000) == pytest.approx(0.9, abs=0.01)
-    assert oracle.simulated(bodies, 16, capacity_blocks=1) < 0.01  # only the head block survives
-    assert oracle.from_token_ids([list(range(300))] * 4, 128, 100) == pytest.approx(3 * 256 / 1200)
-    assert oracle.from_token_ids([list(range(300)), list(range(1, 301))], 128, 100) == 0.0
+    prompts = oracle.simulated_prompts(bodies, 16)
+    assert oracle.lru(prompts, 16, capacity_blocks=10_000) == pytest.approx(0.9, abs=0.01)
+    assert oracle.lru(prompts, 16, capacity_blocks=1) < 0.01  # only the head block survives
+    same = oracle.token_prompts([list(range(300))] * 4, 128)
+    assert oracle.lru(same, 128, 100) == oracle.bound(same, 128, 100) == pytest.approx(3 * 256 / 1200)
+    assert oracle.lru(oracle.token_prompts([list(range(300)), list(range(1, 301))], 128), 128, 100) == 0.0
 
 
 @pytest.mark.skipif(not SHARED.exists(), reason="the shared Mooncake traces sit beside the checkout")
@@ -75,7 +79,8 @@ def test_oracle_of_the_real_trace_rises_with_capacity():
     requests = read(SHARED / "conversation_trace.jsonl", 300)
     builder = PromptBuilder("sim-model", 4.0, 16)
     blocks = working_set_blocks(requests) * 512 // 16
-    rates = [oracle.simulated((builder.body(r) for r in requests), 16, int(blocks * r)) for r in (0.25, 0.5, 1.0)]
+    prompts = oracle.simulated_prompts((builder.body(r) for r in requests), 16)
+    rates = [oracle.lru(prompts, 16, int(blocks * r)) for r in (0.25, 0.5, 1.0)]
     assert 0 < rates[0] <= rates[1] <= rates[2] < 1
 
 
@@ -100,3 +105,26 @@ def test_skew_trace_has_heavy_sessions_in_order(tmp_path):
         assert all(t.hash_ids[0] == 0 for t in turns)
     heavy_tokens = sum(r.input_tokens for r in requests if r.session_id.startswith("heavy"))
     assert heavy_tokens > sum(r.input_tokens for r in requests) / 2  # a few sessions carry most of the work
+
+
+def test_min_beats_lru_where_sessions_take_turns():
+    """Three 4-block conversations in turn through a 9-block cache: LRU evicts most of each one
+    just before it comes back; MIN keeps two of them whole."""
+    turns = [(4 * 16 + 1, [c * 100 + b for b in range(4)]) for _ in range(5) for c in range(3)]
+    assert oracle.lru(turns, 16, 9) < 0.2 < 0.45 < oracle.bound(turns, 16, 9)
+    assert oracle.lru(turns, 16, 12) == oracle.bound(turns, 16, 12)  # room for all: both keep everything
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=6), min_size=1, max_size=30),
+    st.integers(1, 20),
+)
+def test_min_is_never_below_lru(chains, capacity):
+    prompts = []
+    for chain in chains:
+        hashes, parent = [], 0
+        for block in chain:
+            parent = hash((parent, block))
+            hashes.append(parent)
+        prompts.append((len(hashes) * 16 + 1, hashes))
+    assert oracle.bound(prompts, 16, capacity) >= oracle.lru(prompts, 16, capacity) - 1e-12
