@@ -50,3 +50,29 @@ def test_compare_smoke_all_routers(tmp_path: Path):
     for plot in ("ttft.png", "hit_rate.png", "load.png", "summary.md"):
         assert (tmp_path / plot).stat().st_size > 0
     assert len(orjson.loads((tmp_path / "records" / "kvroute.json").read_bytes())) == limit
+
+
+SYNTHETIC = TRACE.with_name("synthetic_trace.jsonl")
+
+
+@pytest.mark.skipif(not SYNTHETIC.exists(), reason="the shared Mooncake traces sit beside the checkout")
+@pytest.mark.parametrize("ratio", [0.25, 0.6])
+def test_no_router_beats_the_bound_on_multi_turn_chains(tmp_path: Path, ratio: float):
+    """The synthetic trace's multi-turn chains, closed loop, two cache sizes: under the bound."""
+    results = run(
+        CompareOptions(
+            trace=SYNTHETIC,
+            limit=160,
+            out=tmp_path,
+            capacity_ratio=ratio,
+            backends=2,
+            routers=("kvroute", "sglang-router-cache_aware", "envoy-round-robin"),
+            pacing=Pacing(concurrency=8),
+            max_output_tokens=2,
+            max_input_tokens=8192,
+            sim_args=FAST_SIM,
+        )
+    )
+    for name, row in results["routers"].items():
+        assert row["errors"] == 0, name
+        assert 0 < row["hit_rate"] <= row["bound_hit_rate"], name
