@@ -136,6 +136,8 @@ def _replay(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so every stack and fleet stops its children.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.command == "sim":
         from bench import sim
 

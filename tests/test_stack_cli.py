@@ -67,8 +67,12 @@ def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm():
         assert process.wait(30) == 0
         eventually(lambda: all(_closed(p) for p in [port, *map(int, backends)]), message="every port closed")
     finally:
-        if process.poll() is None:
-            process.kill()
+        if process.poll() is None:  # a failed assertion: let `up` stop its own children first
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def test_kubernetes_layout_resolves_names_by_dns(tmp_path):
