@@ -191,15 +191,17 @@ class Router:
         if decision.reservation is not None:
             decision.reservation.release_prefill()
         served = start.upstream if start.known else ""
-        learned = bool(served) and 200 <= start.status < 300 and start.from_upstream and exchange.request is not None
-        if learned and exchange.request is not None:
-            self.learn(exchange.request, served, now)
+        success = 200 <= start.status < 300
+        request = exchange.request
+        learned = bool(served) and success and start.from_upstream and request is not None
+        if learned and request is not None:  # (the second test only narrows the type)
+            self.learn(request, served, now)
         rerouted = bool(served) and served != decision.backend
         if rerouted:
             self.stats.rerouted += 1
         backend = served or decision.backend or ""
         headers: tuple[tuple[str, str], ...] = ()
-        if self.settings.decision_headers and 200 <= start.status < 300:  # never on errors
+        if self.settings.decision_headers and success:  # never on errors
             matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
             headers = (
                 ("x-kvroute-decision", decision.label.value),

@@ -95,8 +95,9 @@ class BackendPool:
     def healthy_count(self) -> int:
         return sum(b.healthy for b in self._backends.values())
 
-    def mark(self, address: str, up: bool) -> None:
-        """Record one health observation; flip state after `unhealthy_after` failures or one success."""
+    def mark(self, address: str, up: bool, *, confirmed: bool = False) -> None:
+        """Record one health observation; flip state after `unhealthy_after` failures (or one
+        `confirmed` failure) or one success."""
         backend = self._backends.get(address)
         if backend is None:
             return
@@ -108,7 +109,7 @@ class BackendPool:
                 self._backends[address] = Backend(address, backend.models, True)
             return
         self._failures[address] = self._failures.get(address, 0) + 1
-        if backend.healthy and self._failures[address] >= self._unhealthy_after:
+        if backend.healthy and (confirmed or self._failures[address] >= self._unhealthy_after):
             log.warning("backend %s is down: dropping its locations, sessions and load", address)
             self._backends[address] = Backend(address, backend.models, False)
             self._on_down(address)
@@ -124,14 +125,12 @@ class BackendPool:
         if result == UP:
             self.mark(address, True)
         elif result == DOWN:
-            for _ in range(self._unhealthy_after if suspect else 1):
-                self.mark(address, False)
+            self.mark(address, False, confirmed=suspect)
         else:
             self._slow[address] = self._slow.get(address, 0) + 1
             if self._slow[address] >= SLOW_FACTOR * self._unhealthy_after:
                 self._slow[address] = 0
-                for _ in range(self._unhealthy_after):
-                    self.mark(address, False)
+                self.mark(address, False, confirmed=True)
 
     async def probe_forever(self, interval_s: float, timeout_s: float) -> None:
         """GET /health on every backend each interval (at once for a suspect), concurrently; read
