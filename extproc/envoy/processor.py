@@ -120,15 +120,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], stream: Stream
     ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
-            if (
-                not stream.routed
-                and stream.headers
-                and message.WhichOneof("request") == "request_body"
-                and len(message.request_body.body) > OFFLOAD_BYTES
-            ):
-                # Parsing and hashing a large body takes milliseconds to seconds: do it off the
-                # event loop so health answers and other requests do not wait behind it.
-                stream.prepared = await asyncio.to_thread(self._prepare, message.request_body.body, stream.headers)
+            if not stream.routed and stream.headers and message.WhichOneof("request") == "request_body":
+                body = message.request_body.body  # a copy: read it once
+                if len(body) > OFFLOAD_BYTES:
+                    # Parsing and hashing a large body takes milliseconds to seconds: do it off the
+                    # event loop so health answers and other requests do not wait behind it.
+                    stream.prepared = await asyncio.to_thread(self._prepare, body, stream.headers)
             yield self.handle(message, stream)
 
     def handle(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
@@ -169,7 +166,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     def _on_request_body(self, message: pb.HttpBody, stream: Stream) -> pb.ProcessingResponse:
         if stream.routed or not stream.headers:
             return _CONTINUE_BODY
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=self._route(stream, message.body)))
+        body = message.body if stream.prepared is None else b""  # already parsed off the loop: no second copy
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=self._route(stream, body)))
 
     def _route(self, stream: Stream, body: bytes | None) -> pb.CommonResponse:
         """Body -> exchange -> destination header. A missing or unreadable body goes least loaded
