@@ -16,7 +16,6 @@ import os
 import tempfile
 import time
 import tracemalloc
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +107,7 @@ def main(requests: int = 200_000, concurrency: int = 32, extproc_env: dict[str, 
         failures = asyncio.run(run())
         took = time.monotonic() - started
         samples.append((progress[0], rss_bytes(pid)))
-        state = orjson.loads(_get(stack.control_url + "/debug/state", stack.control_headers))
+        state = stack.debug_state()
     mib = 1024 * 1024
     result = {
         "requests": requests,
@@ -127,9 +126,3 @@ def main(requests: int = 200_000, concurrency: int = 32, extproc_env: dict[str, 
     }
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     return result
-
-
-def _get(url: str, headers: dict[str, str]) -> bytes:
-    request = urllib.request.Request(url, headers=headers)
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return response.read()

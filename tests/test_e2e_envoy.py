@@ -18,7 +18,7 @@ import pytest
 
 from bench.stack import Stack
 from bench.workload import text
-from tests.e2e import eventually, get, metric, post, state
+from tests.e2e import eventually, get, metric, post
 
 pytestmark = pytest.mark.envoy
 
@@ -125,13 +125,13 @@ def test_client_disconnect_mid_stream_releases_load(stack: Stack):
     assert response.read(5) == b"data:"
 
     def active() -> int:
-        return sum(load["active"] for load in state(stack)["load"].values())
+        return sum(load["active"] for load in stack.debug_state()["load"].values())
 
     assert active() == 1
     conn.sock.close()
     conn.close()
     eventually(lambda: active() == 0, message="active requests back to zero")
-    assert all(load["reserved_blocks"] == 0 for load in state(stack)["load"].values())
+    assert all(load["reserved_blocks"] == 0 for load in stack.debug_state()["load"].values())
 
 
 def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
@@ -169,7 +169,7 @@ def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
         status, headers, _ = post(stack.url, chat(history), {"x-session-id": "doomed"})
         home = headers["x-kvroute-backend"]
         victim = f"sim{stack.backends.index(home)}"
-        entries = state(stack)["index_entries_by_backend"]
+        entries = stack.debug_state()["index_entries_by_backend"]
         assert entries[home] > 0
         stack.stop_process(victim, sig=9)
         for i in range(10):
@@ -177,8 +177,8 @@ def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
                 stack.url, chat([*history, {"role": "user", "content": f"again {i}"}]), {"x-session-id": "doomed"}
             )
             assert status == 200 and headers["x-sim-backend"] != home
-        eventually(lambda: home not in state(stack)["index_entries_by_backend"], message="index dropped")
-        current = state(stack)
+        eventually(lambda: home not in stack.debug_state()["index_entries_by_backend"], message="index dropped")
+        current = stack.debug_state()
         assert home not in current["load"]
         assert next(b for b in current["backends"] if b["address"] == home)["healthy"] is False
 

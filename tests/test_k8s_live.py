@@ -126,7 +126,7 @@ def served(ip: str) -> float:
 
 
 def extproc_backends(cluster: Cluster) -> set[str]:
-    state = json.loads(get(cluster.stack.control_url, "/debug/state", cluster.stack.control_headers)[2])
+    state = cluster.stack.debug_state()
     return {b["address"] for b in state["backends"]}
 
 
@@ -271,8 +271,7 @@ def test_a_routing_edit_applies_without_a_restart(cluster: Cluster):
     )
 
     def ratio() -> float:
-        raw = get(cluster.stack.control_url, "/debug/state", cluster.stack.control_headers)[2]
-        return json.loads(raw)["settings"]["prefix_stick_ratio"]
+        return cluster.stack.debug_state()["settings"]["prefix_stick_ratio"]
 
     eventually(lambda: ratio() == 0.8, timeout_s=20, message="the new setting")
     assert cluster.stack.processes["extproc"].pid == pid and cluster.stack.processes["extproc"].poll() is None
