@@ -84,6 +84,10 @@ def _property(f: dataclasses.Field) -> dict[str, Any]:
         return {**schema, "type": "array", "items": {"type": "string", "pattern": HEADER_NAME}}
     if f.type == "bool":
         return {**schema, "type": "boolean"}
+    if f.metadata["choices"]:
+        return {**schema, "type": "string", "enum": list(f.metadata["choices"])}
+    if f.name.endswith("_path"):
+        return {**schema, "type": "string", "maxLength": 4096}
     if f.type == "str":  # a header name, or empty
         return {**schema, "type": "string", "pattern": HEADER_NAME.replace("]+$", "]*$")}
     kind = "integer" if f.type == "int" else "number"

@@ -37,6 +37,7 @@ def run(matched: dict[str, int] | None = None, total: int = 20, **kw: Any):
         "bootstrap": False,
         "settings": SETTINGS,
         "turn": 0,
+        "now": 0.0,
     }
     args.update(kw)
     return decide(**args)

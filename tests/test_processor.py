@@ -66,7 +66,12 @@ def test_routes_learns_and_releases(parts):
     assert router.loads.snapshot()[first] == (5, 1)
     reply = processor.handle(response_headers("200", "via_upstream", first), stream)
     added = set_headers(reply.response_headers.response.header_mutation)
-    assert added == {"x-kvroute-decision": "least_loaded", "x-kvroute-backend": first, "x-kvroute-prefix": "0/5"}
+    assert added == {
+        "x-kvroute-decision": "least_loaded",
+        "x-kvroute-backend": first,
+        "x-kvroute-prefix": "0/5",
+        "x-kvroute-cached-tokens": "0",
+    }
     assert router.loads.snapshot()[first] == (0, 1)
     assert router.index.entries_by_backend() == {first: 5}
     stream.close()

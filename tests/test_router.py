@@ -239,13 +239,13 @@ def test_decision_path_never_raises_on_any_body(value):
 def test_fallback_goes_least_loaded_and_reserves():
     router = make_router()
     held = [*occupy(router, A, 1), *occupy(router, C, 1), *occupy(router, D, 1)]
-    decision = router.begin_unreadable([*FLEET[:3], Backend(D, healthy=False)]).decision
+    decision = router.begin_unreadable([*FLEET[:3], Backend(D, healthy=False)], 0).decision
     assert (decision.label, decision.backend) == (Label.FALLBACK, B)
     assert router.loads.snapshot()[B] == (0, 1)
     decision.reservation.finish()
     for r in held:
         r.finish()
-    assert router.begin_unreadable([Backend(A, healthy=False)]).decision.label == Label.NO_CANDIDATES
+    assert router.begin_unreadable([Backend(A, healthy=False)], 0).decision.label == Label.NO_CANDIDATES
 
 
 def test_reconfigure_keeps_the_index_unless_chains_change():

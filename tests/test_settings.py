@@ -84,6 +84,8 @@ def test_crd_routing_schema_matches_every_policy_setting():
         if "x-kubernetes-int-or-string" in prop:  # capacityBlocks: bounds in its CEL rule
             assert f">= {int(bounds.minimum)}" in prop["x-kubernetes-validations"][0]["rule"]
             continue
+        if f.metadata["choices"]:
+            assert prop["enum"] == list(f.metadata["choices"]), key
         number = prop
         if bounds is not None:
             assert number["minimum"] == bounds.minimum, key
@@ -94,15 +96,35 @@ def test_crd_routing_schema_matches_every_policy_setting():
 
 @pytest.mark.parametrize("key", [f.metadata["policy"] for f in fields(Settings) if f.metadata["policy"]])
 def test_every_policy_field_reaches_its_setting(key):
-    value = {"sessionHeaders": ["X-Conversation"], "capacityBlocks": 77, "tenantHeader": "X-Tenant"}.get(key, 8)
+    values = {
+        "sessionHeaders": ["X-Conversation"],
+        "capacityBlocks": 77,
+        "tenantHeader": "X-Tenant",
+        "index": "precise",
+        "tokenizerPath": "/models/tokenizer",
+    }
+    value = values.get(key, 8)
     changes, unknown = crd.routing_changes({key: value})
     assert not unknown
     settings = dataclasses.replace(Settings(), **changes)
     name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
-    expected = {"session_headers": ("x-conversation",), "capacity_blocks": 77, "tenant_header": "x-tenant"}
+    expected = {
+        "session_headers": ("x-conversation",),
+        "capacity_blocks": 77,
+        "tenant_header": "x-tenant",
+        "index_mode": "precise",
+        "tokenizer_path": "/models/tokenizer",
+    }
     assert getattr(settings, name) == expected.get(name, 8)
 
 
 def test_hash_key_is_never_read_from_a_policy():
     assert crd.routing_changes({"hashKey": "00" * 16}) == ({}, ["hashKey"])
     assert crd.routing_changes({"capacityBlocks": "auto"})[0] == {"capacity_auto": True}
+
+
+def test_text_settings_refuse_other_types_and_unlisted_choices():
+    with pytest.raises(ValueError, match="tokenizer_path must be text"):
+        Settings(tokenizer_path=8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="index_mode must be one of approximate, precise"):
+        Settings(index_mode="exact")

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.core.errors import InvalidRequest
 from extproc.core.leases import LeaseTable
-from extproc.core.request import PromptRequest, parse_request
+from extproc.core.request import PromptRequest
 from extproc.core.router import ResponseStart, Router
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.policy_state import PolicyState
@@ -156,8 +156,7 @@ class Admin:
             headers = {str(k).lower(): str(v) for k, v in (payload.get("headers") or {}).items()}
             body = payload["body"]
             raw = body.encode() if isinstance(body, str) else body
-            settings = self._router.settings
-            return parse_request(raw, headers, settings.session_headers, settings.tenant_header)
+            return self._router.parse(raw, headers)
         except (InvalidRequest, AttributeError) as exc:
             raise self._bad_request(str(exc)) from None
 

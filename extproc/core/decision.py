@@ -4,7 +4,8 @@ Cost of sending a request to backend b, in blocks of prefill:
     novel_b * (1 + eviction_cost_weight * churn_b) + w * (reserved_b + active_request_cost * active_b)
 where novel_b is the part of the prompt b has not cached, churn_b how fast b's cache has been
 turning over lately relative to the busiest candidate (0 to 1: new blocks there evict useful
-ones sooner), and w is 1 for follow-ups and
+ones sooner), active_b the backend's in-flight requests (kvroute's own, or the engine's running +
+waiting count when that is higher and fresh), and w is 1 for follow-ups and
 `new_session_load_weight` for bootstrap requests (placing one places its whole conversation).
 So a cached prefix wins until its backend is busier than the prefill it saves, and new prompts
 spread the fleet's cache evenly instead of overfilling one backend.
@@ -45,7 +46,7 @@ class CandidateCost:
     matched: int
     novel: int
     reserved: int
-    active: int
+    active: int  # in-flight requests: kvroute's own or the engine's count (BackendLoad.requests)
     load: float
     churn: float
     cost: float
@@ -104,6 +105,7 @@ def decide(
     bootstrap: bool,
     settings: Settings,
     turn: int,
+    now: float,
 ) -> Decision:
     """Choose among candidates. `turn` rotates ties so identical requests do not herd.
 
@@ -116,12 +118,14 @@ def decide(
     busiest = max(churn.values(), default=0.0) or 1.0
     for backend in candidates:
         load = loads.get(backend)
-        busy = load.cost(settings.active_request_cost)
+        busy = load.cost(settings.active_request_cost, now)
         held = matched.get(backend, 0)
         novel = total_blocks - held
         turnover = churn.get(backend, 0.0) / busiest
         cost = novel * (1 + settings.eviction_cost_weight * turnover) + weight * busy
-        costs.append(CandidateCost(backend, held, novel, load.reserved_blocks, load.active, busy, turnover, cost))
+        costs.append(
+            CandidateCost(backend, held, novel, load.reserved_blocks, load.requests(now), busy, turnover, cost)
+        )
     ranked = sorted(costs, key=lambda c: c.cost)
     least = min(c.load for c in costs)
     best_prefix = max(c.matched for c in costs)

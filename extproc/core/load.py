@@ -8,19 +8,37 @@ its handles land on the detached counters and cannot disturb a backend re-added 
 
 from __future__ import annotations
 
+# An engine sample older than this no longer says anything about the backend's load.
+ENGINE_SAMPLE_MAX_AGE_S = 2.0
+
 
 class BackendLoad:
-    """Load counters of one backend."""
+    """Load counters of one backend: kvroute's own reservations, which it knows at once, and the
+    engine's own request counts, which are late by a scrape but also see every other client."""
 
-    __slots__ = ("active", "reserved_blocks")
+    __slots__ = ("active", "engine_at", "engine_requests", "reserved_blocks")
 
     def __init__(self) -> None:
         self.reserved_blocks = 0
         self.active = 0
+        self.engine_requests = 0  # running + waiting at the engine's last sample
+        self.engine_at = float("-inf")
 
-    def cost(self, active_request_cost: float) -> float:
+    def report(self, running: int, waiting: int, now: float) -> None:
+        """The engine's own counts, from its /metrics."""
+        self.engine_requests = max(0, running) + max(0, waiting)
+        self.engine_at = now
+
+    def requests(self, now: float) -> int:
+        """In-flight requests: kvroute's own, or the engine's count when that is higher and fresh
+        (someone else is sending it work, or kvroute released a request the engine still queues)."""
+        if now - self.engine_at <= ENGINE_SAMPLE_MAX_AGE_S:
+            return max(self.active, self.engine_requests)
+        return self.active
+
+    def cost(self, active_request_cost: float, now: float) -> float:
         """Load in blocks of prefill: queued prefill plus the worth of each in-flight request."""
-        return self.reserved_blocks + active_request_cost * self.active
+        return self.reserved_blocks + active_request_cost * self.requests(now)
 
 
 class Reservation:
@@ -76,5 +94,5 @@ class LoadTracker:
         self._loads.pop(backend, None)
 
     def snapshot(self) -> dict[str, tuple[int, int]]:
-        """backend -> (reserved blocks, active requests)."""
+        """backend -> (reserved blocks, kvroute's own active requests)."""
         return {backend: (load.reserved_blocks, load.active) for backend, load in self._loads.items()}

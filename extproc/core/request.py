@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -13,6 +13,15 @@ from extproc.core.errors import InvalidRequest
 from extproc.core.sessions import DEFAULT_SESSION_HEADERS, derive_session_key
 
 _EMPTY: Mapping[str, str] = {}
+
+
+class PromptTokenizer(Protocol):
+    """Turns a request body into the token ids the engine will see (precise mode). An adapter
+    implements it with the model's own tokenizer and chat template."""
+
+    def tokens(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids, or None for a body it cannot tokenize exactly as the engine does."""
+        ...
 
 
 @dataclass(slots=True)
@@ -25,6 +34,8 @@ class PromptRequest:
     session_key: str | None
     chain: list[int] | None = None
     truncated: bool = False  # the encoding budget cut the prompt short (cbr.MAX_RECORDS, MAX_BYTES)
+    tokens: list[int] | None = None  # precise mode: the prompt as the engine tokenizes it
+    cache_salt: str | None = None  # vLLM keys the first block by it: prompts with another salt never share
 
 
 def parse_request(
@@ -32,6 +43,7 @@ def parse_request(
     headers: Mapping[str, str] = _EMPTY,
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS,
     tenant_header: str = "",
+    tokenizer: PromptTokenizer | None = None,
 ) -> PromptRequest:
     """Parse a raw or decoded chat/completions body.
 
@@ -53,4 +65,9 @@ def parse_request(
         raise InvalidRequest("'model' must be a string")
     encoded, followup, truncated = cbr.encode(parsed)
     session = derive_session_key(headers, parsed, session_headers, tenant_header)
-    return PromptRequest(model, encoded, followup, session, truncated=truncated)
+    salt = parsed.get("cache_salt")
+    request = PromptRequest(model, encoded, followup, session, truncated=truncated)
+    request.cache_salt = salt if isinstance(salt, str) and salt else None
+    if tokenizer is not None:
+        request.tokens = tokenizer.tokens(parsed)
+    return request

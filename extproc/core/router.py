@@ -10,23 +10,38 @@ the HTTP lease API) only translate their protocol into these calls.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from extproc.core.backends import Backend
-from extproc.core.chain import BlockHasher
+from extproc.core.chain import BlockHasher, TokenHasher, extra_digest
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision, Label, decide
+from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineSample
 from extproc.core.index import BoundedIndex, LocalIndex, LocationIndex
 from extproc.core.load import LoadTracker
-from extproc.core.request import PromptRequest
+from extproc.core.precise import PreciseIndex
+from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
 from extproc.core.settings import Settings
 
 # Bytes of CBR per backend token, to translate a KV cache size in tokens into blocks: about 4
 # for English text with a BPE tokenizer (what vLLM's tokenizers and kvroute's simulator see).
 BYTES_PER_TOKEN = 4
+# Precise mode: blocks one backend may report before its picture is dropped as implausible
+# (2**18 blocks of 16 tokens is 4M tokens, beyond any one engine's KV cache today).
+PRECISE_MAX_BLOCKS = 1 << 18
+
+
+class Reset(StrEnum):
+    """Why a backend's cached picture was dropped while the backend stayed in the pool."""
+
+    RESTART = "restart"  # its process start time changed
+    CACHE_CLEARED = "cache_cleared"  # AllBlocksCleared
+    SEQUENCE_RESTART = "sequence_restart"  # its event sequence numbers went back: a new publisher
+    EVENTS_LOST = "events_lost"  # precise mode: events were missed and could not be replayed
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,44 +94,97 @@ class Exchange:
 class Stats:
     """What the core did, as plain counters; the metrics adapter exports them."""
 
-    __slots__ = ("decisions", "learned", "rerouted")
+    __slots__ = ("bad_events", "decisions", "events", "learned", "rerouted", "resets", "untokenized")
 
     def __init__(self) -> None:
         self.decisions: dict[str, int] = dict.fromkeys(Label, 0)
         self.learned = 0
         self.rerouted = 0
+        self.resets: dict[str, int] = dict.fromkeys(Reset, 0)
+        self.events: dict[str, int] = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        self.bad_events = 0  # decoded events the index refused (inconsistent sizes, token ids out of range)
+        self.untokenized = 0  # precise mode: requests the tokenizer could not take (placed on load alone)
 
 
 class Router:
     """Owns the index, sessions and load of one router process. Not thread-safe: one event loop."""
 
-    __slots__ = ("_kv_tokens", "_turn", "churn", "hasher", "index", "loads", "sessions", "settings", "stats")
+    __slots__ = (
+        "_kv_tokens",
+        "_starts",
+        "_turn",
+        "churn",
+        "hasher",
+        "index",
+        "loads",
+        "sessions",
+        "settings",
+        "stats",
+        "token_hasher",
+        "tokenizer",
+    )
 
     def __init__(self, settings: Settings, index: LocationIndex | None = None) -> None:
         self.settings = settings
         self.hasher = BlockHasher(settings.block_size, settings.hash_key)
-        self.index: LocationIndex = index or LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
+        self.token_hasher = TokenHasher(settings.hash_key)
+        self.index: LocationIndex = index or self._approximate_index(settings)
+        self.tokenizer: PromptTokenizer | None = None
         self.churn = ChurnMeter(settings.churn_half_life_s)
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
         self.loads = LoadTracker()
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
+        self._starts: dict[str, float] = {}
         self._turn = 0
+
+    @staticmethod
+    def _approximate_index(settings: Settings) -> LocalIndex:
+        return LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
+
+    @property
+    def precise(self) -> bool:
+        """Routing on token keys fed by engine events (else on learned text prefixes)."""
+        return isinstance(self.index, PreciseIndex)
+
+    def use_precise(self, tokenizer: PromptTokenizer) -> None:
+        """Switch to precise mode with this tokenizer; what was learned before no longer applies."""
+        self._drop_all()
+        self.index = PreciseIndex(self.token_hasher, PRECISE_MAX_BLOCKS)
+        self.tokenizer = tokenizer
+
+    def use_approximate(self) -> None:
+        """Switch to (or stay in) approximate mode."""
+        if self.precise:
+            self._drop_all()
+            self.index = self._approximate_index(self.settings)
+            self._size_index()
+        self.tokenizer = None
+
+    def _drop_all(self) -> None:
+        for backend in list(self.index.entries_by_backend()):
+            self.index.remove_backend(backend)
+            self.churn.remove_backend(backend)
 
     def reconfigure(self, settings: Settings) -> None:
         """Apply new settings live, keeping the index it was given. A new block size or key makes
         every known chain meaningless, so the index is emptied; sessions and reservations stay."""
         if (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key):
             self.hasher = BlockHasher(settings.block_size, settings.hash_key)
-            for backend in list(self.index.entries_by_backend()):
-                self.index.remove_backend(backend)
-                self.churn.remove_backend(backend)
+            self.token_hasher = TokenHasher(settings.hash_key)
+            if self.precise:
+                self.index = PreciseIndex(self.token_hasher, PRECISE_MAX_BLOCKS)
+            self._drop_all()
         self.settings = settings
         self.churn.half_life_s = settings.churn_half_life_s
+        self._size_index()
+        self.sessions.configure(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
+
+    def _size_index(self) -> None:
+        settings = self.settings
         if isinstance(self.index, BoundedIndex):
             capacities = {b: self._blocks(t) for b, t in self._kv_tokens.items()} if settings.capacity_auto else {}
             self.index.configure(settings.location_ttl_s, settings.capacity_blocks, capacities)
-        self.sessions.configure(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
 
     def set_backend_capacity(self, backend: str, kv_tokens: int) -> None:
         """A backend reported its KV cache size in tokens; with `capacity_auto`, size its LRU by it.
@@ -128,11 +196,37 @@ class Router:
     def _blocks(self, kv_tokens: int) -> int:
         return max(1, kv_tokens * BYTES_PER_TOKEN // self.settings.block_size)
 
+    def parse(self, body: bytes | str | Mapping[str, Any], headers: Mapping[str, str]) -> PromptRequest:
+        """A request body as routing sees it, tokenized in precise mode. Raises InvalidRequest.
+        CPU-bound on large bodies: adapters may run it off their event loop."""
+        settings = self.settings
+        tokenizer = self.tokenizer if self.precise else None
+        return parse_request(body, headers, settings.session_headers, settings.tenant_header, tokenizer)
+
     def chain_of(self, request: PromptRequest) -> list[int]:
-        """The request's block chain, hashed once and kept on the request."""
+        """The request's block chain, hashed once and kept on the request: token keys in precise
+        mode (none until the engines' block size is known, or if the prompt could not be
+        tokenized), CBR hashes otherwise."""
         if request.chain is None:
-            request.chain = self.hasher.chain(request.cbr)
+            index = self.index
+            if isinstance(index, PreciseIndex):
+                if request.tokens is None:
+                    self.stats.untokenized += 1
+                if request.tokens is None or index.block_size is None:
+                    request.chain = []
+                else:
+                    extras = (extra_digest((request.cache_salt,)),) if request.cache_salt else ()
+                    request.chain = self.token_hasher.chain(request.tokens, index.block_size, extras)
+            else:
+                request.chain = self.hasher.chain(request.cbr)
         return request.chain
+
+    def block_tokens(self) -> float:
+        """Tokens per block of the current chains: exact in precise mode, estimated otherwise."""
+        index = self.index
+        if isinstance(index, PreciseIndex):
+            return float(index.block_size or 0)
+        return self.settings.block_size / BYTES_PER_TOKEN
 
     def query(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Decision:
         """Dry run: the decision `begin` would make now, with no reservation and not counted."""
@@ -158,6 +252,7 @@ class Router:
             bootstrap,
             self.settings,
             self._turn,
+            now,
         )
 
     def begin(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Exchange:
@@ -165,16 +260,17 @@ class Router:
         load it adds; the returned exchange must be ended (`end`) however the request ends."""
         decision = self.query(request, backends, now)
         request.cbr = b""  # the chain is all the exchange needs from here: hold no copy of the body
+        request.tokens = None
         if decision.backend is not None:
             decision.reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision)
 
-    def begin_unreadable(self, backends: Sequence[Backend]) -> Exchange:
+    def begin_unreadable(self, backends: Sequence[Backend], now: float) -> Exchange:
         """A request whose body could not be read: least loaded healthy backend, reserved."""
         self._turn += 1
         candidates = [b.address for b in backends if b.healthy]
-        decision = decide(candidates, {}, {}, 0, self.loads, None, False, self.settings, self._turn)
+        decision = decide(candidates, {}, {}, 0, self.loads, None, False, self.settings, self._turn, now)
         if decision.backend is not None:
             decision.label = Label.FALLBACK
             decision.reservation = self.loads.reserve(decision.backend, 0)
@@ -207,6 +303,7 @@ class Router:
                 ("x-kvroute-decision", decision.label.value),
                 ("x-kvroute-backend", backend),
                 ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
+                ("x-kvroute-cached-tokens", str(round(matched * self.block_tokens()))),
             )
         exchange.outcome = Outcome(backend, learned, bool(served) and start.connect_failed, rerouted, headers)
         return exchange.outcome
@@ -226,10 +323,55 @@ class Router:
 
     def remove_backend(self, backend: str) -> None:
         """A backend left: drop its locations, turnover, session bindings and load at once."""
+        self.reset_backend(backend, None)
+        self.loads.remove_backend(backend)
+        self._starts.pop(backend, None)
+
+    def reset_backend(self, backend: str, reason: Reset | None) -> None:
+        """The backend's cache is not what kvroute believed (restarted, cleared, events lost): drop
+        its locations, turnover and session bindings, so the next requests are placed on merit.
+        Its in-flight load stays: those requests are still running."""
         self.index.remove_backend(backend)
         self.churn.remove_backend(backend)
         self.sessions.remove_backend(backend)
-        self.loads.remove_backend(backend)
+        if reason is not None:
+            self.stats.resets[reason] += 1
+
+    def engine_sample(self, backend: str, sample: EngineSample, now: float) -> None:
+        """One scrape of a known backend's /metrics: its own load, a restart (new process start
+        time) and its KV cache size."""
+        self.loads.get(backend).report(sample.running, sample.waiting, now)
+        if sample.start_time is not None:
+            before = self._starts.get(backend)
+            self._starts[backend] = sample.start_time
+            if before is not None and before != sample.start_time:
+                self.reset_backend(backend, Reset.RESTART)
+        if sample.cache_tokens is not None and self._kv_tokens.get(backend) != sample.cache_tokens:
+            self.set_backend_capacity(backend, sample.cache_tokens)
+
+    def engine_events(self, backend: str, events: Iterable[EngineEvent]) -> None:
+        """A batch of a known backend's KV cache events, in order. A cleared cache resets the backend
+        in both modes; stores and removals feed the precise index."""
+        index = self.index
+        for event in events:
+            self.stats.events[type(event).__name__] += 1
+            if isinstance(event, AllBlocksCleared):
+                self.reset_backend(backend, Reset.CACHE_CLEARED)
+            elif isinstance(index, PreciseIndex):
+                try:
+                    if isinstance(event, BlockStored):
+                        index.stored(backend, event)
+                    elif isinstance(event, BlockRemoved):
+                        index.removed(backend, event)
+                except (ValueError, OverflowError, TypeError):
+                    self.stats.bad_events += 1
+
+    def events_lost(self, backend: str, reason: Reset) -> None:
+        """The backend's event stream broke (a gap that could not be replayed, a new publisher).
+        In precise mode its picture is no longer known and is dropped; approximate mode never
+        used those events for locations, so a new publisher (a restart) resets it as well."""
+        if self.precise or reason is Reset.SEQUENCE_RESTART:
+            self.reset_backend(backend, reason)
 
     def state(self) -> dict[str, Any]:
         """Sizes and load, for metrics and /debug/state."""
@@ -238,5 +380,9 @@ class Router:
             "index_entries": sum(by_backend.values()),
             "index_entries_by_backend": by_backend,
             "sessions": len(self.sessions),
-            "load": {b: {"reserved_blocks": r, "active": a} for b, (r, a) in self.loads.snapshot().items()},
+            "load": {
+                b: {"reserved_blocks": r, "active": a, "engine_requests": self.loads.get(b).engine_requests}
+                for b, (r, a) in self.loads.snapshot().items()
+            },
+            "index": "precise" if self.precise else "approximate",
         }

@@ -37,9 +37,17 @@ POSITIVE = Bounds(minimum=0, exclusive_minimum=True)
 NON_NEGATIVE = Bounds(minimum=0)
 
 
-def _setting(default: Any, text: str, bounds: Bounds | None = None, policy: str | None = None, **kw: Any) -> Any:
-    """One declared setting. `policy` names its KVRoutingPolicy spec.routing field, if exposed."""
-    metadata = {"help": text, "bounds": bounds, "policy": policy}
+def _setting(
+    default: Any,
+    text: str,
+    bounds: Bounds | None = None,
+    policy: str | None = None,
+    choices: tuple[str, ...] = (),
+    **kw: Any,
+) -> Any:
+    """One declared setting. `policy` names its KVRoutingPolicy spec.routing field, if exposed;
+    `choices` lists the values a text setting may take (none: free text)."""
+    metadata = {"help": text, "bounds": bounds, "policy": policy, "choices": choices}
     if callable(default):
         return field(default_factory=default, metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
@@ -123,6 +131,19 @@ class Settings:
         "clients' prompts are cached and name pod addresses: enable only where clients are trusted.",
         policy="decisionHeaders",
     )
+    index_mode: str = _setting(
+        "approximate",
+        "approximate: learn from kvroute's own routing, keyed on the prompt's text. precise: tokenize like the "
+        "engine and follow its KV cache events (needs tokenizer_path and --kv-events-config on the engines).",
+        policy="index",
+        choices=("approximate", "precise"),
+    )
+    tokenizer_path: str = _setting(
+        "",
+        "Precise mode: a directory with the served model's tokenizer.json and tokenizer_config.json (chat "
+        "template); nothing is downloaded. If it cannot be loaded, routing stays approximate and says why.",
+        policy="tokenizerPath",
+    )
     capacity_auto: bool = _setting(
         True, "Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."
     )
@@ -142,6 +163,11 @@ class Settings:
             raise ValueError("hash_key must be exactly 16 bytes")
         if not all(isinstance(h, str) and h for h in self.session_headers):
             raise ValueError("session_headers must be non-empty header names")
+        for f in fields(self):
+            if f.type == "str" and not isinstance(getattr(self, f.name), str):
+                raise ValueError(f"{f.name} must be text")
+            if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}")
         if self.tenant_header != self.tenant_header.lower():
             raise ValueError("tenant_header must be a lower-case header name")
 

@@ -1,0 +1,46 @@
+"""What vLLM engines report about themselves, in the core's terms: KV cache events and samples of
+their own metrics. Adapters (extproc/vllm/) decode the wire formats into these; the router acts on
+them (a restart or a cleared cache drops what kvroute believed the backend held)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks the engine computed and cached, in order, each extending the one before."""
+
+    block_hashes: tuple[int, ...]  # the engine's own hashes (low 64 bits)
+    parent_hash: int | None  # the engine hash of the block before the first one; None at a prompt's start
+    token_ids: tuple[int, ...]  # len(block_hashes) * block_size tokens
+    block_size: int
+    extra_keys: tuple[tuple[str, ...] | None, ...]  # per block: LoRA name, cache_salt (untagged, as vLLM sends)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks the engine evicted."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine emptied its prefix cache (`/reset_prefix_cache`, a weight update, a restart)."""
+
+
+EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One scrape of a backend's /metrics: its load as the engine sees it (all clients, not only
+    kvroute's), its KV cache geometry and when its process started (a change means a restart)."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # 0..1 of KV blocks held by running requests
+    start_time: float | None  # process_start_time_seconds
+    cache_tokens: int | None  # num_gpu_blocks * block_size from vllm:cache_config_info
+    block_size: int | None

@@ -1,0 +1,122 @@
+"""Precise index: which blocks each backend holds now, as its engine reports them.
+
+Fed by KV cache events instead of by kvroute's own routing: `BlockStored` adds blocks (their keys
+computed from the token ids the event carries, chained through the parent's key, so they equal
+the keys of a request tokenized the same way), `BlockRemoved` takes them away, and a cleared,
+restarted or lost event stream drops the backend's whole picture. Learning from routing is a
+no-op: only what the engine says it cached counts.
+
+Memory is bounded by the engines' own caches; a publisher that only ever stores (a bug or a
+hostile pod) is capped at `max_blocks` per backend, past which its picture is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from extproc.core.chain import ROOT_KEY, TokenHasher, extra_digest
+from extproc.core.engine import BlockRemoved, BlockStored
+
+
+class _Held:
+    """One backend's blocks: engine hash -> kvroute key, and kvroute key -> engine blocks holding it."""
+
+    __slots__ = ("by_hash", "keys")
+
+    def __init__(self) -> None:
+        self.by_hash: dict[int, int] = {}
+        self.keys: dict[int, int] = {}
+
+
+class PreciseIndex:
+    """LocationIndex fed by engine events. Not thread-safe: one event loop."""
+
+    __slots__ = ("_backends", "_hasher", "block_size", "max_blocks", "orphans", "overflows", "size_mismatches")
+
+    def __init__(self, hasher: TokenHasher, max_blocks: int) -> None:
+        self._hasher = hasher
+        self._backends: dict[str, _Held] = {}
+        self.max_blocks = max_blocks
+        self.block_size: int | None = None  # the engines' KV block size, from the first event
+        self.orphans = 0  # stored blocks whose parent kvroute never saw (subscribed late, lost events)
+        self.overflows = 0  # backends dropped for reporting more than max_blocks
+        self.size_mismatches = 0  # events with another block size than the fleet's
+
+    def stored(self, backend: str, event: BlockStored) -> int:
+        """Add the event's blocks; returns how many were added. Raises ValueError on a malformed event."""
+        count = len(event.block_hashes)
+        if event.block_size <= 0 or len(event.token_ids) != count * event.block_size:
+            raise ValueError(f"BlockStored with {len(event.token_ids)} tokens for {count} blocks of {event.block_size}")
+        if self.block_size is None:
+            self.block_size = event.block_size
+        elif event.block_size != self.block_size:
+            self.size_mismatches += 1
+            return 0
+        held = self._backends.get(backend)
+        if held is None:
+            held = self._backends[backend] = _Held()
+        if event.parent_hash is None:
+            parent = ROOT_KEY
+        else:
+            found = held.by_hash.get(event.parent_hash)
+            if found is None:
+                self.orphans += count
+                return 0
+            parent = found
+        size = event.block_size
+        extras = event.extra_keys
+        added = 0
+        for index, engine_hash in enumerate(event.block_hashes):
+            extra = extra_digest(extras[index] if index < len(extras) else None)
+            parent = self._hasher.block(parent, event.token_ids[index * size : (index + 1) * size], extra)
+            if engine_hash in held.by_hash:
+                continue
+            held.by_hash[engine_hash] = parent
+            held.keys[parent] = held.keys.get(parent, 0) + 1
+            added += 1
+        if len(held.by_hash) > self.max_blocks:
+            self.overflows += 1
+            self.remove_backend(backend)
+        return added
+
+    def removed(self, backend: str, event: BlockRemoved) -> int:
+        """Take the event's blocks away; returns how many were known."""
+        held = self._backends.get(backend)
+        if held is None:
+            return 0
+        removed = 0
+        for engine_hash in event.block_hashes:
+            key = held.by_hash.pop(engine_hash, None)
+            if key is None:
+                continue
+            removed += 1
+            refs = held.keys[key] - 1
+            if refs:
+                held.keys[key] = refs
+            else:
+                del held.keys[key]
+        return removed
+
+    def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
+        matched: dict[str, int] = {}
+        for backend in backends:
+            held = self._backends.get(backend)
+            count = 0
+            if held is not None:
+                keys = held.keys
+                for key in chain:
+                    if key not in keys:
+                        break
+                    count += 1
+            matched[backend] = count
+        return matched
+
+    def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
+        """Routing teaches nothing here: the backend's events will say what it cached."""
+        return 0
+
+    def remove_backend(self, backend: str) -> None:
+        self._backends.pop(backend, None)
+
+    def entries_by_backend(self) -> dict[str, int]:
+        return {backend: len(held.by_hash) for backend, held in self._backends.items()}
