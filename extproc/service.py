@@ -20,6 +20,10 @@ from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
+from extproc.vllm.feeds import EngineCollector, EngineFeeds
+from extproc.vllm.index_mode import IndexMode
+from extproc.vllm.scraper import EngineScraper
+from extproc.vllm.subscriber import EventSubscriber
 
 log = logging.getLogger("kvroute")
 
@@ -27,16 +31,22 @@ log = logging.getLogger("kvroute")
 async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set."""
     router = Router(config.routing)
-    pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after, router.set_backend_capacity)
+    pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after)
+    index_mode = IndexMode(router)
+    index_mode.apply(config.routing)
     follower = None
     if config.policy:  # the Kubernetes client is loaded only by processes that follow a policy
         from extproc.kube.follower import PolicyFollower, load_kubernetes_config
 
         namespace, name = config.policy.split("/")
         await load_kubernetes_config()
-        follower = PolicyFollower(namespace, name, config.routing, router, pool)
+        follower = PolicyFollower(namespace, name, config.routing, router, pool, index_mode.apply)
     policy = follower.state if follower is not None else None
+    scraper = EngineScraper(router, pool)
+    subscriber = EventSubscriber(router, pool) if config.kv_events else None
+    feeds = EngineFeeds(router, index_mode, scraper, subscriber)
     metrics = Metrics(router, pool, policy)
+    metrics.registry.register(EngineCollector(feeds))
     limit = config.max_message_bytes
     interceptors = []
     if config.grpc_token_file:
@@ -56,7 +66,9 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
-    admin = Admin(router, pool, metrics, policy, lease_ttl_s=config.lease_ttl_s)
+    admin = Admin(
+        router, pool, metrics, policy, lease_ttl_s=config.lease_ttl_s, details=feeds.state, warnings=feeds.warnings
+    )
     runners = [web.AppRunner(admin.monitoring_app(), access_log=None)]
     await runners[0].setup()
     await web.TCPSite(runners[0], config.admin_host, config.admin_port).start()
@@ -71,6 +83,10 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),
         asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
     ]
+    if config.engine_scrape_interval_s > 0:
+        tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s)))
+    if subscriber is not None:
+        tasks.append(asyncio.create_task(subscriber.run()))
     if follower is not None:
         tasks.append(asyncio.create_task(follower.run()))
     log.info(

@@ -47,7 +47,12 @@ class Admin:
         policy: PolicyState | None = None,
         clock: Callable[[], float] = time.monotonic,
         lease_ttl_s: float = 300.0,
+        details: Callable[[], dict[str, Any]] = dict,
+        warnings: Callable[[], list[str]] = list,
     ) -> None:
+        """`details` adds to /debug/state and `warnings` to /readyz (the engine feeds' view)."""
+        self._details = details
+        self._warnings = warnings
         self._router = router
         self._pool = pool
         self._metrics = metrics
@@ -107,6 +112,7 @@ class Admin:
             warnings.append(f"backend probes failing ({self._pool.last_probe_error}); health may be stale")
         if self._policy is not None and self._policy.unknown_fields:
             warnings.append(f"policy spec.routing fields ignored: {', '.join(self._policy.unknown_fields)}")
+        warnings.extend(self._warnings())
         body = {"ready": not problems, "problems": problems, "warnings": warnings}
         return _json(body, 503 if problems else 200)
 
@@ -115,6 +121,7 @@ class Admin:
         return _json(
             {
                 **self._router.state(),
+                **self._details(),
                 "backends": [
                     {"address": b.address, "healthy": b.healthy, "models": sorted(b.models)}
                     for b in self._pool.backends

@@ -48,9 +48,10 @@ ROOT_KEY = 0  # the "parent" of a prompt's first block
 _UINT32 = "I"
 
 
-def extra_digest(values: Sequence[str] | None) -> bytes:
+def extra_digest(values: Sequence[object] | None) -> bytes:
     """Canonical bytes of one block's extra keys (LoRA name, cache_salt), as both the request side
-    and the event side see them; empty for a block that has none."""
+    and the event side see them; empty for a block that has none. Raises TypeError for values
+    JSON cannot hold."""
     return orjson.dumps(list(values)) if values else b""
 
 
@@ -66,19 +67,26 @@ class TokenHasher:
 
     def block(self, parent: int, tokens: Sequence[int], extra: bytes) -> int:
         """One block's key. Raises OverflowError for token ids outside 0..2**32-1."""
+        return self._block(parent, extra, array(_UINT32, tokens))
+
+    def _block(self, parent: int, extra: bytes, data: bytes | memoryview | array[int]) -> int:
         hasher = siphash24(parent.to_bytes(8, "little"), key=self._key)
         hasher.update(len(extra).to_bytes(4, "little"))
         hasher.update(extra)
-        hasher.update(array(_UINT32, tokens).tobytes())
+        hasher.update(data)
         return hasher.intdigest() & HASH_MASK
 
     def chain(
         self, tokens: Sequence[int], block_size: int, extras: Sequence[bytes] = (), parent: int = ROOT_KEY
     ) -> list[int]:
-        """Keys of every full block of `tokens`; `extras[i]` is block i's extra digest (b"" past its end)."""
+        """Keys of every full block of `tokens`; `extras[i]` is block i's extra digest (b"" past its end).
+        Raises OverflowError for token ids outside 0..2**32-1."""
+        packed = tokens if isinstance(tokens, array) and tokens.typecode == _UINT32 else array(_UINT32, tokens)
+        view = memoryview(packed).cast("B")
+        step = block_size * packed.itemsize
         out: list[int] = []
-        for index, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
+        for index, start in enumerate(range(0, len(view) - step + 1, step)):
             extra = extras[index] if index < len(extras) else b""
-            parent = self.block(parent, tokens[start : start + block_size], extra)
+            parent = self._block(parent, extra, view[start : start + step])
             out.append(parent)
         return out

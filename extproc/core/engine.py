@@ -15,7 +15,7 @@ class BlockStored:
     parent_hash: int | None  # the engine hash of the block before the first one; None at a prompt's start
     token_ids: tuple[int, ...]  # len(block_hashes) * block_size tokens
     block_size: int
-    extra_keys: tuple[tuple[str, ...] | None, ...]  # per block: LoRA name, cache_salt (untagged, as vLLM sends)
+    extra_keys: tuple[tuple[object, ...] | None, ...]  # per block: LoRA name, multimodal, cache_salt (as sent)
 
 
 @dataclass(frozen=True, slots=True)

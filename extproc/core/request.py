@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ class PromptTokenizer(Protocol):
     """Turns a request body into the token ids the engine will see (precise mode). An adapter
     implements it with the model's own tokenizer and chat template."""
 
-    def tokens(self, body: Mapping[str, Any]) -> list[int] | None:
+    def tokens(self, body: Mapping[str, Any]) -> Sequence[int] | None:
         """The prompt's token ids, or None for a body it cannot tokenize exactly as the engine does."""
         ...
 
@@ -34,7 +34,7 @@ class PromptRequest:
     session_key: str | None
     chain: list[int] | None = None
     truncated: bool = False  # the encoding budget cut the prompt short (cbr.MAX_RECORDS, MAX_BYTES)
-    tokens: list[int] | None = None  # precise mode: the prompt as the engine tokenizes it
+    tokens: Sequence[int] | None = None  # precise mode: the prompt as the engine tokenizes it
     cache_salt: str | None = None  # vLLM keys the first block by it: prompts with another salt never share
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes_asyncio import client, config, watch
@@ -36,12 +36,22 @@ def backends_from_status(status: Mapping[str, Any] | None) -> list[Backend]:
 class PolicyFollower:
     """Keeps a router and pool in step with one policy."""
 
-    def __init__(self, namespace: str, name: str, base: Settings, router: Router, pool: BackendPool) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        name: str,
+        base: Settings,
+        router: Router,
+        pool: BackendPool,
+        on_settings: Callable[[Settings], None] = lambda _settings: None,
+    ) -> None:
+        """`on_settings` runs after the router took new settings (the index mode follows them)."""
         self.namespace = namespace
         self.name = name
         self._base = base
         self._router = router
         self._pool = pool
+        self._on_settings = on_settings
         self.state = PolicyState(f"{namespace}/{name}")
 
     def apply(self, event_type: str, policy: Mapping[str, Any]) -> None:
@@ -64,6 +74,7 @@ class PolicyFollower:
                 log.warning("policy %s/%s: ignoring unknown spec.routing fields %s", self.namespace, self.name, unknown)
         if settings != self._router.settings:
             self._router.reconfigure(settings)
+            self._on_settings(settings)
         self._pool.replace(backends)
         self.state.generation = (policy.get("metadata") or {}).get("generation", 0)
 

@@ -48,6 +48,12 @@ class ExtProcConfig:
     max_stream_age_s: float = _key(3600.0, "an ext_proc stream older than this is closed and its load released")
     max_streams: int = _key(4096, "concurrent ext_proc streams per connection from Envoy")
     lease_ttl_s: float = _key(300.0, "seconds a /v1/query lease holds its reservation if never released")
+    engine_scrape_interval_s: float = _key(
+        0.25, "seconds between scrapes of each backend's /metrics (engine load, restarts, KV size); 0: off"
+    )
+    kv_events: bool = _key(
+        True, "subscribe to the KV cache events of every backend that publishes them (GET /kv_event_sources)"
+    )
     log_level: str = _key("info", "debug, info, warning, error")
     policy: str = _key("", "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes)")
     routing: Settings = field(default_factory=Settings)

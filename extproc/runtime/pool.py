@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -25,20 +24,6 @@ log = logging.getLogger(__name__)
 
 SLOW_FACTOR = 5
 UP, DOWN, SLOW = "up", "down", "slow"
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def kv_cache_tokens(metrics_text: str) -> int | None:
-    """KV cache size in tokens from vLLM's `vllm:cache_config_info` (num_gpu_blocks x block_size)."""
-    match = _CACHE_INFO.search(metrics_text)
-    if match is None:
-        return None
-    labels = dict(_LABEL.findall(match.group(1)))
-    try:
-        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-    except (KeyError, ValueError):
-        return None
 
 
 class BackendPool:
@@ -49,15 +34,12 @@ class BackendPool:
         backends: Iterable[Backend],
         on_down: Callable[[str], None],
         unhealthy_after: int,
-        on_capacity: Callable[[str, int], None] = lambda _address, _tokens: None,
     ) -> None:
         self._on_down = on_down
-        self._on_capacity = on_capacity
         self._unhealthy_after = unhealthy_after
         self._backends: dict[str, Backend] = {}
         self._failures: dict[str, int] = {}
         self._slow: dict[str, int] = {}
-        self._sized: set[str] = set()
         self._suspects: set[str] = set()
         self._wake = asyncio.Event()
         self.probe_errors = 0
@@ -71,7 +53,6 @@ class BackendPool:
             self._on_down(address)
             self._failures.pop(address, None)
             self._slow.pop(address, None)
-            self._sized.discard(address)
             self._suspects.discard(address)
         self._backends = {
             address: Backend(
@@ -133,8 +114,8 @@ class BackendPool:
                 self.mark(address, False, confirmed=True)
 
     async def probe_forever(self, interval_s: float, timeout_s: float) -> None:
-        """GET /health on every backend each interval (at once for a suspect), concurrently; read
-        each one's KV cache size once from /metrics. Survives any error: logs, counts, goes on."""
+        """GET /health on every backend each interval (at once for a suspect), concurrently.
+        Survives any error: logs, counts, goes on."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
@@ -155,21 +136,6 @@ class BackendPool:
         results = await asyncio.gather(*(self._probe(session, a) for a in backends))
         for address, result in zip(backends, results, strict=True):
             self._observe(address, result, address in suspects)
-        unsized = [a for a, r in zip(backends, results, strict=True) if r == UP and a not in self._sized]
-        for address, tokens in zip(
-            unsized, await asyncio.gather(*(self._size(session, a) for a in unsized)), strict=True
-        ):
-            if tokens is not None and address in self._backends:
-                self._sized.add(address)
-                self._on_capacity(address, tokens)
-
-    @staticmethod
-    async def _size(session: aiohttp.ClientSession, address: str) -> int | None:
-        try:
-            async with session.get(f"http://{address}/metrics") as response:
-                return kv_cache_tokens(await response.text()) if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
-            return None
 
     @staticmethod
     async def _probe(session: aiohttp.ClientSession, address: str) -> str:

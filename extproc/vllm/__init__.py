@@ -1,0 +1,1 @@
+"""Adapters for what vLLM engines publish: /metrics samples, KV cache events, the tokenizer."""

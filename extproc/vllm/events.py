@@ -1,0 +1,127 @@
+"""vLLM KV cache event messages -> core EngineEvents.
+
+A message is three ZMQ frames: topic, an 8-byte big-endian sequence number, and a msgpack
+`EventBatch` `[timestamp, events, data_parallel_rank]`. vLLM 0.32 encodes each event as a map
+with a `type` key; earlier versions as a positional array whose first item is the type. Both are
+accepted; anything else is refused with an EventError (the caller counts and logs it), never a
+crash. Unknown event types inside a good batch are skipped and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+
+# Field order of the positional (array) form, after the type tag, as vLLM's msgspec structs declare it.
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_STORED_EXTRA_AT = 8  # extra_keys follows lora_name
+_REMOVED_FIELDS = ("block_hashes", "medium")
+MAX_BATCH_BYTES = 64 << 20  # a batch larger than this is refused unread
+
+
+class EventError(ValueError):
+    """A message that is not a well-formed vLLM event batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One decoded message."""
+
+    sequence: int
+    events: list[EngineEvent]
+    unknown: int  # events of a type this version does not know, skipped
+
+
+def _hash(value: Any) -> int:
+    """An engine block hash as an int: vLLM sends the low 64 bits as an int, or bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, bytes) and value:
+        return int.from_bytes(value, "big")
+    raise EventError(f"bad block hash {value!r:.40}")
+
+
+def _hashes(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise EventError("block_hashes is not a list")
+    return tuple(_hash(v) for v in value)
+
+
+def _extra(value: Any) -> tuple[object, ...] | None:
+    """One block's extra keys (LoRA name, multimodal pairs, cache_salt), kept as sent."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise EventError("extra_keys entry is not a list")
+    return tuple(value)
+
+
+def _stored(fields: dict[str, Any]) -> BlockStored:
+    tokens = fields.get("token_ids")
+    size = fields.get("block_size")
+    parent = fields.get("parent_block_hash")
+    extras = fields.get("extra_keys") or ()
+    if not isinstance(tokens, list) or not isinstance(size, int) or not isinstance(extras, list | tuple):
+        raise EventError("BlockStored without token_ids or block_size")
+    lora = fields.get("lora_name")
+    hashes = _hashes(fields.get("block_hashes"))
+    per_block = [_extra(e) for e in extras]
+    if isinstance(lora, str) and lora and not per_block:  # older engines: the LoRA name alone
+        per_block = [(lora,)] * len(hashes)
+    return BlockStored(hashes, None if parent is None else _hash(parent), tuple(tokens), size, tuple(per_block))
+
+
+def _event(raw: Any) -> EngineEvent | None:
+    """One event, or None for a type this version does not know."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS if kind == "BlockRemoved" else ()
+        fields = dict(zip(names, raw[1:], strict=False))
+        if kind == "BlockStored" and len(raw) > _STORED_EXTRA_AT:
+            fields["extra_keys"] = raw[_STORED_EXTRA_AT]
+    else:
+        raise EventError(f"event is neither a map nor a tagged array: {type(raw).__name__}")
+    if kind == "BlockStored":
+        return _stored(fields)
+    if kind == "BlockRemoved":
+        return BlockRemoved(_hashes(fields.get("block_hashes")))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def decode(frames: Sequence[bytes]) -> EventBatch:
+    """Decode one message's frames. Raises EventError."""
+    if len(frames) != 3:
+        raise EventError(f"expected 3 frames, got {len(frames)}")
+    _topic, sequence, payload = frames
+    if len(sequence) != 8:
+        raise EventError(f"sequence frame of {len(sequence)} bytes")
+    if len(payload) > MAX_BATCH_BYTES:
+        raise EventError(f"batch of {len(payload)} bytes")
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise EventError(f"not msgpack: {exc}") from None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise EventError("batch is not [timestamp, events, ...]")
+    events: list[EngineEvent] = []
+    unknown = 0
+    try:
+        for raw in batch[1]:
+            event = _event(raw)
+            if event is None:
+                unknown += 1
+            else:
+                events.append(event)
+    except (TypeError, AttributeError) as exc:
+        raise EventError(f"malformed event: {exc}") from None
+    return EventBatch(int.from_bytes(sequence, "big", signed=True), events, unknown)

@@ -1,0 +1,52 @@
+"""vLLM's /metrics text -> EngineSample. Reads only the few families routing uses, in one pass
+over the lines; sums over label sets, so an engine with several data-parallel ranks counts whole."""
+
+from __future__ import annotations
+
+import re
+
+from extproc.core.engine import EngineSample
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+CACHE_INFO = "vllm:cache_config_info"
+START_TIME = "process_start_time_seconds"
+_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _value(line: str) -> float:
+    return float(line.rsplit(" ", 1)[1])
+
+
+def engine_sample(text: str) -> EngineSample | None:
+    """The sample in a /metrics page, or None when it is not a vLLM engine's (no request gauges)."""
+    running = waiting = 0.0
+    usage: float = 0.0
+    start: float | None = None
+    cache_tokens = block_size = None
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            if name == RUNNING:
+                running += _value(line)
+                seen = True
+            elif name == WAITING:
+                waiting += _value(line)
+            elif name == KV_USAGE:
+                usage = max(usage, _value(line))
+            elif name == START_TIME:
+                start = _value(line)
+            elif name == CACHE_INFO and cache_tokens is None:
+                labels = dict(_LABEL.findall(line))
+                block_size = int(labels["block_size"])
+                cache_tokens = int(labels["num_gpu_blocks"]) * block_size
+        except (ValueError, KeyError, IndexError):
+            continue  # one odd line never hides the rest
+    if not seen:
+        return None
+    return EngineSample(int(running), int(waiting), usage, start, cache_tokens, block_size)

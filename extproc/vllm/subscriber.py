@@ -1,0 +1,218 @@
+"""Subscribe to every backend's KV cache events (ZMQ PUB), following the backend set live.
+
+Each backend says where it publishes (`GET /kv_event_sources`); kvroute connects a SUB socket to
+that port on the backend's own address, never to another host. Sequence numbers are checked per
+publisher: a number that goes back means a new publisher (the engine restarted), a jump means
+missed batches, fetched from the engine's replay socket where it has one and otherwise reported
+as lost, since that backend's picture is then unknown. Malformed messages are counted and logged
+once per backend and kind; nothing a publisher sends can stop the subscriber or routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+import zmq
+import zmq.asyncio
+
+from extproc.core.router import Reset, Router
+from extproc.runtime.pool import BackendPool
+from extproc.vllm.events import MAX_BATCH_BYTES, EventBatch, EventError, decode
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+_ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]*):(\d{1,5})$")
+_ANY_HOST = {"*", "0.0.0.0", "[::]", "::", ""}
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One publisher of a backend (one per data-parallel rank)."""
+
+    endpoint: str
+    replay: str | None
+    topic: bytes
+
+
+def _host(backend: str) -> str:
+    return backend.rsplit(":", 1)[0]
+
+
+def _connectable(endpoint: object, backend: str) -> str | None:
+    """The address to connect to for a publisher endpoint the engine binds, on the backend's own host."""
+    if not isinstance(endpoint, str):
+        return None
+    match = _ENDPOINT.match(endpoint)
+    if match is None:
+        return None
+    host, port = match.groups()
+    if host in _ANY_HOST or host == _host(backend):
+        return f"tcp://{_host(backend)}:{port}"
+    return None
+
+
+def sources(answer: object, backend: str) -> tuple[list[Source], str]:
+    """The publishers in a `/kv_event_sources` answer that kvroute can subscribe to, and a status line."""
+    if not isinstance(answer, dict) or not answer:
+        return [], "no KV event publisher (start vLLM with --kv-events-config)"
+    found, refused = [], []
+    for config in answer.values():
+        if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher") != "zmq":
+            continue
+        endpoint = _connectable(config.get("endpoint"), backend)
+        if endpoint is None:
+            refused.append(str(config.get("endpoint"))[:100])
+            continue
+        replay = _connectable(config.get("replay_endpoint"), backend)
+        found.append(Source(endpoint, replay, str(config.get("topic") or "").encode()))
+    if found:
+        return found, "subscribed " + ", ".join(s.endpoint for s in found)
+    if refused:
+        return [], f"publisher endpoint {refused[0]} is not one the engine binds on its own host"
+    return [], "no KV event publisher (start vLLM with --kv-events-config)"
+
+
+class EventSubscriber:
+    """One task per known backend, each following that backend's publishers."""
+
+    def __init__(
+        self,
+        router: Router,
+        pool: BackendPool,
+        discovery_interval_s: float = 30.0,
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        self._router = router
+        self._pool = pool
+        self._discovery_interval_s = discovery_interval_s
+        self._replay_timeout_s = replay_timeout_s
+        self._context = zmq.asyncio.Context()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._logged: set[tuple[str, str]] = set()
+        self.status: dict[str, str] = {}
+        self.problems: Counter[str] = Counter()  # bad_message, unknown_event, gap, replayed, lost, restart
+
+    def _problem(self, backend: str, kind: str, detail: str, count: int = 1) -> None:
+        """Count a problem; log it the first time per backend and kind."""
+        self.problems[kind] += count
+        if (backend, kind) not in self._logged:
+            self._logged.add((backend, kind))
+            log.warning("KV events from %s: %s (%s); logged once, counted in metrics", backend, kind, detail)
+
+    async def run(self, follow_interval_s: float = 1.0) -> None:
+        """Follow the pool's backend set until cancelled; then close every socket."""
+        timeout = aiohttp.ClientTimeout(total=5)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                while True:
+                    known = {b.address for b in self._pool.backends}
+                    for backend in self._tasks.keys() - known:
+                        self._tasks.pop(backend).cancel()
+                        self.status.pop(backend, None)
+                    for backend in known - self._tasks.keys():
+                        self._tasks[backend] = asyncio.create_task(self._follow(session, backend))
+                    await asyncio.sleep(follow_interval_s)
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            for task in self._tasks.values():
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            self._tasks.clear()
+            self._context.destroy(linger=0)
+
+    async def _follow(self, session: aiohttp.ClientSession, backend: str) -> None:
+        while True:
+            try:
+                async with session.get(f"http://{backend}/kv_event_sources") as response:
+                    answer = orjson.loads(await response.read()) if response.status == 200 else None
+                found, self.status[backend] = sources(answer, backend)
+            except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
+                found, self.status[backend] = [], f"discovery failed: {type(exc).__name__}"
+            if found:
+                # A consumer only ends on an error it cannot handle; then discover again.
+                results = await asyncio.gather(*(self._consume(backend, s) for s in found), return_exceptions=True)
+                for result in results:
+                    if isinstance(result, Exception):
+                        self.status[backend] = f"subscription failed: {type(result).__name__}: {result}"
+                        self._problem(backend, "subscription_failed", str(result))
+            await asyncio.sleep(self._discovery_interval_s)
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)  # a huge frame is dropped by ZMQ, unread
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        return sock
+
+    async def _consume(self, backend: str, source: Source) -> None:
+        sock = self._socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, source.topic)
+        sock.connect(source.endpoint)
+        last: int | None = None
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                batch = self._decode(backend, frames)
+                if batch is None:
+                    continue
+                if last is not None and batch.sequence <= last:
+                    self._problem(backend, "restart", f"sequence {batch.sequence} after {last}")
+                    self._router.events_lost(backend, Reset.SEQUENCE_RESTART)
+                elif last is not None and batch.sequence > last + 1:
+                    self._problem(backend, "gap", f"{batch.sequence - last - 1} batches missed")
+                    if not await self._replay(backend, source, last + 1, batch.sequence):
+                        self._problem(backend, "lost", "could not replay the missed batches")
+                        self._router.events_lost(backend, Reset.EVENTS_LOST)
+                self._apply(backend, batch)
+                last = batch.sequence
+        finally:
+            sock.close(linger=0)
+
+    def _decode(self, backend: str, frames: list[bytes]) -> EventBatch | None:
+        try:
+            batch = decode(frames)
+        except EventError as exc:
+            self._problem(backend, "bad_message", str(exc))
+            return None
+        if batch.unknown:
+            self._problem(backend, "unknown_event", "an event type this version does not know", batch.unknown)
+        return batch
+
+    def _apply(self, backend: str, batch: EventBatch) -> None:
+        if self._pool.is_known(backend):
+            self._router.engine_events(backend, batch.events)
+
+    async def _replay(self, backend: str, source: Source, start: int, until: int) -> bool:
+        """Fetch and apply batches start..until-1 from the replay socket; True if all came."""
+        if source.replay is None:
+            return False
+        sock = self._socket(zmq.DEALER)
+        sock.connect(source.replay)
+        expected = start
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self._replay_timeout_s)
+                if len(frames) == 4 and frames[2] == END_SEQ:
+                    return expected >= until
+                batch = self._decode(backend, frames[1:])
+                if batch is None or batch.sequence < expected or batch.sequence >= until:
+                    continue
+                if batch.sequence > expected:
+                    return False  # the engine's buffer no longer holds what was missed
+                self._apply(backend, batch)
+                expected += 1
+        except (TimeoutError, zmq.ZMQError) as exc:
+            self._problem(backend, "replay_failed", f"{type(exc).__name__}: {exc}")
+            return False
+        finally:
+            sock.close(linger=0)
