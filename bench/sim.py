@@ -313,6 +313,9 @@ class SimBackend:
             "vllm:cache_config_info", "KV cache configuration.", ["block_size", "num_gpu_blocks"], registry=registry
         )
         info.labels(block_size=str(config.block_size), num_gpu_blocks=str(config.capacity_blocks)).set(1)
+        # As prometheus_client's process collector reports it for vLLM: a new value means a restart.
+        started = Gauge("process_start_time_seconds", "Start time of the process.", registry=registry)
+        started.set(time.time())
 
     def app(self) -> web.Application:
         """A new aiohttp app serving this backend's state.

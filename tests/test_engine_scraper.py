@@ -1,0 +1,66 @@
+"""Engine samples from /metrics: parsed from vLLM's text, scraped from running servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from bench.sim import SimConfig, serve
+from extproc.core.backends import Backend
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.runtime.pool import BackendPool
+from extproc.vllm.metrics import engine_sample
+from extproc.vllm.scraper import EngineScraper
+
+VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 2.0
+vllm:num_requests_running{engine="1",model_name="tiny-llama"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.25
+process_start_time_seconds 1.7646e+09
+vllm:cache_config_info{block_size="128",cache_dtype="auto",num_gpu_blocks="1024"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="tiny-llama"} not-a-number
+"""
+
+
+def test_a_vllm_page_becomes_one_sample_summed_over_engines():
+    sample = engine_sample(VLLM_PAGE)
+    assert sample is not None
+    assert (sample.running, sample.waiting, sample.kv_usage) == (3, 4, 0.25)
+    assert (sample.start_time, sample.cache_tokens, sample.block_size) == (1.7646e9, 131072, 128)
+    assert engine_sample("some_other_exporter 1\n") is None
+
+
+def test_scraping_running_servers_feeds_load_capacity_and_start_times():
+    async def scenario() -> None:
+        runners = await serve([0], SimConfig(block_size=16, capacity_blocks=300))
+        other = web.Application()
+
+        async def page(_request: web.Request) -> web.Response:
+            return web.Response(text="not_vllm 1\n")
+
+        other.router.add_get("/metrics", page)
+        stranger = web.AppRunner(other)
+        await stranger.setup()
+        await web.TCPSite(stranger, "127.0.0.1", 0).start()
+        sim = f"127.0.0.1:{runners[0].addresses[0][1]}"
+        foreign = f"127.0.0.1:{stranger.addresses[0][1]}"
+        router = Router(Settings())
+        pool = BackendPool([Backend(sim), Backend(foreign), Backend("127.0.0.1:9")], router.remove_backend, 1)
+        scraper = EngineScraper(router, pool, clock=lambda: 5.0)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+                await scraper.scrape(session)
+        finally:
+            for runner in [*runners, stranger]:
+                await runner.cleanup()
+        assert scraper.failures == 2  # a page that is not vLLM's, a server that is not there
+        assert router.loads.get(sim).engine_at == 5.0
+        assert router.state()["load"][sim]["engine_requests"] == 0
+        assert router._kv_tokens == {sim: 300 * 16}
+        assert router._starts[sim] > 1.7e9
+
+    asyncio.run(scenario())

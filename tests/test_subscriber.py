@@ -1,0 +1,158 @@
+"""The KV event subscriber against real ZMQ sockets: a publisher that speaks vLLM's protocol
+(PUB + ROUTER replay), including the garbage, restarts and gaps a real one can produce."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import msgpack
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from extproc.core.backends import Backend
+from extproc.core.router import Reset, Router
+from extproc.core.settings import Settings
+from extproc.runtime.pool import BackendPool
+from extproc.vllm.subscriber import END_SEQ, EventSubscriber, sources
+
+BLOCK = 4
+
+
+def stored(hash_: int, parent: int | None, start: int) -> dict:
+    tokens = list(range(start, start + BLOCK))
+    return {"type": "BlockStored", "block_hashes": [hash_], "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
+
+
+def message(sequence: int, events: list) -> list[bytes]:
+    return [b"kv", sequence.to_bytes(8, "big"), msgpack.packb([0.0, events, 0])]
+
+
+class Engine:
+    """The engine side: a /kv_event_sources page, a PUB socket and (optionally) a replay ROUTER."""
+
+    def __init__(self, context: zmq.asyncio.Context, replay: bool) -> None:
+        self.pub = context.socket(zmq.PUB)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.history: list[list[bytes]] = []
+        self.router = None
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"}
+        if replay:
+            self.router = context.socket(zmq.ROUTER)
+            config["replay_endpoint"] = f"tcp://*:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.sources = {"0": config}
+
+    async def send(self, sequence: int, events: list, publish: bool = True) -> None:
+        frames = message(sequence, events)
+        self.history.append(frames)
+        if publish:
+            await self.pub.send_multipart(frames)
+
+    async def serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            for frames in self.history:
+                if int.from_bytes(frames[1], "big") >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart([client, b"", *frames])
+            await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+
+async def _until(check, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def _scenario(replay: bool, steps) -> tuple[Router, EventSubscriber]:
+    context = zmq.asyncio.Context()
+    engine = Engine(context, replay)
+    app = web.Application()
+    async def kv_event_sources(_request: web.Request) -> web.Response:
+        return web.json_response(engine.sources)
+
+    app.router.add_get("/kv_event_sources", kv_event_sources)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    backend = f"127.0.0.1:{runner.addresses[0][1]}"
+    router = Router(Settings())
+    router.use_precise(tokenizer=None)  # type: ignore[arg-type]
+    pool = BackendPool([Backend(backend)], router.remove_backend, 1)
+    subscriber = EventSubscriber(router, pool, discovery_interval_s=0.2)
+    tasks = [asyncio.create_task(subscriber.run(follow_interval_s=0.05))]
+    if replay:
+        tasks.append(asyncio.create_task(engine.serve_replay()))
+    try:
+        await _until(lambda: subscriber.status.get(backend, "").startswith("subscribed"))
+        await asyncio.sleep(0.3)  # ZMQ's slow joiner: let the subscription reach the publisher
+        await steps(engine, router, subscriber, backend)
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await runner.cleanup()
+        context.destroy(linger=0)
+    return router, subscriber
+
+
+def test_events_are_applied_and_garbage_is_counted_without_stopping_the_stream():
+    async def steps(engine: Engine, router: Router, subscriber: EventSubscriber, backend: str) -> None:
+        await engine.send(0, [stored(1, None, 0)])
+        await engine.pub.send_multipart([b"kv", b"\x00" * 8, b"\xc1 not msgpack"])
+        await engine.pub.send_multipart([b"kv, one frame only"])
+        await engine.send(1, [stored(2, 1, 4), {"type": "SomethingNew"}])
+        await _until(lambda: router.index.entries_by_backend().get(backend) == 2)
+
+    router, subscriber = asyncio.run(_scenario(False, steps))
+    assert subscriber.problems["bad_message"] == 2 and subscriber.problems["unknown_event"] == 1
+    assert router.stats.resets[Reset.EVENTS_LOST] == 0
+
+
+def test_a_sequence_that_goes_back_is_a_new_publisher_and_resets_the_backend():
+    async def steps(engine: Engine, router: Router, subscriber: EventSubscriber, backend: str) -> None:
+        await engine.send(5, [stored(1, None, 0)])
+        await _until(lambda: router.index.entries_by_backend().get(backend) == 1)
+        await engine.send(0, [stored(7, None, 100)])
+        await _until(lambda: router.stats.resets[Reset.SEQUENCE_RESTART] == 1)
+
+    router, _ = asyncio.run(_scenario(False, steps))
+    assert sum(router.index.entries_by_backend().values()) == 1  # only the new publisher's block
+
+
+def test_a_gap_is_filled_from_the_replay_socket():
+    async def steps(engine: Engine, router: Router, subscriber: EventSubscriber, backend: str) -> None:
+        await engine.send(0, [stored(1, None, 0)])
+        await engine.send(1, [stored(2, 1, 4)], publish=False)  # missed by the subscriber
+        await engine.send(2, [stored(3, 2, 8)])
+        await _until(lambda: router.index.entries_by_backend().get(backend) == 3)
+
+    router, subscriber = asyncio.run(_scenario(True, steps))
+    assert subscriber.problems["gap"] == 1 and router.stats.resets[Reset.EVENTS_LOST] == 0
+
+
+def test_a_gap_without_replay_drops_the_backends_picture():
+    async def steps(engine: Engine, router: Router, subscriber: EventSubscriber, backend: str) -> None:
+        await engine.send(0, [stored(1, None, 0)])
+        await _until(lambda: router.index.entries_by_backend().get(backend) == 1)
+        await engine.send(3, [stored(9, None, 50)])
+        await _until(lambda: router.stats.resets[Reset.EVENTS_LOST] == 1)
+
+    router, _ = asyncio.run(_scenario(False, steps))
+    assert sum(router.index.entries_by_backend().values()) == 1
+
+
+def test_only_publishers_on_the_backends_own_host_are_followed():
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": ""}
+    found, status = sources({"0": {**config, "endpoint": "tcp://*:5557"}}, "10.0.0.1:8000")
+    assert [s.endpoint for s in found] == ["tcp://10.0.0.1:5557"] and status.startswith("subscribed")
+    found, status = sources({"0": {**config, "endpoint": "tcp://evil.example:5557"}}, "10.0.0.1:8000")
+    assert not found and "not one the engine binds" in status
+    assert sources({}, "10.0.0.1:8000")[0] == [] and sources(["x"], "h:1")[0] == []
+    assert sources({"0": {**config, "publisher": "null", "endpoint": "tcp://*:1"}}, "h:1")[0] == []
