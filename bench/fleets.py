@@ -108,43 +108,71 @@ def tiny_model() -> Path:
 
 
 class VllmFleet(Fleet):
-    """N real vLLM-CPU servers, one per core, with prefix caching; capacity in 128-token blocks."""
+    """N real vLLM-CPU servers, one per core, with prefix caching; capacity in 128-token blocks.
+    Each publishes its KV cache events (ZMQ PUB bound on its own port, with a replay socket), so
+    kvroute can follow them; `restart` replaces one server's process on the same ports."""
 
     def __init__(self, count: int, cache_tokens: int, longest_prompt: int, workdir: Path) -> None:
         self.model = TINY_MODEL
         per_server = math.ceil(cache_tokens / count / VLLM_BLOCK_TOKENS)
         self.capacity_blocks = max(per_server, math.ceil(longest_prompt / VLLM_BLOCK_TOKENS) + 16)
-        venv, model = vllm_venv(), tiny_model()
+        self.model_dir = tiny_model()
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
+        self._workdir = workdir
+        self._commands = [self._command(index, port) for index, port in enumerate(ports)]
         self.processes = []
         try:
-            for index, port in enumerate(ports):
-                scratch = workdir / f"vllm{index}"
-                scratch.mkdir(parents=True, exist_ok=True)
-                env = {
-                    **os.environ,
-                    "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1)),
-                    "VLLM_HOST_IP": "127.0.0.1",
-                    "HF_HUB_OFFLINE": "1",
-                    "VLLM_NO_USAGE_STATS": "1",
-                    "VLLM_SERVER_DEV_MODE": "1",  # serves /reset_prefix_cache
-                    "VLLM_CACHE_ROOT": str(scratch / "cache"),
-                    "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
-                }
-                argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-                argv += ["--model", str(model), "--served-model-name", TINY_MODEL, "--host", "127.0.0.1"]
-                argv += ["--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-                context = min(32768, (self.capacity_blocks - 2) * VLLM_BLOCK_TOKENS)  # vLLM keeps a block back
-                argv += ["--enforce-eager", "--max-model-len", str(context)]
-                argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]
-                self.processes.append(spawn(argv, workdir / f"vllm{index}.log", env=env))
-            for backend, process in zip(self.backends, self.processes, strict=True):
-                wait_http(f"http://{backend}/health", timeout_s=300, process=process)
+            for index in range(count):
+                self.processes.append(self._spawn(index))
+            for index in range(count):
+                self._wait(index)
         except BaseException:
             self.stop()
             raise
+
+    def _command(self, index: int, port: int) -> tuple[list[str], dict[str, str]]:
+        scratch = self._workdir / f"vllm{index}"
+        scratch.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1)),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # serves /reset_prefix_cache
+            "VLLM_CACHE_ROOT": str(scratch / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
+        }
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{free_port()}",
+            "replay_endpoint": f"tcp://*:{free_port()}",
+            "topic": "kv",
+        }
+        argv = [str(vllm_venv() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--model", str(self.model_dir), "--served-model-name", TINY_MODEL, "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+        context = min(32768, (self.capacity_blocks - 2) * VLLM_BLOCK_TOKENS)  # vLLM keeps a block back
+        argv += ["--enforce-eager", "--max-model-len", str(context)]
+        argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]
+        argv += ["--kv-events-config", orjson.dumps(events).decode()]
+        return argv, env
+
+    def _spawn(self, index: int) -> subprocess.Popen:
+        argv, env = self._commands[index]
+        return spawn(argv, self._workdir / f"vllm{index}.log", env=env)
+
+    def _wait(self, index: int) -> None:
+        wait_http(f"http://{self.backends[index]}/health", timeout_s=300, process=self.processes[index])
+
+    def restart(self, index: int) -> None:
+        """Stop one server and start it again on the same ports: a new process, an empty cache."""
+        stop(self.processes[index])
+        self.processes[index] = self._spawn(index)
+        self._wait(index)
 
     block_tokens = VLLM_BLOCK_TOKENS
 

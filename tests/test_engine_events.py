@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -72,10 +74,8 @@ def test_malformed_messages_raise_event_error_only(bad):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
 def test_any_bytes_either_decode_or_raise_event_error(parts):
-    try:
+    with contextlib.suppress(EventError):  # anything else fails the test
         decode(parts)
-    except EventError:
-        pass
 
 
 def router(**kw) -> Router:

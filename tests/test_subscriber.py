@@ -72,6 +72,7 @@ async def _scenario(replay: bool, steps) -> tuple[Router, EventSubscriber]:
     context = zmq.asyncio.Context()
     engine = Engine(context, replay)
     app = web.Application()
+
     async def kv_event_sources(_request: web.Request) -> web.Response:
         return web.json_response(engine.sources)
 

@@ -385,4 +385,6 @@ class Router:
                 for b, (r, a) in self.loads.snapshot().items()
             },
             "index": "precise" if self.precise else "approximate",
+            "resets": {str(reason): count for reason, count in self.stats.resets.items()},
+            "engine_events": dict(self.stats.events),
         }
