@@ -57,9 +57,10 @@ def run(options: CompareOptions) -> dict[str, Any]:
         ideal = fleet.ideal([prompts[r.index] for r in requests])  # in trace order
         rows: dict[str, dict[str, Any]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
-        for name in options.routers:
+        routers = [r for r in options.routers if r != "kvroute-precise" or fleet.tokenizer_dir is not None]
+        for name in routers:
             fleet.reset()
-            router = peers.start(name, fleet.backends, workdir / name)
+            router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir)
             try:
                 summary = asyncio.run(replay(router.url, requests, builder, options.pacing, fleet.backends, label=name))
             finally:

@@ -55,6 +55,7 @@ class Fleet:
 
     block_tokens: int
     capacity_blocks: int
+    tokenizer_dir: Path | None = None  # the served model's tokenizer, where kvroute-precise can use it
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         """Each request's prompt as the backends count it (length, block hashes), by index."""
@@ -116,7 +117,7 @@ class VllmFleet(Fleet):
         self.model = TINY_MODEL
         per_server = math.ceil(cache_tokens / count / VLLM_BLOCK_TOKENS)
         self.capacity_blocks = max(per_server, math.ceil(longest_prompt / VLLM_BLOCK_TOKENS) + 16)
-        self.model_dir = tiny_model()
+        self.model_dir = self.tokenizer_dir = tiny_model()
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
         self._workdir = workdir

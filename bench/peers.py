@@ -19,6 +19,7 @@ from bench.venvs import peers_venv
 
 ROUTERS = (
     "kvroute",
+    "kvroute-precise",
     "envoy-round-robin",
     "vllm-router-cache_aware",
     "vllm-router-round_robin",
@@ -41,9 +42,19 @@ class RunningRouter:
         stop(self.process)
 
 
-def start(name: str, backends: Sequence[str], workdir: Path) -> RunningRouter:
-    """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves."""
+def start(name: str, backends: Sequence[str], workdir: Path, tokenizer_dir: Path | None = None) -> RunningRouter:
+    """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves.
+    kvroute-precise needs the served model's tokenizer directory (real vLLM backends)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if name == "kvroute-precise":
+        if tokenizer_dir is None:
+            raise ValueError("kvroute-precise needs real vLLM backends (their tokenizer and KV events)")
+        args = ("--index-mode", "precise", "--tokenizer-path", str(tokenizer_dir))
+        stack = Stack(workdir, backends=list(backends), extproc_args=args).start()
+        if stack.debug_state()["index_mode"] != "precise":
+            stack.stop()
+            raise RuntimeError(f"kvroute did not start precise: {stack.debug_state()['index_mode']}")
+        return RunningRouter(name, stack.url, stack=stack)
     if name in ("kvroute", "envoy-round-robin"):
         stack = Stack(workdir, backends=list(backends), ext_proc=name == "kvroute").start()
         return RunningRouter(name, stack.url, stack=stack)

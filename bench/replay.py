@@ -44,6 +44,7 @@ class Record:
     backend: str | None
     error: str | None = None
     sent_at: float = 0.0  # perf_counter when it was sent: the order the bound is computed on
+    predicted_tokens: int | None = None  # kvroute's prediction of the cached tokens (x-kvroute-cached-tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest,
     try:
         async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as response:
             backend = response.headers.get("x-kvroute-backend") or response.headers.get("x-sim-backend")
+            predicted = response.headers.get("x-kvroute-cached-tokens")
             if response.status != 200:
                 await response.read()
                 return Record(request.index, response.status, None, _ms(started), 0, 0, backend, "http status")
@@ -99,6 +101,7 @@ async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest,
         int(usage.get("prompt_tokens") or 0),
         int(details.get("cached_tokens") or 0),
         backend,
+        predicted_tokens=int(predicted) if predicted is not None and predicted.isdigit() else None,
     )
 
 
@@ -176,6 +179,7 @@ def summarize(
     ttft = _percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None])
     e2e = _percentiles([r.e2e_ms for r in ok])
     prompt_tokens = sum(r.prompt_tokens for r in ok)
+    predicted = [r for r in ok if r.predicted_tokens is not None]
     return {
         "requests": len(records),
         "ok": len(ok),
@@ -191,5 +195,9 @@ def summarize(
         "e2e_p99_ms": e2e["p99"],
         "requests_per_backend": per_backend,
         "load_max_over_mean": round(max(per_backend.values()) / mean, 3) if mean else None,
+        # kvroute's own prediction against what the backend reported, in tokens per request
+        "prediction_mae_tokens": round(statistics.mean(abs(r.predicted_tokens - r.cached_tokens) for r in predicted), 1)
+        if predicted
+        else None,
         "records": [asdict(r) for r in sorted(records, key=lambda r: r.index)],
     }

@@ -20,6 +20,7 @@ COLUMNS = (
     ("ttft_p99_ms", "TTFT p99 ms"),
     ("e2e_p50_ms", "E2E p50 ms"),
     ("load_max_over_mean", "load max/mean"),
+    ("prediction_mae_tokens", "prediction error (tokens)"),
     ("errors", "errors"),
 )
 
