@@ -127,6 +127,29 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
     assert args[args.index("--grpc-token-file") + 1] == "/etc/kvroute/grpc/token"
 
 
+COMPONENT = "app.kubernetes.io/component"
+
+
+def test_the_vllm_pods_admit_envoy_and_the_ext_proc_only(helm, tmp_path):
+    chart = template(helm, tmp_path)
+    vllm = next(d for d in chart if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "kvroute-vllm")
+    peers = [p["podSelector"]["matchLabels"][COMPONENT] for r in vllm["spec"]["ingress"] for p in r["from"]]
+    assert sorted(peers) == ["envoy", "extproc"]  # the ext_proc reads health, metrics and KV events
+
+
+def test_a_tokenizer_volume_is_mounted_read_only_for_precise_mode(helm, tmp_path):
+    volume = {"persistentVolumeClaim": {"claimName": "llama-tokenizer"}}
+    chart = template(helm, tmp_path, {"extproc": {"tokenizer": {"volume": volume}}})
+    extproc = next(d for d in chart if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
+    pod = extproc["spec"]["template"]["spec"]
+    assert {"name": "tokenizer", **volume} in pod["volumes"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tokenizer")
+    assert mount == {"name": "tokenizer", "mountPath": "/etc/kvroute/tokenizer", "readOnly": True}
+    plain = template(helm, tmp_path)
+    extproc = next(d for d in plain if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
+    assert all(v["name"] != "tokenizer" for v in extproc["spec"]["template"]["spec"]["volumes"])
+
+
 def test_chart_matches_the_plain_manifests(helm, tmp_path):
     """Same CRDs, RBAC rules, NetworkPolicy ports and PDBs as manifests/; the ext_proc follows the chart's policy."""
     manifests = [d for p in sorted((ROOT / "manifests").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
@@ -139,12 +162,18 @@ def test_chart_matches_the_plain_manifests(helm, tmp_path):
         assert pick(chart, kind) == pick(manifests, kind), kind
 
     def shape(docs: list[dict], kind: str) -> list:
-        """Names and ports/budgets, leaving out the chart's extra instance labels."""
+        """Names, ports, which components may connect, budgets; not the chart's extra instance labels."""
         out = []
         for d in docs:
             if d["kind"] == kind:
                 rules = d["spec"].get("ingress") or []
-                out.append((d["metadata"]["name"], [r.get("ports") for r in rules], d["spec"].get("maxUnavailable")))
+                peers = [
+                    sorted(p.get("podSelector", {}).get("matchLabels", {}).get(COMPONENT, "") for p in r["from"])
+                    for r in rules
+                ]
+                out.append(
+                    (d["metadata"]["name"], [r.get("ports") for r in rules], peers, d["spec"].get("maxUnavailable"))
+                )
         return sorted(out, key=str)
 
     for kind in ("NetworkPolicy", "PodDisruptionBudget"):
