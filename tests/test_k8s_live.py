@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from bench.stack import Stack, dev_command, free_port, kvroute_command, spawn, stop, wait_http
+from bench.tiny_model import tokenizer_files
 from tests.controlplane import ROOT, ControlPlane
 from tests.e2e import eventually, get, post
 
@@ -293,3 +294,42 @@ def test_routing_goes_on_while_the_api_server_is_away_and_following_resumes(clus
     cluster.add_pod("sim-4", SIM_IPS[4])
     eventually(lambda: f"{SIM_IPS[4]}:{PORT}" in extproc_backends(cluster), timeout_s=60, message="following resumed")
     cluster.cp.kubectl("delete", "pod", "sim-4", "-n", NS, "--wait=false")
+
+
+def test_precise_mode_without_a_tokenizer_warns_on_the_policy_and_keeps_routing(cluster: Cluster, tmp_path: Path):
+    cp = cluster.cp
+
+    def set_routing(routing: dict[str, Any]) -> None:
+        patch = json.dumps({"spec": {"routing": routing}})
+        cp.kubectl("patch", "kvrp", "default", "-n", NS, "--type=merge", "-p", patch)
+
+    def mode() -> str:
+        return cluster.stack.debug_state()["index_mode"]
+
+    set_routing({"index": "precise", "tokenizerPath": str(tmp_path / "missing")})
+    eventually(lambda: mode().startswith("approximate (precise requested"), timeout_s=20, message="the fallback")
+
+    def warning() -> str:
+        listing = json.loads(cp.kubectl("get", "events.events.k8s.io", "-n", NS, "-o", "json").stdout)
+        notes = [e.get("note", "") for e in listing["items"] if e.get("reason") == "PreciseIndexUnavailable"]
+        return notes[-1] if notes else ""
+
+    eventually(lambda: "cannot load a tokenizer" in warning(), timeout_s=20, message="a Warning event on the policy")
+    assert chat(cluster, "still routed " * 100)["x-kvroute-decision"]  # requests never fail for it
+    tokenizer_files(tmp_path / "tokenizer")
+    set_routing({"tokenizerPath": str(tmp_path / "tokenizer")})
+    eventually(lambda: mode() == "precise", timeout_s=20, message="precise once the tokenizer is there")
+    readyz = json.loads(get(cluster.stack.admin_url, "/readyz")[2])
+    assert any("without KV events" in w for w in readyz["warnings"]), readyz  # the simulators publish none
+    assert chat(cluster, "precise " * 100)["x-kvroute-decision"]
+    cp.kubectl(
+        "patch",
+        "kvrp",
+        "default",
+        "-n",
+        NS,
+        "--type=json",
+        "-p",
+        '[{"op":"remove","path":"/spec/routing/index"},{"op":"remove","path":"/spec/routing/tokenizerPath"}]',
+    )
+    eventually(lambda: mode() == "approximate", timeout_s=20, message="approximate again")

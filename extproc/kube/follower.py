@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,15 +45,18 @@ class PolicyFollower:
         base: Settings,
         router: Router,
         pool: BackendPool,
-        on_settings: Callable[[Settings], None] = lambda _settings: None,
+        on_settings: Callable[[Settings], str | None] = lambda _settings: None,
     ) -> None:
-        """`on_settings` runs after the router took new settings (the index mode follows them)."""
+        """`on_settings` runs after the router took new settings (the index mode follows them); a
+        problem it returns is reported on the policy as a Warning event."""
         self.namespace = namespace
         self.name = name
         self._base = base
         self._router = router
         self._pool = pool
         self._on_settings = on_settings
+        self._configuration: client.Configuration | None = None
+        self._reports: set[asyncio.Task[None]] = set()
         self.state = PolicyState(f"{namespace}/{name}")
 
     def apply(self, event_type: str, policy: Mapping[str, Any]) -> None:
@@ -74,12 +79,45 @@ class PolicyFollower:
                 log.warning("policy %s/%s: ignoring unknown spec.routing fields %s", self.namespace, self.name, unknown)
         if settings != self._router.settings:
             self._router.reconfigure(settings)
-            self._on_settings(settings)
+            problem = self._on_settings(settings)
+            if problem is not None:
+                task = asyncio.get_running_loop().create_task(self._report(policy, problem))
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
         self._pool.replace(backends)
         self.state.generation = (policy.get("metadata") or {}).get("generation", 0)
 
+    async def _report(self, policy: Mapping[str, Any], problem: str) -> None:
+        """A Warning event on the policy (`kubectl describe kvroutingpolicy` shows it); best effort."""
+        metadata = policy.get("metadata") or {}
+        now = datetime.datetime.now(datetime.UTC)
+        instance = os.environ.get("HOSTNAME", "kvroute-extproc")
+        event = client.EventsV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{self.name}.", namespace=self.namespace),
+            event_time=now,
+            type="Warning",
+            reason="PreciseIndexUnavailable",
+            action="LoadTokenizer",
+            note=problem[:1024],
+            reporting_controller="kvroute.io/extproc",
+            reporting_instance=instance[:128],
+            regarding=client.V1ObjectReference(
+                api_version=f"{GROUP}/{VERSION}",
+                kind="KVRoutingPolicy",
+                name=self.name,
+                namespace=self.namespace,
+                uid=metadata.get("uid"),
+            ),
+        )
+        try:
+            async with client.ApiClient(self._configuration) as api:
+                await client.EventsV1Api(api).create_namespaced_event(self.namespace, event)
+        except Exception as exc:  # reporting must never disturb following or routing
+            log.warning("could not post an event on policy %s/%s: %s", self.namespace, self.name, exc)
+
     async def run(self, configuration: client.Configuration | None = None) -> None:
         """List then watch, forever; on any failure keep the last state and start over."""
+        self._configuration = configuration
         field_selector = f"metadata.name={self.name}"
         while True:
             try:

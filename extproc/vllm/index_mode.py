@@ -22,14 +22,15 @@ class IndexMode:
         self.tokenizer: ChatTokenizer | None = None
         self.status = "approximate"
 
-    def apply(self, settings: Settings) -> None:
-        """Bring the router in line with the settings; a no-op when nothing changed."""
+    def apply(self, settings: Settings) -> str | None:
+        """Bring the router in line with the settings; a no-op when nothing changed. Returns the
+        problem when precise mode was asked for and could not be had, else None."""
         if settings.index_mode != "precise":
             self._router.use_approximate()
             self._path, self.tokenizer, self.status = None, None, "approximate"
-            return
+            return None
         if self._router.precise and settings.tokenizer_path == self._path:
-            return
+            return None
         try:
             if not settings.tokenizer_path:
                 raise TokenizerError("index: precise needs tokenizerPath (tokenizer_path)")
@@ -39,8 +40,9 @@ class IndexMode:
             self._path, self.tokenizer = None, None
             self.status = f"approximate (precise requested: {exc})"
             log.error("precise index unavailable, routing approximate: %s", exc)
-            return
+            return f"routing approximate: {exc}"
         self._router.use_precise(tokenizer)
         self._path, self.tokenizer = settings.tokenizer_path, tokenizer
         self.status = "precise" if tokenizer.segmented else "precise (whole-prompt tokenization)"
         log.info("precise index with the tokenizer in %s (%s)", settings.tokenizer_path, self.status)
+        return None
