@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     core = bench.add_parser("core", help="decision CPU time and memory per index entry (JSON lines)")
     core.add_argument("--block-size", type=int, default=512, help="bytes per block (default: 512)")
     core.add_argument("--quick", action="store_true", help="a few iterations per case, for smoke runs")
+    core.add_argument("--precise", action="store_true", help="precise mode: tokenizer, event-fed index")
     compare = bench.add_parser("compare", help="one trace through kvroute and its peers, side by side")
     _trace_arguments(compare)
     compare.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
@@ -147,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "bench" and args.bench == "core":
         from bench import core
 
-        core.main(args.block_size, args.quick)
+        core.main(args.block_size, args.quick, args.precise)
     elif args.command == "bench" and args.bench == "compare":
         from bench import compare, report
 

@@ -3,6 +3,8 @@
 Each timed iteration is what the ext_proc does per request: parse the raw body, build the CBR
 and chain, look up the index, decide and reserve, release the prefill, learn, finish. The body
 is a long conversation the index already knows, plus a new last message, as in a follow-up.
+`--precise` times the same in precise mode (tokenizing with the tiny model's tokenizer, the
+index fed by BlockStored events): a follow-up turn, and cold (a conversation never seen).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import orjson
 
 from bench.workload import conversation
 from extproc.core.backends import Backend
+from extproc.core.engine import BlockStored
 from extproc.core.request import parse_request
 from extproc.core.router import ResponseStart, Router
 from extproc.core.settings import Settings
@@ -97,6 +100,63 @@ def run_case(case: Case, block_size: int) -> dict[str, float | int]:
     }
 
 
+def _decide(router: Router, raw: bytes, now: float) -> tuple[float, str]:
+    """One full request lifecycle; its CPU time in microseconds and its label."""
+    start = time.perf_counter_ns()
+    exchange = router.begin(router.parse(raw, {}), BACKENDS, now)
+    served = ResponseStart(exchange.decision.backend or "", known=True, status=200, from_upstream=True)
+    router.response_started(exchange, served, now)
+    exchange.end()
+    return (time.perf_counter_ns() - start) / 1000, exchange.decision.label.value
+
+
+def run_precise(body_bytes: int, iterations: int, block_tokens: int = 128) -> dict[str, float | int | str]:
+    """Precise mode on one conversation: follow-up and cold decisions, and the tokenizer cache's
+    memory per cached token. The engine's events are synthesized from the tokens it would cache."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.tiny_model import tokenizer_files
+    from extproc.vllm.tokenizer import ChatTokenizer
+
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer_files(Path(directory))
+        tokenizer = ChatTokenizer(directory)
+        cold_tokenizer = ChatTokenizer(directory, cache_tokens=0)
+    router = Router(Settings(hash_key=b"k" * 16))
+    router.use_precise(tokenizer)
+    base = conversation(body_bytes, seed=body_bytes)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    tokenizer.tokens(base)  # fills the piece cache; the result is dropped, the cache is what stays
+    gc.collect()
+    per_token = (tracemalloc.get_traced_memory()[0] - before) / max(1, tokenizer.cached_tokens)
+    tracemalloc.stop()
+    tokens = list(tokenizer.tokens(base) or [])
+    full = len(tokens) // block_tokens * block_tokens
+    hashes = tuple(range(1, full // block_tokens + 1))
+    router.engine_events(BACKENDS[0].address, [BlockStored(hashes, None, tuple(tokens[:full]), block_tokens, ())])
+    bodies = list(_bodies(body_bytes, iterations))
+    warm = [_decide(router, raw, 2.0 + i) for i, raw in enumerate(bodies)]
+    router.use_precise(cold_tokenizer)  # no piece cache: every prompt tokenized whole, as the first time
+    router.engine_events(BACKENDS[0].address, [BlockStored(hashes, None, tuple(tokens[:full]), block_tokens, ())])
+    cold = [_decide(router, raw, 2.0 + i)[0] for i, raw in enumerate(bodies[: max(5, iterations // 10)])]
+    timings = sorted(t for t, _ in warm)
+    return {
+        "mode": "precise",
+        "body_bytes": len(bodies[0]),
+        "prompt_tokens": len(tokens),
+        "blocks": full // block_tokens,
+        "iterations": iterations,
+        "followup_p50_us": round(statistics.median(timings), 1),
+        "followup_p99_us": round(timings[min(len(timings) - 1, int(len(timings) * 0.99))], 1),
+        "cold_p50_us": round(statistics.median(cold), 1),
+        "tokenizer_bytes_per_cached_token": round(per_token, 2),
+        "label": warm[-1][1],
+    }
+
+
 def cases(quick: bool) -> list[Case]:
     """All body x index sizes; `quick` trims iterations for smoke runs."""
     out = []
@@ -107,6 +167,10 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-def main(block_size: int, quick: bool) -> None:
+def main(block_size: int, quick: bool, precise: bool = False) -> None:
+    if precise:
+        for size in BODY_SIZES[:2]:
+            print(orjson.dumps(run_precise(size, 5 if quick else 200)).decode(), flush=True)
+        return
     for case in cases(quick):
         print(orjson.dumps(run_case(case, block_size)).decode(), flush=True)
