@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     skew = bench.add_parser("skew-trace", help="write a skewed multi-session workload (Mooncake JSONL)")
     skew.add_argument("--out", required=True, type=Path)
     skew.add_argument("--seed", type=int, default=0)
+    skew.add_argument("--shape", choices=("skewed", "agentic"), default="skewed")
     decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
@@ -171,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "bench" and args.bench == "skew-trace":
         from bench import skew
 
-        skew.write(args.out, seed=args.seed)
+        skew.write(args.out, skew.SHAPES[args.shape], seed=args.seed)
     elif args.command == "bench" and args.bench == "decisions":
         from bench import decisions
 

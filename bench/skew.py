@@ -1,7 +1,10 @@
-"""A skewed multi-session workload in Mooncake format: a few heavy sessions, many light ones.
+"""Multi-session workloads in Mooncake format.
 
-Heavy sessions run many turns over contexts that grow fast (agents); light sessions run a few
-short turns (chat). All share one system-prompt block. Each line carries a `session_id`, so
+`skewed` (the default): a few heavy sessions, many light ones. Heavy sessions run many turns over
+contexts that grow fast (agents); light sessions run a few short turns (chat). All share one
+system-prompt block. `agentic`: 120 sessions of 4 turns over 8 shared system prompts of 4 blocks
+(2,048 tokens) each, contexts growing a block per turn, the shape where issue 11 found kvroute's
+learned index predicting far more cache than vLLM had. Each line carries a `session_id`, so
 replay keeps each session's turns in order, as a real client does.
 """
 
@@ -29,20 +32,40 @@ class SkewShape:
     spread_s: float = 40.0
     think_s: float = 1.5
     output_tokens: int = 64
+    system_prompts: int = 1  # distinct system prompts; session i starts with prompt i % system_prompts
+    system_blocks: int = 1  # blocks of each system prompt
+
+
+SHAPES = {
+    "skewed": SkewShape(),
+    "agentic": SkewShape(
+        heavy_sessions=0,
+        light_sessions=120,
+        light_turns=4,
+        light_start_blocks=6,
+        light_growth_blocks=1,
+        spread_s=60.0,
+        think_s=2.0,
+        system_prompts=8,
+        system_blocks=4,
+    ),
+}
 
 
 def generate(shape: SkewShape, seed: int = 0) -> list[dict]:
     """The workload's records, ordered by timestamp."""
     rng = random.Random(seed)
-    next_id = 1  # id 0 is the shared system prompt
+    size = shape.system_blocks
+    systems = [list(range(k * size, (k + 1) * size)) for k in range(shape.system_prompts)]
+    next_id = shape.system_prompts * size  # the ids before are the shared system prompts
     records = []
     kinds = [("heavy", i) for i in range(shape.heavy_sessions)] + [("light", i) for i in range(shape.light_sessions)]
-    for kind, number in kinds:
+    for session, (kind, number) in enumerate(kinds):
         heavy = kind == "heavy"
         turns = shape.heavy_turns if heavy else shape.light_turns
         blocks = shape.heavy_start_blocks if heavy else shape.light_start_blocks
         growth = shape.heavy_growth_blocks if heavy else shape.light_growth_blocks
-        ids = [0]
+        ids = list(systems[session % shape.system_prompts])
         start = rng.uniform(0, shape.spread_s)
         for turn in range(turns):
             while len(ids) < blocks + turn * growth:

@@ -165,3 +165,39 @@ def test_lost_events_drop_the_picture_only_where_it_came_from_events():
     precise.engine_events(A, [BlockStored((1,), None, (1, 2, 3, 4), 4, ())])
     precise.events_lost(A, Reset.EVENTS_LOST)
     assert precise.index.entries_by_backend().get(A, 0) == 0
+
+
+def test_blocks_routed_but_unconfirmed_are_pending_until_the_engine_confirms_or_time_passes():
+    hasher = TokenHasher(KEY)
+    index = PreciseIndex(hasher, 1000)
+    tokens = list(range(12))
+    chain = hasher.chain(tokens, 4)
+    assert index.learn(chain, A, 0.0) == 3  # sent to A: on its way there
+    assert index.lookup(chain, [A, B], 1.0) == {A: 3, B: 0}  # a concurrent request follows it
+    assert index.confirmed(chain, A) == 0  # but nothing is cached yet: predictions stay exact
+    index.stored(A, BlockStored((1, 2), None, tuple(tokens[:8]), 4, ()))
+    assert index.confirmed(chain, A) == 2 and index.lookup(chain, [A], 1.0) == {A: 3}
+    assert index.lookup(chain, [A], 11.0) == {A: 2}  # the unconfirmed third block expired
+    assert index.learn(chain, A, 12.0) == 1  # only the unconfirmed block is new
+
+
+def test_a_precise_router_co_locates_concurrent_requests_and_predicts_only_confirmed_blocks():
+    from extproc.core.backends import Backend
+    from extproc.core.router import ResponseStart
+
+    routing = router(decision_headers=True)
+    routing.index.block_size = 4  # as learned from the engines' events
+    backends = [Backend(A), Backend(B)]
+
+    def request():
+        body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+        parsed = parse_request(body, {})
+        parsed.tokens = list(range(40))
+        return parsed
+
+    first = routing.begin(request(), backends, 0.0)
+    second = routing.begin(request(), backends, 0.1)  # before the first one's events arrive
+    assert second.decision.backend == first.decision.backend and second.decision.matched_blocks == 10
+    served = ResponseStart(second.decision.backend, known=True, status=200, from_upstream=True)
+    headers = dict(routing.response_started(second, served, 0.5).headers)
+    assert headers["x-kvroute-cached-tokens"] == "0"  # pending blocks are not predicted as cached

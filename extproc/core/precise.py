@@ -3,8 +3,12 @@
 Fed by KV cache events instead of by kvroute's own routing: `BlockStored` adds blocks (their keys
 computed from the token ids the event carries, chained through the parent's key, so they equal
 the keys of a request tokenized the same way), `BlockRemoved` takes them away, and a cleared,
-restarted or lost event stream drops the backend's whole picture. Learning from routing is a
-no-op: only what the engine says it cached counts.
+restarted or lost event stream drops the backend's whole picture.
+
+Routing teaches only what is on its way: the blocks of a request just sent to a backend are
+*pending* there until the engine's events confirm them, or for PENDING_TTL_S. Lookups count them,
+so concurrent requests with the same new prefix follow the first one instead of prefilling it
+again elsewhere; `confirmed` does not, so a prediction of cached tokens stays exact.
 
 Memory is bounded by the engines' own caches; a publisher that only ever stores (a bug or a
 hostile pod) is capped at `max_blocks` per backend, past which its picture is dropped.
@@ -12,20 +16,28 @@ hostile pod) is capped at `max_blocks` per backend, past which its picture is dr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from extproc.core.chain import ROOT_KEY, TokenHasher, extra_digest
 from extproc.core.engine import BlockRemoved, BlockStored
 
 
-class _Held:
-    """One backend's blocks: engine hash -> kvroute key, and kvroute key -> engine blocks holding it."""
+# Seconds a routed request's blocks count as on their way to a backend without the engine's
+# confirmation: well beyond a prefill, short enough that a failed request's blocks soon stop counting.
+PENDING_TTL_S = 10.0
 
-    __slots__ = ("by_hash", "keys")
+
+class _Held:
+    """One backend's blocks: engine hash -> kvroute key, kvroute key -> engine blocks holding it,
+    and keys routed there but not yet confirmed (key -> deadline, oldest first)."""
+
+    __slots__ = ("by_hash", "keys", "pending")
 
     def __init__(self) -> None:
         self.by_hash: dict[int, int] = {}
         self.keys: dict[int, int] = {}
+        self.pending: OrderedDict[int, float] = OrderedDict()
 
 
 class PreciseIndex:
@@ -73,6 +85,7 @@ class PreciseIndex:
                 continue
             held.by_hash[engine_hash] = parent
             held.keys[parent] = held.keys.get(parent, 0) + 1
+            held.pending.pop(parent, None)
             added += 1
         if len(held.by_hash) > self.max_blocks:
             self.overflows += 1
@@ -98,22 +111,53 @@ class PreciseIndex:
         return removed
 
     def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
+        """Leading blocks each backend holds or has on its way (pending, not expired)."""
         matched: dict[str, int] = {}
         for backend in backends:
             held = self._backends.get(backend)
             count = 0
             if held is not None:
-                keys = held.keys
+                keys, pending = held.keys, held.pending
                 for key in chain:
-                    if key not in keys:
+                    if key not in keys and pending.get(key, now) <= now:
                         break
                     count += 1
             matched[backend] = count
         return matched
 
+    def confirmed(self, chain: Sequence[int], backend: str) -> int:
+        """Leading blocks the backend's engine said it holds: what a request there finds cached."""
+        held = self._backends.get(backend)
+        count = 0
+        if held is not None:
+            for key in chain:
+                if key not in held.keys:
+                    break
+                count += 1
+        return count
+
     def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
-        """Routing teaches nothing here: the backend's events will say what it cached."""
-        return 0
+        """A request with this chain was just sent to the backend: its unconfirmed blocks are pending
+        there until the engine's events confirm them or PENDING_TTL_S passes. Returns how many
+        blocks are new there."""
+        held = self._backends.get(backend)
+        if held is None:
+            held = self._backends[backend] = _Held()
+        pending = held.pending
+        while pending and next(iter(pending.values())) <= now:
+            pending.popitem(last=False)
+        deadline = now + PENDING_TTL_S
+        added = 0
+        for key in chain:
+            if key in held.keys:
+                continue
+            if key not in pending:
+                added += 1
+            pending[key] = deadline
+            pending.move_to_end(key)
+        while len(pending) > self.max_blocks:
+            pending.popitem(last=False)
+        return added
 
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)

@@ -69,11 +69,12 @@ class Outcome:
 class Exchange:
     """One routed request from decision to end: the handle an adapter keeps per request."""
 
-    __slots__ = ("_ended", "decision", "outcome", "request")
+    __slots__ = ("_ended", "decision", "outcome", "predicted_blocks", "request")
 
-    def __init__(self, request: PromptRequest | None, decision: Decision) -> None:
+    def __init__(self, request: PromptRequest | None, decision: Decision, predicted_blocks: int = 0) -> None:
         self.request = request
         self.decision = decision
+        self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
         self._ended = False
 
@@ -261,10 +262,16 @@ class Router:
         decision = self.query(request, backends, now)
         request.cbr = b""  # the chain is all the exchange needs from here: hold no copy of the body
         request.tokens = None
+        predicted = decision.matched_blocks
+        index = self.index
         if decision.backend is not None:
             decision.reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
+            if isinstance(index, PreciseIndex):  # the engine confirms later; until then the blocks are pending
+                chain = self.chain_of(request)
+                predicted = index.confirmed(chain, decision.backend)
+                self.churn.add(decision.backend, index.learn(chain, decision.backend, now), now)
         self.stats.decisions[decision.label] += 1
-        return Exchange(request, decision)
+        return Exchange(request, decision, predicted)
 
     def begin_unreadable(self, backends: Sequence[Backend], now: float) -> Exchange:
         """A request whose body could not be read: least loaded healthy backend, reserved."""
@@ -298,7 +305,10 @@ class Router:
         backend = served or decision.backend or ""
         headers: tuple[tuple[str, str], ...] = ()
         if self.settings.decision_headers and success:  # never on errors
-            matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
+            if backend == decision.backend:
+                matched = exchange.predicted_blocks
+            else:  # rerouted: what the decision knew about the backend that served
+                matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
             headers = (
                 ("x-kvroute-decision", decision.label.value),
                 ("x-kvroute-backend", backend),
@@ -309,9 +319,12 @@ class Router:
         return exchange.outcome
 
     def learn(self, request: PromptRequest, backend: str, now: float) -> int:
-        """The backend now holds this prompt (and session); returns how many blocks were new there."""
-        added = self.index.learn(self.chain_of(request), backend, now)
-        self.churn.add(backend, added, now)
+        """The backend now holds this prompt (and session); returns how many blocks were new there.
+        In precise mode the engine's events say what it holds: only the session is bound here."""
+        added = 0
+        if not self.precise:
+            added = self.index.learn(self.chain_of(request), backend, now)
+            self.churn.add(backend, added, now)
         self.stats.learned += 1
         if request.session_key is not None:
             self.sessions.bind(request.session_key, backend, now)
