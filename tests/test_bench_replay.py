@@ -107,6 +107,23 @@ def test_skew_trace_has_heavy_sessions_in_order(tmp_path):
     assert heavy_tokens > sum(r.input_tokens for r in requests) / 2  # a few sessions carry most of the work
 
 
+def test_agentic_trace_shares_eight_system_prompts_among_120_sessions(tmp_path):
+    from bench import skew
+
+    path = tmp_path / "agentic.jsonl"
+    skew.write(path, skew.SHAPES["agentic"])
+    requests = read(path)
+    by_session: dict[str, list[TraceRequest]] = {}
+    for request in requests:
+        by_session.setdefault(request.session_id, []).append(request)
+    assert len(requests) == 480 and len(by_session) == 120
+    assert len({r.hash_ids[:4] for r in requests}) == 8  # the shared system prompts, 4 blocks each
+    for turns in by_session.values():
+        assert len(turns) == 4 and len({t.hash_ids[:4] for t in turns}) == 1
+        assert all(a.hash_ids == b.hash_ids[: len(a.hash_ids)] for a, b in itertools.pairwise(turns))
+        assert [len(t.hash_ids) for t in turns] == [6, 7, 8, 9]
+
+
 def test_min_beats_lru_where_sessions_take_turns():
     """Three 4-block conversations in turn through a 9-block cache: LRU evicts most of each one
     just before it comes back; MIN keeps two of them whole."""
