@@ -108,9 +108,9 @@ def test_cache_salt_keys_the_first_block_as_the_engine_does():
 
 def test_orphans_size_mismatches_and_overflow_are_counted_not_applied():
     index = PreciseIndex(TokenHasher(KEY), max_blocks=3)
-    assert index.stored(A, BlockStored((9,), 12345, (1, 2, 3, 4), 4, ())) == 0 and index.orphans == 1
+    assert index.stored(A, BlockStored((9,), 12345, (1, 2, 3, 4), 4, ())) == [] and index.orphans == 1
     index.stored(A, BlockStored((1,), None, (1, 2, 3, 4), 4, ()))
-    assert index.stored(A, BlockStored((5,), None, (1, 2, 3, 4, 5, 6, 7, 8), 8, ())) == 0
+    assert index.stored(A, BlockStored((5,), None, (1, 2, 3, 4, 5, 6, 7, 8), 8, ())) == []
     assert index.size_mismatches == 1
     with pytest.raises(ValueError):
         index.stored(A, BlockStored((6, 7), None, (1, 2, 3), 4, ()))
@@ -201,3 +201,36 @@ def test_a_precise_router_co_locates_concurrent_requests_and_predicts_only_confi
     served = ResponseStart(second.decision.backend, known=True, status=200, from_upstream=True)
     headers = dict(routing.response_started(second, served, 0.5).headers)
     assert headers["x-kvroute-cached-tokens"] == "0"  # pending blocks are not predicted as cached
+
+
+def test_precise_mode_holds_a_prefill_reservation_until_the_engine_stores_the_last_block():
+    from extproc.core.backends import Backend
+    from extproc.core.router import ResponseStart
+
+    routing = router()
+    routing.index.block_size = 4
+    parsed = parse_request({"model": "m", "messages": [{"role": "user", "content": "q"}]}, {})
+    parsed.tokens = list(range(12))
+    exchange = routing.begin(parsed, [Backend(A)], 0.0)
+    assert routing.loads.snapshot()[A] == (3, 1)
+    started = ResponseStart(A, known=True, status=200, from_upstream=True)
+    routing.response_started(exchange, started, 0.1)  # streaming headers come before the prefill
+    assert routing.loads.snapshot()[A] == (3, 1)
+    routing.engine_events(A, [BlockStored((1, 2), None, tuple(range(8)), 4, ())])
+    assert routing.loads.snapshot()[A] == (3, 1)  # two of three blocks: still prefilling
+    routing.engine_events(A, [BlockStored((3,), 2, tuple(range(8, 12)), 4, ())])
+    assert routing.loads.snapshot()[A] == (0, 1)  # the last block is stored: prefill done
+    exchange.end()
+    assert routing.loads.snapshot()[A] == (0, 0)
+
+
+def test_prefill_waits_of_ended_requests_are_swept():
+    from extproc.core.backends import Backend
+
+    routing = router()
+    routing.index.block_size = 4
+    for i in range(3000):
+        parsed = parse_request({"model": "m", "messages": [{"role": "user", "content": "q"}]}, {})
+        parsed.tokens = [i] * 8
+        routing.begin(parsed, [Backend(A)], float(i)).end()  # never confirmed by the engine
+    assert len(routing._prefilling) <= 2048 and routing.loads.snapshot()[A] == (0, 0)

@@ -111,9 +111,16 @@ CONTROLLER_MAY_NOT = [
     ("list", "configmaps", "kvroute"),
     ("create", "events", "llm"),
 ]
-EXTPROC_MAY = [("get", "kvroutingpolicies.kvroute.io", "llm"), ("watch", "kvroutingpolicies.kvroute.io", "llm")]
+EXTPROC_MAY = [
+    ("get", "kvroutingpolicies.kvroute.io", "llm"),
+    ("watch", "kvroutingpolicies.kvroute.io", "llm"),
+    ("create", "events.events.k8s.io", "llm"),  # a Warning on its policy
+]
 EXTPROC_MAY_NOT = [
     ("get", "kvroutingpolicies.kvroute.io", "kvroute"),
+    ("create", "events.events.k8s.io", "kvroute"),
+    ("list", "events.events.k8s.io", "llm"),
+    ("create", "events", "llm"),
     ("list", "kvroutingpolicies.kvroute.io", ""),
     ("patch", "kvroutingpolicies.kvroute.io/status", "llm"),
     ("list", "pods", "llm"),
@@ -162,7 +169,7 @@ def test_no_role_is_wider_than_listed(cluster: ControlPlane):
     }  # fmt: skip
     assert _granted(cluster, "kvroute-extproc", "llm") - baseline == {
         ("kvroutingpolicies.kvroute.io", "get"), ("kvroutingpolicies.kvroute.io", "list"),
-        ("kvroutingpolicies.kvroute.io", "watch"),
+        ("kvroutingpolicies.kvroute.io", "watch"), ("events.events.k8s.io", "create"),
     }  # fmt: skip
 
 

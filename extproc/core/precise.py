@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from extproc.core.chain import ROOT_KEY, TokenHasher, extra_digest
 from extproc.core.engine import BlockRemoved, BlockStored
 
-
 # Seconds a routed request's blocks count as on their way to a backend without the engine's
 # confirmation: well beyond a prefill, short enough that a failed request's blocks soon stop counting.
 PENDING_TTL_S = 10.0
@@ -54,8 +53,9 @@ class PreciseIndex:
         self.overflows = 0  # backends dropped for reporting more than max_blocks
         self.size_mismatches = 0  # events with another block size than the fleet's
 
-    def stored(self, backend: str, event: BlockStored) -> int:
-        """Add the event's blocks; returns how many were added. Raises ValueError on a malformed event."""
+    def stored(self, backend: str, event: BlockStored) -> list[int]:
+        """Add the event's blocks; returns the keys of those new there. Raises ValueError on a
+        malformed event."""
         count = len(event.block_hashes)
         if event.block_size <= 0 or len(event.token_ids) != count * event.block_size:
             raise ValueError(f"BlockStored with {len(event.token_ids)} tokens for {count} blocks of {event.block_size}")
@@ -63,7 +63,7 @@ class PreciseIndex:
             self.block_size = event.block_size
         elif event.block_size != self.block_size:
             self.size_mismatches += 1
-            return 0
+            return []
         held = self._backends.get(backend)
         if held is None:
             held = self._backends[backend] = _Held()
@@ -73,11 +73,11 @@ class PreciseIndex:
             found = held.by_hash.get(event.parent_hash)
             if found is None:
                 self.orphans += count
-                return 0
+                return []
             parent = found
         size = event.block_size
         extras = event.extra_keys
-        added = 0
+        added: list[int] = []
         for index, engine_hash in enumerate(event.block_hashes):
             extra = extra_digest(extras[index] if index < len(extras) else None)
             parent = self._hasher.block(parent, event.token_ids[index * size : (index + 1) * size], extra)
@@ -86,7 +86,7 @@ class PreciseIndex:
             held.by_hash[engine_hash] = parent
             held.keys[parent] = held.keys.get(parent, 0) + 1
             held.pending.pop(parent, None)
-            added += 1
+            added.append(parent)
         if len(held.by_hash) > self.max_blocks:
             self.overflows += 1
             self.remove_backend(backend)

@@ -21,7 +21,7 @@ from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision, Label, decide
 from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineSample
 from extproc.core.index import BoundedIndex, LocalIndex, LocationIndex
-from extproc.core.load import LoadTracker
+from extproc.core.load import LoadTracker, Reservation
 from extproc.core.precise import PreciseIndex
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
@@ -112,6 +112,8 @@ class Router:
 
     __slots__ = (
         "_kv_tokens",
+        "_prefill_sweep_at",
+        "_prefilling",
         "_starts",
         "_turn",
         "churn",
@@ -137,6 +139,10 @@ class Router:
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
         self._starts: dict[str, float] = {}
+        # Precise mode: (backend, key of a prompt's last full block) -> reservations whose prefill
+        # lasts until the engine reports that block stored.
+        self._prefilling: dict[tuple[str, int], list[Reservation]] = {}
+        self._prefill_sweep_at = 1024
         self._turn = 0
 
     @staticmethod
@@ -270,8 +276,20 @@ class Router:
                 chain = self.chain_of(request)
                 predicted = index.confirmed(chain, decision.backend)
                 self.churn.add(decision.backend, index.learn(chain, decision.backend, now), now)
+                if predicted < len(chain):
+                    self._await_prefill((decision.backend, chain[-1]), decision.reservation)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, predicted)
+
+    def _await_prefill(self, block: tuple[str, int], reservation: Reservation) -> None:
+        """Hold the reservation's prefill until the engine stores the prompt's last block (streaming
+        responses start before the prefill, so the response start says nothing). Entries of requests
+        that ended are swept from time to time, so the table stays bounded by the requests in flight."""
+        self._prefilling.setdefault(block, []).append(reservation)
+        if len(self._prefilling) > self._prefill_sweep_at:  # amortized: the next sweep waits for twice as many
+            waiting = ((key, [r for r in held if not r.finished]) for key, held in self._prefilling.items())
+            self._prefilling = {key: held for key, held in waiting if held}
+            self._prefill_sweep_at = 2 * len(self._prefilling) + 1024
 
     def begin_unreadable(self, backends: Sequence[Backend], now: float) -> Exchange:
         """A request whose body could not be read: least loaded healthy backend, reserved."""
@@ -291,8 +309,8 @@ class Router:
         if exchange.outcome is not None:
             return exchange.outcome
         decision = exchange.decision
-        if decision.reservation is not None:
-            decision.reservation.release_prefill()
+        if decision.reservation is not None and not self.precise:
+            decision.reservation.release_prefill()  # precise mode: the engine's events release it
         served = start.upstream if start.known else ""
         success = 200 <= start.status < 300
         request = exchange.request
@@ -373,7 +391,9 @@ class Router:
             elif isinstance(index, PreciseIndex):
                 try:
                     if isinstance(event, BlockStored):
-                        index.stored(backend, event)
+                        for key in index.stored(backend, event):
+                            for reservation in self._prefilling.pop((backend, key), ()):
+                                reservation.release_prefill()
                     elif isinstance(event, BlockRemoved):
                         index.removed(backend, event)
                 except (ValueError, OverflowError, TypeError):
