@@ -57,7 +57,10 @@ def run(options: CompareOptions) -> dict[str, Any]:
         ideal = fleet.ideal([prompts[r.index] for r in requests])  # in trace order
         rows: dict[str, dict[str, Any]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
-        routers = [r for r in options.routers if r != "kvroute-precise" or fleet.tokenizer_dir is not None]
+        skipped = {}
+        if fleet.tokenizer_dir is None and "kvroute-precise" in options.routers:
+            skipped["kvroute-precise"] = "needs real vLLM backends (the model's tokenizer and KV events)"
+        routers = [r for r in options.routers if r not in skipped]
         for name in routers:
             fleet.reset()
             router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir)
@@ -91,6 +94,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
         "oracle_hit_rate": round(ideal["lru"], 4),
         "bound_hit_rate_trace_order": round(ideal["bound"], 4),
         "routers": rows,
+        "skipped": skipped,
     }
     report.write(results, records, options.out)
     return results

@@ -93,7 +93,7 @@ class PolicyFollower:
         now = datetime.datetime.now(datetime.UTC)
         instance = os.environ.get("HOSTNAME", "kvroute-extproc")
         event = client.EventsV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{self.name}.", namespace=self.namespace),
+            metadata=client.V1ObjectMeta(generate_name=f"{self.name}-", namespace=self.namespace),
             event_time=now,
             type="Warning",
             reason="PreciseIndexUnavailable",
@@ -113,7 +113,8 @@ class PolicyFollower:
             async with client.ApiClient(self._configuration) as api:
                 await client.EventsV1Api(api).create_namespaced_event(self.namespace, event)
         except Exception as exc:  # reporting must never disturb following or routing
-            log.warning("could not post an event on policy %s/%s: %s", self.namespace, self.name, exc)
+            detail = str(getattr(exc, "body", "") or exc)[:300]
+            log.warning("could not post an event on policy %s/%s: %s", self.namespace, self.name, detail)
 
     async def run(self, configuration: client.Configuration | None = None) -> None:
         """List then watch, forever; on any failure keep the last state and start over."""
