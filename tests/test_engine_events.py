@@ -234,3 +234,26 @@ def test_prefill_waits_of_ended_requests_are_swept():
         parsed.tokens = [i] * 8
         routing.begin(parsed, [Backend(A)], float(i)).end()  # never confirmed by the engine
     assert len(routing._prefilling) <= 2048 and routing.loads.snapshot()[A] == (0, 0)
+
+
+def test_lora_blocks_serve_only_requests_for_that_adapter():
+    routing = router()
+    tokens = tuple(range(12))
+    extras = (("sql-adapter", "salt-1"), ("sql-adapter",), ("sql-adapter",))  # as vLLM publishes them
+    wire = stored_map([1, 2, 3], None, list(tokens), extra=[list(e) for e in extras])
+    wire["lora_name"] = "sql-adapter"
+    (event,) = decode(frames([wire])).events
+    assert event.lora_name == "sql-adapter"
+    routing.engine_events(A, [event])
+
+    def matched(model: str, salt: str | None) -> int:
+        body = {"model": model, "messages": [{"role": "user", "content": "q"}]}
+        if salt:
+            body["cache_salt"] = salt
+        parsed = parse_request(body, {})
+        parsed.tokens = list(tokens)
+        return routing.index.lookup(routing.chain_of(parsed), [A], 0.0)[A]
+
+    assert matched("sql-adapter", "salt-1") == 3
+    assert matched("base-model", "salt-1") == 0  # the base model never reuses an adapter's blocks
+    assert matched("sql-adapter", None) == 0  # nor another salt

@@ -16,6 +16,7 @@ class BlockStored:
     token_ids: tuple[int, ...]  # len(block_hashes) * block_size tokens
     block_size: int
     extra_keys: tuple[tuple[object, ...] | None, ...]  # per block: LoRA name, multimodal, cache_salt (as sent)
+    lora_name: str | None = None  # the LoRA adapter that computed them (its blocks never serve the base model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from extproc.core.engine import BlockRemoved, BlockStored
 # Seconds a routed request's blocks count as on their way to a backend without the engine's
 # confirmation: well beyond a prefill, short enough that a failed request's blocks soon stop counting.
 PENDING_TTL_S = 10.0
+MAX_LORA_NAMES = 1024  # LoRA adapter names remembered from events (a hostile publisher cannot grow it further)
 
 
 class _Held:
@@ -42,7 +43,16 @@ class _Held:
 class PreciseIndex:
     """LocationIndex fed by engine events. Not thread-safe: one event loop."""
 
-    __slots__ = ("_backends", "_hasher", "block_size", "max_blocks", "orphans", "overflows", "size_mismatches")
+    __slots__ = (
+        "_backends",
+        "_hasher",
+        "block_size",
+        "lora_names",
+        "max_blocks",
+        "orphans",
+        "overflows",
+        "size_mismatches",
+    )
 
     def __init__(self, hasher: TokenHasher, max_blocks: int) -> None:
         self._hasher = hasher
@@ -52,6 +62,8 @@ class PreciseIndex:
         self.orphans = 0  # stored blocks whose parent kvroute never saw (subscribed late, lost events)
         self.overflows = 0  # backends dropped for reporting more than max_blocks
         self.size_mismatches = 0  # events with another block size than the fleet's
+        # LoRA adapters the engines reported blocks for: a request naming one is keyed by it
+        self.lora_names: set[str] = set()
 
     def stored(self, backend: str, event: BlockStored) -> list[int]:
         """Add the event's blocks; returns the keys of those new there. Raises ValueError on a
@@ -67,6 +79,8 @@ class PreciseIndex:
         held = self._backends.get(backend)
         if held is None:
             held = self._backends[backend] = _Held()
+        if event.lora_name is not None and len(self.lora_names) < MAX_LORA_NAMES:
+            self.lora_names.add(event.lora_name)
         if event.parent_hash is None:
             parent = ROOT_KEY
         else:

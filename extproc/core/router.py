@@ -35,6 +35,15 @@ BYTES_PER_TOKEN = 4
 PRECISE_MAX_BLOCKS = 1 << 18
 
 
+def _extra_keys(lora: str | None, salt: str | None, blocks: int) -> list[bytes]:
+    """Each block's extra keys as vLLM publishes them: the LoRA adapter's name on every block, the
+    cache salt on the first one only."""
+    if lora is None:
+        return [extra_digest((salt,))] if salt else []
+    first = extra_digest((lora, salt) if salt else (lora,))
+    return [first] + [extra_digest((lora,))] * (blocks - 1) if blocks else []
+
+
 class Reset(StrEnum):
     """Why a backend's cached picture was dropped while the backend stayed in the pool."""
 
@@ -222,7 +231,8 @@ class Router:
                 if request.tokens is None or index.block_size is None:
                     request.chain = []
                 else:
-                    extras = (extra_digest((request.cache_salt,)),) if request.cache_salt else ()
+                    lora = request.model if request.model in index.lora_names else None
+                    extras = _extra_keys(lora, request.cache_salt, len(request.tokens) // index.block_size)
                     request.chain = self.token_hasher.chain(request.tokens, index.block_size, extras)
             else:
                 request.chain = self.hasher.chain(request.cbr)

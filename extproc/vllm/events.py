@@ -73,7 +73,9 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
     per_block = [_extra(e) for e in extras]
     if isinstance(lora, str) and lora and not per_block:  # older engines: the LoRA name alone
         per_block = [(lora,)] * len(hashes)
-    return BlockStored(hashes, None if parent is None else _hash(parent), tuple(tokens), size, tuple(per_block))
+    parent_hash = None if parent is None else _hash(parent)
+    adapter = lora if isinstance(lora, str) and lora else None
+    return BlockStored(hashes, parent_hash, tuple(tokens), size, tuple(per_block), adapter)
 
 
 def _event(raw: Any) -> EngineEvent | None:
