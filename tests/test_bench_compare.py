@@ -77,3 +77,34 @@ def test_no_router_beats_the_bound_on_multi_turn_chains(tmp_path: Path, ratio: f
     for name, row in results["routers"].items():
         assert row["errors"] == 0, name
         assert 0 < row["hit_rate"] <= row["bound_hit_rate"], name
+
+
+def test_goodput_is_the_highest_load_within_the_slo_without_errors():
+    from bench.sweep import goodput
+
+    points = {
+        1.0: {"errors": 0, "ttft_p90_ms": 100.0},
+        2.0: {"errors": 0, "ttft_p90_ms": 180.0},
+        4.0: {"errors": 1, "ttft_p90_ms": 150.0},  # within the SLO, but it lost a request
+        8.0: {"errors": 0, "ttft_p90_ms": 900.0},
+    }
+    assert goodput(points, 200.0) == 2.0
+    assert goodput(points, 50.0) is None
+
+
+def test_sweep_runs_every_router_at_every_load(tmp_path):
+    from bench.sweep import options_from, run
+
+    compare = CompareOptions(
+        trace=TRACE, limit=40, out=tmp_path, backends=2, capacity_ratio=0.5, max_output_tokens=4, sim_args=FAST_SIM,
+        routers=("kvroute", "envoy-round-robin", "kvroute-precise"),
+    )  # fmt: skip
+    results = run(options_from(compare, "4,1", closed_loop=True, slo_p90_ms=10_000))
+    assert results["loads"] == [1.0, 4.0] and set(results["skipped"]) == {"kvroute-precise"}
+    for name in ("kvroute", "envoy-round-robin"):
+        assert set(results["routers"][name]) == {"1", "4"}
+        for row in results["routers"][name].values():
+            assert row["ok"] == 40 and 0 <= row["hit_rate"] <= row["bound_hit_rate"]
+        assert results["goodput"][name] == 4.0  # a generous SLO: the heaviest load is good
+    for name in ("summary.md", "ttft_vs_load.png", "hit_rate_vs_load.png", "results.json"):
+        assert (tmp_path / name).stat().st_size > 0
