@@ -63,12 +63,15 @@ class SimConfig:
         default=0.005, metadata={"help": "seconds per output token; running requests decode concurrently"}
     )
     default_max_tokens: int = field(default=16, metadata={"help": "output tokens when a request sets no limit"})
+    max_model_len: int = field(
+        default=MAX_MODEL_LEN, metadata={"help": "context length: longer prompt + max_tokens get a 400 at once"}
+    )
 
     def __post_init__(self) -> None:
         """Reject settings the simulation cannot honour at start-up, not on the first request."""
         if not self.model:
             raise ValueError("model must not be empty")
-        for name in ("block_size", "capacity_blocks", "max_num_seqs", "default_max_tokens"):
+        for name in ("block_size", "capacity_blocks", "max_num_seqs", "default_max_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("prefill_s_per_token", "decode_s_per_token"):
@@ -351,6 +354,8 @@ class SimBackend:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as error:
             raise _ApiError(400, f"invalid JSON body: {error}") from None
+        except web.RequestPayloadError as error:  # e.g. labelled gzip but not: vLLM answers 400, not 500
+            raise _ApiError(400, f"the body could not be read: {error}") from None
         if not isinstance(body, dict):
             raise _ApiError(400, "the body must be a JSON object")
         model = body.get("model")
@@ -407,6 +412,15 @@ class SimBackend:
         if not prompt.tokens:
             raise _ApiError(400, "the prompt is empty")
         length, finish_reason = self._output_length(body)
+        context = self.config.max_model_len
+        if len(prompt.tokens) + (length if finish_reason == "length" else 1) > context:
+            # vLLM refuses at once what cannot fit its context, before any queueing or prefill.
+            asked = len(prompt.tokens) + length
+            raise _ApiError(
+                400,
+                f"This model's maximum context length is {context} tokens. However, you requested {asked} "
+                f"tokens ({len(prompt.tokens)} in the messages, {length} in the completion).",
+            )
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _ApiError(400, "stream must be a boolean")
@@ -506,7 +520,7 @@ class SimBackend:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         tokens = tokenize(_render_chat(body)[0]) if "messages" in body else self._completion_tokens(body)
-        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN})
+        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.config.max_model_len})
 
     async def _reset(self, request: web.Request) -> web.Response:
         self.reset_prefix_cache()
@@ -515,7 +529,7 @@ class SimBackend:
     async def _models(self, request: web.Request) -> web.Response:
         model = self.config.model
         card = {"id": model, "object": "model", "created": self._started, "owned_by": "vllm", "root": model}
-        return _json({"object": "list", "data": [{**card, "parent": None, "max_model_len": MAX_MODEL_LEN}]})
+        return _json({"object": "list", "data": [{**card, "parent": None, "max_model_len": self.config.max_model_len}]})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()

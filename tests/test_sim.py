@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import signal
 import subprocess
@@ -287,6 +288,25 @@ def test_errors_are_openai_json():
             assert reply["error"]["type"] == "BadRequestError" and reply["error"]["code"] == 400
 
     run(test)
+
+
+def test_what_vllm_refuses_at_once_is_refused_at_once():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        started = time.monotonic()
+        too_long = chat("x" * (4 * 300))  # about 300 tokens against a 256-token context
+        status, reply, _ = await post(session, url + "/v1/chat/completions", too_long)
+        assert status == 400 and "maximum context length is 256 tokens" in reply["error"]["message"]
+        status, reply, _ = await post(session, url + "/v1/completions", {"prompt": "hi", "max_tokens": 300})
+        assert status == 400  # prompt + max_tokens past the context
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip", "Connection": "close"}
+        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(chat("hi")), headers=headers) as r:
+            assert r.status == 400 and (await r.json())["error"]["type"] == "BadRequestError"  # labelled gzip, is not
+        assert time.monotonic() - started < 5  # no prefill was modelled for any of them
+        status, _, _ = await post(session, url + "/v1/chat/completions", chat("fits"))
+        assert status == 200
+
+    run(test, dataclasses.replace(FAST, max_model_len=256))
 
 
 def test_models_health_tokenize_and_render():
