@@ -29,8 +29,10 @@ SYSTEM = text(RNG, 12_000)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    fast_prefill = ["--prefill-s-per-token", "0.000001"]  # the 4 MB prompt would take 20 s at the default
-    with Stack(tmp_path_factory.mktemp("stack"), sims=4, sim_args=fast_prefill) as running:
+    # The 4 MB prompt (about a million tokens) needs a long-context model and would take 20 s of
+    # prefill at the default speed.
+    sim_args = ["--prefill-s-per-token", "0.000001", "--max-model-len", "2000000"]
+    with Stack(tmp_path_factory.mktemp("stack"), sims=4, sim_args=sim_args) as running:
         yield running
 
 
