@@ -96,6 +96,9 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag, e.g. --sim-arg=--max-num-seqs=16"
     )
+    parser.add_argument(
+        "--sim-block-size", type=int, default=16, help="simulated backends' KV block in tokens (vLLM-CPU: 128)"
+    )
 
 
 def _compare_options(args: argparse.Namespace) -> CompareOptions:
@@ -113,6 +116,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         max_output_tokens=args.max_output_tokens,
         max_input_tokens=args.max_input_tokens,
         sim_args=tuple(args.sim_arg),
+        sim_block_tokens=args.sim_block_size,
     )
 
 

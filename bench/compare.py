@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers, report
-from bench.fleets import SIM_BLOCK_TOKENS, VLLM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
+from bench.fleets import SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
 from bench.trace import BLOCK_TOKENS, TraceRequest, read, truncate, working_set_blocks
@@ -36,6 +36,7 @@ class CompareOptions:
     max_output_tokens: int = 32
     max_input_tokens: int | None = None
     sim_args: tuple[str, ...] = ()
+    sim_block_tokens: int = SIM_BLOCK_TOKENS
 
 
 def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fleet:
@@ -46,7 +47,7 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     if options.vllm_cpu:
         longest = max(r.input_tokens for r in requests) + options.max_output_tokens
         return VllmFleet(options.backends, cache_tokens, longest, workdir)
-    return SimFleet(options.backends, cache_tokens, workdir, options.sim_args)
+    return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, options.sim_block_tokens)
 
 
 def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str, str]]:
@@ -116,7 +117,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
         "backend_kind": "vllm-cpu" if options.vllm_cpu else "sim",
         "capacity_ratio": options.capacity_ratio,
         "capacity_blocks_per_backend": fleet.capacity_blocks,
-        "backend_block_tokens": VLLM_BLOCK_TOKENS if options.vllm_cpu else SIM_BLOCK_TOKENS,
+        "backend_block_tokens": fleet.block_tokens,
         "working_set_tokens": working_set_tokens,
         "pacing": {"speedup": options.pacing.speedup, "concurrency": options.pacing.concurrency},
         "max_output_tokens": options.max_output_tokens,

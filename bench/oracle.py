@@ -24,13 +24,16 @@ _NEVER = 1 << 62
 
 
 def lru(prompts: Iterable[Prompt], block_tokens: int, capacity_blocks: int) -> float:
-    """Hit rate of one LRU cache of `capacity_blocks`."""
-    cache = sim.PrefixCache(capacity_blocks)
+    """Hit rate of one cache of `capacity_blocks` run as vLLM's block pool (the simulator's), one
+    request at a time: in effect an LRU that frees each prompt tail first."""
+    cache = sim.BlockPool(capacity_blocks)
     hits = queries = 0
     for length, hashes in prompts:
         hits += cache.match(hashes, (length - 1) // block_tokens) * block_tokens
         queries += length
-        cache.insert(hashes)
+        held = list(hashes[:capacity_blocks])
+        cache.acquire(held, 0)
+        cache.release(held, 0)
     return hits / queries if queries else 0.0
 
 

@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from array import array
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
@@ -179,36 +179,85 @@ def prompt_blocks(body: Mapping[str, Any], block_size: int) -> tuple[int, list[i
     return len(prompt.tokens), _block_hashes(prompt, block_size)
 
 
-class PrefixCache:
-    """Block hashes in LRU order, least recent first; evicts beyond `capacity` blocks."""
+class BlockPool:
+    """vLLM's KV block pool, as its KV cache manager runs it.
+
+    `capacity` blocks in all. The blocks of running requests are pinned (referenced) and never
+    evicted; when a request finishes, its blocks go to the free queue tail first (its last block
+    first), so a prompt's head, which follow-ups share, is evicted last. Cached blocks in the free
+    queue still hit; a hit takes a block out of the queue and pins it again. A new block comes from
+    never-used space, else from the free queue's head: the least recently freed block is evicted.
+    Blocks without a hash (a prompt's partial last block, generated tokens) are pinned but never
+    cached. A request that cannot get its blocks waits, as vLLM's scheduler keeps it waiting.
+    """
 
     def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.capacity = capacity
+        self._refs: dict[int, int] = {}  # pinned cached blocks -> requests holding each
+        self._free: OrderedDict[int, None] = OrderedDict()  # unpinned cached blocks, eviction order
+        self._anonymous = 0  # pinned blocks without a hash
+
+    @property
+    def pinned(self) -> int:
+        return len(self._refs) + self._anonymous
 
     def match(self, hashes: Sequence[int], limit: int) -> int:
-        """How many leading blocks, at most `limit`, are cached."""
+        """How many leading blocks, at most `limit`, are cached (pinned or free)."""
         matched = 0
         for block in itertools.islice(hashes, limit):
-            if block not in self._blocks:
+            if block not in self._refs and block not in self._free:
                 break
             matched += 1
         return matched
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Insert or touch the blocks tail first, so the head, which every follow-up shares, is evicted last.
+    def can_acquire(self, hashes: Sequence[int], anonymous: int) -> bool:
+        """Whether the blocks a request needs fit beside what is pinned."""
+        new = sum(1 for block in dict.fromkeys(hashes) if block not in self._refs)
+        return len(self._refs) + self._anonymous + new + anonymous <= self.capacity
 
-        Blocks past `capacity` would be evicted by the head blocks inserted after them, so they are skipped.
-        """
-        blocks = self._blocks
-        for block in reversed(hashes[: self._capacity]):
-            blocks[block] = None
-            blocks.move_to_end(block)
-        while len(blocks) > self._capacity:
-            blocks.popitem(last=False)
+    def acquire(self, hashes: Sequence[int], anonymous: int) -> None:
+        """Pin a request's blocks (call when can_acquire holds), evicting free blocks as needed."""
+        for block in hashes:
+            if block in self._refs:
+                self._refs[block] += 1
+                continue
+            if block in self._free:  # a hit on a free block: out of the queue, pinned again
+                del self._free[block]
+            else:
+                self._make_room(1)
+            self._refs[block] = 1
+        self._make_room(anonymous)
+        self._anonymous += anonymous
+
+    def _make_room(self, blocks: int) -> None:
+        while len(self._refs) + self._anonymous + len(self._free) + blocks > self.capacity and self._free:
+            self._free.popitem(last=False)
+
+    def release(self, hashes: Sequence[int], anonymous: int) -> None:
+        """A request finished: unpin its blocks, last first, into the free queue."""
+        self._anonymous -= anonymous
+        for block in reversed(hashes):
+            refs = self._refs.get(block)
+            if refs is None:
+                continue
+            if refs > 1:
+                self._refs[block] = refs - 1
+            else:
+                del self._refs[block]
+                self._free[block] = None
 
     def clear(self) -> None:
-        self._blocks.clear()
+        """Forget every unpinned cached block (vLLM refuses to reset while requests hold blocks)."""
+        self._free.clear()
+
+
+@dataclass(slots=True)
+class _Blocks:
+    """The KV blocks one request holds while it runs: its prompt's full blocks and the unhashed rest."""
+
+    hashes: list[int]
+    anonymous: int
+    held: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,13 +333,12 @@ class SimBackend:
     def __init__(self, config: SimConfig, name: str) -> None:
         self.config = config
         self.name = name
-        self._cache = PrefixCache(config.capacity_blocks)
+        self._pool = BlockPool(config.capacity_blocks)
+        self._pool_freed = asyncio.Event()
         self._slots = asyncio.Semaphore(config.max_num_seqs)  # FIFO: waiters are woken in arrival order
         self._prefill_lock = asyncio.Lock()
         self._running = 0
         self._waiting = 0
-        self._held: Counter[int] = Counter()  # full blocks of running prompts -> how many running requests hold each
-        self._held_partial = 0  # trailing partial blocks of running prompts, never shared
         self._started = int(time.time())
         self._registry = registry = CollectorRegistry()  # per backend: backends in one process keep separate metrics
         model = {"model_name": config.model}
@@ -339,10 +387,10 @@ class SimBackend:
         return app
 
     def reset_prefix_cache(self) -> None:
-        self._cache.clear()
+        self._pool.clear()
 
     def _kv_usage(self) -> float:
-        return min(1.0, (len(self._held) + self._held_partial) / self.config.capacity_blocks)
+        return min(1.0, self._pool.pinned / self.config.capacity_blocks)
 
     async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
         """Name the serving backend on every response, errors and streams included, so tests can tell."""
@@ -431,8 +479,8 @@ class SimBackend:
         hashes = _block_hashes(prompt, self.config.block_size)
         reply = _Reply.new(chat, self.config.model)
         if not stream:
-            async with self._slot(prompt, hashes):
-                cached = await self._prefill(prompt, hashes)
+            async with self._slot(prompt, hashes) as blocks:
+                cached = await self._prefill(prompt, blocks)
                 await asyncio.sleep(length * self.config.decode_s_per_token)
             self._success[finish_reason].inc()
             return web.Response(
@@ -443,8 +491,8 @@ class SimBackend:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         try:
-            async with self._slot(prompt, hashes):
-                cached = await self._prefill(prompt, hashes)
+            async with self._slot(prompt, hashes) as blocks:
+                cached = await self._prefill(prompt, blocks)
                 if chat:
                     await response.write(reply.chunk("", None, role=True))
                 await self._stream_decode(response, reply, length, finish_reason)
@@ -473,44 +521,49 @@ class SimBackend:
             await response.write(reply.chunk(_filler(start, end), finish_reason if end == length else None))
 
     @asynccontextmanager
-    async def _slot(self, prompt: _Prompt, hashes: list[int]) -> AsyncIterator[None]:
-        """Hold one of max_num_seqs running slots, after waiting FIFO; freed even when the client leaves."""
+    async def _slot(self, prompt: _Prompt, hashes: list[int]) -> AsyncIterator[_Blocks]:
+        """Hold one of max_num_seqs running slots, after waiting FIFO, and at the end the request's
+        KV blocks; both are freed even when the client leaves."""
+        size = self.config.block_size
+        # The prompt's blocks are taken at admission; vLLM adds decode blocks one at a time as tokens
+        # come, which is not modelled (the benchmarks' outputs are short).
+        blocks = _Blocks(hashes, math.ceil(len(prompt.tokens) / size) - len(hashes))
+        if len(hashes) + blocks.anonymous > self._pool.capacity:
+            raise _ApiError(400, f"the prompt needs more than the {self._pool.capacity} KV blocks there are")
         self._waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
-        partial = int(len(prompt.tokens) % self.config.block_size != 0)
         self._running += 1
-        self._held.update(hashes)
-        self._held_partial += partial
         try:
-            yield
+            yield blocks
         finally:
             self._running -= 1
-            self._held_partial -= partial
-            held = self._held
-            for block in hashes:
-                if held[block] == 1:
-                    del held[block]
-                else:
-                    held[block] -= 1
+            if blocks.held:
+                self._pool.release(blocks.hashes, blocks.anonymous)
+                self._pool_freed.set()
             self._slots.release()
 
-    async def _prefill(self, prompt: _Prompt, hashes: list[int]) -> int:
+    async def _prefill(self, prompt: _Prompt, blocks: _Blocks) -> int:
         """Compute the uncached part of the prompt, one request at a time; return the cached token count.
 
         The cache is looked up once the prefill lock is held, so a request queued behind the prefill of
-        the same prefix reuses it, as in vLLM's next scheduling step. Like vLLM, at least the last
+        the same prefix reuses it, as in vLLM's next scheduling step; a request whose blocks do not fit
+        beside the pinned ones waits for running requests to finish. Like vLLM, at least the last
         prompt token is always computed.
         """
         size = self.config.block_size
         async with self._prefill_lock:
-            cached = self._cache.match(hashes, (len(prompt.tokens) - 1) // size) * size
+            while not self._pool.can_acquire(blocks.hashes, blocks.anonymous):
+                self._pool_freed.clear()
+                await self._pool_freed.wait()
+            cached = self._pool.match(blocks.hashes, (len(prompt.tokens) - 1) // size) * size
+            self._pool.acquire(blocks.hashes, blocks.anonymous)
+            blocks.held = True
             self._queries.inc(len(prompt.tokens))
             self._hits.inc(cached)
             await asyncio.sleep((len(prompt.tokens) - cached) * self.config.prefill_s_per_token)
-            self._cache.insert(hashes)
         return cached
 
     async def _render(self, request: web.Request) -> web.Response:

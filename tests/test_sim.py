@@ -167,7 +167,7 @@ def test_multi_turn_conversation_reuses_the_previous_turn():
     run(test, FAST)
 
 
-def test_lru_evicts_old_prompts_and_keeps_the_head_of_long_ones():
+def test_full_cache_evicts_old_prompts_and_refuses_a_prompt_larger_than_itself():
     async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
         url = urls[0]
         a = {"prompt": "a" * 128, "max_tokens": 1}  # 32 tokens: 8 blocks of 4, the whole capacity
@@ -176,12 +176,12 @@ def test_lru_evicts_old_prompts_and_keeps_the_head_of_long_ones():
         assert await cached(session, url, a) == 28
         assert await cached(session, url, b) == 0  # evicts every block of a
         assert await cached(session, url, a) == 0
-        long = {"prompt": "c" * 320, "max_tokens": 1}  # 80 tokens, 20 blocks: only the first 8 fit
-        assert await cached(session, url, long) == 0
-        assert await cached(session, url, long) == 32
+        long = {"prompt": "c" * 320, "max_tokens": 1}  # 80 tokens, 20 blocks: never fits the cache
+        status, reply, _ = await post(session, url + "/v1/completions", long)
+        assert status == 400 and "KV blocks" in reply["error"]["message"]
         async with session.post(url + "/reset_prefix_cache") as response:
             assert response.status == 200
-        assert await cached(session, url, long) == 0
+        assert await cached(session, url, b) == 0
 
     run(test, SimConfig(block_size=4, capacity_blocks=8, prefill_s_per_token=0.0, decode_s_per_token=0.0))
 
@@ -480,3 +480,36 @@ def test_main_serves_until_sigterm():
                 await process.wait()
 
     asyncio.run(main())
+
+
+def test_block_pool_pins_running_blocks_and_evicts_finished_prompts_tail_first():
+    from bench.sim import BlockPool
+
+    pool = BlockPool(6)
+    pool.acquire([1, 2, 3], 1)  # a running prompt: three full blocks and its partial last one
+    assert pool.pinned == 4 and not pool.can_acquire([7, 8, 9], 0)  # pinned blocks are never evicted
+    pool.release([1, 2, 3], 1)  # finished: free queue gets 3, then 2, then 1
+    assert pool.pinned == 0 and pool.match([1, 2, 3], 3) == 3  # still cached while free
+    pool.acquire([7, 8, 9, 10, 11], 0)  # needs two more blocks: evicts 3 then 2, the prompt's tail first
+    assert pool.match([1, 2, 3], 3) == 1
+    pool.acquire([1], 0)  # a hit on a free block takes it out of the queue and pins it
+    pool.release([7, 8, 9, 10, 11], 0)
+    pool.acquire([12, 13, 14, 15, 16], 0)  # evicts 11, 10, 9, 8, 7 (least recently freed first), never 1
+    assert pool.match([1], 1) == 1 and pool.match([7], 1) == 0
+
+
+def test_a_request_waits_for_blocks_while_others_pin_the_cache():
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        hog = {"prompt": "h" * 4 * 40, "max_tokens": 60}  # 40 tokens: 10 of the 12 blocks, held while it decodes
+        small = {"prompt": "s" * 4 * 12, "max_tokens": 1}  # 3 blocks: must wait for the hog to finish
+        first = asyncio.create_task(cached(session, url, hog))
+        await wait_for(session, url, lambda samples: running(samples) == 1)
+        started = time.monotonic()
+        assert await cached(session, url, small) == 0
+        assert first.done() and time.monotonic() - started > 0.2  # it waited for the hog's blocks
+
+    run(
+        test,
+        SimConfig(block_size=4, capacity_blocks=12, max_num_seqs=4, prefill_s_per_token=0.0, decode_s_per_token=0.01),
+    )
