@@ -29,9 +29,9 @@ SYSTEM = text(RNG, 12_000)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    # The 4 MB prompt (about a million tokens) needs a long-context model and would take 20 s of
-    # prefill at the default speed.
-    sim_args = ["--prefill-s-per-token", "0.000001", "--max-model-len", "2000000"]
+    # The 4 MB prompt (about a million tokens) needs a long-context model with a KV cache to hold
+    # it, and would take 20 s of prefill at the default speed.
+    sim_args = ["--prefill-s-per-token", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
     with Stack(tmp_path_factory.mktemp("stack"), sims=4, sim_args=sim_args) as running:
         yield running
 

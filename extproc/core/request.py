@@ -36,6 +36,7 @@ class PromptRequest:
     truncated: bool = False  # the encoding budget cut the prompt short (cbr.MAX_RECORDS, MAX_BYTES)
     tokens: Sequence[int] | None = None  # precise mode: the prompt as the engine tokenizes it
     cache_salt: str | None = None  # vLLM keys the first block by it: prompts with another salt never share
+    cbr_bytes: int = 0  # the CBR's length, kept when the router drops the CBR itself
 
 
 def parse_request(

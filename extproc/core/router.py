@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from extproc.core.backends import Backend
+from extproc.core.calibration import BytesPerToken
 from extproc.core.chain import BlockHasher, TokenHasher, extra_digest
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision, Label, decide
@@ -27,9 +28,6 @@ from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
 from extproc.core.settings import Settings
 
-# Bytes of CBR per backend token, to translate a KV cache size in tokens into blocks: about 4
-# for English text with a BPE tokenizer (what vLLM's tokenizers and kvroute's simulator see).
-BYTES_PER_TOKEN = 4
 # Precise mode: blocks one backend may report before its picture is dropped as implausible
 # (2**18 blocks of 16 tokens is 4M tokens, beyond any one engine's KV cache today).
 PRECISE_MAX_BLOCKS = 1 << 18
@@ -125,6 +123,7 @@ class Router:
         "_prefilling",
         "_starts",
         "_turn",
+        "bytes_per_token",
         "churn",
         "hasher",
         "index",
@@ -147,6 +146,7 @@ class Router:
         self.loads = LoadTracker()
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
+        self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
         self._starts: dict[str, float] = {}
         # Precise mode: (backend, key of a prompt's last full block) -> reservations whose prefill
         # lasts until the engine reports that block stored.
@@ -210,7 +210,7 @@ class Router:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
 
     def _blocks(self, kv_tokens: int) -> int:
-        return max(1, kv_tokens * BYTES_PER_TOKEN // self.settings.block_size)
+        return max(1, int(kv_tokens * self.bytes_per_token.value) // self.settings.block_size)
 
     def parse(self, body: bytes | str | Mapping[str, Any], headers: Mapping[str, str]) -> PromptRequest:
         """A request body as routing sees it, tokenized in precise mode. Raises InvalidRequest.
@@ -243,7 +243,7 @@ class Router:
         index = self.index
         if isinstance(index, PreciseIndex):
             return float(index.block_size or 0)
-        return self.settings.block_size / BYTES_PER_TOKEN
+        return self.settings.block_size / self.bytes_per_token.value
 
     def query(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Decision:
         """Dry run: the decision `begin` would make now, with no reservation and not counted."""
@@ -276,12 +276,14 @@ class Router:
         """Choose a backend among the healthy ones serving the request's model and reserve the
         load it adds; the returned exchange must be ended (`end`) however the request ends."""
         decision = self.query(request, backends, now)
+        request.cbr_bytes = len(request.cbr)
         request.cbr = b""  # the chain is all the exchange needs from here: hold no copy of the body
         request.tokens = None
         predicted = decision.matched_blocks
         index = self.index
         if decision.backend is not None:
             decision.reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
+            self.bytes_per_token.sent(decision.backend, request.cbr_bytes)
             if isinstance(index, PreciseIndex):  # the engine confirms later; until then the blocks are pending
                 chain = self.chain_of(request)
                 predicted = index.confirmed(chain, decision.backend)
@@ -367,6 +369,7 @@ class Router:
         self.reset_backend(backend, None)
         self.loads.remove_backend(backend)
         self._starts.pop(backend, None)
+        self.bytes_per_token.forget(backend)
 
     def reset_backend(self, backend: str, reason: Reset | None) -> None:
         """The backend's cache is not what kvroute believed (restarted, cleared, events lost): drop
@@ -389,6 +392,8 @@ class Router:
                 self.reset_backend(backend, Reset.RESTART)
         if sample.cache_tokens is not None and self._kv_tokens.get(backend) != sample.cache_tokens:
             self.set_backend_capacity(backend, sample.cache_tokens)
+        if sample.prompt_tokens is not None and self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens):
+            self._size_index()  # the learned ratio moved: every backend's picture is re-sized
 
     def engine_events(self, backend: str, events: Iterable[EngineEvent]) -> None:
         """A batch of a known backend's KV cache events, in order. A cleared cache resets the backend
@@ -429,5 +434,6 @@ class Router:
             },
             "index": "precise" if self.precise else "approximate",
             "resets": {str(reason): count for reason, count in self.stats.resets.items()},
+            "bytes_per_token": round(self.bytes_per_token.value, 3),
             "engine_events": dict(self.stats.events),
         }

@@ -39,6 +39,11 @@ class _RouterCollector(Collector):
             "kvroute_index_entries", "(block, backend) locations held", value=state["index_entries"]
         )
         yield GaugeMetricFamily("kvroute_sessions", "session bindings held", value=state["sessions"])
+        yield GaugeMetricFamily(
+            "kvroute_bytes_per_token",
+            "canonical prompt bytes per engine token, learned from the engines' prompt-token counters",
+            value=state["bytes_per_token"],
+        )
         reserved = GaugeMetricFamily("kvroute_backend_reserved_blocks", "prefill blocks reserved", labels=["backend"])
         active = GaugeMetricFamily("kvroute_backend_active_requests", "requests in flight", labels=["backend"])
         for backend, load in state["load"].items():

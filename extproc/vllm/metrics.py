@@ -12,7 +12,8 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_INFO = "vllm:cache_config_info"
 START_TIME = "process_start_time_seconds"
-_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME)
+QUERIES = "vllm:prefix_cache_queries_total"
+_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, QUERIES)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -25,6 +26,7 @@ def engine_sample(text: str) -> EngineSample | None:
     running = waiting = 0.0
     usage: float = 0.0
     start: float | None = None
+    queries: float | None = None
     cache_tokens = block_size = None
     seen = False
     for line in text.splitlines():
@@ -41,6 +43,8 @@ def engine_sample(text: str) -> EngineSample | None:
                 usage = max(usage, _value(line))
             elif name == START_TIME:
                 start = _value(line)
+            elif name == QUERIES:
+                queries = (queries or 0.0) + _value(line)
             elif name == CACHE_INFO and cache_tokens is None:
                 labels = dict(_LABEL.findall(line))
                 block_size = int(labels["block_size"])
@@ -49,4 +53,4 @@ def engine_sample(text: str) -> EngineSample | None:
             continue  # one odd line never hides the rest
     if not seen:
         return None
-    return EngineSample(int(running), int(waiting), usage, start, cache_tokens, block_size)
+    return EngineSample(int(running), int(waiting), usage, start, cache_tokens, block_size, queries)
