@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import choose_encoder
 
@@ -352,6 +352,13 @@ class SimBackend:
         success = PromCounter(
             "vllm:request_success", "Finished requests.", [*by_model, "finished_reason"], registry=registry
         )
+        self._prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens of finished requests.",
+            by_model,
+            buckets=(1, 64, 1024, 16384, 262144),
+            registry=registry,
+        ).labels(**model)
         self._success = {reason: success.labels(finished_reason=reason, **model) for reason in ("stop", "length")}
         gauges = {
             "vllm:num_requests_running": ("Requests in the running batch.", lambda: self._running),
@@ -483,6 +490,7 @@ class SimBackend:
                 cached = await self._prefill(prompt, blocks)
                 await asyncio.sleep(length * self.config.decode_s_per_token)
             self._success[finish_reason].inc()
+            self._prompt_tokens.observe(len(prompt.tokens))
             return web.Response(
                 body=reply.full(_filler(0, length), finish_reason, _usage(len(prompt.tokens), length, cached)),
                 content_type="application/json",
@@ -502,6 +510,7 @@ class SimBackend:
         except ConnectionResetError:
             return response  # the client left; leaving the slot already freed it
         self._success[finish_reason].inc()
+        self._prompt_tokens.observe(len(prompt.tokens))
         return response
 
     async def _stream_decode(

@@ -259,21 +259,21 @@ def test_lora_blocks_serve_only_requests_for_that_adapter():
     assert matched("sql-adapter", None) == 0  # nor another salt
 
 
-def test_bytes_per_token_is_learned_from_what_kvroute_sent_and_the_engine_counted():
+def test_bytes_per_token_is_learned_from_what_ended_and_the_engine_counted():
     from extproc.core.calibration import BytesPerToken
 
     ratio = BytesPerToken()
-    ratio.sent(A, 1_000_000)  # before the first sample: not counted
+    ratio.ended(A, 1_000_000)  # before the first sample: not counted
     ratio.engine_tokens(A, 500.0)  # the first sample is the baseline
-    ratio.sent(A, 20_000)
+    ratio.ended(A, 20_000)
     ratio.engine_tokens(A, 2_500.0)  # 2,000 tokens: too few to judge, keep accumulating
     assert ratio.value == 4.0
     ratio.engine_tokens(A, 10_500.0)  # 20,000 bytes over 10,000 tokens: 2 bytes a token
-    assert ratio.value == pytest.approx(4.0 + 0.2 * (2.0 - 4.0))
+    assert ratio.value == pytest.approx(2.0)
     ratio.engine_tokens(A, 100.0)  # a restarted engine's counter starts over: a new baseline
-    assert ratio.value == pytest.approx(3.6)
-    for _ in range(30):
-        ratio.sent(A, 30_000)
+    assert ratio.value == pytest.approx(2.0)
+    for _ in range(60):
+        ratio.ended(A, 30_000)
         ratio.engine_tokens(A, ratio._tokens[A] + 10_000)
     assert ratio.value == pytest.approx(3.0, abs=0.01)  # 3 bytes a token from here on
 
@@ -283,7 +283,7 @@ def test_a_learned_ratio_converts_predictions_but_not_the_pictures_size():
     routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 128_000, 128, 0.0), 0)
     assert routing.index._capacities[A] == 128_000 * 4 // 512
     for step in range(1, 40):
-        routing.bytes_per_token.sent(A, 20_000)
+        routing.bytes_per_token.ended(A, 20_000)
         routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 128_000, 128, step * 10_000.0), step)
     assert routing.bytes_per_token.value == pytest.approx(2.0, abs=0.05)
     assert routing.block_tokens() == pytest.approx(256, rel=0.05)  # 512 bytes are 256 tokens here

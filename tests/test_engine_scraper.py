@@ -23,6 +23,9 @@ vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.25
 process_start_time_seconds 1.7646e+09
 vllm:cache_config_info{block_size="128",cache_dtype="auto",num_gpu_blocks="1024"} 1.0
 vllm:num_requests_waiting{engine="1",model_name="tiny-llama"} not-a-number
+vllm:request_prompt_tokens_sum{engine="0",model_name="tiny-llama"} 5000.0
+vllm:request_prompt_tokens_sum{engine="1",model_name="tiny-llama"} 1200.0
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny-llama"} 4000.0
 """
 
 
@@ -31,6 +34,7 @@ def test_a_vllm_page_becomes_one_sample_summed_over_engines():
     assert sample is not None
     assert (sample.running, sample.waiting, sample.kv_usage) == (3, 4, 0.25)
     assert (sample.start_time, sample.cache_tokens, sample.block_size) == (1.7646e9, 131072, 128)
+    assert sample.prompt_tokens == 6200  # finished requests' prompt tokens, not the cache lookups
     assert engine_sample("some_other_exporter 1\n") is None
 
 

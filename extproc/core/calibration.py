@@ -5,30 +5,35 @@ k x block_size / bytes_per_token cached tokens, which is what kvroute predicts f
 4 bytes a token is right for English with large BPE vocabularies; a smaller vocabulary, code or
 other languages differ (the tiny test model's is about 3.4). The ratio is learned from the CBR
 bytes kvroute sends each backend against the prompt tokens the engine reports
-(`vllm:prefix_cache_queries_total`); traffic kvroute did not send only adds tokens, so it errs
-low. (Each backend's picture is still sized at 4 bytes a token: see Router._blocks.)
+(`vllm:request_prompt_tokens_sum`, counted when requests finish: windows between samples do not
+line up exactly with what was sent, but their sums do); traffic kvroute did not send only adds
+tokens, so it errs low. (Each backend's picture is still sized at 4 bytes a token: see Router._blocks.)
 """
 
 from __future__ import annotations
 
 DEFAULT_BYTES_PER_TOKEN = 4.0
 LOWEST, HIGHEST = 1.0, 16.0  # beyond these an observation is a measurement error, not a tokenizer
-WEIGHT = 0.2  # of each new observation in the running estimate
+WEIGHT = 0.1  # decay of the sums per window: about the last ten windows count
 MIN_TOKENS = 4096  # an observation over fewer tokens is noise
 
 
 class BytesPerToken:
-    """A running estimate, per fleet (one model), fed per backend between two engine samples."""
+    """A running estimate for the fleet (one model): the ratio of exponentially decayed sums of
+    the CBR bytes of requests that ended on each backend and the prompt tokens its engine counted
+    for finished requests, both taken when requests end so the two sums line up."""
 
-    __slots__ = ("_pending_bytes", "_tokens", "value")
+    __slots__ = ("_bytes", "_pending_bytes", "_tokens", "_total_tokens", "value")
 
     def __init__(self, value: float = DEFAULT_BYTES_PER_TOKEN) -> None:
         self.value = value
-        self._pending_bytes: dict[str, int] = {}  # CBR bytes sent since the backend's last counted sample
-        self._tokens: dict[str, float] = {}  # the engine's prompt-token counter at that sample
+        self._pending_bytes: dict[str, int] = {}  # CBR bytes of requests ended since the last window
+        self._tokens: dict[str, float] = {}  # the engine's prompt-token counter at the last window
+        self._bytes = 0.0  # decayed sums over windows
+        self._total_tokens = 0.0
 
-    def sent(self, backend: str, cbr_bytes: int) -> None:
-        """kvroute routed a prompt of this many CBR bytes to the backend."""
+    def ended(self, backend: str, cbr_bytes: int) -> None:
+        """A request of this many CBR bytes that kvroute sent to the backend ended."""
         if backend in self._tokens:
             self._pending_bytes[backend] = self._pending_bytes.get(backend, 0) + cbr_bytes
 
@@ -42,12 +47,12 @@ class BytesPerToken:
         tokens = prompt_tokens - before
         if tokens < MIN_TOKENS:
             return  # wait for more, keep accumulating
-        sent = self._pending_bytes.get(backend, 0)
         self._tokens[backend] = prompt_tokens
+        self._bytes = self._bytes * (1 - WEIGHT) + self._pending_bytes.pop(backend, 0)
         self._pending_bytes[backend] = 0
-        if sent > 0:
-            observed = min(HIGHEST, max(LOWEST, sent / tokens))
-            self.value += WEIGHT * (observed - self.value)
+        self._total_tokens = self._total_tokens * (1 - WEIGHT) + tokens
+        if self._bytes > 0:
+            self.value = min(HIGHEST, max(LOWEST, self._bytes / self._total_tokens))
 
     def forget(self, backend: str) -> None:
         self._pending_bytes.pop(backend, None)

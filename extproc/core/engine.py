@@ -45,4 +45,4 @@ class EngineSample:
     start_time: float | None  # process_start_time_seconds
     cache_tokens: int | None  # num_gpu_blocks * block_size from vllm:cache_config_info
     block_size: int | None
-    prompt_tokens: float | None = None  # vllm:prefix_cache_queries_total: prompt tokens it has scheduled
+    prompt_tokens: float | None = None  # vllm:request_prompt_tokens_sum: prompt tokens of finished requests

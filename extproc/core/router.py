@@ -76,13 +76,20 @@ class Outcome:
 class Exchange:
     """One routed request from decision to end: the handle an adapter keeps per request."""
 
-    __slots__ = ("_ended", "decision", "outcome", "predicted_blocks", "request")
+    __slots__ = ("_ended", "_ratio", "decision", "outcome", "predicted_blocks", "request")
 
-    def __init__(self, request: PromptRequest | None, decision: Decision, predicted_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        request: PromptRequest | None,
+        decision: Decision,
+        predicted_blocks: int = 0,
+        ratio: BytesPerToken | None = None,
+    ) -> None:
         self.request = request
         self.decision = decision
         self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
+        self._ratio = ratio  # told the request's size when it ends, beside the engine's token count
         self._ended = False
 
     @property
@@ -96,6 +103,8 @@ class Exchange:
         self._ended = True
         if self.decision.reservation is not None:
             self.decision.reservation.finish()
+        if self._ratio is not None and self.request is not None and self.outcome is not None:
+            self._ratio.ended(self.outcome.served, self.request.cbr_bytes)
         return True
 
 
@@ -287,7 +296,6 @@ class Router:
         index = self.index
         if decision.backend is not None:
             decision.reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
-            self.bytes_per_token.sent(decision.backend, request.cbr_bytes)
             if isinstance(index, PreciseIndex):  # the engine confirms later; until then the blocks are pending
                 chain = self.chain_of(request)
                 predicted = index.confirmed(chain, decision.backend)
@@ -295,7 +303,7 @@ class Router:
                 if predicted < len(chain):
                     self._await_prefill((decision.backend, chain[-1]), decision.reservation)
         self.stats.decisions[decision.label] += 1
-        return Exchange(request, decision, predicted)
+        return Exchange(request, decision, predicted, self.bytes_per_token)
 
     def _await_prefill(self, block: tuple[str, int], reservation: Reservation) -> None:
         """Hold the reservation's prefill until the engine stores the prompt's last block (streaming

@@ -12,8 +12,10 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_INFO = "vllm:cache_config_info"
 START_TIME = "process_start_time_seconds"
-QUERIES = "vllm:prefix_cache_queries_total"
-_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, QUERIES)
+# Prompt tokens of finished requests. Not vllm:prefix_cache_queries_total: a preempted request's
+# second lookup is counted apart from it, so under cache pressure that counter misses tokens.
+PROMPT_TOKENS = "vllm:request_prompt_tokens_sum"
+_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, PROMPT_TOKENS)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -26,7 +28,7 @@ def engine_sample(text: str) -> EngineSample | None:
     running = waiting = 0.0
     usage: float = 0.0
     start: float | None = None
-    queries: float | None = None
+    prompt_tokens: float | None = None
     cache_tokens = block_size = None
     seen = False
     for line in text.splitlines():
@@ -43,8 +45,8 @@ def engine_sample(text: str) -> EngineSample | None:
                 usage = max(usage, _value(line))
             elif name == START_TIME:
                 start = _value(line)
-            elif name == QUERIES:
-                queries = (queries or 0.0) + _value(line)
+            elif name == PROMPT_TOKENS:
+                prompt_tokens = (prompt_tokens or 0.0) + _value(line)
             elif name == CACHE_INFO and cache_tokens is None:
                 labels = dict(_LABEL.findall(line))
                 block_size = int(labels["block_size"])
@@ -53,4 +55,4 @@ def engine_sample(text: str) -> EngineSample | None:
             continue  # one odd line never hides the rest
     if not seen:
         return None
-    return EngineSample(int(running), int(waiting), usage, start, cache_tokens, block_size, queries)
+    return EngineSample(int(running), int(waiting), usage, start, cache_tokens, block_size, prompt_tokens)
