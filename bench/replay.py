@@ -179,7 +179,7 @@ def summarize(
     ttft = _percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None])
     e2e = _percentiles([r.e2e_ms for r in ok])
     prompt_tokens = sum(r.prompt_tokens for r in ok)
-    predicted = [r for r in ok if r.predicted_tokens is not None]
+    predicted = [r for r in ok if r.predicted_tokens is not None and r.prompt_tokens]
     return {
         "requests": len(records),
         "ok": len(ok),
@@ -197,6 +197,12 @@ def summarize(
         "load_max_over_mean": round(max(per_backend.values()) / mean, 3) if mean else None,
         # kvroute's own prediction against what the backend reported, in tokens per request
         "prediction_mae_tokens": round(statistics.mean(abs(r.predicted_tokens - r.cached_tokens) for r in predicted), 1)
+        if predicted
+        else None,
+        # the same as a share of each request's prompt (the cached fraction predicted against the real one)
+        "prediction_mae_fraction": round(
+            statistics.mean(abs(r.predicted_tokens - r.cached_tokens) / r.prompt_tokens for r in predicted), 4
+        )
         if predicted
         else None,
         "records": [asdict(r) for r in sorted(records, key=lambda r: r.index)],

@@ -21,6 +21,7 @@ COLUMNS = (
     ("e2e_p50_ms", "E2E p50 ms"),
     ("load_max_over_mean", "load max/mean"),
     ("prediction_mae_tokens", "prediction error (tokens)"),
+    ("prediction_mae_fraction", "prediction error (share of prompt)"),
     ("errors", "errors"),
 )
 
