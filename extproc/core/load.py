@@ -16,17 +16,19 @@ class BackendLoad:
     """Load counters of one backend: kvroute's own reservations, which it knows at once, and the
     engine's own request counts, which are late by a scrape but also see every other client."""
 
-    __slots__ = ("active", "engine_at", "engine_requests", "reserved_blocks")
+    __slots__ = ("active", "engine_at", "engine_kv_usage", "engine_requests", "reserved_blocks")
 
     def __init__(self) -> None:
         self.reserved_blocks = 0
         self.active = 0
         self.engine_requests = 0  # running + waiting at the engine's last sample
+        self.engine_kv_usage = 0.0  # share of its KV blocks that running requests pin (for operators)
         self.engine_at = float("-inf")
 
-    def report(self, running: int, waiting: int, now: float) -> None:
+    def report(self, running: int, waiting: int, kv_usage: float, now: float) -> None:
         """The engine's own counts, from its /metrics."""
         self.engine_requests = max(0, running) + max(0, waiting)
+        self.engine_kv_usage = kv_usage
         self.engine_at = now
 
     def requests(self, now: float) -> int:

@@ -396,7 +396,7 @@ class Router:
     def engine_sample(self, backend: str, sample: EngineSample, now: float) -> None:
         """One scrape of a known backend's /metrics: its own load, a restart (new process start
         time) and its KV cache size."""
-        self.loads.get(backend).report(sample.running, sample.waiting, now)
+        self.loads.get(backend).report(sample.running, sample.waiting, sample.kv_usage, now)
         if sample.start_time is not None:
             before = self._starts.get(backend)
             self._starts[backend] = sample.start_time
@@ -441,7 +441,12 @@ class Router:
             "index_entries_by_backend": by_backend,
             "sessions": len(self.sessions),
             "load": {
-                b: {"reserved_blocks": r, "active": a, "engine_requests": self.loads.get(b).engine_requests}
+                b: {
+                    "reserved_blocks": r,
+                    "active": a,
+                    "engine_requests": self.loads.get(b).engine_requests,
+                    "engine_kv_usage": self.loads.get(b).engine_kv_usage,
+                }
                 for b, (r, a) in self.loads.snapshot().items()
             },
             "index": "precise" if self.precise else "approximate",

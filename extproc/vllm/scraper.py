@@ -29,7 +29,6 @@ class EngineScraper:
         self._pool = pool
         self._clock = clock
         self.failures = 0  # scrapes that failed or were not a vLLM engine's page
-        self.rounds = 0
 
     async def run(self, interval_s: float) -> None:
         """Scrape until cancelled. Survives any error: counts, logs, goes on."""
@@ -42,7 +41,6 @@ class EngineScraper:
                 except Exception:  # a bug must not stop load and restart tracking
                     self.failures += 1
                     log.exception("engine scrape round failed; scraping goes on")
-                self.rounds += 1
                 await asyncio.sleep(max(0.0, interval_s - (self._clock() - started)))
 
     async def scrape(self, session: aiohttp.ClientSession) -> None:
