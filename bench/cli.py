@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 def _parser() -> argparse.ArgumentParser:
     from bench import sim
+    from bench.skew import SHAPES
 
     parser = argparse.ArgumentParser(prog="kvroute-dev", description="kvroute's simulator, local stack and benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     skew = bench.add_parser("skew-trace", help="write a skewed multi-session workload (Mooncake JSONL)")
     skew.add_argument("--out", required=True, type=Path)
     skew.add_argument("--seed", type=int, default=0)
-    skew.add_argument("--shape", choices=("skewed", "agentic"), default="skewed")
+    skew.add_argument("--shape", choices=tuple(SHAPES), default="skewed")
     decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")

@@ -1,11 +1,12 @@
 """Multi-session workloads in Mooncake format.
 
-`skewed` (the default): a few heavy sessions, many light ones. Heavy sessions run many turns over
-contexts that grow fast (agents); light sessions run a few short turns (chat). All share one
-system-prompt block. `agentic`: 120 sessions of 4 turns over 8 shared system prompts of 4 blocks
-(2,048 tokens) each, contexts growing a block per turn, the shape where issue 11 found kvroute's
-learned index predicting far more cache than vLLM had. Each line carries a `session_id`, so
-replay keeps each session's turns in order, as a real client does.
+`skewed` (the default): a few heavy sessions, many light ones (`skewed-large`: four times as
+many). Heavy sessions run many turns over contexts that grow fast (agents); light sessions run a
+few short turns (chat). All share one system-prompt block. `agentic`: 120 sessions of 4 turns
+over 8 shared system prompts of 4 blocks (2,048 tokens) each, contexts growing a block per turn,
+the shape where issue 11 found kvroute's learned index predicting far more cache than vLLM had.
+Each line carries a `session_id`, so replay keeps each session's turns in order, as a real
+client does.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class SkewShape:
 
 SHAPES = {
     "skewed": SkewShape(),
+    # four times the sessions, for load sweeps: the closed loop can offer up to 248 concurrent requests
+    "skewed-large": SkewShape(heavy_sessions=8, light_sessions=240, spread_s=120.0),
     "agentic": SkewShape(
         heavy_sessions=0,
         light_sessions=120,
