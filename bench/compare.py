@@ -44,10 +44,10 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     cache_tokens = math.ceil(options.capacity_ratio * working_set_blocks(requests) * BLOCK_TOKENS)
     workdir = options.out / "logs"
     workdir.mkdir(parents=True, exist_ok=True)
+    longest = max(r.input_tokens for r in requests) + options.max_output_tokens
     if options.vllm_cpu:
-        longest = max(r.input_tokens for r in requests) + options.max_output_tokens
         return VllmFleet(options.backends, cache_tokens, longest, workdir)
-    return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, options.sim_block_tokens)
+    return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, options.sim_block_tokens, longest)
 
 
 def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str, str]]:

@@ -85,10 +85,13 @@ class SimFleet(Fleet):
         workdir: Path,
         sim_args: Sequence[str] = (),
         block_tokens: int = SIM_BLOCK_TOKENS,
+        longest_prompt: int = 0,
     ) -> None:
+        """Like vLLM, a backend must hold its longest prompt: below that, the cache is raised to it."""
         self.model = "sim-model"
         self.block_tokens = block_tokens
-        self.capacity_blocks = max(1, math.ceil(cache_tokens / count / block_tokens))
+        per_server = math.ceil(cache_tokens / count / block_tokens)
+        self.capacity_blocks = max(1, per_server, math.ceil(longest_prompt / block_tokens) + 16)
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
         argv = dev_command("sim", *[a for p in ports for a in ("--port", str(p))])

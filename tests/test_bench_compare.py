@@ -93,11 +93,14 @@ def test_goodput_is_the_highest_load_within_the_slo_without_errors():
 
 
 def test_sweep_runs_every_router_at_every_load(tmp_path):
+    from bench import skew
     from bench.sweep import options_from, run
 
+    trace = tmp_path / "skew.jsonl"
+    skew.write(trace)  # generated here: the test needs no shared trace
     compare = CompareOptions(
-        trace=TRACE, limit=40, out=tmp_path, backends=2, capacity_ratio=0.5, max_output_tokens=4, sim_args=FAST_SIM,
-        routers=("kvroute", "envoy-round-robin", "kvroute-precise"),
+        trace=trace, limit=40, out=tmp_path / "out", backends=2, capacity_ratio=0.5, max_output_tokens=4,
+        sim_args=FAST_SIM, routers=("kvroute", "envoy-round-robin", "kvroute-precise"),
     )  # fmt: skip
     results = run(options_from(compare, "4,1", closed_loop=True, slo_p90_ms=10_000))
     assert results["loads"] == [1.0, 4.0] and set(results["skipped"]) == {"kvroute-precise"}
@@ -107,4 +110,4 @@ def test_sweep_runs_every_router_at_every_load(tmp_path):
             assert row["ok"] == 40 and 0 <= row["hit_rate"] <= row["bound_hit_rate"]
         assert results["goodput"][name] == 4.0  # a generous SLO: the heaviest load is good
     for name in ("summary.md", "ttft_vs_load.png", "hit_rate_vs_load.png", "results.json"):
-        assert (tmp_path / name).stat().st_size > 0
+        assert (tmp_path / "out" / name).stat().st_size > 0
