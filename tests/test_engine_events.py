@@ -154,6 +154,13 @@ def test_a_new_process_start_time_resets_the_backend_and_engine_load_counts():
     assert routing.index.entries_by_backend().get(A, 0) == 0 and routing.stats.resets[Reset.RESTART] == 1
 
 
+def test_precise_mode_takes_the_block_size_from_the_engines_cache_config_before_any_event():
+    routing = router()
+    assert routing.index.block_size is None
+    routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 131072, 128), 0)
+    assert routing.index.block_size == 128
+
+
 def test_lost_events_drop_the_picture_only_where_it_came_from_events():
     approximate = Router(Settings(hash_key=KEY))
     request = parse_request({"model": "m", "messages": [{"role": "user", "content": "z" * 3000}]})

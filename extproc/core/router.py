@@ -404,6 +404,9 @@ class Router:
                 self.reset_backend(backend, Reset.RESTART)
         if sample.cache_tokens is not None and self._kv_tokens.get(backend) != sample.cache_tokens:
             self.set_backend_capacity(backend, sample.cache_tokens)
+        index = self.index
+        if isinstance(index, PreciseIndex) and index.block_size is None and sample.block_size:
+            index.block_size = sample.block_size  # from vllm:cache_config_info, before any event
         if sample.prompt_tokens is not None:
             self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens)
 
