@@ -286,13 +286,13 @@ def test_bytes_per_token_is_learned_from_what_ended_and_the_engine_counted():
     assert ratio.value == pytest.approx(3.0, abs=0.01)  # 3 bytes a token from here on
 
 
-def test_a_learned_ratio_converts_predictions_but_not_the_pictures_size():
+def test_a_learned_ratio_resizes_the_approximate_index_and_the_prediction():
     routing = Router(Settings(hash_key=KEY))  # 512-byte blocks
     routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 128_000, 128, 0.0), 0)
-    assert routing.index._capacities[A] == 128_000 * 4 // 512
+    assert routing.index._capacities[A] == 128_000 * 4 // 512  # 4 bytes a token until measured
     for step in range(1, 40):
         routing.bytes_per_token.ended(A, 20_000)
         routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 128_000, 128, step * 10_000.0), step)
     assert routing.bytes_per_token.value == pytest.approx(2.0, abs=0.05)
+    assert routing.index._capacities[A] == pytest.approx(128_000 * 2 / 512, rel=0.05)
     assert routing.block_tokens() == pytest.approx(256, rel=0.05)  # 512 bytes are 256 tokens here
-    assert routing.index._capacities[A] == 128_000 * 4 // 512  # see Router._blocks

@@ -1,6 +1,7 @@
 """How many bytes of canonical prompt (CBR) the engines count as one token, learned online.
 
-The approximate index counts in CBR blocks, the engines in tokens: a prefix of k blocks is about
+The approximate index counts in CBR blocks, the engines in tokens: a KV cache of N tokens holds
+about N x bytes_per_token / block_size blocks, and a prefix of k blocks is about
 k x block_size / bytes_per_token cached tokens, which is what kvroute predicts for a request.
 4 bytes a token is right for English with large BPE vocabularies; a smaller vocabulary, code or
 other languages differ (the tiny test model's is about 3.4). The ratio is learned from the CBR

