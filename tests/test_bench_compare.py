@@ -16,11 +16,10 @@ from bench.replay import Pacing
 
 pytestmark = [pytest.mark.peers, pytest.mark.envoy]
 
-TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace_head.jsonl"
 FAST_SIM = ("--prefill-s-per-token", "0.000002", "--decode-s-per-token", "0.001", "--max-num-seqs", "16")
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake traces sit beside the checkout")
 def test_compare_smoke_all_routers(tmp_path: Path):
     limit = 300
     results = run(
@@ -53,10 +52,9 @@ def test_compare_smoke_all_routers(tmp_path: Path):
     assert len(orjson.loads((tmp_path / "records" / "kvroute.json").read_bytes())) == limit
 
 
-SYNTHETIC = TRACE.with_name("synthetic_trace.jsonl")
+SYNTHETIC = TRACE.with_name("synthetic_trace_head.jsonl")
 
 
-@pytest.mark.skipif(not SYNTHETIC.exists(), reason="the shared Mooncake traces sit beside the checkout")
 @pytest.mark.parametrize("ratio", [0.25, 0.6])
 def test_no_router_beats_the_bound_on_multi_turn_chains(tmp_path: Path, ratio: float):
     """The synthetic trace's multi-turn chains, closed loop, two cache sizes: under the bound."""

@@ -15,7 +15,7 @@ from bench.prompts import PromptBuilder
 from bench.trace import TraceRequest, chains, read, truncate, working_set_blocks
 from extproc.core.request import parse_request
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake"
+TRACES = Path(__file__).resolve().parent / "data" / "mooncake"
 
 
 def mooncake(index: int, ids: tuple[int, ...], tokens: int, session: str | None = None) -> TraceRequest:
@@ -74,9 +74,8 @@ def test_oracle_bounds():
     assert oracle.lru(oracle.token_prompts([list(range(300)), list(range(1, 301))], 128), 128, 100) == 0.0
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="the shared Mooncake traces sit beside the checkout")
 def test_oracle_of_the_real_trace_rises_with_capacity():
-    requests = read(SHARED / "conversation_trace.jsonl", 300)
+    requests = read(TRACES / "conversation_trace_head.jsonl", 300)
     builder = PromptBuilder("sim-model", 4.0, 16)
     blocks = working_set_blocks(requests) * 512 // 16
     prompts = oracle.simulated_prompts((builder.body(r) for r in requests), 16)

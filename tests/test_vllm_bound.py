@@ -12,10 +12,9 @@ from bench.replay import Pacing
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy]
 
-SYNTHETIC = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
+SYNTHETIC = Path(__file__).resolve().parent / "data" / "mooncake" / "synthetic_trace_head.jsonl"
 
 
-@pytest.mark.skipif(not SYNTHETIC.exists(), reason="the shared Mooncake traces sit beside the checkout")
 def test_no_router_beats_the_bound_on_vllm(tmp_path: Path):
     results = run(
         CompareOptions(
