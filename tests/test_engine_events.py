@@ -296,3 +296,14 @@ def test_a_learned_ratio_resizes_the_approximate_index_and_the_prediction():
     assert routing.bytes_per_token.value == pytest.approx(2.0, abs=0.05)
     assert routing.index._capacities[A] == pytest.approx(128_000 * 2 / 512, rel=0.05)
     assert routing.block_tokens() == pytest.approx(256, rel=0.05)  # 512 bytes are 256 tokens here
+
+
+def test_a_new_hash_key_in_precise_mode_forgets_the_old_index_and_its_turnover():
+    import dataclasses
+
+    routing = router()
+    routing.engine_events(A, [BlockStored((1,), None, (1, 2, 3, 4), 4, ())])
+    routing.churn.add(A, 5, 0.0)
+    routing.reconfigure(dataclasses.replace(routing.settings, hash_key=bytes(16)))
+    assert routing.precise and routing.index.entries_by_backend() == {}
+    assert routing.churn.rate(A, 0.0) == 0

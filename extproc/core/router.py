@@ -120,7 +120,7 @@ class Stats:
         self.learned = 0
         self.rerouted = 0
         self.resets: dict[str, int] = dict.fromkeys(Reset, 0)
-        self.events: dict[str, int] = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        self.events: dict[str, int] = {kind.__name__: 0 for kind in (BlockStored, BlockRemoved, AllBlocksCleared)}
         self.bad_events = 0  # decoded events the index refused (inconsistent sizes, token ids out of range)
         self.untokenized = 0  # precise mode: requests the tokenizer could not take (placed on load alone)
 
@@ -201,9 +201,9 @@ class Router:
         if (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key):
             self.hasher = BlockHasher(settings.block_size, settings.hash_key)
             self.token_hasher = TokenHasher(settings.hash_key)
+            self._drop_all()  # before a precise index is replaced: its backends' turnover goes too
             if self.precise:
                 self.index = PreciseIndex(self.token_hasher, PRECISE_MAX_BLOCKS)
-            self._drop_all()
         self.settings = settings
         self.churn.half_life_s = settings.churn_half_life_s
         self._size_index()
@@ -440,6 +440,15 @@ class Router:
         if self.precise or reason is Reset.SEQUENCE_RESTART:
             self.reset_backend(backend, reason)
 
+    def _load_state(self, backend: str, reserved: int, active: int) -> dict[str, Any]:
+        load = self.loads.get(backend)
+        return {
+            "reserved_blocks": reserved,
+            "active": active,
+            "engine_requests": load.engine_requests,
+            "engine_kv_usage": load.engine_kv_usage,
+        }
+
     def state(self) -> dict[str, Any]:
         """Sizes and load, for metrics and /debug/state."""
         by_backend = self.index.entries_by_backend()
@@ -447,15 +456,7 @@ class Router:
             "index_entries": sum(by_backend.values()),
             "index_entries_by_backend": by_backend,
             "sessions": len(self.sessions),
-            "load": {
-                b: {
-                    "reserved_blocks": r,
-                    "active": a,
-                    "engine_requests": self.loads.get(b).engine_requests,
-                    "engine_kv_usage": self.loads.get(b).engine_kv_usage,
-                }
-                for b, (r, a) in self.loads.snapshot().items()
-            },
+            "load": {b: self._load_state(b, r, a) for b, (r, a) in self.loads.snapshot().items()},
             "index": "precise" if self.precise else "approximate",
             "resets": {str(reason): count for reason, count in self.stats.resets.items()},
             "bytes_per_token": round(self.bytes_per_token.value, 3),

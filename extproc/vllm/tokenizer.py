@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import re
 import threading
 from array import array
@@ -54,8 +55,7 @@ def _raise(message: str) -> None:
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    import json  # the same output as the engine's template filter: Python's json, not orjson
-
+    """The engine's template filter: Python's json (not orjson), so the text is byte for byte the same."""
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
@@ -112,7 +112,7 @@ class ChatTokenizer:
             environment.globals["raise_exception"] = _raise
             environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = environment.from_string(_chat_template(directory, config))
-        except (OSError, ValueError, TemplateError, Exception) as exc:
+        except Exception as exc:  # tokenizers raises plain Exception; files, JSON and Jinja their own
             raise TokenizerError(f"cannot load a tokenizer from {directory}: {type(exc).__name__}: {exc}") from None
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
         self._specials = {name: text for name in names if (text := _special_text(config.get(name))) is not None}
