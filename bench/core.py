@@ -66,6 +66,16 @@ def _bodies(size: int, count: int) -> Iterator[bytes]:
         body["messages"].pop()
 
 
+def _decide(router: Router, raw: bytes, now: float) -> tuple[float, str]:
+    """One full request lifecycle; its CPU time in microseconds and its label."""
+    start = time.perf_counter_ns()
+    exchange = router.begin(router.parse(raw, {}), BACKENDS, now)
+    served = ResponseStart(exchange.decision.backend or "", known=True, status=200, from_upstream=True)
+    router.response_started(exchange, served, now)
+    exchange.end()
+    return (time.perf_counter_ns() - start) / 1000, exchange.decision.label.value
+
+
 def run_case(case: Case, block_size: int) -> dict[str, float | int]:
     """Time `case.iterations` full decisions; return the figures as one JSON-ready dict."""
     capacity = case.index_entries // len(BACKENDS) + 100_000
@@ -75,39 +85,20 @@ def run_case(case: Case, block_size: int) -> dict[str, float | int]:
     warm = parse_request(orjson.dumps(conversation(case.body_bytes, seed=case.body_bytes)))
     router.learn(warm, BACKENDS[0].address, 1.0)
     bodies = list(_bodies(case.body_bytes, case.iterations))
-    timings: list[float] = []
     gc.collect()
-    for i, raw in enumerate(bodies):
-        now = 2.0 + i
-        start = time.perf_counter_ns()
-        request = parse_request(raw)
-        exchange = router.begin(request, BACKENDS, now)
-        served = ResponseStart(exchange.decision.backend or "", known=True, status=200, from_upstream=True)
-        router.response_started(exchange, served, now)
-        exchange.end()
-        timings.append((time.perf_counter_ns() - start) / 1000)
-    timings.sort()
+    decided = [_decide(router, raw, 2.0 + i) for i, raw in enumerate(bodies)]
+    timings = sorted(t for t, _ in decided)
     return {
         "body_bytes": len(bodies[0]),
         "index_entries": router.state()["index_entries"],
         "block_size": block_size,
-        "blocks": len(router.chain_of(request)),
+        "blocks": len(router.chain_of(router.parse(bodies[-1], {}))),
         "iterations": case.iterations,
         "decide_p50_us": round(statistics.median(timings), 1),
         "decide_p99_us": round(timings[min(len(timings) - 1, int(len(timings) * 0.99))], 1),
         "bytes_per_entry": round(bytes_per_entry, 1),
-        "label": exchange.decision.label.value,
+        "label": decided[-1][1],
     }
-
-
-def _decide(router: Router, raw: bytes, now: float) -> tuple[float, str]:
-    """One full request lifecycle; its CPU time in microseconds and its label."""
-    start = time.perf_counter_ns()
-    exchange = router.begin(router.parse(raw, {}), BACKENDS, now)
-    served = ResponseStart(exchange.decision.backend or "", known=True, status=200, from_upstream=True)
-    router.response_started(exchange, served, now)
-    exchange.end()
-    return (time.perf_counter_ns() - start) / 1000, exchange.decision.label.value
 
 
 def run_precise(body_bytes: int, iterations: int, block_tokens: int = 128) -> dict[str, float | int | str]:

@@ -16,9 +16,7 @@ from typing import Any
 import matplotlib
 import orjson
 
-from bench.compare import CompareOptions, load_requests, run_router, runnable, start_fleet
-from bench.fleets import chars_per_token
-from bench.prompts import PromptBuilder
+from bench.compare import CompareOptions, describe, load_requests, prompt_builder, run_router, runnable, start_fleet
 from bench.replay import Pacing
 
 matplotlib.use("Agg")
@@ -55,7 +53,7 @@ def run(options: SweepOptions) -> dict[str, Any]:
     fleet = start_fleet(compare, requests)
     curves: dict[str, dict[float, dict[str, Any]]] = {}
     try:
-        builder = PromptBuilder(fleet.model, chars_per_token(fleet.backends[0], fleet.model), compare.max_output_tokens)
+        builder = prompt_builder(fleet, compare)
         prompts = fleet.prompts(requests, builder)
         routers, skipped = runnable(compare, fleet)
         for load in options.loads:
@@ -67,11 +65,7 @@ def run(options: SweepOptions) -> dict[str, Any]:
     finally:
         fleet.stop()
     results = {
-        "trace": compare.trace.name,
-        "requests": len(requests),
-        "backends": compare.backends,
-        "backend_kind": "vllm-cpu" if compare.vllm_cpu else "sim",
-        "capacity_ratio": compare.capacity_ratio,
+        **describe(compare, requests, fleet),
         "load": "concurrency" if options.closed_loop else "speedup",
         "loads": list(options.loads),
         "slo_ttft_p90_ms": options.slo_p90_ms,
