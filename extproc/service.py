@@ -47,6 +47,14 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     feeds = EngineFeeds(router, index_mode, scraper, subscriber)
     metrics = Metrics(router, pool, policy)
     metrics.registry.register(EngineCollector(feeds))
+    link = None
+    if config.replica_store:  # siblings share learning, sessions and load through the store
+        from extproc.replicas.redis_link import ReplicaCollector, connect
+
+        group = config.replica_group or f"kvroute:{config.policy or 'default'}"
+        link = connect(router, pool, config.replica_store, config.replica_store_password_file, group)
+        router.replicas = link
+        metrics.registry.register(ReplicaCollector(link))
     limit = config.max_message_bytes
     interceptors = []
     if config.grpc_token_file:
@@ -67,7 +75,13 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
     admin = Admin(
-        router, pool, metrics, policy, lease_ttl_s=config.lease_ttl_s, details=feeds.state, warnings=feeds.warnings
+        router,
+        pool,
+        metrics,
+        policy,
+        lease_ttl_s=config.lease_ttl_s,
+        details=feeds.state if link is None else lambda: {**feeds.state(), "replicas": link.state()},
+        warnings=feeds.warnings if link is None else lambda: feeds.warnings() + link.warnings(),
     )
     runners = [web.AppRunner(admin.monitoring_app(), access_log=None)]
     await runners[0].setup()
@@ -89,6 +103,8 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         tasks.append(asyncio.create_task(subscriber.run()))
     if follower is not None:
         tasks.append(asyncio.create_task(follower.run()))
+    if link is not None:
+        tasks.append(asyncio.create_task(link.run()))
     log.info(
         "ext_proc on %s:%d, admin on http://%s:%d, %d backends",
         config.grpc_host,

@@ -1,5 +1,6 @@
-"""Shared test set-up: hypothesis without deadlines (this machine is shared and noisy), and one
-Kubernetes control plane for the whole session (started by the first `k8s` test that asks)."""
+"""Shared test set-up: hypothesis without deadlines (this machine is shared and noisy), one
+Kubernetes control plane for the whole session (started by the first `k8s` test that asks), and a
+Redis server per replica test."""
 
 from __future__ import annotations
 
@@ -23,3 +24,15 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory):
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real Redis server on loopback for one test (tests/redis/install puts it in the cache)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()

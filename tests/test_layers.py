@@ -1,6 +1,6 @@
 """The code's layers import only downwards, and each command loads only what it runs.
 
-core <- runtime <- adapters (envoy, admin, kube, vllm) <- service <- cli; controller beside them, sharing
+core <- runtime <- adapters (envoy, admin, kube, vllm, replicas) <- service <- cli; controller beside them, sharing
 the CRD contract (controller/crd.py); bench and the developer tools use the product, never the
 other way round.
 """
@@ -26,6 +26,7 @@ ALLOWED = {
     "extproc.admin": {"extproc.core", "extproc.runtime"},
     "extproc.kube": {"extproc.core", "extproc.runtime", "controller.crd"},
     "extproc.vllm": {"extproc.core", "extproc.runtime"},
+    "extproc.replicas": {"extproc.core", "extproc.runtime"},
     "extproc.service": {
         "extproc.core",
         "extproc.runtime",
@@ -33,6 +34,7 @@ ALLOWED = {
         "extproc.admin",
         "extproc.kube",
         "extproc.vllm",
+        "extproc.replicas",
     },
     "extproc.cli": {"extproc.core", "extproc.runtime", "extproc.envoy", "extproc.service", "controller.operator"},
     "controller.crd": {"extproc.core"},

@@ -4,9 +4,14 @@ A reservation is taken in the same step as the decision. Its handle releases the
 when the response starts and the whole of it when the request ends, however it ends; every
 release is idempotent. A backend that leaves takes its counters with it: late releases from
 its handles land on the detached counters and cannot disturb a backend re-added later.
+
+With several replicas, each backend's load also counts the other replicas' reservations as they
+last published them (`PeerLoads`), so a backend made busy through one replica is busy for all.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 # An engine sample older than this no longer says anything about the backend's load.
 ENGINE_SAMPLE_MAX_AGE_S = 2.0
@@ -16,11 +21,21 @@ class BackendLoad:
     """Load counters of one backend: kvroute's own reservations, which it knows at once, and the
     engine's own request counts, which are late by a scrape but also see every other client."""
 
-    __slots__ = ("active", "engine_at", "engine_kv_usage", "engine_requests", "reserved_blocks")
+    __slots__ = (
+        "active",
+        "engine_at",
+        "engine_kv_usage",
+        "engine_requests",
+        "peer_active",
+        "peer_reserved",
+        "reserved_blocks",
+    )
 
     def __init__(self) -> None:
         self.reserved_blocks = 0
         self.active = 0
+        self.peer_reserved = 0  # the other replicas' reservations on this backend, as last published
+        self.peer_active = 0
         self.engine_requests = 0  # running + waiting at the engine's last sample
         self.engine_kv_usage = 0.0  # share of its KV blocks that running requests pin (for operators)
         self.engine_at = float("-inf")
@@ -32,15 +47,17 @@ class BackendLoad:
         self.engine_at = now
 
     def requests(self, now: float) -> int:
-        """In-flight requests: kvroute's own, or the engine's count when that is higher and fresh
-        (someone else is sending it work, or kvroute released a request the engine still queues)."""
+        """In-flight requests: kvroute's own (every replica's), or the engine's count when that is
+        higher and fresh (someone else is sending it work, or kvroute released a request the engine
+        still queues)."""
+        routed = self.active + self.peer_active
         if now - self.engine_at <= ENGINE_SAMPLE_MAX_AGE_S:
-            return max(self.active, self.engine_requests)
-        return self.active
+            return max(routed, self.engine_requests)
+        return routed
 
     def cost(self, active_request_cost: float, now: float) -> float:
         """Load in blocks of prefill: queued prefill plus the worth of each in-flight request."""
-        return self.reserved_blocks + active_request_cost * self.requests(now)
+        return self.reserved_blocks + self.peer_reserved + active_request_cost * self.requests(now)
 
 
 class Reservation:
@@ -96,5 +113,42 @@ class LoadTracker:
         self._loads.pop(backend, None)
 
     def snapshot(self) -> dict[str, tuple[int, int]]:
-        """backend -> (reserved blocks, kvroute's own active requests)."""
+        """backend -> (reserved blocks, this replica's own active requests)."""
         return {backend: (load.reserved_blocks, load.active) for backend, load in self._loads.items()}
+
+    def set_peers(self, totals: Mapping[str, tuple[int, int]]) -> None:
+        """The other replicas' load per backend (reserved blocks, active requests), replacing the last."""
+        for backend, load in self._loads.items():
+            load.peer_reserved, load.peer_active = totals.get(backend, (0, 0))
+        for backend in totals.keys() - self._loads.keys():
+            load = self.get(backend)
+            load.peer_reserved, load.peer_active = totals[backend]
+
+
+class PeerLoads:
+    """Each other replica's last published load vector. A replica not heard from for `max_age_s`
+    counts for nothing: it stopped, or lost the store, and its requests are no longer kvroute's to
+    count (the engines' own counts still see them)."""
+
+    __slots__ = ("_vectors", "max_age_s")
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._vectors: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
+
+    def update(self, replica: str, vector: dict[str, tuple[int, int]], now: float) -> None:
+        self._vectors[replica] = (now, vector)
+
+    def totals(self, now: float) -> dict[str, tuple[int, int]]:
+        """backend -> summed (reserved blocks, active requests) of the replicas heard from lately."""
+        for replica in [r for r, (seen, _) in self._vectors.items() if now - seen > self.max_age_s]:
+            del self._vectors[replica]
+        totals: dict[str, tuple[int, int]] = {}
+        for _, vector in self._vectors.values():
+            for backend, (reserved, active) in vector.items():
+                before = totals.get(backend, (0, 0))
+                totals[backend] = (before[0] + reserved, before[1] + active)
+        return totals
+
+    def __len__(self) -> int:
+        return len(self._vectors)

@@ -24,6 +24,7 @@ from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, Eng
 from extproc.core.index import BoundedIndex, LocalIndex, LocationIndex
 from extproc.core.load import LoadTracker, Reservation
 from extproc.core.precise import PreciseIndex
+from extproc.core.replicas import ReplicaLink
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
 from extproc.core.settings import Settings
@@ -140,6 +141,7 @@ class Router:
         "hasher",
         "index",
         "loads",
+        "replicas",
         "sessions",
         "settings",
         "stats",
@@ -156,6 +158,7 @@ class Router:
         self.churn = ChurnMeter(settings.churn_half_life_s)
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
         self.loads = LoadTracker()
+        self.replicas: ReplicaLink | None = None  # sibling replicas to tell what is learned and bound
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
         self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
@@ -366,13 +369,29 @@ class Router:
         """The backend now holds this prompt (and session); returns how many blocks were new there.
         In precise mode the engine's events say what it holds: only the session is bound here."""
         added = 0
+        replicas = self.replicas
         if not self.precise:
-            added = self.index.learn(self.chain_of(request), backend, now)
+            chain = self.chain_of(request)
+            added = self.index.learn(chain, backend, now)
             self.churn.add(backend, added, now)
+            if replicas is not None and chain:
+                replicas.learned(backend, chain)
         self.stats.learned += 1
         if request.session_key is not None:
-            self.sessions.bind(request.session_key, backend, now)
+            session = self.sessions.bind(request.session_key, backend, now)
+            if replicas is not None:
+                replicas.bound(session, backend)
         return added
+
+    def peer_learned(self, chain: Sequence[int], backend: str, when: float) -> None:
+        """A sibling replica learned that a known backend holds this chain (at `when`, on this
+        process's clock). Precise mode ignores it: every replica follows the engines' own events."""
+        if not self.precise:
+            self.churn.add(backend, self.index.learn(chain, backend, when), when)
+
+    def peer_bound(self, session: bytes, backend: str, when: float) -> None:
+        """A sibling replica bound a session (by digest) to a known backend."""
+        self.sessions.bind_digest(session, backend, when)
 
     def forget(self, session_key: str) -> bool:
         """Drop a session binding; True if there was one."""

@@ -102,8 +102,18 @@ class SessionTable:
             return None
         return binding[0]
 
-    def bind(self, session_key: str, backend: str, now: float) -> None:
+    def bind(self, session_key: str, backend: str, now: float) -> bytes:
+        """Bind (or refresh) a session; returns its digest, the only form it is shared in."""
         key = self._digest(session_key)
+        self.bind_digest(key, backend, now)
+        return key
+
+    def bind_digest(self, key: bytes, backend: str, now: float) -> None:
+        """Bind by digest: what another replica shared (same hash key, so the same digest). A binding
+        older than the one held changes nothing (a sibling's snapshot may be replayed late)."""
+        held = self._bindings.get(key)
+        if held is not None and held[1] > now:
+            return
         self._bindings[key] = (backend, now)
         self._bindings.move_to_end(key)
         while len(self._bindings) > self._capacity:

@@ -54,6 +54,15 @@ class ExtProcConfig:
     kv_events: bool = _key(
         True, "subscribe to the KV cache events of every backend that publishes them (GET /kv_event_sources)"
     )
+    replica_store: str = _key(
+        "",
+        "redis:// or rediss:// URL of the store sibling replicas share learning, sessions and load through; "
+        "empty: this replica routes alone (needs an explicit hash_key, the same on every replica)",
+    )
+    replica_store_password_file: str = _key("", "file holding the replica store's password (AUTH); empty: none")
+    replica_group: str = _key(
+        "", "key prefix of the replicas that share a picture (default: kvroute:<policy> or kvroute:default)"
+    )
     log_level: str = _key("info", "debug, info, warning, error")
     policy: str = _key("", "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes)")
     routing: Settings = field(default_factory=Settings)
@@ -153,6 +162,8 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
     if values.get("control_port") and not values.get("control_token_file"):
         raise ValueError("control_port needs control_token_file: the control API is never open")
+    if values.get("replica_store") and "hash_key" not in values["routing"]:
+        raise ValueError("replica_store needs an explicit hash_key, the same on every replica")
     if values.get("policy") and values["policy"].count("/") != 1:
         raise ValueError(f"policy must be NAMESPACE/NAME, got {values['policy']!r}")
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])

@@ -1,0 +1,1 @@
+"""Sibling ext_proc replicas sharing one picture of the fleet."""

@@ -1,0 +1,321 @@
+"""Replicas that route as one, through Redis streams.
+
+Each replica appends what it learns and binds to one stream (`<group>:events`, capped, with a
+TTL) and its in-flight load per backend to another (`<group>:load`), and reads both. Lookups stay
+in process: a replica applies its siblings' entries to its own picture as they arrive (one XREAD
+round trip, a millisecond on a LAN), so two replicas disagree only for that long. A replica that
+starts, or comes back after the store was away, first replays the events stream (the last
+`max_events` entries, each applied at its age by the store's clock) and then follows it. Load is
+a vector per replica, sent when it changes (at most every `load_period_s`) and at least every
+`heartbeat_s`; a replica not heard from for `peer_max_age_s` counts for nothing.
+
+The store going away never stops routing: writes are dropped and counted, the link says so in
+/readyz, and it reconnects with backoff. Entries are applied only for backends in this replica's
+pool, chains and digests are bounded, and anything malformed is counted and skipped, so the
+store can teach nothing a routed request could not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import msgpack
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from extproc.core.load import PeerLoads
+from extproc.core.router import Router
+from extproc.runtime.config import read_token
+from extproc.runtime.pool import BackendPool
+
+log = logging.getLogger("kvroute.replicas")
+
+LEARNED, BOUND, LOAD = "l", "s", "L"
+MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes a block)
+DIGEST_BYTES = 16
+OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
+
+
+def _cancelled() -> bool:
+    """The running task was asked to stop. redis-py sometimes turns a cancellation inside a command
+    into a closed connection and carries on, so the loops ask instead of relying on the exception."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class HashKeyMismatch(Exception):
+    """This replica's hash key differs from the group's: its chains and digests mean nothing there."""
+
+
+class RedisLink:
+    """A router's link to its sibling replicas through one Redis (or Valkey) server."""
+
+    def __init__(
+        self,
+        router: Router,
+        pool: BackendPool,
+        client: Redis,
+        group: str,
+        *,
+        max_events: int = 200_000,
+        ttl_s: float = 3600.0,
+        load_period_s: float = 0.02,
+        heartbeat_s: float = 0.5,
+        peer_max_age_s: float = 1.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replica = os.urandom(8).hex()
+        self._router = router
+        self._pool = pool
+        self._client = client
+        self._events_key = f"{group}:events"
+        self._load_key = f"{group}:load"
+        self._key_check_key = f"{group}:key-check"
+        self._max_events = max_events
+        self._ttl_ms = int(ttl_s * 1000)
+        self._load_period_s = load_period_s
+        self._heartbeat_s = heartbeat_s
+        self._clock = clock
+        self._outbox: deque[bytes] = deque()
+        self._wake = asyncio.Event()
+        self._peers = PeerLoads(peer_max_age_s)
+        self.connected = False
+        self.problem = "connecting"  # why not connected, for /readyz
+        self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors"), 0)
+
+    # Router hooks: called on the hot path, never wait.
+    def learned(self, backend: str, chain: Sequence[int]) -> None:
+        self._send(msgpack.packb((LEARNED, self.replica, backend, chain)))
+
+    def bound(self, session: bytes, backend: str) -> None:
+        self._send(msgpack.packb((BOUND, self.replica, backend, session)))
+
+    def _send(self, message: bytes) -> None:
+        if not self.connected:
+            self.counts["dropped"] += 1  # the store is away: siblings learn it from their own traffic
+            return
+        if len(self._outbox) >= OUTBOX:
+            self._outbox.popleft()
+            self.counts["dropped"] += 1
+        self._outbox.append(message)
+        self._wake.set()
+
+    # Status for /readyz, /debug/state and /metrics.
+    @property
+    def peers(self) -> int:
+        """Sibling replicas heard from lately."""
+        return len(self._peers)
+
+    def warnings(self) -> list[str]:
+        if self.connected:
+            return []
+        return [f"replica store: {self.problem}; routing on this replica's own picture"]
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "connected": self.connected,
+            "problem": None if self.connected else self.problem,
+            "peers": self.peers,
+            **self.counts,
+        }
+
+    async def run(self) -> None:
+        """Connect, replay, follow and publish until cancelled; reconnect with backoff on errors."""
+        backoff = 0.25
+        try:
+            while True:
+                try:
+                    await self._session()
+                except (RedisError, OSError, HashKeyMismatch) as error:
+                    self.counts["store_errors"] += 1
+                    if self.connected or self.problem == "connecting":
+                        log.warning("replica store: %s; routing on the local picture", error or type(error).__name__)
+                        backoff = 0.25  # it was working: try again soon
+                    self.problem = str(error) or type(error).__name__
+                    self.connected = False
+                    self._outbox.clear()
+                    self._peers = PeerLoads(self._peers.max_age_s)  # their load is no longer known
+                    self._router.loads.set_peers({})
+                    with contextlib.suppress(RedisError, OSError):
+                        await self._client.connection_pool.disconnect()  # no stale connection outlives a loss
+                    await asyncio.sleep(backoff)
+                    backoff = min(5.0, backoff * 2)
+                else:
+                    return
+        finally:
+            await self._goodbye()
+
+    async def _session(self) -> None:
+        client = self._client
+        await client.ping()
+        await self._check_key()
+        seconds, micros = await client.time()
+        offset = self._clock() - (seconds + micros / 1e6)  # store clock -> this process's clock
+        last_load = await client.xrevrange(self._load_key, count=1)
+        load_from = last_load[0][0] if last_load else b"0-0"
+        events_from = await self._replay(offset)
+        self.connected = True
+        log.info("replica %s following %s", self.replica, self._events_key)
+        tasks = [
+            asyncio.create_task(self._follow(events_from, load_from, offset)),
+            asyncio.create_task(self._write()),
+            asyncio.create_task(self._publish_load()),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _check_key(self) -> None:
+        """Every replica of a group must hash with the same key; the store holds a keyed digest of a
+        constant (never the key), set by the first replica."""
+        key = self._router.settings.hash_key
+        check = hashlib.blake2b(b"kvroute replica group", key=key, digest_size=16).hexdigest().encode()
+        await self._client.set(self._key_check_key, check, nx=True, px=self._ttl_ms)
+        if await self._client.get(self._key_check_key) != check:
+            raise HashKeyMismatch("this replica's hash_key differs from its group's; not sharing")
+        await self._client.pexpire(self._key_check_key, self._ttl_ms)
+
+    async def _replay(self, offset: float) -> bytes:
+        """Apply the stream as it stands (a snapshot of what siblings learned and bound); return
+        the id to follow from."""
+        after = b"-"
+        last = b"0-0"
+        while True:
+            entries = await self._client.xrange(self._events_key, min=after, count=1000)
+            for entry_id, fields in entries:
+                self._apply(entry_id, fields, offset)
+                last = entry_id
+            if len(entries) < 1000:
+                return last
+            after = b"(" + last
+
+    async def _follow(self, events_from: bytes, load_from: bytes, offset: float) -> None:
+        ids = {self._events_key: events_from, self._load_key: load_from}
+        while not _cancelled():
+            replies = await self._client.xread(ids, count=1000, block=1000)
+            for stream, entries in replies:
+                key = stream.decode() if isinstance(stream, bytes) else stream
+                for entry_id, fields in entries:
+                    self._apply(entry_id, fields, offset)
+                    ids[key] = entry_id
+            self._router.loads.set_peers(self._known(self._peers.totals(self._clock())))
+
+    def _known(self, totals: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        return {b: load for b, load in totals.items() if self._pool.is_known(b)}
+
+    def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> None:
+        try:
+            kind, replica, backend, payload = msgpack.unpackb(fields[b"m"], use_list=False)
+            if replica == self.replica:
+                return
+            if kind == LOAD:
+                vector = {str(b): (int(r), int(a)) for b, (r, a) in payload.items()}
+                self._peers.update(replica, vector, self._clock())
+                return
+            if not self._pool.is_known(backend):
+                return  # a backend this replica does not route to (yet): nothing to apply
+            when = int(entry_id.split(b"-")[0]) / 1000 + offset
+            if kind == LEARNED and len(payload) <= MAX_CHAIN and all(type(h) is int for h in payload):
+                self._router.peer_learned(payload, backend, min(when, self._clock()))
+            elif kind == BOUND and isinstance(payload, bytes) and len(payload) == DIGEST_BYTES:
+                self._router.peer_bound(payload, backend, min(when, self._clock()))
+            else:
+                raise ValueError(kind)
+            self.counts["applied"] += 1
+        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
+            self.counts["bad"] += 1
+
+    async def _write(self) -> None:
+        while not _cancelled():
+            await self._wake.wait()
+            self._wake.clear()
+            batch = list(self._outbox)
+            self._outbox.clear()
+            if not batch:
+                continue
+            async with self._client.pipeline(transaction=False) as pipe:
+                for message in batch:
+                    pipe.xadd(self._events_key, {"m": message}, maxlen=self._max_events, approximate=True)
+                pipe.pexpire(self._events_key, self._ttl_ms)
+                await pipe.execute()
+            self.counts["sent"] += len(batch)
+
+    async def _publish_load(self) -> None:
+        """This replica's load vector: on change, at most every load_period_s; at least every
+        heartbeat_s, so siblings know it is alive."""
+        sent: dict[str, tuple[int, int]] | None = None
+        sent_at = float("-inf")
+        while not _cancelled():
+            now = self._clock()
+            vector = {b: load for b, load in self._router.loads.snapshot().items() if load != (0, 0)}
+            if vector != sent or now - sent_at >= self._heartbeat_s:
+                await self._add_load(vector)
+                sent, sent_at = vector, now
+                self._router.loads.set_peers(self._known(self._peers.totals(now)))
+            await asyncio.sleep(self._load_period_s)
+
+    async def _add_load(self, vector: dict[str, tuple[int, int]]) -> None:
+        message = msgpack.packb((LOAD, self.replica, "", vector))
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.xadd(self._load_key, {"m": message}, maxlen=1000, approximate=True)
+            pipe.pexpire(self._load_key, self._ttl_ms)
+            pipe.pexpire(self._key_check_key, self._ttl_ms)  # the group's key lives as long as a replica does
+            await pipe.execute()
+
+    async def _goodbye(self) -> None:
+        """On a clean stop, an empty load vector: siblings drop this replica's load at once."""
+        if self.connected:
+            self.connected = False
+            with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._add_load({}), 1.0)
+
+
+class ReplicaCollector(Collector):
+    """Prometheus view of the link, read at scrape time."""
+
+    def __init__(self, link: RedisLink) -> None:
+        self._link = link
+
+    def collect(self) -> Iterator[Metric]:
+        link = self._link
+        yield GaugeMetricFamily(
+            "kvroute_replica_store_connected", "1 while sharing with sibling replicas", value=float(link.connected)
+        )
+        yield GaugeMetricFamily("kvroute_replica_peers", "sibling replicas heard from lately", value=len(link._peers))
+        messages = CounterMetricFamily(
+            "kvroute_replica_messages",
+            "replica link messages: sent, applied (from siblings), dropped (store away or outbox full), "
+            "bad (malformed, skipped), store_errors (connections lost or refused)",
+            labels=["kind"],
+        )
+        for kind, count in link.counts.items():
+            messages.add_metric([kind], count)
+        yield messages
+
+
+def connect(router: Router, pool: BackendPool, url: str, password_file: str, group: str) -> RedisLink:
+    """A link to the store at `url` (redis:// or rediss:// for TLS), with the password from a file."""
+    client = Redis.from_url(
+        url,
+        password=read_token(password_file) if password_file else None,
+        socket_timeout=5.0,  # above XREAD's 1 s block: a store that stops answering is noticed
+        socket_connect_timeout=2.0,
+        health_check_interval=10,
+    )
+    return RedisLink(router, pool, client, group, ttl_s=router.settings.session_ttl_s)

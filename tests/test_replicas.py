@@ -1,0 +1,214 @@
+"""Replicas sharing one picture through a real Redis: routers in one event loop, each with its own
+link, as separate ext_proc processes would be (the Envoy test with processes is test_replicas_envoy)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgpack
+import pytest
+from redis.asyncio import Redis
+
+from extproc.core.decision import Label
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.replicas.redis_link import RedisLink
+from extproc.runtime.pool import BackendPool
+from tests.redis_server import PASSWORD, RedisServer
+from tests.test_router import FLEET, A, chat, ok
+
+KEY = b"test-key-16bytes"
+GROUP = "kvroute:test"
+
+
+class Replica:
+    """One router, its pool and its link, running."""
+
+    def __init__(self, server: RedisServer, key: bytes = KEY, **link: Any) -> None:
+        self.router = Router(Settings(hash_key=key))
+        self.pool = BackendPool(FLEET, self.router.remove_backend, 2)
+        client = Redis.from_url(server.url, password=PASSWORD, socket_timeout=5.0, socket_connect_timeout=1.0)
+        self.link = RedisLink(self.router, self.pool, client, GROUP, heartbeat_s=0.2, peer_max_age_s=0.6, **link)
+        self.router.replicas = self.link
+        self.task = asyncio.create_task(self.link.run())
+
+    async def stop(self, clean: bool = True) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            if not clean:
+                self.link.connected = False  # a crash: no goodbye
+            await self.task
+
+    def serve(self, request, now: float) -> str:
+        exchange = self.router.begin(request, self.pool.backends, now)
+        backend = exchange.decision.backend
+        assert backend is not None
+        self.router.response_started(exchange, ok(backend), now)
+        exchange.end()
+        return backend
+
+
+async def until(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Wait for a condition; generous, since the machine is shared (latency is measured in bench)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        code = getattr(check, "__code__", None) or check.func.__code__  # a lambda or a partial
+        assert time.monotonic() < deadline, f"condition of line {code.co_firstlineno} not met in {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def replicas(server: RedisServer, count: int, **link: Any) -> AsyncIterator[list[Replica]]:
+    group = [Replica(server, **link) for _ in range(count)]
+    try:
+        await until(lambda: all(r.link.connected for r in group))
+        yield group
+    finally:
+        for replica in group:
+            await replica.stop()
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+def bound(router: Router, session: str) -> bool:
+    return router.sessions.get(session, now()) is not None
+
+
+def in_loop(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    """Run an async test in its own event loop (fixtures still reach it through the signature)."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+@in_loop
+async def test_a_conversation_stays_on_one_backend_across_replicas(redis_server):
+    async with replicas(redis_server, 3) as group:
+        history: list[dict[str, Any]] = []
+        served = []
+        for turn in range(6):
+            replica = group[turn % 3]  # every turn through another replica
+            if turn:
+                await until(functools.partial(bound, replica.router, "session:conv"))
+            question = f"turn {turn}"
+            served.append(replica.serve(chat(history, "conv", question), now()))
+            history += [{"role": "user", "content": question}, {"role": "assistant", "content": "answer " * 50}]
+        assert len(set(served)) == 1
+
+
+@in_loop
+async def test_a_prefix_learned_through_one_replica_is_found_through_another(redis_server):
+    async with replicas(redis_server, 2) as (first, second):
+        backend = first.serve(chat([], None, "question one"), now())
+        request = chat([], None, "question two")  # the same long system prompt and tools
+        await until(lambda: second.router.query(request, second.pool.backends, now()).matched_blocks > 0)
+        decision = second.router.query(request, second.pool.backends, now())
+        assert (decision.label, decision.backend) == (Label.PREFIX_MATCH, backend)
+        assert first.link.counts["sent"] == 1 and second.link.counts["applied"] == 1  # the chain (no session)
+
+
+@in_loop
+async def test_load_through_one_replica_is_load_for_all_and_returns_to_zero(redis_server):
+    async with replicas(redis_server, 2) as (first, second):
+        held = [first.router.loads.reserve(A, 10) for _ in range(5)]
+        await until(lambda: second.router.loads.get(A).peer_active == 5)
+        assert second.router.loads.get(A).peer_reserved == 50
+        for reservation in held:
+            reservation.finish()
+        await until(lambda: second.router.loads.get(A).peer_active == 0)
+        assert second.router.loads.get(A).peer_reserved == 0
+
+
+@in_loop
+async def test_a_replica_that_dies_stops_counting_and_one_that_starts_replays(redis_server):
+    async with replicas(redis_server, 1) as (survivor,):
+        dying = Replica(redis_server)
+        await until(lambda: dying.link.connected)
+        backend = dying.serve(chat([], "s1", "hello"), now())
+        dying.router.loads.reserve(A, 3)  # never released: the replica crashes with it
+        await until(lambda: survivor.router.loads.get(A).peer_active == 1)
+        await dying.stop(clean=False)
+        await until(lambda: survivor.router.loads.get(A).peer_active == 0)  # its heartbeats stopped
+        late = Replica(redis_server)  # starts after the fact: replays the stream
+        try:
+            await until(lambda: late.link.connected)
+            assert late.router.sessions.get("session:s1", now()) == backend
+            decision = late.router.query(chat([], None, "other"), late.pool.backends, now())
+            assert decision.backend == backend and decision.matched_blocks > 0
+        finally:
+            await late.stop()
+
+
+@in_loop
+async def test_routing_goes_on_while_the_store_is_away_and_sharing_resumes(redis_server):
+    async with replicas(redis_server, 2) as (first, second):
+        redis_server.stop()
+        await until(lambda: not first.link.connected and not second.link.connected)
+        assert first.link.warnings() and "replica store" in first.link.warnings()[0]
+        for turn in range(5):  # still routing, on the local picture
+            first.serve(chat([], f"away-{turn}", "while away"), now())
+        assert first.link.counts["dropped"] >= 5
+        redis_server.start()
+        await until(lambda: first.link.connected and second.link.connected, timeout_s=20)
+        backend = first.serve(chat([], "back", "after"), now())
+        await until(lambda: second.router.sessions.get("session:back", now()) == backend)
+
+
+@in_loop
+async def test_replicas_with_another_hash_key_do_not_share(redis_server):
+    async with replicas(redis_server, 1):
+        stranger = Replica(redis_server, key=b"another-key-16by")
+        try:
+            await until(lambda: stranger.link.counts["store_errors"] > 0)
+            assert not stranger.link.connected and "hash_key" in stranger.link.warnings()[0]
+        finally:
+            await stranger.stop()
+
+
+@in_loop
+async def test_malformed_and_foreign_entries_are_skipped(redis_server):
+    async with replicas(redis_server, 1) as (replica,):
+        client = Redis.from_url(redis_server.url, password=PASSWORD)
+        junk = [
+            b"not msgpack \xc1",
+            msgpack.packb(("l", "other", A, ["not", "ints"])),
+            msgpack.packb(("s", "other", A, b"short")),
+            msgpack.packb(("x", "other", A, 1)),
+            msgpack.packb(("l", "other", "10.9.9.9:8000", [1, 2, 3])),  # not a backend of this pool
+            msgpack.packb(("L", "other", "", {A: "bad"})),
+        ]
+        for message in junk:
+            await client.xadd(f"{GROUP}:events", {"m": message})
+        await until(lambda: replica.link.counts["bad"] >= 5)
+        assert replica.router.index.entries_by_backend().get("10.9.9.9:8000") is None
+        assert replica.link.counts["applied"] == 0
+        await client.aclose()
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@in_loop
+async def test_stream_is_capped(redis_server, size):
+    async with replicas(redis_server, size, max_events=50) as group:
+        for turn in range(300):
+            group[turn % size].serve(chat([], f"cap-{turn}", f"q{turn}"), now())
+        await until(lambda: group[0].link.counts["sent"] >= 600 // size)
+        client = Redis.from_url(redis_server.url, password=PASSWORD)
+        length = await client.xlen(f"{GROUP}:events")
+        ttl = await client.pttl(f"{GROUP}:events")
+        await client.aclose()
+        assert length < 300 and 0 < ttl <= 3600_000  # approximate trimming keeps about max_events
