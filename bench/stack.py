@@ -92,14 +92,20 @@ class Stack:
     envoy_concurrency: int = 1
     policy: str = ""  # NAMESPACE/NAME: the ext_proc follows this KVRoutingPolicy instead of `backends`
     extproc_env: dict[str, str] | None = None  # e.g. the KUBECONFIG of its ServiceAccount
+    extproc_replicas: int = 1  # ext_proc processes behind Envoy; more than one need `replica_store`
+    replica_store: str = ""  # redis:// URL the replicas share their picture through
+    replica_store_password: str = ""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
         self.envoy_admin_port = free_port()
-        self.grpc_port = free_port()
-        self.admin_port = free_port()
-        self.control_port = free_port()
+        self.grpc_ports = [free_port() for _ in range(self.extproc_replicas)]
+        self.admin_ports = [free_port() for _ in range(self.extproc_replicas)]
+        self.control_ports = [free_port() for _ in range(self.extproc_replicas)]
+        self.grpc_port, self.admin_port = self.grpc_ports[0], self.admin_ports[0]
+        self.control_port = self.control_ports[0]
+        self.hash_key = secrets.token_hex(16)  # replicas must hash alike
         self.control_token = secrets.token_hex(16)
         self.grpc_token = secrets.token_hex(16)
         self.sim_ports = [] if self.backends else [free_port() for _ in range(self.sims)]
@@ -121,9 +127,15 @@ class Stack:
     def control_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.control_token}"}
 
-    def debug_state(self) -> dict[str, Any]:
-        """The ext_proc's /debug/state, from the control port with the stack's token."""
-        request = urllib.request.Request(self.control_url + "/debug/state", headers=self.control_headers)
+    @property
+    def extproc_names(self) -> list[str]:
+        """Process names of the ext_proc replicas, in port order."""
+        return ["extproc", *(f"extproc{i}" for i in range(1, self.extproc_replicas))]
+
+    def debug_state(self, replica: int = 0) -> dict[str, Any]:
+        """An ext_proc replica's /debug/state, from its control port with the stack's token."""
+        url = f"http://127.0.0.1:{self.control_ports[replica]}/debug/state"
+        request = urllib.request.Request(url, headers=self.control_headers)
         with urllib.request.urlopen(request, timeout=30) as response:
             return orjson.loads(response.read())
 
@@ -160,8 +172,13 @@ class Stack:
             wait_http(f"http://127.0.0.1:{p}/health", process=process)
 
     def start_extproc(self) -> None:
-        args = ["--grpc-port", str(self.grpc_port), "--admin-port", str(self.admin_port)]
-        args += ["--control-port", str(self.control_port)]
+        for replica in range(self.extproc_replicas):
+            self.start_replica(replica)
+
+    def start_replica(self, replica: int) -> None:
+        """Start (or restart) one ext_proc replica on its own ports."""
+        args = ["--grpc-port", str(self.grpc_ports[replica]), "--admin-port", str(self.admin_ports[replica])]
+        args += ["--control-port", str(self.control_ports[replica])]
         args += ["--control-token-file", self._secret("control.token", self.control_token)]
         args += ["--grpc-token-file", self._secret("grpc.token", self.grpc_token)]
         args += ["--decision-headers", "true"]  # a developer's stack shows why each request went where
@@ -169,14 +186,21 @@ class Stack:
             args += ["--policy", self.policy]
         else:
             args += [a for b in self.backends for a in ("--backend", b)]
-        process = self._spawn("extproc", kvroute_command("extproc", *args, *self.extproc_args), self.extproc_env)
-        wait_http(f"{self.admin_url}/readyz", process=process)
+        env = self.extproc_env
+        if self.replica_store:
+            args += ["--replica-store", self.replica_store, "--replica-group", f"kvroute:{self.workdir.name}"]
+            if self.replica_store_password:
+                args += ["--replica-store-password-file", self._secret("store.password", self.replica_store_password)]
+            env = {**(env or os.environ), "KVROUTE_HASH_KEY": self.hash_key}
+        argv = kvroute_command("extproc", *args, *self.extproc_args)
+        process = self._spawn(self.extproc_names[replica], argv, env)
+        wait_http(f"http://127.0.0.1:{self.admin_ports[replica]}/readyz", process=process)
 
     def start_envoy(self) -> None:
         layout = EnvoyLayout(
             listen_port=self.port,
             admin_port=self.envoy_admin_port,
-            extproc_port=self.grpc_port,
+            extproc_ports=tuple(self.grpc_ports),
             backends=self.backends,
             ext_proc=self.ext_proc,
             extproc_token=self.grpc_token,
@@ -192,7 +216,7 @@ class Stack:
         stop(self.processes.pop(name, None), sig)
 
     def stop(self) -> None:
-        for name in ["envoy", "extproc", *[n for n in self.processes if n.startswith("sim")]]:
+        for name in ["envoy", *self.extproc_names, *[n for n in self.processes if n.startswith("sim")]]:
             self.stop_process(name)
 
     def __enter__(self) -> Stack:

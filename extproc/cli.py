@@ -29,7 +29,9 @@ def parser() -> argparse.ArgumentParser:
     envoy.add_argument("--listen-host", default="127.0.0.1")
     envoy.add_argument("--admin-port", type=int, default=9901)
     envoy.add_argument("--extproc-host", default="127.0.0.1")
-    envoy.add_argument("--extproc-port", type=int, default=9002)
+    envoy.add_argument(
+        "--extproc-port", type=int, action="append", help="ext_proc gRPC port (repeatable: replicas; default 9002)"
+    )
     envoy.add_argument("--backend", action="append", default=[], help="ip:port of a vLLM server (repeatable)")
     envoy.add_argument("--backend-dns", default="", help="NAME:PORT of a headless Service of the vLLM pods")
     envoy.add_argument("--admin-host", default="127.0.0.1", help="Envoy admin address (0.0.0.0 for kubelet probes)")
@@ -57,7 +59,7 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         admin_port=args.admin_port,
         admin_host=args.admin_host,
         extproc_host=args.extproc_host,
-        extproc_port=args.extproc_port,
+        extproc_ports=tuple(args.extproc_port or (9002,)),
         backends=[parse_address(b) for b in args.backend],
         backend_dns=args.backend_dns,
         message_timeout_ms=args.message_timeout_ms,

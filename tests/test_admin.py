@@ -115,7 +115,8 @@ def test_probes_state_and_metrics():
         assert (await monitoring.get("/readyz")).status == 200
         router.loads.reserve(A, 3)
         state = await _json(await client.get("/debug/state"))
-        assert state["load"] == {A: {"reserved_blocks": 3, "active": 1, "engine_requests": 0, "engine_kv_usage": 0.0}}
+        own = {"reserved_blocks": 3, "active": 1, "peer_reserved_blocks": 0, "peer_active": 0}
+        assert state["load"] == {A: {**own, "engine_requests": 0, "engine_kv_usage": 0.0}}
         assert "hash_key" not in state["settings"] and state["settings"]["block_size"] == 512
         metrics = (await (await monitoring.get("/metrics")).read()).decode()
         assert f'kvroute_backend_reserved_blocks{{backend="{A}"}} 3.0' in metrics

@@ -116,7 +116,7 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
             listen_port=8080,
             admin_port=9901,
             extproc_host="kvroute-extproc.kvroute.svc.cluster.local",
-            extproc_port=9002,
+            extproc_ports=(9002,),
             backend_dns="vllm-pods.prod.svc.cluster.local:8001",
             extproc_token=token,
         )

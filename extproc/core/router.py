@@ -464,6 +464,8 @@ class Router:
         return {
             "reserved_blocks": reserved,
             "active": active,
+            "peer_reserved_blocks": load.peer_reserved,  # sibling replicas' reservations
+            "peer_active": load.peer_active,
             "engine_requests": load.engine_requests,
             "engine_kv_usage": load.engine_kv_usage,
         }

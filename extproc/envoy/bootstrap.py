@@ -37,7 +37,7 @@ class EnvoyLayout:
     admin_port: int = 9901
     admin_host: str = "127.0.0.1"
     extproc_host: str = "127.0.0.1"
-    extproc_port: int = 9002
+    extproc_ports: Sequence[int] = (9002,)  # one per replica on the host; a DNS name resolves to each replica
     backends: Sequence[str] = ()
     backend_dns: str = ""
     message_timeout_ms: int = 2000
@@ -123,7 +123,8 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
 
 
 def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
-    """HTTP/2 to the Python processor, one stream per in-flight request, so raise max_requests."""
+    """HTTP/2 to the Python processor, one stream per in-flight request, so raise max_requests.
+    Several replicas (ports, or the A records of a headless Service) share the streams round robin."""
     return {
         "name": "kvroute_extproc",
         **_discovery(layout.extproc_host),
@@ -138,7 +139,7 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
             }
         },
         **_checked_and_unthrottled({"grpc_health_check": {}}),
-        "load_assignment": _endpoints("kvroute_extproc", [f"{layout.extproc_host}:{layout.extproc_port}"]),
+        "load_assignment": _endpoints("kvroute_extproc", [f"{layout.extproc_host}:{p}" for p in layout.extproc_ports]),
     }
 
 

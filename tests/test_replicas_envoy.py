@@ -1,0 +1,118 @@
+"""Three ext_proc replicas behind a real Envoy (which spreads its ext_proc streams over them round
+robin), sharing one picture through a real Redis, in front of simulated vLLM backends."""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from bench.stack import Stack
+from bench.workload import text
+from tests.e2e import eventually, metric, post
+from tests.redis_server import PASSWORD, RedisServer
+
+pytestmark = pytest.mark.envoy
+
+RNG = random.Random(11)
+SYSTEM = text(RNG, 6000)
+REPLICAS = 3
+
+
+@pytest.fixture
+def redis(tmp_path):
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def stack(tmp_path, redis):
+    running = Stack(
+        tmp_path / "stack",
+        sims=4,
+        extproc_replicas=REPLICAS,
+        replica_store=redis.url,
+        replica_store_password=PASSWORD,
+    )
+    with running:
+        eventually(lambda: all(connected(running, r) for r in range(REPLICAS)), message="replicas share")
+        yield running
+
+
+def connected(stack: Stack, replica: int) -> bool:
+    return stack.debug_state(replica)["replicas"]["connected"]
+
+
+def chat(messages: list[dict]) -> dict:
+    return {"model": "sim-model", "messages": messages, "max_tokens": 8}
+
+
+def decisions(stack: Stack, replica: int) -> float:
+    return sum(
+        metric(f"http://127.0.0.1:{stack.admin_ports[replica]}", f'kvroute_decisions_total{{decision="{label}"}}')
+        for label in ("session_match", "prefix_match", "least_loaded", "load_override")
+    )
+
+
+def everywhere(stack: Stack, check: Callable[[dict], bool], message: str) -> None:
+    eventually(lambda: all(check(stack.debug_state(r)) for r in range(REPLICAS)), message=message)
+
+
+def test_conversation_and_shared_prefix_across_replicas(stack: Stack):
+    history = [{"role": "system", "content": SYSTEM}]
+    served, labels = set(), []
+    for turn in range(6):
+        history.append({"role": "user", "content": f"turn {turn}: " + text(RNG, 400)})
+        status, headers, body = post(stack.url, chat(history), {"x-session-id": "conv"})
+        assert status == 200
+        served.add(headers["x-kvroute-backend"])
+        labels.append(headers["x-kvroute-decision"])
+        history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        everywhere(stack, lambda state: state["sessions"] == 1, "every replica knows the session")
+    assert len(served) == 1 and labels[1:] == ["session_match"] * 5
+    assert sum(decisions(stack, r) > 0 for r in range(REPLICAS)) >= 2  # turns were decided by several replicas
+    # Another conversation with the same long system prompt, whichever replica decides it.
+    for question in range(REPLICAS):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"new {question}"}]
+        status, headers, _ = post(stack.url, chat(messages))
+        assert status == 200
+        assert (headers["x-kvroute-decision"], headers["x-kvroute-backend"]) == ("prefix_match", served.pop())
+        served.add(headers["x-kvroute-backend"])
+
+
+def load(stack: Stack, requests: int, during: Callable[[], None]) -> list[int]:
+    """`requests` single-turn requests from 8 clients, calling `during` once a quarter have been sent."""
+
+    def one(i: int) -> int:
+        if i == requests // 4:
+            during()
+        messages = [{"role": "system", "content": SYSTEM[: 2000 + 40 * (i % 20)]}, {"role": "user", "content": str(i)}]
+        return post(stack.url, chat(messages), {"x-session-id": f"load-{i % 16}"})[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(requests)))
+
+
+def test_killing_a_replica_or_the_store_under_load_loses_no_request(stack: Stack, redis: RedisServer):
+    statuses = load(stack, 120, lambda: stack.stop_process("extproc2", signal.SIGKILL))
+    assert statuses == [200] * 120
+    statuses = load(stack, 120, redis.stop)
+    assert statuses == [200] * 120
+    for replica in range(2):
+        assert not connected(stack, replica)
+    redis.start()
+    eventually(lambda: all(connected(stack, r) for r in range(2)), timeout_s=30, message="replicas reconnect")
+    statuses = load(stack, 60, lambda: None)
+    assert statuses == [200] * 60
+    # Every reservation, own and seen from siblings, returns to zero when the load ends.
+    idle = lambda state: all(  # noqa: E731
+        (b["reserved_blocks"], b["active"], b["peer_reserved_blocks"], b["peer_active"]) == (0, 0, 0, 0)
+        for b in state["load"].values()
+    )
+    eventually(lambda: all(idle(stack.debug_state(r)) for r in range(2)), message="reservations back to zero")
