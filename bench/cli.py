@@ -100,6 +100,12 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sim-block-size", type=int, default=16, help="simulated backends' KV block in tokens (vLLM-CPU: 128)"
     )
+    parser.add_argument(
+        "--extproc-replicas",
+        type=int,
+        default=1,
+        help="kvroute ext_proc processes behind Envoy: kvroute shares through a Redis, kvroute-unshared does not",
+    )
 
 
 def _compare_options(args: argparse.Namespace) -> CompareOptions:
@@ -118,6 +124,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         max_input_tokens=args.max_input_tokens,
         sim_args=tuple(args.sim_arg),
         sim_block_tokens=args.sim_block_size,
+        extproc_replicas=args.extproc_replicas,
     )
 
 

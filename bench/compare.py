@@ -37,6 +37,7 @@ class CompareOptions:
     max_input_tokens: int | None = None
     sim_args: tuple[str, ...] = ()
     sim_block_tokens: int = SIM_BLOCK_TOKENS
+    extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
 
 
 def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fleet:
@@ -55,6 +56,8 @@ def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str
     skipped = {}
     if fleet.tokenizer_dir is None and "kvroute-precise" in options.routers:
         skipped["kvroute-precise"] = "needs real vLLM backends (the model's tokenizer and KV events)"
+    if options.extproc_replicas == 1 and "kvroute-unshared" in options.routers:
+        skipped["kvroute-unshared"] = "the same as kvroute with one replica"
     return [r for r in options.routers if r not in skipped], skipped
 
 
@@ -66,11 +69,12 @@ def run_router(
     pacing: Pacing,
     prompts: dict[int, Any],
     workdir: Path,
+    replicas: int = 1,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One router over the fleet with cold caches: its summary (hit rate against the MIN bound on
     the order its requests were really sent) and its per-request records."""
     fleet.reset()
-    router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir)
+    router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir, replicas)
     try:
         summary = asyncio.run(replay(router.url, requests, builder, pacing, fleet.backends, label=name))
     finally:
@@ -100,6 +104,7 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
         "capacity_ratio": options.capacity_ratio,
         "capacity_blocks_per_backend": fleet.capacity_blocks,
         "backend_block_tokens": fleet.block_tokens,
+        "extproc_replicas": options.extproc_replicas,
     }
 
 
@@ -122,7 +127,9 @@ def run(options: CompareOptions) -> dict[str, Any]:
         records: dict[str, list[dict[str, Any]]] = {}
         routers, skipped = runnable(options, fleet)
         for name in routers:
-            summary, records[name] = run_router(fleet, name, requests, builder, options.pacing, prompts, workdir)
+            summary, records[name] = run_router(
+                fleet, name, requests, builder, options.pacing, prompts, workdir, options.extproc_replicas
+            )
             hit = summary["hit_rate"]
             summary["fraction_of_lru"] = round(hit / ideal["lru"], 4) if hit is not None and ideal["lru"] else None
             rows[name] = summary

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.stack import Stack, free_port, spawn, stop, wait_http
+from bench.store import PASSWORD, RedisServer
 from bench.venvs import peers_venv
 
 ROUTERS = (
     "kvroute",
     "kvroute-precise",
+    "kvroute-unshared",
     "envoy-round-robin",
     "vllm-router-cache_aware",
     "vllm-router-round_robin",
@@ -35,28 +37,57 @@ class RunningRouter:
     url: str
     stack: Stack | None = None
     process: subprocess.Popen | None = None
+    store: RedisServer | None = None
 
     def stop(self) -> None:
         if self.stack is not None:
             self.stack.stop()
         stop(self.process)
+        if self.store is not None:
+            self.store.stop()
 
 
-def start(name: str, backends: Sequence[str], workdir: Path, tokenizer_dir: Path | None = None) -> RunningRouter:
+def _kvroute(name: str, backends: Sequence[str], workdir: Path, args: Sequence[str], replicas: int) -> RunningRouter:
+    """kvroute's stack with `replicas` ext_proc processes behind Envoy, sharing through a Redis of
+    their own unless the router is `kvroute-unshared` (each replica routes alone)."""
+    store = RedisServer(workdir).start() if replicas > 1 and name != "kvroute-unshared" else None
+    try:
+        stack = Stack(
+            workdir,
+            backends=list(backends),
+            extproc_args=args,
+            extproc_replicas=replicas,
+            replica_store=store.url if store else "",
+            replica_store_password=PASSWORD if store else "",
+        ).start()
+    except BaseException:
+        if store is not None:
+            store.stop()
+        raise
+    return RunningRouter(name, stack.url, stack=stack, store=store)
+
+
+def start(
+    name: str, backends: Sequence[str], workdir: Path, tokenizer_dir: Path | None = None, replicas: int = 1
+) -> RunningRouter:
     """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves.
-    kvroute-precise needs the served model's tokenizer directory (real vLLM backends)."""
+    kvroute-precise needs the served model's tokenizer directory (real vLLM backends); kvroute's
+    routers run `replicas` ext_proc processes."""
     workdir.mkdir(parents=True, exist_ok=True)
     if name == "kvroute-precise":
         if tokenizer_dir is None:
             raise ValueError("kvroute-precise needs real vLLM backends (their tokenizer and KV events)")
         args = ("--index-mode", "precise", "--tokenizer-path", str(tokenizer_dir))
-        stack = Stack(workdir, backends=list(backends), extproc_args=args).start()
-        if stack.debug_state()["index_mode"] != "precise":
-            stack.stop()
-            raise RuntimeError(f"kvroute did not start precise: {stack.debug_state()['index_mode']}")
-        return RunningRouter(name, stack.url, stack=stack)
-    if name in ("kvroute", "envoy-round-robin"):
-        stack = Stack(workdir, backends=list(backends), ext_proc=name == "kvroute").start()
+        router = _kvroute(name, backends, workdir, args, replicas)
+        assert router.stack is not None
+        if router.stack.debug_state()["index_mode"] != "precise":
+            router.stop()
+            raise RuntimeError(f"kvroute did not start precise: {router.stack.debug_state()['index_mode']}")
+        return router
+    if name in ("kvroute", "kvroute-unshared"):
+        return _kvroute(name, backends, workdir, (), replicas)
+    if name == "envoy-round-robin":
+        stack = Stack(workdir, backends=list(backends), ext_proc=False).start()
         return RunningRouter(name, stack.url, stack=stack)
     tool, policy = name.rsplit("-", 1)
     port, metrics_port = free_port(), free_port()

@@ -14,12 +14,12 @@ import msgpack
 import pytest
 from redis.asyncio import Redis
 
+from bench.store import PASSWORD, RedisServer
 from extproc.core.decision import Label
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.replicas.redis_link import RedisLink
 from extproc.runtime.pool import BackendPool
-from tests.redis_server import PASSWORD, RedisServer
 from tests.test_router import FLEET, A, chat, ok
 
 KEY = b"test-key-16bytes"
@@ -132,6 +132,21 @@ async def test_load_through_one_replica_is_load_for_all_and_returns_to_zero(redi
             reservation.finish()
         await until(lambda: second.router.loads.get(A).peer_active == 0)
         assert second.router.loads.get(A).peer_reserved == 0
+
+
+@in_loop
+async def test_bytes_per_token_counts_every_replicas_requests(redis_server):
+    async with replicas(redis_server, 2) as (first, second):
+        for replica in (first, second):  # the engines' counters start here
+            for backend in (b.address for b in FLEET):
+                replica.router.bytes_per_token.engine_tokens(backend, 1000.0)
+        for turn in range(20):
+            backend = first.serve(chat([], "bytes", f"question {turn}"), now())  # a session: all on one backend
+        sent = first.router.bytes_per_token.sent[backend]
+        ratio = second.router.bytes_per_token
+        await until(lambda: ratio._pending_bytes.get(backend, 0) > 0)
+        ratio.engine_tokens(backend, 1000.0 + sent / 2.5)  # the engine counted the sibling's requests
+        assert ratio.value == pytest.approx(2.5, rel=0.2)  # without the sibling's bytes: the 1.0 floor
 
 
 @in_loop

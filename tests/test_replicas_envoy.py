@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bench.stack import Stack
+from bench.store import PASSWORD, RedisServer
 from bench.workload import text
 from tests.e2e import eventually, metric, post
-from tests.redis_server import PASSWORD, RedisServer
 
 pytestmark = pytest.mark.envoy
 
@@ -23,21 +23,12 @@ REPLICAS = 3
 
 
 @pytest.fixture
-def redis(tmp_path):
-    server = RedisServer(tmp_path).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def stack(tmp_path, redis):
+def stack(tmp_path, redis_server):
     running = Stack(
         tmp_path / "stack",
         sims=4,
         extproc_replicas=REPLICAS,
-        replica_store=redis.url,
+        replica_store=redis_server.url,
         replica_store_password=PASSWORD,
     )
     with running:
@@ -99,14 +90,14 @@ def load(stack: Stack, requests: int, during: Callable[[], None]) -> list[int]:
         return list(pool.map(one, range(requests)))
 
 
-def test_killing_a_replica_or_the_store_under_load_loses_no_request(stack: Stack, redis: RedisServer):
+def test_killing_a_replica_or_the_store_under_load_loses_no_request(stack: Stack, redis_server: RedisServer):
     statuses = load(stack, 120, lambda: stack.stop_process("extproc2", signal.SIGKILL))
     assert statuses == [200] * 120
-    statuses = load(stack, 120, redis.stop)
+    statuses = load(stack, 120, redis_server.stop)
     assert statuses == [200] * 120
     for replica in range(2):
         assert not connected(stack, replica)
-    redis.start()
+    redis_server.start()
     eventually(lambda: all(connected(stack, r) for r in range(2)), timeout_s=30, message="replicas reconnect")
     statuses = load(stack, 60, lambda: None)
     assert statuses == [200] * 60

@@ -8,7 +8,8 @@ other languages differ (the tiny test model's is about 3.4). The ratio is learne
 bytes kvroute sends each backend against the prompt tokens the engine reports
 (`vllm:request_prompt_tokens_sum`, counted when requests finish: windows between samples do not
 line up exactly with what was sent, but their sums do); traffic kvroute did not send only adds
-tokens, so it errs low. (Each backend's picture is still sized at 4 bytes a token: see Router._blocks.)
+tokens, so it errs low. With several replicas, each also counts the bytes its siblings sent
+(`add`, from their published totals `sent`): the engine's counter sees every replica's requests.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class BytesPerToken:
     the CBR bytes of requests that ended on each backend and the prompt tokens its engine counted
     for finished requests, both taken when requests end so the two sums line up."""
 
-    __slots__ = ("_bytes", "_pending_bytes", "_tokens", "_total_tokens", "value")
+    __slots__ = ("_bytes", "_pending_bytes", "_tokens", "_total_tokens", "sent", "value")
 
     def __init__(self, value: float = DEFAULT_BYTES_PER_TOKEN) -> None:
         self.value = value
@@ -32,9 +33,15 @@ class BytesPerToken:
         self._tokens: dict[str, float] = {}  # the engine's prompt-token counter at the last window
         self._bytes = 0.0  # decayed sums over windows
         self._total_tokens = 0.0
+        self.sent: dict[str, int] = {}  # CBR bytes of this replica's requests that ended, per backend, ever
 
     def ended(self, backend: str, cbr_bytes: int) -> None:
-        """A request of this many CBR bytes that kvroute sent to the backend ended."""
+        """A request of this many CBR bytes that this replica sent to the backend ended."""
+        self.sent[backend] = self.sent.get(backend, 0) + cbr_bytes
+        self.add(backend, cbr_bytes)
+
+    def add(self, backend: str, cbr_bytes: int) -> None:
+        """CBR bytes of requests that ended on the backend, this replica's or a sibling's."""
         if backend in self._tokens:
             self._pending_bytes[backend] = self._pending_bytes.get(backend, 0) + cbr_bytes
 
@@ -58,3 +65,4 @@ class BytesPerToken:
     def forget(self, backend: str) -> None:
         self._pending_bytes.pop(backend, None)
         self._tokens.pop(backend, None)
+        self.sent.pop(backend, None)

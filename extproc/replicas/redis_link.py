@@ -7,7 +7,9 @@ round trip, a millisecond on a LAN), so two replicas disagree only for that long
 starts, or comes back after the store was away, first replays the events stream (the last
 `max_events` entries, each applied at its age by the store's clock) and then follows it. Load is
 a vector per replica, sent when it changes (at most every `load_period_s`) and at least every
-`heartbeat_s`; a replica not heard from for `peer_max_age_s` counts for nothing.
+`heartbeat_s`; a replica not heard from for `peer_max_age_s` counts for nothing. The vector also
+carries the CBR bytes the replica has sent each backend, so every replica learns the fleet's
+bytes per token from all the traffic the engines count, not its own share of it.
 
 The store going away never stops routing: writes are dropped and counted, the link says so in
 /readyz, and it reconnects with backoff. Entries are applied only for backends in this replica's
@@ -89,6 +91,7 @@ class RedisLink:
         self._outbox: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._peers = PeerLoads(peer_max_age_s)
+        self._peer_sent: dict[tuple[str, str], int] = {}  # (replica, backend) -> bytes it last reported
         self.connected = False
         self.problem = "connecting"  # why not connected, for /readyz
         self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors"), 0)
@@ -216,6 +219,17 @@ class RedisLink:
                     ids[key] = entry_id
             self._router.loads.set_peers(self._known(self._peers.totals(self._clock())))
 
+    def _peer_bytes(self, replica: str, sent: dict[str, int]) -> None:
+        """Add what a sibling sent each known backend since its last report (the first report, or a
+        total that went back because the sibling restarted, only sets the baseline)."""
+        if len(self._peer_sent) > 4096:  # replicas come and go: forget them (baselines start again)
+            self._peer_sent.clear()
+        for backend, total in sent.items():
+            before = self._peer_sent.get((replica, backend))
+            self._peer_sent[(replica, backend)] = total
+            if before is not None and total > before and self._pool.is_known(backend):
+                self._router.bytes_per_token.add(backend, total - before)
+
     def _known(self, totals: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
         return {b: load for b, load in totals.items() if self._pool.is_known(b)}
 
@@ -225,8 +239,9 @@ class RedisLink:
             if replica == self.replica:
                 return
             if kind == LOAD:
-                vector = {str(b): (int(r), int(a)) for b, (r, a) in payload.items()}
-                self._peers.update(replica, vector, self._clock())
+                vector = {str(b): (int(r), int(a), int(s)) for b, (r, a, s) in payload.items()}
+                self._peers.update(replica, {b: (r, a) for b, (r, a, _) in vector.items()}, self._clock())
+                self._peer_bytes(replica, {b: s for b, (_, _, s) in vector.items()})
                 return
             if not self._pool.is_known(backend):
                 return  # a backend this replica does not route to (yet): nothing to apply
@@ -259,18 +274,26 @@ class RedisLink:
     async def _publish_load(self) -> None:
         """This replica's load vector: on change, at most every load_period_s; at least every
         heartbeat_s, so siblings know it is alive."""
-        sent: dict[str, tuple[int, int]] | None = None
+        sent: dict[str, tuple[int, int, int]] | None = None
         sent_at = float("-inf")
         while not _cancelled():
             now = self._clock()
-            vector = {b: load for b, load in self._router.loads.snapshot().items() if load != (0, 0)}
+            vector = self._vector()
             if vector != sent or now - sent_at >= self._heartbeat_s:
                 await self._add_load(vector)
                 sent, sent_at = vector, now
                 self._router.loads.set_peers(self._known(self._peers.totals(now)))
             await asyncio.sleep(self._load_period_s)
 
-    async def _add_load(self, vector: dict[str, tuple[int, int]]) -> None:
+    def _vector(self) -> dict[str, tuple[int, int, int]]:
+        """backend -> (reserved blocks, active requests, CBR bytes sent ever) of this replica, for
+        every backend of its pool from the start, so siblings' baselines start at zero."""
+        loads = self._router.loads.snapshot()
+        sent = self._router.bytes_per_token.sent
+        backends = {b.address for b in self._pool.backends} | loads.keys()
+        return {b: (*loads.get(b, (0, 0)), sent.get(b, 0)) for b in backends}
+
+    async def _add_load(self, vector: dict[str, tuple[int, int, int]]) -> None:
         message = msgpack.packb((LOAD, self.replica, "", vector))
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.xadd(self._load_key, {"m": message}, maxlen=1000, approximate=True)

@@ -1,5 +1,5 @@
-"""A real Redis server for the replica tests: installed by tests/redis/install (cached outside the
-clone), on loopback, no persistence, a password, stopped however the test ends."""
+"""A real Redis server for replicas in tests and benchmarks: installed by bench/redis/install
+(cached outside the clone), on loopback, no persistence, a password."""
 
 from __future__ import annotations
 
@@ -8,18 +8,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from bench.stack import free_port
+
 INSTALL = Path(__file__).parent / "redis" / "install"
 PASSWORD = "replica-test-password"
 
 
 def redis_binary() -> str:
     return subprocess.run([str(INSTALL)], check=True, capture_output=True, text=True).stdout.strip()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:
