@@ -55,8 +55,14 @@ def test_lint_passes(helm):
 
 @pytest.mark.parametrize(
     "values",
-    [{}, {"envoy": {"enabled": False}}, {"policy": {"create": False}}, {"controller": {"replicas": 3}}],
-    ids=["defaults", "no-envoy", "no-policy", "three-controllers"],
+    [
+        {},
+        {"envoy": {"enabled": False}},
+        {"policy": {"create": False}},
+        {"controller": {"replicas": 3}},
+        {"extproc": {"replicas": 3, "replicaStore": {"deploy": True}}},
+    ],
+    ids=["defaults", "no-envoy", "no-policy", "three-controllers", "three-extproc-replicas"],
 )
 def test_rendered_builtin_objects_are_valid(helm, tmp_path, values):
     for doc in template(helm, tmp_path, values):
@@ -85,9 +91,11 @@ def test_defaults_render_everything(helm, tmp_path):
         "RoleBinding/kvroute-extproc",
         "Secret/kvroute-envoy",
         "Secret/kvroute-grpc-token",
+        "Secret/kvroute-hash-key",
         "Service/kvroute-controller",
         "Service/kvroute-envoy",
         "Service/kvroute-extproc",
+        "Service/kvroute-extproc-pods",
         "ServiceAccount/kvroute-controller",
         "ServiceAccount/kvroute-extproc",
     ]
@@ -115,7 +123,7 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
             listen_host="0.0.0.0",
             listen_port=8080,
             admin_port=9901,
-            extproc_host="kvroute-extproc.kvroute.svc.cluster.local",
+            extproc_host="kvroute-extproc-pods.kvroute.svc.cluster.local",  # headless: every replica
             extproc_ports=(9002,),
             backend_dns="vllm-pods.prod.svc.cluster.local:8001",
             extproc_token=token,
@@ -128,6 +136,31 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
 
 
 COMPONENT = "app.kubernetes.io/component"
+
+
+def test_replicas_share_through_a_store_the_chart_deploys_or_is_given(helm, tmp_path):
+    docs = template(helm, tmp_path, {"extproc": {"replicas": 3, "replicaStore": {"deploy": True}}})
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    extproc = named[("Deployment", "kvroute-extproc")]["spec"]["template"]["spec"]
+    args = extproc["containers"][0]["args"]
+    assert args[args.index("--replica-store") + 1] == "redis://kvroute-replica-store.kvroute.svc.cluster.local:6379/0"
+    assert args[args.index("--replica-store-password-file") + 1] == "/etc/kvroute/store/password"
+    volumes = {v["name"]: v for v in extproc["volumes"]}
+    assert volumes["replica-store"]["secret"]["secretName"] == "kvroute-replica-store"
+    key = named[("Secret", "kvroute-hash-key")]["stringData"]["key"]
+    assert len(bytes.fromhex(key)) == 16  # one key for every replica
+    assert len(named[("Secret", "kvroute-replica-store")]["stringData"]["password"]) == 40
+    store = named[("NetworkPolicy", "kvroute-replica-store")]["spec"]["ingress"]
+    assert [p["podSelector"]["matchLabels"][COMPONENT] for r in store for p in r["from"]] == ["extproc"]
+    assert named[("Service", "kvroute-extproc-pods")]["spec"]["clusterIP"] == "None"
+    given = {"replicas": 2, "replicaStore": {"url": "rediss://store.example:6380/1", "passwordSecret": "mine"}}
+    docs = template(helm, tmp_path, {"extproc": given})
+    assert not [d for d in docs if d["metadata"]["name"] == "kvroute-replica-store"]
+    extproc = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
+    args = extproc["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--replica-store") + 1] == "rediss://store.example:6380/1"
+    with pytest.raises(AssertionError, match=r"needs extproc\.replicaStore"):
+        template(helm, tmp_path, {"extproc": {"replicas": 2}})
 
 
 def test_the_vllm_pods_admit_envoy_and_the_ext_proc_only(helm, tmp_path):
