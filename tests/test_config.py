@@ -54,3 +54,10 @@ def test_unknown_keys_and_bad_settings_are_errors(tmp_path):
         config.load(parse(["--config", str(path)]), {})
     with pytest.raises(ValueError, match="block_size"):
         config.load(parse(["--block-size", "12"]), {})
+
+
+def test_a_replica_store_needs_a_hash_key_every_replica_shares():
+    with pytest.raises(ValueError, match="explicit hash_key"):
+        config.load(parse(["--replica-store", "redis://127.0.0.1:6379/0"]), {})
+    loaded = config.load(parse(["--replica-store", "redis://127.0.0.1:6379/0"]), {"KVROUTE_HASH_KEY": "cd" * 16})
+    assert (loaded.replica_store, loaded.routing.hash_key) == ("redis://127.0.0.1:6379/0", bytes.fromhex("cd" * 16))

@@ -8,12 +8,13 @@ import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import pytest
 
 from bench.stack import Stack
 from bench.store import PASSWORD, RedisServer
 from bench.workload import text
-from tests.e2e import eventually, metric, post
+from tests.e2e import eventually, get, metric, post
 
 pytestmark = pytest.mark.envoy
 
@@ -97,6 +98,8 @@ def test_killing_a_replica_or_the_store_under_load_loses_no_request(stack: Stack
     assert statuses == [200] * 120
     for replica in range(2):
         assert not connected(stack, replica)
+        ready = get(f"http://127.0.0.1:{stack.admin_ports[replica]}", "/readyz")
+        assert ready[0] == 200 and any("replica store" in w for w in orjson.loads(ready[2])["warnings"])
     redis_server.start()
     eventually(lambda: all(connected(stack, r) for r in range(2)), timeout_s=30, message="replicas reconnect")
     statuses = load(stack, 60, lambda: None)
