@@ -240,15 +240,23 @@ def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, t
     policy = cp.get("kvrp", "default", "-n", "chart-llm")
     assert policy["spec"]["routing"]["blockSize"] == 512
 
-    values.write_text(
-        yaml.safe_dump(
-            {"policy": {"namespace": "chart-llm", "routing": {"blockSize": 1024}}, "controller": {"replicas": 3}}
-        )
-    )
+    upgraded = {
+        "policy": {"namespace": "chart-llm", "routing": {"blockSize": 1024}},
+        "controller": {"replicas": 3},
+        "extproc": {"replicas": 3, "replicaStore": {"deploy": True}},
+    }
+    values.write_text(yaml.safe_dump(upgraded))
     token = cp.get("secret", "kvroute-grpc-token", "-n", "chart")["data"]["token"]
+    key = cp.get("secret", "kvroute-hash-key", "-n", "chart")["data"]["key"]
     cp.helm("upgrade", "kvroute", str(CHART), "-n", "chart", "-f", str(values), "--wait=false")
     assert cp.get("secret", "kvroute-grpc-token", "-n", "chart")["data"]["token"] == token  # kept on upgrade
+    assert cp.get("secret", "kvroute-hash-key", "-n", "chart")["data"]["key"] == key  # replicas keep hashing alike
     assert cp.get("deployment", "kvroute-controller", "-n", "chart")["spec"]["replicas"] == 3
+    assert cp.get("deployment", "kvroute-extproc", "-n", "chart")["spec"]["replicas"] == 3
+    assert cp.get("deployment", "kvroute-replica-store", "-n", "chart")["spec"]["replicas"] == 1
+    password = cp.get("secret", "kvroute-replica-store", "-n", "chart")["data"]["password"]
+    cp.helm("upgrade", "kvroute", str(CHART), "-n", "chart", "-f", str(values), "--wait=false")
+    assert cp.get("secret", "kvroute-replica-store", "-n", "chart")["data"]["password"] == password
     assert cp.get("kvrp", "default", "-n", "chart-llm")["spec"]["routing"]["blockSize"] == 1024
 
     cp.helm("uninstall", "kvroute", "-n", "chart", "--wait=false")
