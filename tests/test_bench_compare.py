@@ -32,9 +32,11 @@ def test_compare_smoke_all_routers(tmp_path: Path):
             pacing=Pacing(speedup=40.0),
             max_output_tokens=4,
             sim_args=FAST_SIM,
+            extproc_replicas=2,  # kvroute's two replicas share through a Redis; kvroute-unshared's do not
         )
     )
     assert set(results["routers"]) == set(ROUTERS) - {"kvroute-precise"}
+    assert results["extproc_replicas"] == 2
     assert "real vLLM" in results["skipped"]["kvroute-precise"]  # simulated backends have no tokenizer or events
     oracle = results["oracle_hit_rate"]
     assert 0 < oracle < 1
