@@ -106,7 +106,8 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "--extproc-replicas",
         type=int,
         default=1,
-        help="kvroute ext_proc processes behind Envoy: kvroute shares through a Redis, kvroute-unshared does not",
+        help="router replicas: kvroute's ext_proc processes behind its Envoy (kvroute shares through a Redis, "
+        "kvroute-unshared does not); a peer's independent processes behind an Envoy round robin",
     )
 
 

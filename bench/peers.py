@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.stack import Stack, free_port, spawn, stop, wait_http
@@ -36,13 +36,14 @@ class RunningRouter:
     name: str
     url: str
     stack: Stack | None = None
-    process: subprocess.Popen | None = None
+    processes: list[subprocess.Popen] = field(default_factory=list)
     store: RedisServer | None = None
 
     def stop(self) -> None:
         if self.stack is not None:
             self.stack.stop()
-        stop(self.process)
+        for process in self.processes:
+            stop(process)
         if self.store is not None:
             self.store.stop()
 
@@ -72,7 +73,8 @@ def start(
 ) -> RunningRouter:
     """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves.
     kvroute-precise needs the served model's tokenizer directory (real vLLM backends); kvroute's
-    routers run `replicas` ext_proc processes."""
+    routers run `replicas` ext_proc processes, the peers `replicas` independent processes behind an
+    Envoy round robin."""
     workdir.mkdir(parents=True, exist_ok=True)
     if name == "kvroute-precise":
         if tokenizer_dir is None:
@@ -89,6 +91,22 @@ def start(
     if name == "envoy-round-robin":
         stack = Stack(workdir, backends=list(backends), ext_proc=False).start()
         return RunningRouter(name, stack.url, stack=stack)
+    router = RunningRouter(name, "")
+    try:
+        ports = [_peer(name, backends, workdir / f"{name}-{i}.log", router) for i in range(replicas)]
+        if replicas == 1:
+            router.url = f"http://127.0.0.1:{ports[0]}"
+        else:  # independent replicas behind a round robin, as they would run for availability
+            router.stack = Stack(workdir, backends=[f"127.0.0.1:{p}" for p in ports], ext_proc=False).start()
+            router.url = router.stack.url
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+def _peer(name: str, backends: Sequence[str], log: Path, router: RunningRouter) -> int:
+    """Start one vllm-router or sglang-router process (kept in `router`); return its port once it serves."""
     tool, policy = name.rsplit("-", 1)
     port, metrics_port = free_port(), free_port()
     binary = peers_venv() / "bin" / tool
@@ -96,11 +114,7 @@ def start(
     argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
     argv += ["--worker-urls", *(f"http://{b}" for b in backends)]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
-    process = spawn(argv, workdir / f"{name}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/v1/models", timeout_s=60, process=process)
-    except BaseException:
-        stop(process)
-        raise
-    return RunningRouter(name, url, process=process)
+    process = spawn(argv, log)
+    router.processes.append(process)
+    wait_http(f"http://127.0.0.1:{port}/v1/models", timeout_s=60, process=process)
+    return port
