@@ -4,7 +4,8 @@ real Redis, and what telling costs the replica on its hot path.
 Two routers with their links in one event loop (as two processes would be, minus the scheduler):
 replica A learns a prompt, binds a session or takes a reservation; the time until replica B's
 picture shows it is measured by polling B every 0.2 ms. Also the cost of the hooks a routed
-request calls (`learned` and `bound`: pack a message and queue it).
+request calls (`learned` and `bound`: pack a message and queue it), and of applying one sibling
+request's chain and binding (index and session updates, without the message decoding).
 """
 
 from __future__ import annotations
@@ -86,12 +87,20 @@ async def _measure(url: str, samples: int) -> dict[str, Any]:
             link_a.learned(FLEET[0].address, chain)
             link_a.bound(KEY, FLEET[0].address)
         hooks_us = (time.perf_counter() - start) / 10_000 * 1e6
+        chains = [b.chain_of(b.parse(conversation(8000, seed=i), {})) for i in range(1000)]
+        start = time.perf_counter()
+        for i, chain in enumerate(chains):  # what each sibling request costs this replica, once it arrives
+            b.peer_learned(chain, FLEET[i % 4].address, time.monotonic())
+            b.peer_bound(KEY, FLEET[i % 4].address, time.monotonic())
+        apply_us = (time.perf_counter() - start) / len(chains) * 1e6
         return {
             "samples": samples,
             "learned_prefix_visible": _percentiles(learn),
             "session_visible": _percentiles(bind),
             "reservation_visible": _percentiles(load),
             "hooks_per_request_us": round(hooks_us, 2),
+            "apply_per_sibling_request_us": round(apply_us, 2),
+            "blocks_per_request": len(chains[0]),
         }
     finally:
         for task in tasks:
