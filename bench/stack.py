@@ -95,6 +95,7 @@ class Stack:
     extproc_replicas: int = 1  # ext_proc processes behind Envoy; more than one need `replica_store`
     replica_store: str = ""  # redis:// URL the replicas share their picture through
     replica_store_password: str = ""
+    destination_from: str = "header"  # or "metadata": Envoy follows kvroute's `envoy.lb` dynamic metadata
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -204,6 +205,7 @@ class Stack:
             backends=self.backends,
             ext_proc=self.ext_proc,
             extproc_token=self.grpc_token,
+            destination_from=self.destination_from,
         )
         config = self.workdir / "envoy.yaml"
         config.write_text(render(layout))

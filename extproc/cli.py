@@ -38,6 +38,12 @@ def parser() -> argparse.ArgumentParser:
     envoy.add_argument("--message-timeout-ms", type=int, default=2000)
     envoy.add_argument("--no-ext-proc", action="store_true", help="plain round robin, for comparisons")
     envoy.add_argument(
+        "--destination-from",
+        choices=("header", "metadata"),
+        default="header",
+        help="where Envoy reads kvroute's choice: the destination header or `envoy.lb` dynamic metadata",
+    )
+    envoy.add_argument(
         "--extproc-token-file", default="", help="file with the token Envoy sends the ext_proc (its --grpc-token-file)"
     )
     envoy.add_argument(
@@ -64,6 +70,7 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         backend_dns=args.backend_dns,
         message_timeout_ms=args.message_timeout_ms,
         ext_proc=not args.no_ext_proc,
+        destination_from=args.destination_from,
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
         forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
     )

@@ -16,6 +16,7 @@ from extproc.admin.app import Admin
 from extproc.core.router import Router
 from extproc.envoy.auth import TokenInterceptor
 from extproc.envoy.processor import Processor
+from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
@@ -91,7 +92,10 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         await runners[1].setup()
         await web.TCPSite(runners[1], config.control_host, config.control_port).start()
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.
+    processor_service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+    for service in ("", "liveness", "readiness", processor_service):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     admin.serving = True
     tasks = [
         asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),

@@ -212,14 +212,17 @@ def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
             finally:
                 call.cancel()
 
-    async def health() -> int:
+    async def health(service: str = "") -> int:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
-            return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
+            request = health_pb2.HealthCheckRequest(service=service)
+            return (await health_pb2_grpc.HealthStub(channel).Check(request)).status
 
     assert asyncio.run(attempt((), write=False)) == grpc.StatusCode.UNAUTHENTICATED
     assert asyncio.run(attempt((("authorization", "Bearer forged"),), write=False)) == grpc.StatusCode.UNAUTHENTICATED
     assert asyncio.run(attempt((("authorization", f"Bearer {stack.grpc_token}"),), write=True)) == grpc.StatusCode.OK
-    assert asyncio.run(health()) == health_pb2.HealthCheckResponse.SERVING
+    # The server's own, and the services the endpoint-picker protocol's gateways probe.
+    for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert asyncio.run(health(service)) == health_pb2.HealthCheckResponse.SERVING, service
     assert metric(stack.admin_url, 'kvroute_errors_total{kind="unauthenticated_stream"}') == before + 2
     status, _, _ = post(stack.url, chat([{"role": "user", "content": "through Envoy, which has the token"}]))
     assert status == 200

@@ -92,6 +92,34 @@ def test_learns_where_the_response_really_came_from(parts):
     assert router.stats.rerouted == 1
 
 
+def test_the_destination_is_also_envoy_lb_metadata_and_a_gateway_reports_what_served(parts):
+    # The endpoint-picker protocol: gateways read the destination from the header or from
+    # `envoy.lb` dynamic metadata, and report the endpoint that served in that namespace.
+    router, _, _, processor = parts
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    reply = processor.handle(body(), stream)
+    target = set_headers(reply.request_body.response.header_mutation)[DESTINATION_HEADER]
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[DESTINATION_HEADER].string_value == target
+    served = target.split(",")[1]
+    message = response_headers("200", "via_upstream", "")  # no upstream.address attribute from this gateway
+    message.metadata_context.filter_metadata["envoy.lb"].update({"x-gateway-destination-endpoint-served": served})
+    reply = processor.handle(message, stream)
+    assert set_headers(reply.response_headers.response.header_mutation)["x-kvroute-backend"] == served
+    assert router.index.entries_by_backend() == {served: 5}
+
+
+def test_no_backend_means_no_destination_metadata(parts):
+    _, pool, _, processor = parts
+    pool.replace([])
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    reply = processor.handle(body(), stream)
+    assert not reply.HasField("dynamic_metadata")
+    assert list(reply.request_body.response.header_mutation.remove_headers) == [DESTINATION_HEADER]
+
+
 @pytest.mark.parametrize(
     ("status", "details", "upstream"),
     [

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy.headers import DESTINATION_HEADER
+from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE
 
 BODY_LIMIT = 32 * 1024 * 1024
 MAX_CONNECTIONS = 50_000
@@ -44,6 +44,9 @@ class EnvoyLayout:
     ext_proc: bool = True
     extproc_token: str = ""  # sent as `authorization: Bearer` gRPC metadata; the ext_proc checks it
     forward_headers: Sequence[str] = FORWARD_HEADERS
+    # Where override_host reads kvroute's choice: the request header, or the `envoy.lb` dynamic
+    # metadata (as endpoint-picker gateways do); kvroute sends both.
+    destination_from: str = "header"
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -92,6 +95,14 @@ def _checked_and_unthrottled(check: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _destination_source(layout: EnvoyLayout) -> dict[str, Any]:
+    if layout.destination_from == "metadata":
+        return {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}
+    if layout.destination_from != "header":
+        raise ValueError(f"destination_from is header or metadata, not {layout.destination_from!r}")
+    return {"header": DESTINATION_HEADER}
+
+
 def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     """Members (override_host only honours members) with active /health checks."""
     members = [layout.backend_dns] if layout.backend_dns else list(layout.backends)
@@ -104,7 +115,7 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
                         "name": "envoy.load_balancing_policies.override_host",
                         "typed_config": {
                             "@type": _TYPES + "extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                            "override_host_sources": [{"header": DESTINATION_HEADER}],
+                            "override_host_sources": [_destination_source(layout)],
                             "fallback_policy": _round_robin(),
                         },
                     }
@@ -178,6 +189,8 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
             "response_attributes": ["response.code_details", "upstream.address"],
         },
     }
+    if layout.destination_from == "metadata":  # Envoy drops what an ext_proc sends unless its namespace is listed
+        ext_proc["typed_config"]["metadata_options"] = {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}}
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": _TYPES + "extensions.filters.http.router.v3.Router"},

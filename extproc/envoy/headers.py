@@ -3,3 +3,7 @@
 # The endpoint-picker protocol's destination header: kvroute sets it, Envoy's override_host
 # policy follows it, and any client-supplied copy is stripped before ext_proc sees the request.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# The same protocol's dynamic metadata: the destination goes out under this namespace and the
+# DESTINATION_HEADER key too; gateways report the endpoint that served under SERVED_KEY.
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"

@@ -1,8 +1,10 @@
 """The Envoy external processor: one gRPC stream per HTTP request.
 
 A translator between Envoy's protobuf messages and the core's request lifecycle:
-request headers -> (LLM path?) -> buffered body -> Router.begin -> destination header;
-response headers -> Router.response_started (the core decides what to learn and which headers
+request headers -> (LLM path?) -> buffered body -> Router.begin -> destination header, and the
+same in `envoy.lb` dynamic metadata (the endpoint-picker protocol: gateways read either);
+response headers (the served endpoint from `envoy.lb` metadata or the `upstream.address`
+attribute) -> Router.response_started (the core decides what to learn and which headers
 to add); stream end -> Exchange.end, exactly once, from the gRPC done callback.
 """
 
@@ -19,7 +21,7 @@ import grpc
 from extproc.core.errors import InvalidRequest
 from extproc.core.request import PromptRequest
 from extproc.core.router import Exchange, ResponseStart, Router
-from extproc.envoy.headers import DESTINATION_HEADER
+from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
@@ -63,6 +65,21 @@ def _header(key: str, value: str) -> pb.HeaderValueOption:
 
 def _headers(message: pb.HttpHeaders) -> dict[str, str]:
     return {h.key: h.raw_value.decode("latin-1") for h in message.headers.headers}
+
+
+def _served(message: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served, as a gateway reports it in `envoy.lb` dynamic metadata."""
+    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    value = None if namespace is None else namespace.fields.get(SERVED_KEY)
+    return value.string_value if value is not None and value.string_value else None
+
+
+def _with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.ProcessingResponse:
+    """The destination also as `envoy.lb` dynamic metadata, same key and value as the header."""
+    if target:
+        lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value
+        lb.fields[DESTINATION_HEADER].string_value = target
+    return response
 
 
 def _attribute(message: pb.ProcessingRequest, name: str) -> str | None:
@@ -164,18 +181,20 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return response
         if message.end_of_stream:
             self._metrics.errors.labels("empty_body").inc()
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._route(stream, None)))
+            common, target = self._route(stream, None)
+            return _with_destination(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common)), target)
         return _STRIP_HEADERS if spoofed else _CONTINUE_HEADERS
 
     def _on_request_body(self, message: pb.HttpBody, stream: Stream) -> pb.ProcessingResponse:
         if stream.routed or not stream.headers:
             return _CONTINUE_BODY
         body = message.body if stream.prepared is None else b""  # already parsed off the loop: no second copy
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=self._route(stream, body)))
+        common, target = self._route(stream, body)
+        return _with_destination(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)), target)
 
-    def _route(self, stream: Stream, body: bytes | None) -> pb.CommonResponse:
-        """Body -> exchange -> destination header. A missing or unreadable body goes least loaded
-        (fail-open), counted once under its own kind."""
+    def _route(self, stream: Stream, body: bytes | None) -> tuple[pb.CommonResponse, str | None]:
+        """Body -> exchange -> destination header (and the destination, for the metadata). A
+        missing or unreadable body goes least loaded (fail-open), counted once under its own kind."""
         stream.routed = True
         started = time.perf_counter()
         backends = self._pool.backends
@@ -198,12 +217,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         stream.exchange = exchange
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         decision = exchange.decision
-        mutation = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
-        if decision.backend is not None:
-            target = decision.backend if decision.second is None else f"{decision.backend},{decision.second}"
-            del mutation.remove_headers[:]
-            mutation.set_headers.append(_header(DESTINATION_HEADER, target))
-        return pb.CommonResponse(header_mutation=mutation)
+        if decision.backend is None:
+            return pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])), None
+        target = decision.backend if decision.second is None else f"{decision.backend},{decision.second}"
+        mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, target)])
+        return pb.CommonResponse(header_mutation=mutation), target
 
     def _prepare(self, body: bytes, headers: dict[str, str]) -> PromptRequest | InvalidRequest:
         """Parse, tokenize (precise mode) and hash a body; may run in a worker thread (the router's
@@ -221,7 +239,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return _CONTINUE_RESPONSE_HEADERS
         status = _headers(message.response_headers).get(":status", "")
         details = _attribute(message, "response.code_details") or ""
-        upstream = _attribute(message, "upstream.address") or ""
+        upstream = _served(message) or _attribute(message, "upstream.address") or ""
         known = self._pool.canonical(upstream)
         start = ResponseStart(
             upstream=known or upstream,

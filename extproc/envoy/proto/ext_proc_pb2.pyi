@@ -79,7 +79,7 @@ class ProcessingMode(_message.Message):
     def __init__(self, request_header_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ..., response_header_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ..., request_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., response_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., request_trailer_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ..., response_trailer_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ...) -> None: ...
 
 class ProcessingRequest(_message.Message):
-    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "attributes", "observability_mode")
+    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "metadata_context", "attributes", "observability_mode")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class ProcessingRequest(_message.Message):
     RESPONSE_BODY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TRAILERS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     OBSERVABILITY_MODE_FIELD_NUMBER: _ClassVar[int]
     request_headers: HttpHeaders
@@ -101,9 +102,23 @@ class ProcessingRequest(_message.Message):
     response_body: HttpBody
     request_trailers: HttpTrailers
     response_trailers: HttpTrailers
+    metadata_context: Metadata
     attributes: _containers.MessageMap[str, _struct_pb2.Struct]
     observability_mode: bool
-    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ...) -> None: ...
+
+class Metadata(_message.Message):
+    __slots__ = ("filter_metadata",)
+    class FilterMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _struct_pb2.Struct
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    FILTER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    filter_metadata: _containers.MessageMap[str, _struct_pb2.Struct]
+    def __init__(self, filter_metadata: _Optional[_Mapping[str, _struct_pb2.Struct]] = ...) -> None: ...
 
 class HttpHeaders(_message.Message):
     __slots__ = ("headers", "end_of_stream")
@@ -128,13 +143,14 @@ class HttpTrailers(_message.Message):
     def __init__(self, trailers: _Optional[_Union[HeaderMap, _Mapping]] = ...) -> None: ...
 
 class ProcessingResponse(_message.Message):
-    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "mode_override")
+    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "dynamic_metadata", "mode_override")
     REQUEST_HEADERS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BODY_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_BODY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TRAILERS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_METADATA_FIELD_NUMBER: _ClassVar[int]
     MODE_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
     request_headers: HeadersResponse
     response_headers: HeadersResponse
@@ -142,8 +158,9 @@ class ProcessingResponse(_message.Message):
     response_body: BodyResponse
     request_trailers: TrailersResponse
     response_trailers: TrailersResponse
+    dynamic_metadata: _struct_pb2.Struct
     mode_override: ProcessingMode
-    def __init__(self, request_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., response_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., request_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., response_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., request_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., response_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., mode_override: _Optional[_Union[ProcessingMode, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., response_headers: _Optional[_Union[HeadersResponse, _Mapping]] = ..., request_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., response_body: _Optional[_Union[BodyResponse, _Mapping]] = ..., request_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., response_trailers: _Optional[_Union[TrailersResponse, _Mapping]] = ..., dynamic_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., mode_override: _Optional[_Union[ProcessingMode, _Mapping]] = ...) -> None: ...
 
 class HeadersResponse(_message.Message):
     __slots__ = ("response",)
