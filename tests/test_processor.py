@@ -110,6 +110,35 @@ def test_the_destination_is_also_envoy_lb_metadata_and_a_gateway_reports_what_se
     assert router.index.entries_by_backend() == {served: 5}
 
 
+def with_subset(message: pb.ProcessingRequest, subset: list[str] | str) -> pb.ProcessingRequest:
+    message.metadata_context.filter_metadata["envoy.lb.subset_hint"].update(
+        {"x-gateway-destination-endpoint-subset": subset}
+    )
+    return message
+
+
+@pytest.mark.parametrize("subset", [[B, "10.9.9.9:8000"], f"{B}, 10.9.9.9:8000"])
+def test_a_gateway_subset_hint_narrows_the_choice(parts, subset):
+    _, _, _, processor = parts
+    for _ in range(4):  # least loaded would alternate between A and B without the hint
+        stream = Stream()
+        processor.handle(with_subset(request_headers(), subset), stream)
+        reply = processor.handle(body(), stream)
+        assert set_headers(reply.request_body.response.header_mutation)[DESTINATION_HEADER] == B  # no second choice
+        assert reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value == B
+
+
+def test_a_subset_with_no_known_backend_is_answered_503(parts):
+    router, _, metrics, processor = parts
+    stream = Stream()
+    processor.handle(with_subset(request_headers(), ["10.9.9.9:8000"]), stream)
+    reply = processor.handle(body(), stream)
+    assert reply.immediate_response.status.code == 503
+    assert router.loads.snapshot() == {}  # nothing reserved
+    assert metrics.errors.labels("no_subset_candidate")._value.get() == 1
+    assert processor.handle(body(), stream) == pb.ProcessingResponse(request_body=pb.BodyResponse())  # decided once
+
+
 def test_no_backend_means_no_destination_metadata(parts):
     _, pool, _, processor = parts
     pool.replace([])

@@ -7,3 +7,6 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # DESTINATION_HEADER key too; gateways report the endpoint that served under SERVED_KEY.
 LB_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+# A gateway may restrict the choice to a subset: metadata namespace SUBSET_NAMESPACE, key SUBSET_KEY.
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"

@@ -21,7 +21,7 @@ import grpc
 from extproc.core.errors import InvalidRequest
 from extproc.core.request import PromptRequest
 from extproc.core.router import Exchange, ResponseStart, Router
-from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY
+from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
@@ -47,6 +47,15 @@ _STRIP_HEADERS = pb.ProcessingResponse(
 _PASS_THROUGH = pb.ProcessingMode(request_body_mode=pb.ProcessingMode.NONE, response_header_mode=pb.ProcessingMode.SKIP)
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+# The picker protocol's answer when the gateway's subset hint leaves no backend to choose.
+_NO_CANDIDATE = pb.ProcessingResponse(
+    immediate_response=pb.ImmediateResponse(
+        status=pb.HttpStatus(code=503),
+        body=b"no backend in the gateway's subset",
+        details="kvroute_no_subset_candidate",
+    )
+)
+MAX_SUBSET = 4096  # endpoints read from one subset hint
 # The empty reply to each kind of message: Envoy expects the reply to match what it sent.
 _CONTINUE = {
     "request_headers": _CONTINUE_HEADERS,
@@ -74,6 +83,20 @@ def _served(message: pb.ProcessingRequest) -> str | None:
     return value.string_value if value is not None and value.string_value else None
 
 
+def _subset(message: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The endpoints a gateway allows for this request (`envoy.lb.subset_hint`), or None: no hint.
+    A list of `ip:port` strings, or one comma-separated string; bounded."""
+    hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    value = None if hint is None else hint.fields.get(SUBSET_KEY)
+    if value is None:
+        return None
+    if value.HasField("list_value"):
+        items = [v.string_value for v in value.list_value.values[:MAX_SUBSET]]
+    else:
+        items = value.string_value.split(",")[:MAX_SUBSET]
+    return frozenset(item.strip() for item in items if item.strip())
+
+
 def _with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.ProcessingResponse:
     """The destination also as `envoy.lb` dynamic metadata, same key and value as the header."""
     if target:
@@ -93,11 +116,12 @@ def _attribute(message: pb.ProcessingRequest, name: str) -> str | None:
 class Stream:
     """One HTTP request's state across its gRPC stream: its headers, then the core's exchange."""
 
-    __slots__ = ("exchange", "headers", "prepared", "routed")
+    __slots__ = ("exchange", "headers", "prepared", "routed", "subset")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.exchange: Exchange | None = None
+        self.subset: frozenset[str] | None = None  # the gateway's subset hint, if it sent one
         self.prepared: PromptRequest | InvalidRequest | None = None  # a large body, parsed off the loop
         self.routed = False
 
@@ -155,6 +179,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         kind = message.WhichOneof("request")
         try:
             if kind == "request_headers":
+                stream.subset = _subset(message)
                 return self._on_request_headers(message.request_headers, stream)
             if kind == "request_body":
                 return self._on_request_body(message.request_body, stream)
@@ -181,16 +206,26 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return response
         if message.end_of_stream:
             self._metrics.errors.labels("empty_body").inc()
-            common, target = self._route(stream, None)
-            return _with_destination(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common)), target)
+            return self._routed(stream, None, "request_headers")
         return _STRIP_HEADERS if spoofed else _CONTINUE_HEADERS
 
     def _on_request_body(self, message: pb.HttpBody, stream: Stream) -> pb.ProcessingResponse:
         if stream.routed or not stream.headers:
             return _CONTINUE_BODY
         body = message.body if stream.prepared is None else b""  # already parsed off the loop: no second copy
+        return self._routed(stream, body, "request_body")
+
+    def _routed(self, stream: Stream, body: bytes | None, kind: str) -> pb.ProcessingResponse:
+        """The routing reply to a request_headers or request_body message: the destination as a
+        header mutation and as metadata, or a 503 when the gateway's subset leaves no backend."""
+        if stream.subset is not None and not any(b.address in stream.subset for b in self._pool.backends):
+            stream.routed = True
+            self._metrics.errors.labels("no_subset_candidate").inc()
+            return _NO_CANDIDATE
         common, target = self._route(stream, body)
-        return _with_destination(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)), target)
+        reply = pb.ProcessingResponse()
+        getattr(reply, kind).response.CopyFrom(common)
+        return _with_destination(reply, target)
 
     def _route(self, stream: Stream, body: bytes | None) -> tuple[pb.CommonResponse, str | None]:
         """Body -> exchange -> destination header (and the destination, for the metadata). A
@@ -198,6 +233,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         stream.routed = True
         started = time.perf_counter()
         backends = self._pool.backends
+        if stream.subset is not None:
+            backends = [b for b in backends if b.address in stream.subset]
         exchange = None
         if body is not None:
             try:
