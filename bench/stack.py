@@ -96,6 +96,7 @@ class Stack:
     replica_store: str = ""  # redis:// URL the replicas share their picture through
     replica_store_password: str = ""
     destination_from: str = "header"  # or "metadata": Envoy follows kvroute's `envoy.lb` dynamic metadata
+    body_mode: str = "buffered"  # or "full_duplex": bodies streamed both ways, as picker gateways do
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -206,6 +207,7 @@ class Stack:
             ext_proc=self.ext_proc,
             extproc_token=self.grpc_token,
             destination_from=self.destination_from,
+            body_mode=self.body_mode,
         )
         config = self.workdir / "envoy.yaml"
         config.write_text(render(layout))

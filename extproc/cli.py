@@ -38,6 +38,12 @@ def parser() -> argparse.ArgumentParser:
     envoy.add_argument("--message-timeout-ms", type=int, default=2000)
     envoy.add_argument("--no-ext-proc", action="store_true", help="plain round robin, for comparisons")
     envoy.add_argument(
+        "--body-mode",
+        choices=("buffered", "full_duplex"),
+        default="buffered",
+        help="how Envoy sends bodies to the ext_proc (full_duplex: as endpoint-picker gateways do)",
+    )
+    envoy.add_argument(
         "--destination-from",
         choices=("header", "metadata"),
         default="header",
@@ -71,6 +77,7 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         message_timeout_ms=args.message_timeout_ms,
         ext_proc=not args.no_ext_proc,
         destination_from=args.destination_from,
+        body_mode=args.body_mode,
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
         forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
     )

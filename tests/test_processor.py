@@ -312,3 +312,66 @@ def test_a_stream_past_its_age_limit_is_closed_and_releases_its_load():
     assert asyncio.run(scenario()) == 2
     assert all(load == (0, 0) for load in router.loads.snapshot().values())
     assert metrics.errors.labels("stream_age_limit")._value.get() == 1
+
+
+def duplex(message: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    mode = pb.ProcessingMode.FULL_DUPLEX_STREAMED
+    message.protocol_config.CopyFrom(pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode))
+    return message
+
+
+def run_stream(processor: Processor, messages: list[pb.ProcessingRequest]) -> list[list[pb.ProcessingResponse]]:
+    """Replies to each message of one full-duplex stream, in order."""
+    stream = Stream()
+    stream.duplex = stream.response_duplex = True
+
+    async def replies() -> list[list[pb.ProcessingResponse]]:
+        return [await processor._duplex(m, stream) for m in messages]
+
+    try:
+        return asyncio.run(replies())
+    finally:
+        stream.close()
+
+
+def test_full_duplex_holds_the_headers_reply_until_the_body_ends_then_hands_it_back(parts):
+    _, _, _, processor = parts
+    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 150_000}]})
+    parts_of_body = [big[:70_000], big[70_000:]]
+    messages = [
+        duplex(request_headers()),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=parts_of_body[0], end_of_stream=False)),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=parts_of_body[1], end_of_stream=True)),
+    ]
+    held, first, last = run_stream(processor, messages)
+    assert held == [] and first == []  # nothing until the body's end
+    headers, *chunks = last
+    assert headers.request_headers.response.clear_route_cache
+    target = set_headers(headers.request_headers.response.header_mutation)[DESTINATION_HEADER]
+    assert headers.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value == target
+    streamed = [c.request_body.response.body_mutation.streamed_response for c in chunks]
+    assert b"".join(s.body for s in streamed) == big  # the whole body, unchanged
+    assert all(len(s.body) <= 62_000 for s in streamed) and [s.end_of_stream for s in streamed][-1]
+    assert not any(s.end_of_stream for s in streamed[:-1])
+
+
+def test_full_duplex_passes_other_paths_and_response_chunks_through(parts):
+    _, _, _, processor = parts
+    messages = [
+        duplex(request_headers("/v1/models", "GET")),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=b"abc", end_of_stream=True)),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=False)),
+    ]
+    headers, body_reply, response_reply = run_stream(processor, messages)
+    assert len(headers) == 1 and not headers[0].HasField("mode_override")
+    assert body_reply[0].request_body.response.body_mutation.streamed_response.body == b"abc"
+    streamed = response_reply[0].response_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b"data: x\n\n", False)
+
+
+def test_full_duplex_subset_without_candidates_answers_503_at_the_body_end(parts):
+    router, _, _, processor = parts
+    messages = [duplex(with_subset(request_headers(), ["10.9.9.9:8000"])), body()]
+    held, last = run_stream(processor, messages)
+    assert held == [] and len(last) == 1 and last[0].immediate_response.status.code == 503
+    assert router.loads.snapshot() == {}

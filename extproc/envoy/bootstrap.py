@@ -47,6 +47,9 @@ class EnvoyLayout:
     # Where override_host reads kvroute's choice: the request header, or the `envoy.lb` dynamic
     # metadata (as endpoint-picker gateways do); kvroute sends both.
     destination_from: str = "header"
+    # How Envoy sends bodies to the ext_proc: "buffered" (kvroute's own Envoy) or "full_duplex"
+    # (FULL_DUPLEX_STREAMED both ways, as endpoint-picker gateways configure it).
+    body_mode: str = "buffered"
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -92,6 +95,24 @@ def _checked_and_unthrottled(check: dict[str, Any]) -> dict[str, Any]:
         "health_checks": [
             {"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1, **check}
         ],
+    }
+
+
+def _processing_mode(layout: EnvoyLayout) -> dict[str, str]:
+    """Buffered request bodies only, or both bodies streamed full duplex (which needs trailers)."""
+    if layout.body_mode == "full_duplex":
+        duplex = {"request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED"}
+        return {"request_header_mode": "SEND", "response_header_mode": "SEND", **duplex,
+                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"}  # fmt: skip
+    if layout.body_mode != "buffered":
+        raise ValueError(f"body_mode is buffered or full_duplex, not {layout.body_mode!r}")
+    return {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
     }
 
 
@@ -178,14 +199,7 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
             "failure_mode_allow": True,
             "message_timeout": f"{layout.message_timeout_ms / 1000:g}s",
             "allow_mode_override": True,
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
-                "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                "response_trailer_mode": "SKIP",
-            },
+            "processing_mode": _processing_mode(layout),
             "response_attributes": ["response.code_details", "upstream.address"],
         },
     }

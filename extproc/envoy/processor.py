@@ -1,11 +1,16 @@
 """The Envoy external processor: one gRPC stream per HTTP request.
 
 A translator between Envoy's protobuf messages and the core's request lifecycle:
-request headers -> (LLM path?) -> buffered body -> Router.begin -> destination header, and the
+request headers -> (LLM path?) -> whole body -> Router.begin -> destination header, and the
 same in `envoy.lb` dynamic metadata (the endpoint-picker protocol: gateways read either);
 response headers (the served endpoint from `envoy.lb` metadata or the `upstream.address`
 attribute) -> Router.response_started (the core decides what to learn and which headers
 to add); stream end -> Exchange.end, exactly once, from the gRPC done callback.
+
+The body arrives buffered (kvroute's own Envoy: one message, answered with the header) or, as
+endpoint-picker gateways configure it, FULL_DUPLEX_STREAMED: then the processor holds the
+request-headers reply until the body's end, answers it with the destination and a cleared route
+cache, and hands the body back to Envoy in chunks (and every response body chunk unchanged).
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ _NO_CANDIDATE = pb.ProcessingResponse(
     )
 )
 MAX_SUBSET = 4096  # endpoints read from one subset hint
+DUPLEX = pb.ProcessingMode.FULL_DUPLEX_STREAMED
+CHUNK_BYTES = 62_000  # body handed back to Envoy in chunks no larger than this (the reference picker's)
+HELD_BYTES = 64 * 1024 * 1024  # a full-duplex body beyond this is routed unread and passed on as it comes
 # The empty reply to each kind of message: Envoy expects the reply to match what it sent.
 _CONTINUE = {
     "request_headers": _CONTINUE_HEADERS,
@@ -105,6 +113,20 @@ def _with_destination(response: pb.ProcessingResponse, target: str | None) -> pb
     return response
 
 
+def _streamed(kind: str, chunk: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
+    """A body chunk handed back to Envoy unchanged (full-duplex mode)."""
+    body = pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
+    reply = pb.ProcessingResponse()
+    getattr(reply, kind).response.body_mutation.streamed_response.CopyFrom(body)
+    return reply
+
+
+def _chunks(kind: str, body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """A held body handed back in CHUNK_BYTES pieces; the last carries the end of stream."""
+    pieces = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
+    return [_streamed(kind, piece, end_of_stream and i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+
+
 def _attribute(message: pb.ProcessingRequest, name: str) -> str | None:
     for struct in message.attributes.values():
         value = struct.fields.get(name)
@@ -116,7 +138,17 @@ def _attribute(message: pb.ProcessingRequest, name: str) -> str | None:
 class Stream:
     """One HTTP request's state across its gRPC stream: its headers, then the core's exchange."""
 
-    __slots__ = ("exchange", "headers", "prepared", "routed", "subset")
+    __slots__ = (
+        "duplex",
+        "exchange",
+        "headers",
+        "held",
+        "held_bytes",
+        "prepared",
+        "response_duplex",
+        "routed",
+        "subset",
+    )
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
@@ -124,6 +156,10 @@ class Stream:
         self.subset: frozenset[str] | None = None  # the gateway's subset hint, if it sent one
         self.prepared: PromptRequest | InvalidRequest | None = None  # a large body, parsed off the loop
         self.routed = False
+        self.duplex = False  # request body FULL_DUPLEX_STREAMED: kvroute hands the body back
+        self.response_duplex = False  # the same for the response body
+        self.held: list[bytes] | None = None  # full duplex: body chunks held until the decision
+        self.held_bytes = 0
 
     def close(self, _context: Any = None) -> None:
         """The stream ended, however it ended (completion, error, client abort, Envoy timeout)."""
@@ -165,6 +201,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], stream: Stream
     ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
+            if message.HasField("protocol_config"):  # the stream's first message says how bodies come
+                stream.duplex = message.protocol_config.request_body_mode == DUPLEX
+                stream.response_duplex = message.protocol_config.response_body_mode == DUPLEX
+            if stream.duplex:
+                for reply in await self._duplex(message, stream):
+                    yield reply
+                continue
             if not stream.routed and stream.headers and message.WhichOneof("request") == "request_body":
                 body = message.request_body.body  # a copy: read it once
                 if len(body) > (OFFLOAD_BYTES_PRECISE if self._router.precise else OFFLOAD_BYTES):
@@ -172,6 +215,80 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     # event loop so health answers and other requests do not wait behind it.
                     stream.prepared = await asyncio.to_thread(self._prepare, body, stream.headers)
             yield self.handle(message, stream)
+
+    async def _duplex(self, message: pb.ProcessingRequest, stream: Stream) -> list[pb.ProcessingResponse]:
+        """Full-duplex replies: none while the body is held, the held headers reply and the body
+        once it has ended, each later chunk handed back as it comes. Failures fail open: the
+        body is handed back unrouted."""
+        kind = message.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                stream.subset = _subset(message)
+                reply = self._on_request_headers(message.request_headers, stream)
+                if reply.HasField("mode_override"):  # not an LLM request: pass it through as it comes
+                    reply.ClearField("mode_override")  # (a fresh reply; body modes cannot change in full duplex)
+                    stream.routed = True
+                    return [reply]
+                if stream.routed:  # routed from its headers alone (no body), or a repeated message
+                    return [reply if reply.HasField("immediate_response") else self._cleared(reply)]
+                stream.held = []  # an LLM request: the reply waits for the body
+                return []
+            if kind == "request_body":
+                return await self._duplex_body(message.request_body, stream)
+            if kind == "request_trailers" and stream.held is not None:  # the body ended with trailers
+                return [*await self._release(stream, end_of_stream=False), _CONTINUE[kind]]
+            if kind == "response_body" and stream.response_duplex:
+                return [_streamed(kind, message.response_body.body, message.response_body.end_of_stream)]
+            return [self.handle(message, stream)]
+        except Exception:
+            log.exception("ext_proc failed on %s in full-duplex mode; the request continues unrouted", kind)
+            self._metrics.errors.labels("internal").inc()
+            return self._unrouted(message, stream, kind)
+
+    async def _duplex_body(self, message: pb.HttpBody, stream: Stream) -> list[pb.ProcessingResponse]:
+        if stream.held is None:  # not held (passed through, or already routed): hand it straight back
+            return [_streamed("request_body", message.body, message.end_of_stream)]
+        stream.held.append(message.body)
+        stream.held_bytes += len(message.body)
+        if stream.held_bytes > HELD_BYTES:  # too big to read: route unread, then pass the rest on
+            self._metrics.errors.labels("body_too_large").inc()
+            return await self._release(stream, end_of_stream=message.end_of_stream, read=False)
+        if not message.end_of_stream:
+            return []
+        return await self._release(stream, end_of_stream=True)
+
+    async def _release(self, stream: Stream, end_of_stream: bool, read: bool = True) -> list[pb.ProcessingResponse]:
+        """Decide on the held body, then send the held headers reply and the body back."""
+        body = b"".join(stream.held or ())
+        stream.held, stream.held_bytes = None, 0
+        if read and len(body) > (OFFLOAD_BYTES_PRECISE if self._router.precise else OFFLOAD_BYTES):
+            stream.prepared = await asyncio.to_thread(self._prepare, body, stream.headers)
+        decided = self._routed(stream, body if read else None, "request_headers")
+        if decided.HasField("immediate_response"):
+            return [decided]
+        return [self._cleared(decided), *_chunks("request_body", body, end_of_stream)]
+
+    @staticmethod
+    def _cleared(reply: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """A copy of a request-headers reply that makes Envoy match the route again with the new
+        header (replies may be shared constants)."""
+        cleared = pb.ProcessingResponse()
+        cleared.CopyFrom(reply)
+        cleared.request_headers.response.clear_route_cache = True
+        return cleared
+
+    def _unrouted(self, message: pb.ProcessingRequest, stream: Stream, kind: str) -> list[pb.ProcessingResponse]:
+        """After a failure in full duplex: release whatever is held, unrouted, so the request goes on."""
+        stream.routed = True
+        if stream.held is not None:
+            body = b"".join(stream.held)
+            stream.held = None
+            end = kind == "request_body" and message.request_body.end_of_stream
+            return [_CONTINUE_HEADERS, *_chunks("request_body", body, end)]
+        if kind in ("request_body", "response_body") and (kind == "request_body" or stream.response_duplex):
+            part = getattr(message, kind)
+            return [_streamed(kind, part.body, part.end_of_stream)]
+        return [_CONTINUE[kind]]
 
     def handle(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
         """One reply per message, of the message's own kind; a failure here never stops the

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"extproc/envoy/proto/ext_proc.proto\x12\x19\x65nvoy.service.ext_proc.v3\x1a\x1cgoogle/protobuf/struct.proto\"<\n\x0bHeaderValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x11\n\traw_value\x18\x03 \x01(\x0c\"D\n\tHeaderMap\x12\x37\n\x07headers\x18\x01 \x03(\x0b\x32&.envoy.service.ext_proc.v3.HeaderValue\"\xa2\x02\n\x11HeaderValueOption\x12\x36\n\x06header\x18\x01 \x01(\x0b\x32&.envoy.service.ext_proc.v3.HeaderValue\x12V\n\rappend_action\x18\x03 \x01(\x0e\x32?.envoy.service.ext_proc.v3.HeaderValueOption.HeaderAppendAction\"}\n\x12HeaderAppendAction\x12\x1b\n\x17\x41PPEND_IF_EXISTS_OR_ADD\x10\x00\x12\x11\n\rADD_IF_ABSENT\x10\x01\x12\x1e\n\x1aOVERWRITE_IF_EXISTS_OR_ADD\x10\x02\x12\x17\n\x13OVERWRITE_IF_EXISTS\x10\x03\"\xb0\x05\n\x0eProcessingMode\x12U\n\x13request_header_mode\x18\x01 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\x12V\n\x14response_header_mode\x18\x02 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\x12Q\n\x11request_body_mode\x18\x03 \x01(\x0e\x32\x36.envoy.service.ext_proc.v3.ProcessingMode.BodySendMode\x12R\n\x12response_body_mode\x18\x04 \x01(\x0e\x32\x36.envoy.service.ext_proc.v3.ProcessingMode.BodySendMode\x12V\n\x14request_trailer_mode\x18\x05 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\x12W\n\x15response_trailer_mode\x18\x06 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\"1\n\x0eHeaderSendMode\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x00\x12\x08\n\x04SEND\x10\x01\x12\x08\n\x04SKIP\x10\x02\"d\n\x0c\x42odySendMode\x12\x08\n\x04NONE\x10\x00\x12\x0c\n\x08STREAMED\x10\x01\x12\x0c\n\x08\x42UFFERED\x10\x02\x12\x14\n\x10\x42UFFERED_PARTIAL\x10\x03\x12\x18\n\x14\x46ULL_DUPLEX_STREAMED\x10\x04\"\xa4\x05\n\x11ProcessingRequest\x12\x41\n\x0frequest_headers\x18\x02 \x01(\x0b\x32&.envoy.service.ext_proc.v3.HttpHeadersH\x00\x12\x42\n\x10response_headers\x18\x03 \x01(\x0b\x32&.envoy.service.ext_proc.v3.HttpHeadersH\x00\x12;\n\x0crequest_body\x18\x04 \x01(\x0b\x32#.envoy.service.ext_proc.v3.HttpBodyH\x00\x12<\n\rresponse_body\x18\x05 \x01(\x0b\x32#.envoy.service.ext_proc.v3.HttpBodyH\x00\x12\x43\n\x10request_trailers\x18\x06 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.HttpTrailersH\x00\x12\x44\n\x11response_trailers\x18\x07 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.HttpTrailersH\x00\x12=\n\x10metadata_context\x18\x08 \x01(\x0b\x32#.envoy.service.ext_proc.v3.Metadata\x12P\n\nattributes\x18\t \x03(\x0b\x32<.envoy.service.ext_proc.v3.ProcessingRequest.AttributesEntry\x12\x1a\n\x12observability_mode\x18\n \x01(\x08\x1aJ\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct:\x02\x38\x01\x42\t\n\x07request\"\xac\x01\n\x08Metadata\x12P\n\x0f\x66ilter_metadata\x18\x01 \x03(\x0b\x32\x37.envoy.service.ext_proc.v3.Metadata.FilterMetadataEntry\x1aN\n\x13\x46ilterMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct:\x02\x38\x01\"[\n\x0bHttpHeaders\x12\x35\n\x07headers\x18\x01 \x01(\x0b\x32$.envoy.service.ext_proc.v3.HeaderMap\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"/\n\x08HttpBody\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x15\n\rend_of_stream\x18\x02 \x01(\x08\"F\n\x0cHttpTrailers\x12\x36\n\x08trailers\x18\x01 \x01(\x0b\x32$.envoy.service.ext_proc.v3.HeaderMap\"\x86\x05\n\x12ProcessingResponse\x12\x45\n\x0frequest_headers\x18\x01 \x01(\x0b\x32*.envoy.service.ext_proc.v3.HeadersResponseH\x00\x12\x46\n\x10response_headers\x18\x02 \x01(\x0b\x32*.envoy.service.ext_proc.v3.HeadersResponseH\x00\x12?\n\x0crequest_body\x18\x03 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.BodyResponseH\x00\x12@\n\rresponse_body\x18\x04 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.BodyResponseH\x00\x12G\n\x10request_trailers\x18\x05 \x01(\x0b\x32+.envoy.service.ext_proc.v3.TrailersResponseH\x00\x12H\n\x11response_trailers\x18\x06 \x01(\x0b\x32+.envoy.service.ext_proc.v3.TrailersResponseH\x00\x12J\n\x12immediate_response\x18\x07 \x01(\x0b\x32,.envoy.service.ext_proc.v3.ImmediateResponseH\x00\x12\x31\n\x10\x64ynamic_metadata\x18\x08 \x01(\x0b\x32\x17.google.protobuf.Struct\x12@\n\rmode_override\x18\t \x01(\x0b\x32).envoy.service.ext_proc.v3.ProcessingModeB\n\n\x08response\"\xa5\x01\n\x11ImmediateResponse\x12\x35\n\x06status\x18\x01 \x01(\x0b\x32%.envoy.service.ext_proc.v3.HttpStatus\x12:\n\x07headers\x18\x02 \x01(\x0b\x32).envoy.service.ext_proc.v3.HeaderMutation\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\"\x1a\n\nHttpStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\"N\n\x0fHeadersResponse\x12;\n\x08response\x18\x01 \x01(\x0b\x32).envoy.service.ext_proc.v3.CommonResponse\"K\n\x0c\x42odyResponse\x12;\n\x08response\x18\x01 \x01(\x0b\x32).envoy.service.ext_proc.v3.CommonResponse\"V\n\x10TrailersResponse\x12\x42\n\x0fheader_mutation\x18\x01 \x01(\x0b\x32).envoy.service.ext_proc.v3.HeaderMutation\"\xf3\x01\n\x0e\x43ommonResponse\x12H\n\x06status\x18\x01 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.CommonResponse.ResponseStatus\x12\x42\n\x0fheader_mutation\x18\x02 \x01(\x0b\x32).envoy.service.ext_proc.v3.HeaderMutation\x12\x19\n\x11\x63lear_route_cache\x18\x05 \x01(\x08\"8\n\x0eResponseStatus\x12\x0c\n\x08\x43ONTINUE\x10\x00\x12\x18\n\x14\x43ONTINUE_AND_REPLACE\x10\x01\"k\n\x0eHeaderMutation\x12\x41\n\x0bset_headers\x18\x01 \x03(\x0b\x32,.envoy.service.ext_proc.v3.HeaderValueOption\x12\x16\n\x0eremove_headers\x18\x02 \x03(\t2\x7f\n\x11\x45xternalProcessor\x12j\n\x07Process\x12,.envoy.service.ext_proc.v3.ProcessingRequest\x1a-.envoy.service.ext_proc.v3.ProcessingResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"extproc/envoy/proto/ext_proc.proto\x12\x19\x65nvoy.service.ext_proc.v3\x1a\x1cgoogle/protobuf/struct.proto\"<\n\x0bHeaderValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x11\n\traw_value\x18\x03 \x01(\x0c\"D\n\tHeaderMap\x12\x37\n\x07headers\x18\x01 \x03(\x0b\x32&.envoy.service.ext_proc.v3.HeaderValue\"\xa2\x02\n\x11HeaderValueOption\x12\x36\n\x06header\x18\x01 \x01(\x0b\x32&.envoy.service.ext_proc.v3.HeaderValue\x12V\n\rappend_action\x18\x03 \x01(\x0e\x32?.envoy.service.ext_proc.v3.HeaderValueOption.HeaderAppendAction\"}\n\x12HeaderAppendAction\x12\x1b\n\x17\x41PPEND_IF_EXISTS_OR_ADD\x10\x00\x12\x11\n\rADD_IF_ABSENT\x10\x01\x12\x1e\n\x1aOVERWRITE_IF_EXISTS_OR_ADD\x10\x02\x12\x17\n\x13OVERWRITE_IF_EXISTS\x10\x03\"\xb0\x05\n\x0eProcessingMode\x12U\n\x13request_header_mode\x18\x01 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\x12V\n\x14response_header_mode\x18\x02 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\x12Q\n\x11request_body_mode\x18\x03 \x01(\x0e\x32\x36.envoy.service.ext_proc.v3.ProcessingMode.BodySendMode\x12R\n\x12response_body_mode\x18\x04 \x01(\x0e\x32\x36.envoy.service.ext_proc.v3.ProcessingMode.BodySendMode\x12V\n\x14request_trailer_mode\x18\x05 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\x12W\n\x15response_trailer_mode\x18\x06 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.ProcessingMode.HeaderSendMode\"1\n\x0eHeaderSendMode\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x00\x12\x08\n\x04SEND\x10\x01\x12\x08\n\x04SKIP\x10\x02\"d\n\x0c\x42odySendMode\x12\x08\n\x04NONE\x10\x00\x12\x0c\n\x08STREAMED\x10\x01\x12\x0c\n\x08\x42UFFERED\x10\x02\x12\x14\n\x10\x42UFFERED_PARTIAL\x10\x03\x12\x18\n\x14\x46ULL_DUPLEX_STREAMED\x10\x04\"\xef\x05\n\x11ProcessingRequest\x12\x41\n\x0frequest_headers\x18\x02 \x01(\x0b\x32&.envoy.service.ext_proc.v3.HttpHeadersH\x00\x12\x42\n\x10response_headers\x18\x03 \x01(\x0b\x32&.envoy.service.ext_proc.v3.HttpHeadersH\x00\x12;\n\x0crequest_body\x18\x04 \x01(\x0b\x32#.envoy.service.ext_proc.v3.HttpBodyH\x00\x12<\n\rresponse_body\x18\x05 \x01(\x0b\x32#.envoy.service.ext_proc.v3.HttpBodyH\x00\x12\x43\n\x10request_trailers\x18\x06 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.HttpTrailersH\x00\x12\x44\n\x11response_trailers\x18\x07 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.HttpTrailersH\x00\x12=\n\x10metadata_context\x18\x08 \x01(\x0b\x32#.envoy.service.ext_proc.v3.Metadata\x12P\n\nattributes\x18\t \x03(\x0b\x32<.envoy.service.ext_proc.v3.ProcessingRequest.AttributesEntry\x12\x1a\n\x12observability_mode\x18\n \x01(\x08\x12I\n\x0fprotocol_config\x18\x0b \x01(\x0b\x32\x30.envoy.service.ext_proc.v3.ProtocolConfiguration\x1aJ\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct:\x02\x38\x01\x42\t\n\x07request\"\xf5\x01\n\x15ProtocolConfiguration\x12Q\n\x11request_body_mode\x18\x01 \x01(\x0e\x32\x36.envoy.service.ext_proc.v3.ProcessingMode.BodySendMode\x12R\n\x12response_body_mode\x18\x02 \x01(\x0e\x32\x36.envoy.service.ext_proc.v3.ProcessingMode.BodySendMode\x12\x35\n-send_body_without_waiting_for_header_response\x18\x03 \x01(\x08\"\xac\x01\n\x08Metadata\x12P\n\x0f\x66ilter_metadata\x18\x01 \x03(\x0b\x32\x37.envoy.service.ext_proc.v3.Metadata.FilterMetadataEntry\x1aN\n\x13\x46ilterMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct:\x02\x38\x01\"[\n\x0bHttpHeaders\x12\x35\n\x07headers\x18\x01 \x01(\x0b\x32$.envoy.service.ext_proc.v3.HeaderMap\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"/\n\x08HttpBody\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x15\n\rend_of_stream\x18\x02 \x01(\x08\"F\n\x0cHttpTrailers\x12\x36\n\x08trailers\x18\x01 \x01(\x0b\x32$.envoy.service.ext_proc.v3.HeaderMap\"\x86\x05\n\x12ProcessingResponse\x12\x45\n\x0frequest_headers\x18\x01 \x01(\x0b\x32*.envoy.service.ext_proc.v3.HeadersResponseH\x00\x12\x46\n\x10response_headers\x18\x02 \x01(\x0b\x32*.envoy.service.ext_proc.v3.HeadersResponseH\x00\x12?\n\x0crequest_body\x18\x03 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.BodyResponseH\x00\x12@\n\rresponse_body\x18\x04 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.BodyResponseH\x00\x12G\n\x10request_trailers\x18\x05 \x01(\x0b\x32+.envoy.service.ext_proc.v3.TrailersResponseH\x00\x12H\n\x11response_trailers\x18\x06 \x01(\x0b\x32+.envoy.service.ext_proc.v3.TrailersResponseH\x00\x12J\n\x12immediate_response\x18\x07 \x01(\x0b\x32,.envoy.service.ext_proc.v3.ImmediateResponseH\x00\x12\x31\n\x10\x64ynamic_metadata\x18\x08 \x01(\x0b\x32\x17.google.protobuf.Struct\x12@\n\rmode_override\x18\t \x01(\x0b\x32).envoy.service.ext_proc.v3.ProcessingModeB\n\n\x08response\"\xa5\x01\n\x11ImmediateResponse\x12\x35\n\x06status\x18\x01 \x01(\x0b\x32%.envoy.service.ext_proc.v3.HttpStatus\x12:\n\x07headers\x18\x02 \x01(\x0b\x32).envoy.service.ext_proc.v3.HeaderMutation\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\"\x1a\n\nHttpStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\"N\n\x0fHeadersResponse\x12;\n\x08response\x18\x01 \x01(\x0b\x32).envoy.service.ext_proc.v3.CommonResponse\"K\n\x0c\x42odyResponse\x12;\n\x08response\x18\x01 \x01(\x0b\x32).envoy.service.ext_proc.v3.CommonResponse\"V\n\x10TrailersResponse\x12\x42\n\x0fheader_mutation\x18\x01 \x01(\x0b\x32).envoy.service.ext_proc.v3.HeaderMutation\"\xb3\x02\n\x0e\x43ommonResponse\x12H\n\x06status\x18\x01 \x01(\x0e\x32\x38.envoy.service.ext_proc.v3.CommonResponse.ResponseStatus\x12\x42\n\x0fheader_mutation\x18\x02 \x01(\x0b\x32).envoy.service.ext_proc.v3.HeaderMutation\x12>\n\rbody_mutation\x18\x03 \x01(\x0b\x32\'.envoy.service.ext_proc.v3.BodyMutation\x12\x19\n\x11\x63lear_route_cache\x18\x05 \x01(\x08\"8\n\x0eResponseStatus\x12\x0c\n\x08\x43ONTINUE\x10\x00\x12\x18\n\x14\x43ONTINUE_AND_REPLACE\x10\x01\"\x8e\x01\n\x0c\x42odyMutation\x12\x0e\n\x04\x62ody\x18\x01 \x01(\x0cH\x00\x12\x14\n\nclear_body\x18\x02 \x01(\x08H\x00\x12L\n\x11streamed_response\x18\x03 \x01(\x0b\x32/.envoy.service.ext_proc.v3.StreamedBodyResponseH\x00\x42\n\n\x08mutation\";\n\x14StreamedBodyResponse\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x15\n\rend_of_stream\x18\x02 \x01(\x08\"k\n\x0eHeaderMutation\x12\x41\n\x0bset_headers\x18\x01 \x03(\x0b\x32,.envoy.service.ext_proc.v3.HeaderValueOption\x12\x16\n\x0eremove_headers\x18\x02 \x03(\t2\x7f\n\x11\x45xternalProcessor\x12j\n\x07Process\x12,.envoy.service.ext_proc.v3.ProcessingRequest\x1a-.envoy.service.ext_proc.v3.ProcessingResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,37 +51,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROCESSINGMODE_BODYSENDMODE']._serialized_start=1109
   _globals['_PROCESSINGMODE_BODYSENDMODE']._serialized_end=1209
   _globals['_PROCESSINGREQUEST']._serialized_start=1212
-  _globals['_PROCESSINGREQUEST']._serialized_end=1888
-  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_start=1803
-  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_end=1877
-  _globals['_METADATA']._serialized_start=1891
-  _globals['_METADATA']._serialized_end=2063
-  _globals['_METADATA_FILTERMETADATAENTRY']._serialized_start=1985
-  _globals['_METADATA_FILTERMETADATAENTRY']._serialized_end=2063
-  _globals['_HTTPHEADERS']._serialized_start=2065
-  _globals['_HTTPHEADERS']._serialized_end=2156
-  _globals['_HTTPBODY']._serialized_start=2158
-  _globals['_HTTPBODY']._serialized_end=2205
-  _globals['_HTTPTRAILERS']._serialized_start=2207
-  _globals['_HTTPTRAILERS']._serialized_end=2277
-  _globals['_PROCESSINGRESPONSE']._serialized_start=2280
-  _globals['_PROCESSINGRESPONSE']._serialized_end=2926
-  _globals['_IMMEDIATERESPONSE']._serialized_start=2929
-  _globals['_IMMEDIATERESPONSE']._serialized_end=3094
-  _globals['_HTTPSTATUS']._serialized_start=3096
-  _globals['_HTTPSTATUS']._serialized_end=3122
-  _globals['_HEADERSRESPONSE']._serialized_start=3124
-  _globals['_HEADERSRESPONSE']._serialized_end=3202
-  _globals['_BODYRESPONSE']._serialized_start=3204
-  _globals['_BODYRESPONSE']._serialized_end=3279
-  _globals['_TRAILERSRESPONSE']._serialized_start=3281
-  _globals['_TRAILERSRESPONSE']._serialized_end=3367
-  _globals['_COMMONRESPONSE']._serialized_start=3370
-  _globals['_COMMONRESPONSE']._serialized_end=3613
-  _globals['_COMMONRESPONSE_RESPONSESTATUS']._serialized_start=3557
-  _globals['_COMMONRESPONSE_RESPONSESTATUS']._serialized_end=3613
-  _globals['_HEADERMUTATION']._serialized_start=3615
-  _globals['_HEADERMUTATION']._serialized_end=3722
-  _globals['_EXTERNALPROCESSOR']._serialized_start=3724
-  _globals['_EXTERNALPROCESSOR']._serialized_end=3851
+  _globals['_PROCESSINGREQUEST']._serialized_end=1963
+  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_start=1878
+  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_end=1952
+  _globals['_PROTOCOLCONFIGURATION']._serialized_start=1966
+  _globals['_PROTOCOLCONFIGURATION']._serialized_end=2211
+  _globals['_METADATA']._serialized_start=2214
+  _globals['_METADATA']._serialized_end=2386
+  _globals['_METADATA_FILTERMETADATAENTRY']._serialized_start=2308
+  _globals['_METADATA_FILTERMETADATAENTRY']._serialized_end=2386
+  _globals['_HTTPHEADERS']._serialized_start=2388
+  _globals['_HTTPHEADERS']._serialized_end=2479
+  _globals['_HTTPBODY']._serialized_start=2481
+  _globals['_HTTPBODY']._serialized_end=2528
+  _globals['_HTTPTRAILERS']._serialized_start=2530
+  _globals['_HTTPTRAILERS']._serialized_end=2600
+  _globals['_PROCESSINGRESPONSE']._serialized_start=2603
+  _globals['_PROCESSINGRESPONSE']._serialized_end=3249
+  _globals['_IMMEDIATERESPONSE']._serialized_start=3252
+  _globals['_IMMEDIATERESPONSE']._serialized_end=3417
+  _globals['_HTTPSTATUS']._serialized_start=3419
+  _globals['_HTTPSTATUS']._serialized_end=3445
+  _globals['_HEADERSRESPONSE']._serialized_start=3447
+  _globals['_HEADERSRESPONSE']._serialized_end=3525
+  _globals['_BODYRESPONSE']._serialized_start=3527
+  _globals['_BODYRESPONSE']._serialized_end=3602
+  _globals['_TRAILERSRESPONSE']._serialized_start=3604
+  _globals['_TRAILERSRESPONSE']._serialized_end=3690
+  _globals['_COMMONRESPONSE']._serialized_start=3693
+  _globals['_COMMONRESPONSE']._serialized_end=4000
+  _globals['_COMMONRESPONSE_RESPONSESTATUS']._serialized_start=3944
+  _globals['_COMMONRESPONSE_RESPONSESTATUS']._serialized_end=4000
+  _globals['_BODYMUTATION']._serialized_start=4003
+  _globals['_BODYMUTATION']._serialized_end=4145
+  _globals['_STREAMEDBODYRESPONSE']._serialized_start=4147
+  _globals['_STREAMEDBODYRESPONSE']._serialized_end=4206
+  _globals['_HEADERMUTATION']._serialized_start=4208
+  _globals['_HEADERMUTATION']._serialized_end=4315
+  _globals['_EXTERNALPROCESSOR']._serialized_start=4317
+  _globals['_EXTERNALPROCESSOR']._serialized_end=4444
 # @@protoc_insertion_point(module_scope)

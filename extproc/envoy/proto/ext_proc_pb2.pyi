@@ -79,7 +79,7 @@ class ProcessingMode(_message.Message):
     def __init__(self, request_header_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ..., response_header_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ..., request_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., response_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., request_trailer_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ..., response_trailer_mode: _Optional[_Union[ProcessingMode.HeaderSendMode, str]] = ...) -> None: ...
 
 class ProcessingRequest(_message.Message):
-    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "metadata_context", "attributes", "observability_mode")
+    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "metadata_context", "attributes", "observability_mode", "protocol_config")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class ProcessingRequest(_message.Message):
     METADATA_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     OBSERVABILITY_MODE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_CONFIG_FIELD_NUMBER: _ClassVar[int]
     request_headers: HttpHeaders
     response_headers: HttpHeaders
     request_body: HttpBody
@@ -105,7 +106,18 @@ class ProcessingRequest(_message.Message):
     metadata_context: Metadata
     attributes: _containers.MessageMap[str, _struct_pb2.Struct]
     observability_mode: bool
-    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ...) -> None: ...
+    protocol_config: ProtocolConfiguration
+    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ..., protocol_config: _Optional[_Union[ProtocolConfiguration, _Mapping]] = ...) -> None: ...
+
+class ProtocolConfiguration(_message.Message):
+    __slots__ = ("request_body_mode", "response_body_mode", "send_body_without_waiting_for_header_response")
+    REQUEST_BODY_MODE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BODY_MODE_FIELD_NUMBER: _ClassVar[int]
+    SEND_BODY_WITHOUT_WAITING_FOR_HEADER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    request_body_mode: ProcessingMode.BodySendMode
+    response_body_mode: ProcessingMode.BodySendMode
+    send_body_without_waiting_for_header_response: bool
+    def __init__(self, request_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., response_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., send_body_without_waiting_for_header_response: _Optional[bool] = ...) -> None: ...
 
 class Metadata(_message.Message):
     __slots__ = ("filter_metadata",)
@@ -201,7 +213,7 @@ class TrailersResponse(_message.Message):
     def __init__(self, header_mutation: _Optional[_Union[HeaderMutation, _Mapping]] = ...) -> None: ...
 
 class CommonResponse(_message.Message):
-    __slots__ = ("status", "header_mutation", "clear_route_cache")
+    __slots__ = ("status", "header_mutation", "body_mutation", "clear_route_cache")
     class ResponseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONTINUE: _ClassVar[CommonResponse.ResponseStatus]
@@ -210,11 +222,31 @@ class CommonResponse(_message.Message):
     CONTINUE_AND_REPLACE: CommonResponse.ResponseStatus
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEADER_MUTATION_FIELD_NUMBER: _ClassVar[int]
+    BODY_MUTATION_FIELD_NUMBER: _ClassVar[int]
     CLEAR_ROUTE_CACHE_FIELD_NUMBER: _ClassVar[int]
     status: CommonResponse.ResponseStatus
     header_mutation: HeaderMutation
+    body_mutation: BodyMutation
     clear_route_cache: bool
-    def __init__(self, status: _Optional[_Union[CommonResponse.ResponseStatus, str]] = ..., header_mutation: _Optional[_Union[HeaderMutation, _Mapping]] = ..., clear_route_cache: _Optional[bool] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[CommonResponse.ResponseStatus, str]] = ..., header_mutation: _Optional[_Union[HeaderMutation, _Mapping]] = ..., body_mutation: _Optional[_Union[BodyMutation, _Mapping]] = ..., clear_route_cache: _Optional[bool] = ...) -> None: ...
+
+class BodyMutation(_message.Message):
+    __slots__ = ("body", "clear_body", "streamed_response")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_BODY_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    clear_body: bool
+    streamed_response: StreamedBodyResponse
+    def __init__(self, body: _Optional[bytes] = ..., clear_body: _Optional[bool] = ..., streamed_response: _Optional[_Union[StreamedBodyResponse, _Mapping]] = ...) -> None: ...
+
+class StreamedBodyResponse(_message.Message):
+    __slots__ = ("body", "end_of_stream")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    end_of_stream: bool
+    def __init__(self, body: _Optional[bytes] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
 
 class HeaderMutation(_message.Message):
     __slots__ = ("set_headers", "remove_headers")
