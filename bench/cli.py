@@ -74,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_parser("stall", help="event-loop stall from one 16 MiB body of tiny parts (JSON line)")
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
+    latency.add_argument("--body-mode", choices=("buffered", "full_duplex"), default="buffered")
     lag = bench.add_parser("replica-lag", help="time until a sibling replica sees news, cost of telling (JSON)")
     lag.add_argument("--samples", type=int, default=200)
     return parser
@@ -228,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "bench" and args.bench == "latency":
         from bench import latency
 
-        latency.main(args.requests)
+        latency.main(args.requests, args.body_mode)
     elif args.command == "bench" and args.bench == "replica-lag":
         from bench import replica_lag
 

@@ -74,10 +74,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def measure(requests: int, workdir: Path) -> list[dict[str, Any]]:
-    """Both stacks over one set of backends; one row per (body size, concurrency)."""
+def measure(requests: int, workdir: Path, body_mode: str = "buffered") -> list[dict[str, Any]]:
+    """Both stacks over one set of backends; one row per (body size, concurrency). `body_mode`
+    full_duplex configures kvroute's Envoy as endpoint-picker gateways do (bodies streamed both
+    ways, the destination read from `envoy.lb` metadata)."""
     results = []
-    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=FAST_SIM)
+    destination = "metadata" if body_mode == "full_duplex" else "header"
+    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=FAST_SIM, body_mode=body_mode, destination_from=destination)
     plain = Stack(workdir / "plain", backends=kvroute.backends, ext_proc=False)
     with kvroute, plain:
         extproc_pid = kvroute.processes["extproc"].pid
@@ -86,7 +89,7 @@ def measure(requests: int, workdir: Path) -> list[dict[str, Any]]:
                 bodies = _bodies(size, requests)
                 asyncio.run(_load(plain.url, bodies[:50], concurrency))  # warm-up
                 asyncio.run(_load(kvroute.url, bodies[:50], concurrency))
-                row: dict[str, Any] = {"body_bytes": len(bodies[0]), "concurrency": concurrency}
+                row: dict[str, Any] = {"body_mode": body_mode, "body_bytes": len(bodies[0]), "concurrency": concurrency}
                 for name, stack in (("envoy", plain), ("kvroute", kvroute)):
                     cpu_before = _cpu_seconds(extproc_pid)
                     latencies, wall = asyncio.run(_load(stack.url, bodies, concurrency))
@@ -103,7 +106,7 @@ def measure(requests: int, workdir: Path) -> list[dict[str, Any]]:
     return results
 
 
-def main(requests: int) -> None:
+def main(requests: int, body_mode: str = "buffered") -> None:
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp:
-        for row in measure(requests, Path(tmp)):
+        for row in measure(requests, Path(tmp), body_mode):
             print(orjson.dumps(row).decode(), flush=True)
