@@ -97,6 +97,7 @@ class Stack:
     replica_store_password: str = ""
     destination_from: str = "header"  # or "metadata": Envoy follows kvroute's `envoy.lb` dynamic metadata
     body_mode: str = "buffered"  # or "full_duplex": bodies streamed both ways, as picker gateways do
+    extproc_tls: bool = False  # TLS between Envoy and the ext_proc (self-signed at the ext_proc's start)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -184,6 +185,8 @@ class Stack:
         args += ["--control-token-file", self._secret("control.token", self.control_token)]
         args += ["--grpc-token-file", self._secret("grpc.token", self.grpc_token)]
         args += ["--decision-headers", "true"]  # a developer's stack shows why each request went where
+        if self.extproc_tls:
+            args += ["--grpc-tls-self-signed", "true"]
         if self.policy:
             args += ["--policy", self.policy]
         else:
@@ -208,6 +211,7 @@ class Stack:
             extproc_token=self.grpc_token,
             destination_from=self.destination_from,
             body_mode=self.body_mode,
+            extproc_tls=self.extproc_tls,
         )
         config = self.workdir / "envoy.yaml"
         config.write_text(render(layout))

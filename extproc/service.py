@@ -18,6 +18,7 @@ from extproc.envoy.auth import TokenInterceptor
 from extproc.envoy.processor import Processor
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
+from extproc.envoy.tls import server_credentials
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
@@ -74,7 +75,13 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
+    address = f"{config.grpc_host}:{config.grpc_port}"
+    host = config.grpc_host if config.grpc_tls_self_signed else ""
+    credentials = server_credentials(config.grpc_tls_cert_file, config.grpc_tls_key_file, host)
+    if credentials is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, credentials)
     admin = Admin(
         router,
         pool,

@@ -50,6 +50,7 @@ class EnvoyLayout:
     # How Envoy sends bodies to the ext_proc: "buffered" (kvroute's own Envoy) or "full_duplex"
     # (FULL_DUPLEX_STREAMED both ways, as endpoint-picker gateways configure it).
     body_mode: str = "buffered"
+    extproc_tls: bool = False  # connect to the ext_proc with TLS (encrypted; its certificate is not verified)
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -154,6 +155,16 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     }
 
 
+# TLS to the ext_proc, HTTP/2 by ALPN; like gateways in front of a self-signed picker, no verification.
+_TLS_TO_EXTPROC = {
+    "name": "envoy.transport_sockets.tls",
+    "typed_config": {
+        "@type": _TYPES + "extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {"alpn_protocols": ["h2"]},
+    },
+}
+
+
 def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     """HTTP/2 to the Python processor, one stream per in-flight request, so raise max_requests.
     Several replicas (ports, or the A records of a headless Service) share the streams round robin."""
@@ -171,6 +182,7 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
             }
         },
         **_checked_and_unthrottled({"grpc_health_check": {}}),
+        **({"transport_socket": _TLS_TO_EXTPROC} if layout.extproc_tls else {}),
         "load_assignment": _endpoints("kvroute_extproc", [f"{layout.extproc_host}:{p}" for p in layout.extproc_ports]),
     }
 

@@ -40,6 +40,11 @@ class ExtProcConfig:
     grpc_token_file: str = _key(
         "", "file holding the token Envoy must send as `authorization: Bearer` gRPC metadata; empty: no check"
     )
+    grpc_tls_cert_file: str = _key("", "PEM certificate for TLS on the ext_proc port (with grpc_tls_key_file)")
+    grpc_tls_key_file: str = _key("", "PEM private key of grpc_tls_cert_file")
+    grpc_tls_self_signed: bool = _key(
+        False, "TLS on the ext_proc port with a certificate made at start (what endpoint-picker gateways expect)"
+    )
     backends: tuple[Backend, ...] = _key((), "ip:port of each vLLM server (`--backend` repeatable; a list in YAML)")
     health_interval_s: float = _key(2.0, "seconds between backend /health probes")
     health_timeout_s: float = _key(1.0, "timeout of one probe")
@@ -162,6 +167,10 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
     if values.get("control_port") and not values.get("control_token_file"):
         raise ValueError("control_port needs control_token_file: the control API is never open")
+    if bool(values.get("grpc_tls_cert_file")) != bool(values.get("grpc_tls_key_file")):
+        raise ValueError("grpc_tls_cert_file and grpc_tls_key_file go together")
+    if values.get("grpc_tls_cert_file") and values.get("grpc_tls_self_signed"):
+        raise ValueError("grpc_tls_self_signed or a certificate file, not both")
     if values.get("replica_store") and "hash_key" not in values["routing"]:
         raise ValueError("replica_store needs an explicit hash_key, the same on every replica")
     if values.get("policy") and values["policy"].count("/") != 1:
