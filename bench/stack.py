@@ -98,6 +98,7 @@ class Stack:
     destination_from: str = "header"  # or "metadata": Envoy follows kvroute's `envoy.lb` dynamic metadata
     body_mode: str = "buffered"  # or "full_duplex": bodies streamed both ways, as picker gateways do
     extproc_tls: bool = False  # TLS between Envoy and the ext_proc (self-signed at the ext_proc's start)
+    fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -212,6 +213,7 @@ class Stack:
             destination_from=self.destination_from,
             body_mode=self.body_mode,
             extproc_tls=self.extproc_tls,
+            fail_open=self.fail_open,
         )
         config = self.workdir / "envoy.yaml"
         config.write_text(render(layout))

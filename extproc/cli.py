@@ -37,6 +37,11 @@ def parser() -> argparse.ArgumentParser:
     envoy.add_argument("--admin-host", default="127.0.0.1", help="Envoy admin address (0.0.0.0 for kubelet probes)")
     envoy.add_argument("--message-timeout-ms", type=int, default=2000)
     envoy.add_argument("--no-ext-proc", action="store_true", help="plain round robin, for comparisons")
+    envoy.add_argument(
+        "--fail-closed",
+        action="store_true",
+        help="a dead ext_proc fails requests (5xx) instead of leaving them to round robin",
+    )
     envoy.add_argument("--extproc-tls", action="store_true", help="connect to the ext_proc with TLS (not verified)")
     envoy.add_argument(
         "--body-mode",
@@ -80,6 +85,7 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         destination_from=args.destination_from,
         body_mode=args.body_mode,
         extproc_tls=args.extproc_tls,
+        fail_open=not args.fail_closed,
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
         forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
     )

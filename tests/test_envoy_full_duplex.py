@@ -76,3 +76,22 @@ def test_non_llm_paths_pass_through(stack: Stack):
     finally:
         connection.close()
     assert response.status == 200 and models["data"][0]["id"] == MODEL
+
+
+@pytest.mark.parametrize(
+    ("body_mode", "fail_open", "served"),
+    [
+        ("buffered", True, True),  # routed by Envoy's round robin alone
+        ("buffered", False, False),  # closed: never a route kvroute did not choose
+        ("full_duplex", False, False),
+        # Not here: full duplex with fail-open. Envoy 1.40 served such a request in some runs and
+        # answered 500 in others (Envoy Gateway refuses that combination: envoyproxy/gateway#6559).
+    ],
+)
+def test_a_dead_picker_fails_open_or_closed(tmp_path, body_mode: str, fail_open: bool, served: bool):
+    with Stack(tmp_path, sims=2, body_mode=body_mode, fail_open=fail_open) as stack:
+        assert post(stack.url, chat("before"))[0] == 200
+        stack.stop_process("extproc")
+        status, headers, _ = post(stack.url, chat("picker gone"))
+        assert "x-kvroute-decision" not in headers
+        assert status == 200 if served else status >= 500

@@ -51,6 +51,9 @@ class EnvoyLayout:
     # (FULL_DUPLEX_STREAMED both ways, as endpoint-picker gateways configure it).
     body_mode: str = "buffered"
     extproc_tls: bool = False  # connect to the ext_proc with TLS (encrypted; its certificate is not verified)
+    # A dead or slow ext_proc: requests go on unrouted (open), or fail with a 5xx (closed: never a
+    # route kvroute did not choose; InferencePool's default, FailClose).
+    fail_open: bool = True
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -208,7 +211,7 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
                 ),
             },
             "forward_rules": {"allowed_headers": {"patterns": [{"exact": h} for h in layout.forward_headers]}},
-            "failure_mode_allow": True,
+            "failure_mode_allow": layout.fail_open,
             "message_timeout": f"{layout.message_timeout_ms / 1000:g}s",
             "allow_mode_override": True,
             "processing_mode": _processing_mode(layout),
