@@ -99,6 +99,7 @@ class Stack:
     body_mode: str = "buffered"  # or "full_duplex": bodies streamed both ways, as picker gateways do
     extproc_tls: bool = False  # TLS between Envoy and the ext_proc (self-signed at the ext_proc's start)
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
+    backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -188,6 +189,8 @@ class Stack:
         args += ["--decision-headers", "true"]  # a developer's stack shows why each request went where
         if self.extproc_tls:
             args += ["--grpc-tls-self-signed", "true"]
+        if self.backend_cluster == "original_dst":
+            args += ["--destination-fallback", "false"]
         if self.policy:
             args += ["--policy", self.policy]
         else:
@@ -214,6 +217,7 @@ class Stack:
             body_mode=self.body_mode,
             extproc_tls=self.extproc_tls,
             fail_open=self.fail_open,
+            backend_cluster=self.backend_cluster,
         )
         config = self.workdir / "envoy.yaml"
         config.write_text(render(layout))

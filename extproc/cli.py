@@ -42,6 +42,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a dead ext_proc fails requests (5xx) instead of leaving them to round robin",
     )
+    envoy.add_argument(
+        "--backend-cluster",
+        choices=("override_host", "original_dst"),
+        default="override_host",
+        help="original_dst: connect to the one address kvroute names (run it with --destination-fallback false)",
+    )
     envoy.add_argument("--extproc-tls", action="store_true", help="connect to the ext_proc with TLS (not verified)")
     envoy.add_argument(
         "--body-mode",
@@ -86,6 +92,7 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         body_mode=args.body_mode,
         extproc_tls=args.extproc_tls,
         fail_open=not args.fail_closed,
+        backend_cluster=args.backend_cluster,
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
         forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
     )

@@ -71,7 +71,10 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         ],
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        Processor(router, pool, metrics, max_stream_age_s=config.max_stream_age_s), server
+        Processor(
+            router, pool, metrics, max_stream_age_s=config.max_stream_age_s, fallback=config.destination_fallback
+        ),
+        server,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

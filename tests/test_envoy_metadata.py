@@ -49,3 +49,19 @@ def test_envoy_config_reads_metadata_only():
     ]
     with pytest.raises(ValueError, match="header or metadata"):
         bootstrap(EnvoyLayout(backends=["127.0.0.1:1"], destination_from="body"))
+
+
+def test_an_original_dst_cluster_goes_to_the_one_address_kvroute_names(tmp_path):
+    """Gateways that connect to the destination header's address (ORIGINAL_DST) get one address;
+    a client's own destination header never reaches that cluster."""
+    with Stack(tmp_path, sims=3, backend_cluster="original_dst") as original:
+        history = [{"role": "system", "content": text(RNG, 3000)}]
+        served = set()
+        for turn in range(4):
+            history.append({"role": "user", "content": f"turn {turn}"})
+            spoof = {"x-session-id": "odst", "x-gateway-destination-endpoint": f"127.0.0.1:{original.admin_port}"}
+            status, headers, body = post(original.url, {"model": "sim-model", "messages": history}, spoof)
+            assert status == 200 and headers["x-kvroute-backend"] == headers["x-sim-backend"]
+            served.add(headers["x-sim-backend"])
+            history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        assert len(served) == 1

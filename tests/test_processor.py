@@ -375,3 +375,14 @@ def test_full_duplex_subset_without_candidates_answers_503_at_the_body_end(parts
     held, last = run_stream(processor, messages)
     assert held == [] and len(last) == 1 and last[0].immediate_response.status.code == 503
     assert router.loads.snapshot() == {}
+
+
+def test_without_fallback_the_destination_is_one_address(parts):
+    router, pool, metrics, _ = parts
+    processor = Processor(router, pool, metrics, clock=lambda: 100.0, fallback=False)
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    reply = processor.handle(body(), stream)
+    target = set_headers(reply.request_body.response.header_mutation)[DESTINATION_HEADER]
+    assert target in (A, B)  # no ",second" an ORIGINAL_DST cluster would take as part of the address
+    assert reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value == target

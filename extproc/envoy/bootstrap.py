@@ -54,6 +54,10 @@ class EnvoyLayout:
     # A dead or slow ext_proc: requests go on unrouted (open), or fail with a 5xx (closed: never a
     # route kvroute did not choose; InferencePool's default, FailClose).
     fail_open: bool = True
+    # How Envoy reaches the chosen backend: "override_host" (members only, health-checked, round
+    # robin without a choice) or "original_dst" (the destination header as the address, as some
+    # gateways do; needs the ext_proc's destination_fallback off).
+    backend_cluster: str = "override_host"
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -129,7 +133,19 @@ def _destination_source(layout: EnvoyLayout) -> dict[str, Any]:
 
 
 def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
-    """Members (override_host only honours members) with active /health checks."""
+    """Members (override_host only honours members) with active /health checks, or an ORIGINAL_DST
+    cluster that connects to whatever one address the destination header names."""
+    if layout.backend_cluster == "original_dst":
+        return {
+            "name": "vllm",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+            "connect_timeout": "1s",
+            "per_connection_buffer_limit_bytes": BODY_LIMIT,
+        }
+    if layout.backend_cluster != "override_host":
+        raise ValueError(f"backend_cluster is override_host or original_dst, not {layout.backend_cluster!r}")
     members = [layout.backend_dns] if layout.backend_dns else list(layout.backends)
     policy = _round_robin()
     if layout.ext_proc:

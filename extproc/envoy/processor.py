@@ -177,12 +177,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         max_stream_age_s: float = 3600.0,
+        fallback: bool = True,
     ) -> None:
+        """`fallback`: name the second choice after a comma (Envoy's override_host retries it);
+        off for gateways whose ORIGINAL_DST cluster takes the destination as one address."""
         self._router = router
         self._pool = pool
         self._metrics = metrics
         self._clock = clock
         self._max_stream_age_s = max_stream_age_s
+        self._fallback = fallback
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -373,7 +377,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         decision = exchange.decision
         if decision.backend is None:
             return pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])), None
-        target = decision.backend if decision.second is None else f"{decision.backend},{decision.second}"
+        second = decision.second if self._fallback else None
+        target = decision.backend if second is None else f"{decision.backend},{second}"
         mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, target)])
         return pb.CommonResponse(header_mutation=mutation), target
 

@@ -45,6 +45,11 @@ class ExtProcConfig:
     grpc_tls_self_signed: bool = _key(
         False, "TLS on the ext_proc port with a certificate made at start (what endpoint-picker gateways expect)"
     )
+    destination_fallback: bool = _key(
+        True,
+        "name a second choice after a comma in the destination (Envoy's override_host retries it); false for "
+        "gateways whose ORIGINAL_DST cluster takes it as one address",
+    )
     backends: tuple[Backend, ...] = _key((), "ip:port of each vLLM server (`--backend` repeatable; a list in YAML)")
     health_interval_s: float = _key(2.0, "seconds between backend /health probes")
     health_timeout_s: float = _key(1.0, "timeout of one probe")
