@@ -27,12 +27,17 @@ RNG = random.Random(3)
 SYSTEM = text(RNG, 12_000)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=["buffered", "full_duplex"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """kvroute's own Envoy (buffered bodies, the destination header), and Envoy as endpoint-picker
+    gateways configure it (full-duplex bodies, the destination from `envoy.lb` metadata): every
+    scenario in this module runs through both."""
     # The 4 MB prompt (about a million tokens) needs a long-context model with a KV cache to hold
     # it, and would take 20 s of prefill at the default speed.
     sim_args = ["--prefill-s-per-token", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
-    with Stack(tmp_path_factory.mktemp("stack"), sims=4, sim_args=sim_args) as running:
+    destination = "metadata" if request.param == "full_duplex" else "header"
+    workdir = tmp_path_factory.mktemp(request.param)
+    with Stack(workdir, sims=4, sim_args=sim_args, body_mode=request.param, destination_from=destination) as running:
         yield running
 
 
