@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from bench.replay import Pacing
+from extproc.envoy.bootstrap import BODY_MODES
 
 if TYPE_CHECKING:
     from bench.compare import CompareOptions
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_parser("stall", help="event-loop stall from one 16 MiB body of tiny parts (JSON line)")
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
-    latency.add_argument("--body-mode", choices=("buffered", "full_duplex"), default="buffered")
+    latency.add_argument("--body-mode", choices=tuple(BODY_MODES), default="buffered")
     lag = bench.add_parser("replica-lag", help="time until a sibling replica sees news, cost of telling (JSON)")
     lag.add_argument("--samples", type=int, default=200)
     return parser

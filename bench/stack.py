@@ -108,13 +108,24 @@ class Stack:
         self.grpc_ports = [free_port() for _ in range(self.extproc_replicas)]
         self.admin_ports = [free_port() for _ in range(self.extproc_replicas)]
         self.control_ports = [free_port() for _ in range(self.extproc_replicas)]
-        self.grpc_port, self.admin_port = self.grpc_ports[0], self.admin_ports[0]
-        self.control_port = self.control_ports[0]
         self.hash_key = secrets.token_hex(16)  # replicas must hash alike
         self.control_token = secrets.token_hex(16)
         self.grpc_token = secrets.token_hex(16)
         self.sim_ports = [] if self.backends else [free_port() for _ in range(self.sims)]
         self.backends = list(self.backends) or [f"127.0.0.1:{p}" for p in self.sim_ports]
+
+    @property
+    def grpc_port(self) -> int:
+        """The first ext_proc replica's ports (the only one's, usually)."""
+        return self.grpc_ports[0]
+
+    @property
+    def admin_port(self) -> int:
+        return self.admin_ports[0]
+
+    @property
+    def control_port(self) -> int:
+        return self.control_ports[0]
 
     @property
     def url(self) -> str:

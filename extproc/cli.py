@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from extproc.envoy.bootstrap import BACKEND_CLUSTERS, BODY_MODES, DESTINATION_SOURCES
 from extproc.runtime import config
 
 
@@ -44,20 +45,20 @@ def parser() -> argparse.ArgumentParser:
     )
     envoy.add_argument(
         "--backend-cluster",
-        choices=("override_host", "original_dst"),
-        default="override_host",
+        choices=BACKEND_CLUSTERS,
+        default=BACKEND_CLUSTERS[0],
         help="original_dst: connect to the one address kvroute names (run it with --destination-fallback false)",
     )
     envoy.add_argument("--extproc-tls", action="store_true", help="connect to the ext_proc with TLS (not verified)")
     envoy.add_argument(
         "--body-mode",
-        choices=("buffered", "full_duplex"),
+        choices=tuple(BODY_MODES),
         default="buffered",
         help="how Envoy sends bodies to the ext_proc (full_duplex: as endpoint-picker gateways do)",
     )
     envoy.add_argument(
         "--destination-from",
-        choices=("header", "metadata"),
+        choices=tuple(DESTINATION_SOURCES),
         default="header",
         help="where Envoy reads kvroute's choice: the destination header or `envoy.lb` dynamic metadata",
     )

@@ -1,16 +1,17 @@
 """`kvroute envoy-config`: a complete Envoy bootstrap that routes by kvroute's decisions.
 
 Listener -> header_mutation (strip any client-supplied destination header) -> ext_proc
-(buffered request body, response headers with the attributes kvroute learns from, fail-open)
--> router. The backend cluster's override_host policy follows the header kvroute sets and falls
-back to round robin; connect failures are retried on the second choice. Why each setting is
+(buffered request body by default, response headers with the attributes kvroute learns from,
+fail-open by default) -> router. The backend cluster's override_host policy follows the header
+(or `envoy.lb` metadata) kvroute sets and falls back to round robin; connect failures are retried
+on the second choice. Why each setting is
 what it is: docs/envoy.md.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,28 @@ MAX_CONNECTIONS = 50_000
 # Add configured session or tenant headers with `--forward-header`.
 FORWARD_HEADERS = (":method", ":path", ":status", "x-request-id", "x-session-id", "x-user-id")
 _TYPES = "type.googleapis.com/envoy."
+
+# Body modes: how the ext_proc filter sends bodies (full duplex streams both ways, and needs trailers).
+BODY_MODES: dict[str, dict[str, str]] = {
+    "buffered": {
+        "request_body_mode": "BUFFERED",
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    },
+    "full_duplex": {
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND",
+    },
+}
+# Where override_host reads kvroute's choice.
+DESTINATION_SOURCES: dict[str, dict[str, Any]] = {
+    "header": {"header": DESTINATION_HEADER},
+    "metadata": {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
+}
+BACKEND_CLUSTERS = ("override_host", "original_dst")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,36 +129,24 @@ def _checked_and_unthrottled(check: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _checked(field: str, name: str, allowed: Iterable[str]) -> str:
+    """`name`, if it is one of the `allowed` values of the layout's `field`."""
+    options = list(allowed)
+    if name not in options:
+        raise ValueError(f"{field} is {' or '.join(options)}, not {name!r}")
+    return name
+
+
 def _processing_mode(layout: EnvoyLayout) -> dict[str, str]:
-    """Buffered request bodies only, or both bodies streamed full duplex (which needs trailers)."""
-    if layout.body_mode == "full_duplex":
-        duplex = {"request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED"}
-        return {"request_header_mode": "SEND", "response_header_mode": "SEND", **duplex,
-                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"}  # fmt: skip
-    if layout.body_mode != "buffered":
-        raise ValueError(f"body_mode is buffered or full_duplex, not {layout.body_mode!r}")
-    return {
-        "request_header_mode": "SEND",
-        "response_header_mode": "SEND",
-        "request_body_mode": "BUFFERED",
-        "response_body_mode": "NONE",
-        "request_trailer_mode": "SKIP",
-        "response_trailer_mode": "SKIP",
-    }
-
-
-def _destination_source(layout: EnvoyLayout) -> dict[str, Any]:
-    if layout.destination_from == "metadata":
-        return {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}
-    if layout.destination_from != "header":
-        raise ValueError(f"destination_from is header or metadata, not {layout.destination_from!r}")
-    return {"header": DESTINATION_HEADER}
+    """Headers both ways, bodies as the layout's body mode says."""
+    modes = BODY_MODES[_checked("body_mode", layout.body_mode, BODY_MODES)]
+    return {"request_header_mode": "SEND", "response_header_mode": "SEND", **modes}
 
 
 def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     """Members (override_host only honours members) with active /health checks, or an ORIGINAL_DST
     cluster that connects to whatever one address the destination header names."""
-    if layout.backend_cluster == "original_dst":
+    if _checked("backend_cluster", layout.backend_cluster, BACKEND_CLUSTERS) == "original_dst":
         return {
             "name": "vllm",
             "type": "ORIGINAL_DST",
@@ -144,9 +155,8 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
             "connect_timeout": "1s",
             "per_connection_buffer_limit_bytes": BODY_LIMIT,
         }
-    if layout.backend_cluster != "override_host":
-        raise ValueError(f"backend_cluster is override_host or original_dst, not {layout.backend_cluster!r}")
     members = [layout.backend_dns] if layout.backend_dns else list(layout.backends)
+    source = DESTINATION_SOURCES[_checked("destination_from", layout.destination_from, DESTINATION_SOURCES)]
     policy = _round_robin()
     if layout.ext_proc:
         policy = {
@@ -156,7 +166,7 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
                         "name": "envoy.load_balancing_policies.override_host",
                         "typed_config": {
                             "@type": _TYPES + "extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                            "override_host_sources": [_destination_source(layout)],
+                            "override_host_sources": [source],
                             "fallback_policy": _round_robin(),
                         },
                     }

@@ -213,12 +213,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     yield reply
                 continue
             if not stream.routed and stream.headers and message.WhichOneof("request") == "request_body":
-                body = message.request_body.body  # a copy: read it once
-                if len(body) > (OFFLOAD_BYTES_PRECISE if self._router.precise else OFFLOAD_BYTES):
-                    # Parsing and hashing a large body takes milliseconds to seconds: do it off the
-                    # event loop so health answers and other requests do not wait behind it.
-                    stream.prepared = await asyncio.to_thread(self._prepare, body, stream.headers)
+                await self._prepare_large(message.request_body.body, stream)  # (a copy: read once)
             yield self.handle(message, stream)
+
+    async def _prepare_large(self, body: bytes, stream: Stream) -> None:
+        """Parsing and hashing a large body takes milliseconds to seconds: do it off the event
+        loop, so health answers and other requests do not wait behind it; `_route` takes it up."""
+        if len(body) > (OFFLOAD_BYTES_PRECISE if self._router.precise else OFFLOAD_BYTES):
+            stream.prepared = await asyncio.to_thread(self._prepare, body, stream.headers)
 
     async def _duplex(self, message: pb.ProcessingRequest, stream: Stream) -> list[pb.ProcessingResponse]:
         """Full-duplex replies: none while the body is held, the held headers reply and the body
@@ -265,8 +267,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """Decide on the held body, then send the held headers reply and the body back."""
         body = b"".join(stream.held or ())
         stream.held, stream.held_bytes = None, 0
-        if read and len(body) > (OFFLOAD_BYTES_PRECISE if self._router.precise else OFFLOAD_BYTES):
-            stream.prepared = await asyncio.to_thread(self._prepare, body, stream.headers)
+        if read:
+            await self._prepare_large(body, stream)
         decided = self._routed(stream, body if read else None, "request_headers")
         if decided.HasField("immediate_response"):
             return [decided]
@@ -289,7 +291,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             stream.held = None
             end = kind == "request_body" and message.request_body.end_of_stream
             return [_CONTINUE_HEADERS, *_chunks("request_body", body, end)]
-        if kind in ("request_body", "response_body") and (kind == "request_body" or stream.response_duplex):
+        if kind == "request_body" or (kind == "response_body" and stream.response_duplex):
             part = getattr(message, kind)
             return [_streamed(kind, part.body, part.end_of_stream)]
         return [_CONTINUE[kind]]

@@ -217,7 +217,7 @@ class RedisLink:
                 for entry_id, fields in entries:
                     self._apply(entry_id, fields, offset)
                     ids[key] = entry_id
-            self._router.loads.set_peers(self._known(self._peers.totals(self._clock())))
+            self._apply_peer_loads(self._clock())
 
     def _peer_bytes(self, replica: str, sent: dict[str, int]) -> None:
         """Add what a sibling sent each known backend since its last report (the first report, or a
@@ -230,8 +230,10 @@ class RedisLink:
             if before is not None and total > before and self._pool.is_known(backend):
                 self._router.bytes_per_token.add(backend, total - before)
 
-    def _known(self, totals: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-        return {b: load for b, load in totals.items() if self._pool.is_known(b)}
+    def _apply_peer_loads(self, now: float) -> None:
+        """The siblings heard from lately, summed per backend of this replica's pool, into its loads."""
+        totals = self._peers.totals(now)
+        self._router.loads.set_peers({b: load for b, load in totals.items() if self._pool.is_known(b)})
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> None:
         try:
@@ -282,7 +284,7 @@ class RedisLink:
             if vector != sent or now - sent_at >= self._heartbeat_s:
                 await self._add_load(vector)
                 sent, sent_at = vector, now
-                self._router.loads.set_peers(self._known(self._peers.totals(now)))
+                self._apply_peer_loads(now)
             await asyncio.sleep(self._load_period_s)
 
     def _vector(self) -> dict[str, tuple[int, int, int]]:
