@@ -24,6 +24,7 @@ GROUP = "kvroute.io"
 VERSION = "v1alpha1"
 PLURAL = "kvroutingpolicies"
 KIND = "KVRoutingPolicy"
+POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"  # Gateway API Inference Extension
 MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
 AUTO = "auto"  # capacityBlocks: size each backend from its own metrics (capacity_auto)
 HEADER_NAME = "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
@@ -173,8 +174,22 @@ def crd() -> dict[str, Any]:
     }
     spec = {
         "type": "object",
-        "required": ["selector", "targetPort"],
+        "x-kubernetes-validations": [
+            {
+                "rule": "has(self.poolRef) != has(self.selector)",
+                "message": "set either selector and targetPort, or poolRef",
+            },
+            {"rule": "has(self.selector) == has(self.targetPort)", "message": "selector and targetPort go together"},
+        ],
         "properties": {
+            "poolRef": {
+                "description": "An InferencePool (inference.networking.k8s.io/v1) in the policy's namespace whose "
+                "selector and targetPorts name the backends (each ready pod IP x each target port), instead of "
+                "selector and targetPort. Routing settings still come from this policy.",
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 253}},
+            },
             "selector": selector,
             "targetPort": {
                 "description": "The vLLM port, a number or a container port name.",

@@ -1,13 +1,14 @@
 """Pods + policy -> status: the operator's whole logic, as plain functions of plain dicts.
 
 A pod is a ready backend when its Ready condition is True, it is not terminating, it has an IP,
-and the policy's target port resolves on it (a number, or a container port name).
+and the target port resolves on it (a number, or a container port name). The selector and ports are
+the policy's own, or those of the InferencePool it references (`spec.poolRef`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from controller.crd import MODELS_KEY, StatusBackend, routing_changes
 
@@ -57,12 +58,44 @@ def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _port(target: int | str, pod: Mapping[str, Any]) -> int | None:
-    if isinstance(target, int):
-        return target
-    if target.isdigit():
-        return int(target)
-    return pod["ports"].get(target)
+def pool_summary(pool: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator keeps of an InferencePool: its name, pod selector and target ports."""
+    spec = pool.get("spec") or {}
+    return {
+        "name": (pool.get("metadata") or {}).get("name", ""),
+        "selector": dict(spec.get("selector") or {}),
+        "targetPorts": [p["number"] for p in spec.get("targetPorts") or [] if isinstance(p.get("number"), int)],
+    }
+
+
+class Target(NamedTuple):
+    """Which pods a policy routes to and on which ports, wherever they are declared; `problem` is
+    (reason, message) when there is nothing to select with."""
+
+    selector: Mapping[str, Any]
+    ports: list[int | str]
+    problem: tuple[str, str] | None = None
+
+
+def target(spec: Mapping[str, Any], pools: Iterable[Mapping[str, Any]]) -> Target:
+    """The policy's own selector and targetPort, or those of the InferencePool it references."""
+    ref = spec.get("poolRef")
+    if not ref:
+        return Target(spec.get("selector") or {}, [spec["targetPort"]])
+    pool = next((p for p in pools if p["name"] == ref.get("name")), None)
+    if pool is None:
+        return Target({}, [], ("PoolNotFound", f"InferencePool {ref.get('name')!r} not found in the policy's namespace"))
+    if not pool["targetPorts"]:
+        return Target({}, [], ("PoolHasNoPorts", f"InferencePool {pool['name']!r} has no targetPorts"))
+    return Target(pool["selector"], list(pool["targetPorts"]))
+
+
+def _port(target_port: int | str, pod: Mapping[str, Any]) -> int | None:
+    if isinstance(target_port, int):
+        return target_port
+    if target_port.isdigit():
+        return int(target_port)
+    return pod["ports"].get(target_port)
 
 
 def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
@@ -71,27 +104,26 @@ def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
     return sorted({m.strip() for m in (pod["models"] or "").split(",") if m.strip()})
 
 
-def backends(spec: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> tuple[list[StatusBackend], int]:
-    """The backends of every selected pod (sorted by name), and how many selected pods lack the port."""
+def backends(
+    spec: Mapping[str, Any], to: Target, pods: Iterable[Mapping[str, Any]]
+) -> tuple[list[StatusBackend], int]:
+    """The backends of every selected pod, one per target port (sorted by pod, then port), and how
+    many selected pods lack a named port."""
     out = []
     portless = 0
     for pod in pods:
-        if not selector_matches(spec.get("selector") or {}, pod["labels"]):
+        if not selector_matches(to.selector, pod["labels"]):
             continue
-        port = _port(spec["targetPort"], pod)
-        if port is None:
-            portless += 1
-            continue
-        out.append(
-            StatusBackend(
-                pod=pod["name"],
-                ip=pod["ip"],
-                port=port,
-                ready=bool(pod["ready"] and pod["ip"]),
-                models=_models(spec, pod),
-            )
+        ports = [_port(p, pod) for p in to.ports]
+        portless += None in ports
+        ready = bool(pod["ready"] and pod["ip"])
+        models = _models(spec, pod)
+        out.extend(
+            StatusBackend(pod=pod["name"], ip=pod["ip"], port=port, ready=ready, models=models)
+            for port in ports
+            if port is not None
         )
-    out.sort(key=lambda b: b["pod"])
+    out.sort(key=lambda b: (b["pod"], b["port"]))
     return out, portless
 
 
@@ -102,22 +134,30 @@ def _condition(kind: str, ok: bool, reason: str, message: str, previous: Mapping
     return {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
 
 
-def desired_status(policy: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], now: str) -> dict[str, Any]:
-    """The status the policy should have, given the pods of its namespace."""
+def desired_status(
+    policy: Mapping[str, Any],
+    pods: Iterable[Mapping[str, Any]],
+    now: str,
+    pools: Iterable[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The status the policy should have, given the pods and InferencePools of its namespace."""
     spec = policy.get("spec") or {}
     previous = policy.get("status") or {}
-    found, portless = backends(spec, pods)
+    to = target(spec, pools)
+    found, portless = backends(spec, to, pods)
     ready = sum(b["ready"] for b in found)
-    if ready:
-        reason, message = "ReadyPods", f"{ready} of {len(found)} selected pods are ready"
+    if to.problem:
+        reason, message = to.problem
+    elif ready:
+        reason, message = "ReadyPods", f"{ready} of {len(found)} selected backends are ready"
     elif found:
-        reason, message = "NoReadyPods", f"none of {len(found)} selected pods is ready"
+        reason, message = "NoReadyPods", f"none of {len(found)} selected backends is ready"
     elif portless:
-        reason, message = "PortNotFound", f"{portless} selected pods have no port {spec.get('targetPort')!r}"
+        reason, message = "PortNotFound", f"{portless} selected pods have no port {to.ports[0]!r}"
     else:
         reason, message = "NoMatchingPods", "no pod matches the selector"
     if portless and found:
-        message += f"; {portless} selected pods have no port {spec.get('targetPort')!r}"
+        message += f"; {portless} selected pods have no port {to.ports[0]!r}"
     available = _condition("BackendsAvailable", ready > 0, reason, message, previous, now)
     routable = _condition(
         "Ready",

@@ -1,10 +1,10 @@
 """`kvroute controller`: the kopf layer, kept thin. Logic lives in controller/logic.py and
 controller/reconciler.py.
 
-kopf keeps two in-memory indexes (pods and policies by namespace); every pod or policy event
-marks its namespace dirty, and the reconciler writes changed statuses. Only event and index
-handlers are used, so kopf writes nothing to the policies itself (no finalizers, no annotations)
-and the operator needs no more than read access plus `kvroutingpolicies/status` patch. Replicas
+kopf keeps three in-memory indexes (pods, policies and InferencePools by namespace); every event
+of theirs marks its namespace dirty, and the reconciler writes changed statuses. Only event and
+index handlers are used, so kopf writes nothing to the policies itself (no finalizers, no
+annotations) and the operator needs no more than read access plus `kvroutingpolicies/status` patch. Replicas
 coordinate through kopf peering: the one with the highest priority works, the others wait.
 """
 
@@ -85,9 +85,9 @@ async def login(**_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.startup(registry=REGISTRY)
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Quiet kopf (no events, no CRD scans), load API credentials, start the reconciler and probes."""
+    """Quiet kopf (no events), load API credentials, start the reconciler and probes. CRDs are
+    watched so an InferencePool CRD installed after the operator starts is followed without a restart."""
     settings.posting.enabled = False
-    settings.scanning.disabled = True
     settings.peering.mandatory = True
     settings.peering.priority = random.randint(1, 1_000_000)  # distinct priorities: one replica leads
     client.Configuration.set_default(await _client_configuration())
@@ -123,13 +123,24 @@ def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) 
     }
 
 
+@kopf.index(crd.POOL_GROUP, crd.POOL_VERSION, crd.POOL_PLURAL, registry=REGISTRY)
+def pools_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    return {namespace: logic.pool_summary(body)}
+
+
 @kopf.on.event("", "v1", "pods", registry=REGISTRY)
 @kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL, registry=REGISTRY)
+@kopf.on.event(crd.POOL_GROUP, crd.POOL_VERSION, crd.POOL_PLURAL, registry=REGISTRY)
 def changed(
-    namespace: str, memo: kopf.Memo, pods_by_namespace: kopf.Index, policies_by_namespace: kopf.Index, **_: Any
+    namespace: str,
+    memo: kopf.Memo,
+    pods_by_namespace: kopf.Index,
+    policies_by_namespace: kopf.Index,
+    pools_by_namespace: kopf.Index,
+    **_: Any,
 ) -> None:
-    """Any pod or policy event: settle that namespace's policies soon."""
-    memo.reconciler.touch(namespace, pods_by_namespace, policies_by_namespace)
+    """Any pod, policy or InferencePool event: settle that namespace's policies soon."""
+    memo.reconciler.touch(namespace, pods_by_namespace, policies_by_namespace, pools_by_namespace)
 
 
 def main(health_host: str = "0.0.0.0", health_port: int = 8080) -> None:

@@ -24,8 +24,9 @@ def _now() -> str:
 class Reconciler:
     """Namespaces are marked dirty by events; `run` settles them after a short quiet period.
 
-    `pods` and `policies` map a namespace to pod summaries and to policy records
-    (`{"name", "metadata", "spec", "status"}`); kopf's indexes are such mappings.
+    `pods`, `policies` and `pools` map a namespace to pod summaries, policy records
+    (`{"name", "metadata", "spec", "status"}`) and InferencePool summaries; kopf's indexes are such
+    mappings (the pools' stays empty where the InferencePool CRD is not installed).
     """
 
     def __init__(self, patch_status: PatchStatus, debounce_s: float = 0.5, clock: Callable[[], str] = _now) -> None:
@@ -36,13 +37,14 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._pods: Snapshot = {}
         self._policies: Snapshot = {}
+        self._pools: Snapshot = {}
         self.patches = 0
         self.errors = 0
         self.last_error: str | None = None
 
-    def touch(self, namespace: str, pods: Snapshot, policies: Snapshot) -> None:
+    def touch(self, namespace: str, pods: Snapshot, policies: Snapshot, pools: Snapshot) -> None:
         """Something changed in a namespace; settle it soon."""
-        self._pods, self._policies = pods, policies
+        self._pods, self._policies, self._pools = pods, policies, pools
         self._dirty.add(namespace)
         self._wake.set()
 
@@ -50,9 +52,10 @@ class Reconciler:
         """Write the status of every policy in these namespaces whose status must change."""
         for namespace in namespaces:
             pods = list(self._pods.get(namespace, ()))
+            pools = list(self._pools.get(namespace, ()))
             for policy in list(self._policies.get(namespace, ())):
                 try:
-                    desired = logic.desired_status(policy, pods, self._clock())
+                    desired = logic.desired_status(policy, pods, self._clock(), pools)
                 except Exception as exc:  # one malformed policy must not stop the others
                     self.errors += 1
                     self.last_error = f"{namespace}/{policy.get('name')}: {type(exc).__name__}: {exc}"

@@ -22,12 +22,19 @@ from bench.stack import free_port, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tests" / "k8s" / "controlplane" / "build"
+FETCH_CRDS = ROOT / "tests" / "k8s" / "crds" / "fetch"
 ADMIN_TOKEN = "kvroute-test-admin-token"
 
 
 def binaries() -> Path:
     """The pinned control-plane binaries, built on first use (several minutes on 2 cores)."""
     out = subprocess.run([str(BUILD)], check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def crds() -> Path:
+    """The pinned Gateway API, InferencePool and Envoy Gateway CRDs, fetched on first use."""
+    out = subprocess.run([str(FETCH_CRDS)], check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -166,6 +173,13 @@ class ControlPlane:
     def apply(self, objects: Sequence[dict[str, Any]] | str, *flags: str) -> subprocess.CompletedProcess[str]:
         text = objects if isinstance(objects, str) else yaml.safe_dump_all(objects)
         return self.kubectl("apply", *flags, "-f", "-", stdin=text)
+
+    def install_crds(self, *folders: str) -> None:
+        """Creates the CRDs of these folders of `crds()` (server-side: some are too large for the
+        last-applied annotation) and waits until the API server serves them."""
+        for folder in folders:
+            self.kubectl("apply", "--server-side", "-f", str(crds() / folder))
+        self.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
 
     def kubeconfig_for(self, namespace: str, service_account: str, hours: int = 2) -> Path:
         """A kubeconfig holding a fresh token of that ServiceAccount (TokenRequest)."""

@@ -61,3 +61,25 @@ def policy(name: str = "default", generation: int = 1, **spec: Any) -> dict[str,
         "spec": body,
         "status": {},
     }
+
+
+def pool_policy(pool: str, name: str = "default", **spec: Any) -> dict[str, Any]:
+    """A KVRoutingPolicy whose backends come from an InferencePool."""
+    body = policy(name, **spec)
+    del body["spec"]["selector"], body["spec"]["targetPort"]
+    body["spec"]["poolRef"] = {"name": pool}
+    return body
+
+
+def inference_pool(name: str, ports: tuple[int, ...] = (8000,), labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """An InferencePool (inference.networking.k8s.io/v1) selecting `app: vllm` pods by default."""
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": "llm"},
+        "spec": {
+            "selector": {"matchLabels": labels or {"app": "vllm"}},
+            "targetPorts": [{"number": p} for p in ports],
+            "endpointPickerRef": {"name": "kvroute-picker", "port": {"number": 9002}},
+        },
+    }

@@ -11,7 +11,7 @@ import pytest
 import controller.operator as operator
 from controller import logic
 from controller.reconciler import Reconciler
-from tests.k8s_objects import pod, policy
+from tests.k8s_objects import inference_pool, pod, policy, pool_policy
 
 T0, T1 = "2026-11-29T10:00:00Z", "2026-11-29T10:05:00Z"
 
@@ -36,6 +36,35 @@ def test_ready_pods_become_backends_with_named_ports():
         ("BackendsAvailable", "True", "ReadyPods"),
         ("RoutingAccepted", "True", "Accepted"),
     ]
+
+
+def pools(*bodies: dict[str, Any]) -> list[dict[str, Any]]:
+    return [logic.pool_summary(b) for b in bodies]
+
+
+def test_a_policy_on_an_inference_pool_routes_to_each_pod_ip_times_each_target_port():
+    pods = summaries(pod("b", "10.1.0.2"), pod("a", "10.1.0.1"), pod("x", "10.1.0.9", labels={"app": "other"}))
+    pool = inference_pool("chat", ports=(8001, 8000), labels={"app": "vllm"})
+    result = logic.desired_status(pool_policy("chat"), pods, T0, pools(pool, inference_pool("other", labels={"app": "other"})))
+    assert [(b["pod"], b["ip"], b["port"]) for b in result["backends"]] == [
+        ("a", "10.1.0.1", 8000),
+        ("a", "10.1.0.1", 8001),
+        ("b", "10.1.0.2", 8000),
+        ("b", "10.1.0.2", 8001),
+    ]
+    assert result["readyBackends"] == 4 and result["conditions"][0]["status"] == "True"
+
+
+def test_a_missing_or_portless_pool_routes_nowhere_and_says_why():
+    pods = summaries(pod("a", "10.1.0.1"))
+    missing = logic.desired_status(pool_policy("chat"), pods, T0, pools(inference_pool("other")))
+    assert missing["backends"] == [] and missing["conditions"][1]["reason"] == "PoolNotFound"
+    assert "'chat'" in missing["conditions"][1]["message"]
+    portless = logic.desired_status(pool_policy("chat"), pods, T0, pools(inference_pool("chat", ports=())))
+    assert portless["backends"] == [] and portless["conditions"][1]["reason"] == "PoolHasNoPorts"
+    # the pool's selector, not the policy's leftovers, decides: a pool selecting nothing gives nothing
+    elsewhere = logic.desired_status(pool_policy("chat"), pods, T0, pools(inference_pool("chat", labels={"app": "x"})))
+    assert elsewhere["conditions"][1]["reason"] == "NoMatchingPods"
 
 
 def test_unknown_routing_fields_are_reported_in_a_condition():
@@ -139,16 +168,16 @@ def test_reconciler_collapses_bursts_and_writes_only_changes():
             "llm": [record("llm", policy("p1")), record("llm", policy("p2", selector={"matchLabels": {"x": "y"}}))]
         }
         for _ in range(50):  # a burst of events
-            reconciler.touch("llm", pods, policies)
+            reconciler.touch("llm", pods, policies, {})
         await asyncio.sleep(0.3)
         assert len(patches) == 2 and {p[1] for p in patches} == {"p1", "p2"}
         # the patched statuses come back through the index: nothing more to write
         policies["llm"] = [{**r, "status": p[2]} for r, p in zip(policies["llm"], patches, strict=True)]
-        reconciler.touch("llm", pods, policies)
+        reconciler.touch("llm", pods, policies, {})
         await asyncio.sleep(0.2)
         assert len(patches) == 2
         pods["llm"] = summaries(pod("a"), pod("b", "10.1.0.2"))
-        reconciler.touch("llm", pods, policies)
+        reconciler.touch("llm", pods, policies, {})
         await asyncio.sleep(0.2)
         assert [p[1] for p in patches[2:]] == ["p1"]
         task.cancel()
@@ -166,7 +195,7 @@ def test_reconciler_reports_and_retries_failed_patches():
 
     async def scenario() -> None:
         reconciler = Reconciler(flaky, debounce_s=0)
-        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy())]})
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy())]}, {})
         await reconciler.settle(["llm"])
         assert reconciler.last_error and "unreachable" in reconciler.last_error
         await reconciler.settle(["llm"])
@@ -183,9 +212,10 @@ def test_kopf_layer_registers_indexes_events_and_lifecycle():
     assert indexes == {
         "pods_by_namespace": ("", "v1", "pods"),
         "policies_by_namespace": ("kvroute.io", "v1alpha1", "kvroutingpolicies"),
+        "pools_by_namespace": ("inference.networking.k8s.io", "v1", "inferencepools"),
     }
     watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
-    assert watched == {("", "pods"), ("kvroute.io", "kvroutingpolicies")}
+    assert watched == {("", "pods"), ("kvroute.io", "kvroutingpolicies"), ("inference.networking.k8s.io", "inferencepools")}
     assert not registry._changing.get_all_handlers()  # nothing that would write finalizers or annotations
     assert not registry._spawning.get_all_handlers()
     activities = {h.activity.value for h in registry._activities.get_all_handlers()}
@@ -200,11 +230,13 @@ def test_kopf_handlers_feed_the_reconciler():
     touched: list[str] = []
 
     class Recorder:
-        def touch(self, namespace: str, pods: Any, policies: Any) -> None:
+        def touch(self, namespace: str, pods: Any, policies: Any, pools: Any) -> None:
             touched.append(namespace)
 
     memo = kopf.Memo(reconciler=Recorder())
-    operator.changed(namespace="llm", memo=memo, pods_by_namespace={}, policies_by_namespace={})
+    operator.changed(namespace="llm", memo=memo, pods_by_namespace={}, policies_by_namespace={}, pools_by_namespace={})
+    pool = operator.pools_by_namespace(namespace="llm", body=kopf.Body(inference_pool("p", (8000, 8001))))
+    assert pool == {"llm": {"name": "p", "selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [8000, 8001]}}
     assert touched == ["llm"]
 
 
@@ -222,7 +254,7 @@ def test_startup_configures_kopf_quietly(monkeypatch):
         await operator.stop(memo=memo)
 
     asyncio.run(scenario())
-    assert settings.posting.enabled is False and settings.scanning.disabled is True
+    assert settings.posting.enabled is False and settings.scanning.disabled is False  # a later pool CRD is seen
     assert settings.peering.mandatory is True and settings.peering.priority > 0
 
 
@@ -236,8 +268,27 @@ def test_a_malformed_policy_does_not_stop_the_others():
         reconciler = Reconciler(patch, debounce_s=0)
         broken = record("llm", policy("broken"))
         del broken["spec"]["targetPort"]  # the CRD forbids it; a reconciler must survive it anyway
-        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy("good")), broken]})
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy("good")), broken]}, {})
         await reconciler.settle(["llm"])
         assert patched == ["good"] and reconciler.errors == 1 and "broken" in reconciler.last_error
 
     asyncio.run(scenario())
+
+
+def test_the_reconciler_settles_pool_policies_when_their_pool_appears():
+    patched: list[dict[str, Any]] = []
+
+    async def patch(_namespace: str, _name: str, new: dict[str, Any]) -> None:
+        patched.append(new)
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0)
+        pods = {"llm": summaries(pod("a"))}
+        reconciler.touch("llm", pods, {"llm": [record("llm", pool_policy("chat"))]}, {})
+        await reconciler.settle(["llm"])
+        reconciler.touch("llm", pods, {"llm": [record("llm", pool_policy("chat"))]}, {"llm": pools(inference_pool("chat"))})
+        await reconciler.settle(["llm"])
+
+    asyncio.run(scenario())
+    assert [p["readyBackends"] for p in patched] == [0, 1]
+    assert patched[0]["conditions"][1]["reason"] == "PoolNotFound"

@@ -333,3 +333,49 @@ def test_precise_mode_without_a_tokenizer_warns_on_the_policy_and_keeps_routing(
         '[{"op":"remove","path":"/spec/routing/index"},{"op":"remove","path":"/spec/routing/tokenizerPath"}]',
     )
     eventually(lambda: mode() == "approximate", timeout_s=20, message="approximate again")
+
+
+# --- InferencePool as the source of backends --------------------------------------------------
+
+
+def test_a_policy_on_an_inference_pool_follows_the_pool(cluster: Cluster):
+    """The InferencePool CRD is installed while the operator runs (it notices without a restart);
+    a policy naming the pool lists each selected pod IP x each target port; pool edits and the
+    pool's deletion show in the policy's status."""
+    cp = cluster.cp
+    cp.install_crds("inference-extension")
+    pool = {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "chat", "namespace": NS},
+        "spec": {
+            "selector": {"matchLabels": {"app": "sim"}},
+            "targetPorts": [{"number": PORT}],
+            "endpointPickerRef": {"name": f"{RELEASE}-extproc", "port": {"number": 9002}},
+        },
+    }
+    policy = {
+        "apiVersion": "kvroute.io/v1alpha1",
+        "kind": "KVRoutingPolicy",
+        "metadata": {"name": "pooled", "namespace": NS},
+        "spec": {"poolRef": {"name": "chat"}, "routing": {"blockSize": 512}},
+    }
+    both = {**policy, "spec": {**policy["spec"], "selector": {"matchLabels": {"app": "sim"}}, "targetPort": PORT}}
+    refused = cp.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(both), check=False)
+    assert refused.returncode != 0 and "set either selector and targetPort, or poolRef" in refused.stderr
+    cp.apply([policy])
+
+    def reason() -> str:
+        return next(c["reason"] for c in cluster.status("pooled")["conditions"] if c["type"] == "BackendsAvailable")
+
+    eventually(lambda: cluster.status("pooled").get("conditions") and reason() == "PoolNotFound", timeout_s=30)
+    cp.apply([pool])
+    first = {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}
+    eventually(lambda: cluster.ready("pooled") == first, timeout_s=60, message="the pool's pods, once it exists")
+    pool["spec"]["targetPorts"].append({"number": PORT + 1})
+    cp.apply([pool])
+    both_ports = first | {f"{ip}:{PORT + 1}" for ip in SIM_IPS[:3]}
+    eventually(lambda: cluster.ready("pooled") == both_ports, timeout_s=30, message="each pod x each target port")
+    cp.kubectl("delete", "inferencepool", "chat", "-n", NS)
+    eventually(lambda: cluster.ready("pooled") == set() and reason() == "PoolNotFound", timeout_s=30, message="gone")
+    cp.kubectl("delete", "kvrp", "pooled", "-n", NS)
