@@ -18,7 +18,19 @@ from tests.e2e import eventually
 pytestmark = pytest.mark.k8s
 
 CHART = ROOT / "charts" / "kvroute"
-CUSTOM_KINDS = {"KVRoutingPolicy", "ClusterKopfPeering", "CustomResourceDefinition"}
+CUSTOM_KINDS = {
+    "KVRoutingPolicy",
+    "ClusterKopfPeering",
+    "CustomResourceDefinition",
+    "InferencePool",
+    "HTTPRoute",
+    "DestinationRule",
+}
+PICKER = {  # kvroute as an InferencePool's endpoint picker (`template` renders into namespace kvroute)
+    "inferencePool": {"enabled": True, "modelServers": {"matchLabels": {"app": "vllm"}}},
+    "envoy": {"enabled": False},
+    "policy": {"namespace": "kvroute"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +73,9 @@ def test_lint_passes(helm):
         {"policy": {"create": False}},
         {"controller": {"replicas": 3}},
         {"extproc": {"replicas": 3, "replicaStore": {"deploy": True}}},
+        {**PICKER, "provider": {"name": "istio"}, "experimentalHttpRoute": {"enabled": True}},
     ],
-    ids=["defaults", "no-envoy", "no-policy", "three-controllers", "three-extproc-replicas"],
+    ids=["defaults", "no-envoy", "no-policy", "three-controllers", "three-extproc-replicas", "picker"],
 )
 def test_rendered_builtin_objects_are_valid(helm, tmp_path, values):
     for doc in template(helm, tmp_path, values):
@@ -161,6 +174,59 @@ def test_replicas_share_through_a_store_the_chart_deploys_or_is_given(helm, tmp_
     assert args[args.index("--replica-store") + 1] == "rediss://store.example:6380/1"
     with pytest.raises(AssertionError, match=r"needs extproc\.replicaStore"):
         template(helm, tmp_path, {"extproc": {"replicas": 2}})
+
+
+def test_picker_mode_creates_the_pool_and_answers_gateways_as_they_expect(helm, tmp_path):
+    values = {**PICKER, "provider": {"name": "istio"}, "experimentalHttpRoute": {"enabled": True}}
+    docs = template(helm, tmp_path, values)
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert not [k for k in named if "envoy" in k[1] or k[1] == "kvroute-grpc-token"]
+    pool = named[("InferencePool", "kvroute")]["spec"]
+    assert pool["selector"] == {"matchLabels": {"app": "vllm"}} and pool["targetPorts"] == [{"number": 8000}]
+    assert pool["endpointPickerRef"] == {
+        "name": "kvroute-extproc",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    service = named[("Service", "kvroute-extproc")]["spec"]
+    assert service["ports"][0] == {"name": "grpc", "port": 9002, "targetPort": "grpc"}  # TLS, not h2c
+    assert named[("KVRoutingPolicy", "default")]["spec"]["poolRef"] == {"name": "kvroute"}
+    assert "selector" not in named[("KVRoutingPolicy", "default")]["spec"]
+    args = named[("Deployment", "kvroute-extproc")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--grpc-tls-self-signed") + 1] == "true"
+    assert args[args.index("--destination-fallback") + 1] == "false"  # one address: ORIGINAL_DST clusters
+    assert "--grpc-token-file" not in args  # gateways send no token; the NetworkPolicy admits their namespace
+    extproc_policy = named[("NetworkPolicy", "kvroute-extproc")]["spec"]["ingress"][0]["from"]
+    assert extproc_policy == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}}
+    ]
+    rule = named[("DestinationRule", "kvroute-extproc")]["spec"]
+    assert (
+        rule["host"] == "kvroute-extproc.kvroute.svc.cluster.local" and rule["trafficPolicy"]["tls"]["mode"] == "SIMPLE"
+    )
+    route = named[("HTTPRoute", "kvroute")]["spec"]
+    assert route["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "kvroute"}
+    ]
+    existing = template(helm, tmp_path, {**PICKER, "inferencePool": {"enabled": True, "create": False, "name": "chat"}})
+    assert not [d for d in existing if d["kind"] == "InferencePool"]
+    policy = next(d for d in existing if d["kind"] == "KVRoutingPolicy")
+    assert policy["spec"]["poolRef"] == {"name": "chat"}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"envoy": {"enabled": True}}, "set envoy.enabled: false"),
+        ({"policy": {"namespace": "llm"}}, "set policy.namespace to kvroute"),
+        ({"inferencePool": {"enabled": True, "create": False}}, "needs inferencePool.name"),
+        ({"provider": {"name": "gke"}}, "provider.name: istio or none"),
+    ],
+    ids=["own-envoy", "other-namespace", "no-pool-name", "unknown-provider"],
+)
+def test_picker_mode_refuses_values_that_cannot_work(helm, tmp_path, values, message):
+    with pytest.raises(AssertionError, match=message):
+        template(helm, tmp_path, {**PICKER, **values})
 
 
 def test_the_vllm_pods_admit_envoy_and_the_ext_proc_only(helm, tmp_path):
@@ -268,3 +334,38 @@ def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, t
     assert cp.kubectl("get", "serviceaccount", "kvroute-controller", "-n", "chart", check=False).returncode != 0
     assert cp.kubectl("get", "clusterrole", "kvroute-controller", check=False).returncode != 0
     assert cp.kubectl("get", "kvrp", "default", "-n", "chart-llm", check=False).returncode != 0
+
+
+def test_picker_mode_installs_on_a_live_api_server_with_the_gateway_crds(release: ControlPlane, tmp_path: Path):
+    """The pool, HTTPRoute and DestinationRule pass the real CRDs' server-side validation."""
+    cp = release
+    cp.install_crds("gateway-api", "inference-extension", "istio")
+    values = tmp_path / "values.yaml"
+    picker = {
+        **PICKER,
+        "policy": {"namespace": "chart"},
+        "inferencePool": {**PICKER["inferencePool"], "targetPorts": [{"number": 8000}, {"number": 8001}]},
+    }
+    values.write_text(
+        yaml.safe_dump({**picker, "provider": {"name": "istio"}, "experimentalHttpRoute": {"enabled": True}})
+    )
+    cp.helm("install", "kvroute", str(CHART), "-n", "chart", "--create-namespace", "-f", str(values), "--wait=false")
+    pool = cp.get("inferencepool", "kvroute", "-n", "chart")
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}, {"number": 8001}]
+    assert pool["spec"]["endpointPickerRef"]["kind"] == "Service"  # the CRD's default, filled by the server
+    assert (
+        cp.get("httproute", "kvroute", "-n", "chart")["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+    )
+    assert (
+        cp.get("destinationrule", "kvroute-extproc", "-n", "chart")["spec"]["trafficPolicy"]["tls"]["mode"] == "SIMPLE"
+    )
+    assert cp.get("kvrp", "default", "-n", "chart")["spec"]["poolRef"] == {"name": "kvroute"}
+    nine = yaml.safe_dump(
+        {
+            **picker,
+            "inferencePool": {**picker["inferencePool"], "targetPorts": [{"number": 8000 + i} for i in range(9)]},
+        }
+    )
+    values.write_text(nine)
+    refused = cp.helm("upgrade", "kvroute", str(CHART), "-n", "chart", "-f", str(values), check=False)
+    assert refused.returncode != 0 and "targetPorts" in refused.stderr  # the pool CRD allows 1 to 8

@@ -98,6 +98,8 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
             wait_http(f"http://{ip}:{PORT}/health", process=process)
         for index, ip in enumerate(SIM_IPS[:3]):
             cluster.add_pod(f"sim-{index}", ip)
+        # the InferencePool CRD comes later (test_a_policy_on_an_inference_pool_follows_the_pool)
+        cp.kubectl("delete", "crd", "inferencepools.inference.networking.k8s.io", "--ignore-not-found")
         cluster.start_operator("operator-a")
         eventually(lambda: len(cluster.ready()) == 3, timeout_s=60, message="the operator publishes three backends")
         extproc_kubeconfig = cp.kubeconfig_for(SYSTEM, f"{RELEASE}-extproc")
@@ -338,6 +340,37 @@ def test_precise_mode_without_a_tokenizer_warns_on_the_policy_and_keeps_routing(
 # --- InferencePool as the source of backends --------------------------------------------------
 
 
+def picked_through_a_picker_gateway(cluster: Cluster, pool: set[str]) -> None:
+    """An Envoy configured as InferencePool gateways configure theirs (TLS to the picker, full-duplex
+    bodies, `envoy.lb` metadata, an ORIGINAL_DST cluster, failure mode closed) in front of an
+    ext_proc that follows the pool's policy with its chart ServiceAccount."""
+    extproc_kubeconfig = cluster.cp.kubeconfig_for(SYSTEM, f"{RELEASE}-extproc")
+    gateway = Stack(
+        cluster.workdir / "picker",
+        backends=[f"{ip}:{PORT}" for ip in SIM_IPS],
+        policy=f"{NS}/pooled",
+        extproc_env={**cluster.cp.env(extproc_kubeconfig), "PYTHONUNBUFFERED": "1"},
+        destination_from="metadata",
+        body_mode="full_duplex",
+        extproc_tls=True,
+        fail_open=False,
+        backend_cluster="original_dst",
+    )
+    with gateway:
+        eventually(lambda: {b["address"] for b in gateway.debug_state()["backends"]} == pool, timeout_s=30)
+        before = {ip: served(ip) for ip in SIM_IPS}
+        turns = set()
+        for turn in range(4):
+            body = {**BODY, "messages": [{"role": "user", "content": f"turn {turn} " + "pool history " * 60}]}
+            status, headers, text = post(gateway.url, body, {"x-session-id": "pool-conversation"})
+            assert status == 200, text
+            turns.add(headers["x-kvroute-backend"])
+        after = {ip: served(ip) for ip in SIM_IPS}
+        assert len(turns) == 1 and turns <= pool  # one pod of the pool kept the conversation
+        assert sum(after[ip] - before[ip] for ip in SIM_IPS if f"{ip}:{PORT}" in pool) == 4
+        assert all(after[ip] == before[ip] for ip in SIM_IPS if f"{ip}:{PORT}" not in pool)
+
+
 def test_a_policy_on_an_inference_pool_follows_the_pool(cluster: Cluster):
     """The InferencePool CRD is installed while the operator runs (it notices without a restart);
     a policy naming the pool lists each selected pod IP x each target port; pool edits and the
@@ -372,6 +405,7 @@ def test_a_policy_on_an_inference_pool_follows_the_pool(cluster: Cluster):
     cp.apply([pool])
     first = {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}
     eventually(lambda: cluster.ready("pooled") == first, timeout_s=60, message="the pool's pods, once it exists")
+    picked_through_a_picker_gateway(cluster, first)
     pool["spec"]["targetPorts"].append({"number": PORT + 1})
     cp.apply([pool])
     both_ports = first | {f"{ip}:{PORT + 1}" for ip in SIM_IPS[:3]}

@@ -73,8 +73,10 @@ def _policy(name: str, spec_changes: dict[str, Any]) -> dict[str, Any]:
         ({"routing": {"balanceRelGate": "high"}}, "must be of type number"),
         ({"routing": {"sessionHeaders": ["x session"]}}, "should match"),
         ({"selector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}, "Unsupported value"),
-        ({"targetPort": None}, "Required value"),
-        ({"selector": None}, "Required value"),
+        ({"targetPort": None}, "selector and targetPort go together"),
+        ({"selector": None}, "set either selector and targetPort, or poolRef"),
+        ({"poolRef": {"name": "chat"}}, "set either selector and targetPort, or poolRef"),
+        ({"poolRef": {}}, "Required value"),
         ({"replicas": 3}, 'unknown field "spec.replicas"'),
     ],
     ids=lambda x: str(x)[:40],
@@ -98,8 +100,10 @@ CONTROLLER_MAY = [
     ("watch", "kvroutingpolicies.kvroute.io", ""),
     ("patch", "kvroutingpolicies.kvroute.io/status", "llm"),
     ("patch", "clusterkopfpeerings.kopf.dev", ""),
-]
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
+]  # InferencePools: `can-i` cannot name a resource whose CRD is absent; the grant list below pins them
 CONTROLLER_MAY_NOT = [
+    ("get", "customresourcedefinitions.apiextensions.k8s.io", ""),  # list/watch to notice new CRDs, no more
     ("get", "secrets", "kvroute"),
     ("list", "secrets", ""),
     ("create", "pods", "llm"),
@@ -166,6 +170,11 @@ def test_no_role_is_wider_than_listed(cluster: ControlPlane):
         ("kvroutingpolicies.kvroute.io", "watch"), ("kvroutingpolicies.kvroute.io/status", "patch"),
         ("clusterkopfpeerings.kopf.dev", "get"), ("clusterkopfpeerings.kopf.dev", "list"),
         ("clusterkopfpeerings.kopf.dev", "watch"), ("clusterkopfpeerings.kopf.dev", "patch"),
+        ("inferencepools.inference.networking.k8s.io", "get"),
+        ("inferencepools.inference.networking.k8s.io", "list"),
+        ("inferencepools.inference.networking.k8s.io", "watch"),
+        ("customresourcedefinitions.apiextensions.k8s.io", "list"),
+        ("customresourcedefinitions.apiextensions.k8s.io", "watch"),
     }  # fmt: skip
     assert _granted(cluster, "kvroute-extproc", "llm") - baseline == {
         ("kvroutingpolicies.kvroute.io", "get"), ("kvroutingpolicies.kvroute.io", "list"),

@@ -23,3 +23,18 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 {{ required "extproc.replicaStore.passwordSecret: a Secret with key `password`" .Values.extproc.replicaStore.passwordSecret }}
 {{- end -}}
 {{- end }}
+
+{{- /* The InferencePool kvroute picks for, after checking the values that go with picker mode. */}}
+{{- define "kvroute.poolName" -}}
+{{- $pool := .Values.inferencePool -}}
+{{- if .Values.envoy.enabled -}}
+{{ fail "inferencePool.enabled: the gateway's Envoy calls kvroute; set envoy.enabled: false" }}
+{{- end -}}
+{{- if ne .Values.policy.namespace .Release.Namespace -}}
+{{ fail (printf "inferencePool.enabled: the pool, its picker Service and the policy share a namespace; set policy.namespace to %s" .Release.Namespace) }}
+{{- end -}}
+{{- if and (not $pool.create) (not $pool.name) -}}
+{{ fail "inferencePool.create: false needs inferencePool.name (an existing pool)" }}
+{{- end -}}
+{{- $pool.name | default .Release.Name -}}
+{{- end }}
