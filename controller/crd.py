@@ -24,7 +24,11 @@ GROUP = "kvroute.io"
 VERSION = "v1alpha1"
 PLURAL = "kvroutingpolicies"
 KIND = "KVRoutingPolicy"
-POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"  # Gateway API Inference Extension
+POOL_GROUP, POOL_VERSION, POOL_PLURAL = (
+    "inference.networking.k8s.io",
+    "v1",
+    "inferencepools",
+)  # Gateway API Inference Extension
 MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
 AUTO = "auto"  # capacityBlocks: size each backend from its own metrics (capacity_auto)
 HEADER_NAME = "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"

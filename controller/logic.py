@@ -84,7 +84,9 @@ def target(spec: Mapping[str, Any], pools: Iterable[Mapping[str, Any]]) -> Targe
         return Target(spec.get("selector") or {}, [spec["targetPort"]])
     pool = next((p for p in pools if p["name"] == ref.get("name")), None)
     if pool is None:
-        return Target({}, [], ("PoolNotFound", f"InferencePool {ref.get('name')!r} not found in the policy's namespace"))
+        return Target(
+            {}, [], ("PoolNotFound", f"InferencePool {ref.get('name')!r} not found in the policy's namespace")
+        )
     if not pool["targetPorts"]:
         return Target({}, [], ("PoolHasNoPorts", f"InferencePool {pool['name']!r} has no targetPorts"))
     return Target(pool["selector"], list(pool["targetPorts"]))
@@ -104,9 +106,7 @@ def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
     return sorted({m.strip() for m in (pod["models"] or "").split(",") if m.strip()})
 
 
-def backends(
-    spec: Mapping[str, Any], to: Target, pods: Iterable[Mapping[str, Any]]
-) -> tuple[list[StatusBackend], int]:
+def backends(spec: Mapping[str, Any], to: Target, pods: Iterable[Mapping[str, Any]]) -> tuple[list[StatusBackend], int]:
     """The backends of every selected pod, one per target port (sorted by pod, then port), and how
     many selected pods lack a named port."""
     out = []

@@ -45,7 +45,9 @@ def pools(*bodies: dict[str, Any]) -> list[dict[str, Any]]:
 def test_a_policy_on_an_inference_pool_routes_to_each_pod_ip_times_each_target_port():
     pods = summaries(pod("b", "10.1.0.2"), pod("a", "10.1.0.1"), pod("x", "10.1.0.9", labels={"app": "other"}))
     pool = inference_pool("chat", ports=(8001, 8000), labels={"app": "vllm"})
-    result = logic.desired_status(pool_policy("chat"), pods, T0, pools(pool, inference_pool("other", labels={"app": "other"})))
+    result = logic.desired_status(
+        pool_policy("chat"), pods, T0, pools(pool, inference_pool("other", labels={"app": "other"}))
+    )
     assert [(b["pod"], b["ip"], b["port"]) for b in result["backends"]] == [
         ("a", "10.1.0.1", 8000),
         ("a", "10.1.0.1", 8001),
@@ -215,7 +217,11 @@ def test_kopf_layer_registers_indexes_events_and_lifecycle():
         "pools_by_namespace": ("inference.networking.k8s.io", "v1", "inferencepools"),
     }
     watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
-    assert watched == {("", "pods"), ("kvroute.io", "kvroutingpolicies"), ("inference.networking.k8s.io", "inferencepools")}
+    assert watched == {
+        ("", "pods"),
+        ("kvroute.io", "kvroutingpolicies"),
+        ("inference.networking.k8s.io", "inferencepools"),
+    }
     assert not registry._changing.get_all_handlers()  # nothing that would write finalizers or annotations
     assert not registry._spawning.get_all_handlers()
     activities = {h.activity.value for h in registry._activities.get_all_handlers()}
@@ -286,7 +292,9 @@ def test_the_reconciler_settles_pool_policies_when_their_pool_appears():
         pods = {"llm": summaries(pod("a"))}
         reconciler.touch("llm", pods, {"llm": [record("llm", pool_policy("chat"))]}, {})
         await reconciler.settle(["llm"])
-        reconciler.touch("llm", pods, {"llm": [record("llm", pool_policy("chat"))]}, {"llm": pools(inference_pool("chat"))})
+        reconciler.touch(
+            "llm", pods, {"llm": [record("llm", pool_policy("chat"))]}, {"llm": pools(inference_pool("chat"))}
+        )
         await reconciler.settle(["llm"])
 
     asyncio.run(scenario())
