@@ -2,9 +2,10 @@
 
 Runs the same requests through two stacks over the same fast simulated backends (no prefill or
 decode time): Envoy alone with round robin, and Envoy + kvroute's ext_proc. Reports p50/p99
-latency at concurrency 1 and 16 for 8 KB and 84 KB chat bodies, their differences, and the
-ext_proc's CPU seconds per request (from /proc), whose inverse is the request rate one ext_proc
-process sustains on one core. Client, Envoy, ext_proc and backends share this machine's cores,
+latency at concurrency 1 and 16 for 8 KB and 84 KB chat bodies answered with one token, and for
+8 KB bodies answered with streams of 16 and 256 tokens (one SSE event each: what a full-duplex
+response stream costs the ext_proc), their differences, and the ext_proc's CPU seconds per
+request (from /proc), whose inverse is the request rate one ext_proc process sustains on one core. Client, Envoy, ext_proc and backends share this machine's cores,
 so compare the two stacks within one run, not across runs.
 """
 
@@ -56,7 +57,12 @@ async def _load(url: str, bodies: list[bytes], concurrency: int) -> tuple[list[f
         return latencies, time.perf_counter() - started
 
 
-def _bodies(size: int, count: int) -> list[bytes]:
+# (body bytes, concurrency, streamed response tokens or 0 for one token in one JSON answer)
+CASES = [(8_000, 1, 0), (8_000, 16, 0), (84_000, 1, 0), (84_000, 16, 0)]
+CASES += [(8_000, c, tokens) for tokens in (16, 256) for c in (1, 16)]
+
+
+def _bodies(size: int, count: int, stream_tokens: int = 0) -> list[bytes]:
     """Follow-ups of a handful of conversations, so kvroute really looks up and learns."""
     bases = [conversation(size, seed=s) for s in range(8)]
     out = []
@@ -64,6 +70,8 @@ def _bodies(size: int, count: int) -> list[bytes]:
         body = bases[i % len(bases)]
         body["messages"].append({"role": "user", "content": f"question {i}"})
         body["model"] = "sim-model"
+        if stream_tokens:
+            body.update(stream=True, max_tokens=stream_tokens)  # the simulator answers exactly that many
         out.append(orjson.dumps(body))
         body["messages"].pop()
     return out
@@ -75,34 +83,39 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def measure(requests: int, workdir: Path, body_mode: str = "buffered") -> list[dict[str, Any]]:
-    """Both stacks over one set of backends; one row per (body size, concurrency). `body_mode`
-    full_duplex configures kvroute's Envoy as endpoint-picker gateways do (bodies streamed both
-    ways, the destination read from `envoy.lb` metadata)."""
+    """Both stacks over one set of backends; one row per case (body size, concurrency, streamed
+    tokens). `body_mode` full_duplex configures kvroute's Envoy as endpoint-picker gateways do
+    (bodies streamed both ways, the destination read from `envoy.lb` metadata); full_duplex_request
+    streams only the request."""
     results = []
-    destination = "metadata" if body_mode == "full_duplex" else "header"
+    destination = "header" if body_mode == "buffered" else "metadata"
     kvroute = Stack(workdir / "kvroute", sims=4, sim_args=FAST_SIM, body_mode=body_mode, destination_from=destination)
     plain = Stack(workdir / "plain", backends=kvroute.backends, ext_proc=False)
     with kvroute, plain:
         extproc_pid = kvroute.processes["extproc"].pid
-        for size in (8_000, 84_000):
-            for concurrency in (1, 16):
-                bodies = _bodies(size, requests)
-                asyncio.run(_load(plain.url, bodies[:50], concurrency))  # warm-up
-                asyncio.run(_load(kvroute.url, bodies[:50], concurrency))
-                row: dict[str, Any] = {"body_mode": body_mode, "body_bytes": len(bodies[0]), "concurrency": concurrency}
-                for name, stack in (("envoy", plain), ("kvroute", kvroute)):
-                    cpu_before = _cpu_seconds(extproc_pid)
-                    latencies, wall = asyncio.run(_load(stack.url, bodies, concurrency))
-                    row[f"{name}_p50_ms"] = round(statistics.median(latencies), 3)
-                    row[f"{name}_p99_ms"] = round(_percentile(latencies, 0.99), 3)
-                    row[f"{name}_rps"] = round(len(latencies) / wall, 1)
-                    if name == "kvroute":
-                        cpu = _cpu_seconds(extproc_pid) - cpu_before
-                        row["extproc_cpu_us_per_request"] = round(cpu / len(latencies) * 1e6, 1)
-                        row["extproc_rps_per_core"] = round(len(latencies) / cpu, 1) if cpu else None
-                row["added_p50_ms"] = round(row["kvroute_p50_ms"] - row["envoy_p50_ms"], 3)
-                row["added_p99_ms"] = round(row["kvroute_p99_ms"] - row["envoy_p99_ms"], 3)
-                results.append(row)
+        for size, concurrency, tokens in CASES:
+            bodies = _bodies(size, requests, tokens)
+            asyncio.run(_load(plain.url, bodies[:50], concurrency))  # warm-up
+            asyncio.run(_load(kvroute.url, bodies[:50], concurrency))
+            row: dict[str, Any] = {
+                "body_mode": body_mode,
+                "body_bytes": len(bodies[0]),
+                "concurrency": concurrency,
+                "streamed_tokens": tokens,
+            }
+            for name, stack in (("envoy", plain), ("kvroute", kvroute)):
+                cpu_before = _cpu_seconds(extproc_pid)
+                latencies, wall = asyncio.run(_load(stack.url, bodies, concurrency))
+                row[f"{name}_p50_ms"] = round(statistics.median(latencies), 3)
+                row[f"{name}_p99_ms"] = round(_percentile(latencies, 0.99), 3)
+                row[f"{name}_rps"] = round(len(latencies) / wall, 1)
+                if name == "kvroute":
+                    cpu = _cpu_seconds(extproc_pid) - cpu_before
+                    row["extproc_cpu_us_per_request"] = round(cpu / len(latencies) * 1e6, 1)
+                    row["extproc_rps_per_core"] = round(len(latencies) / cpu, 1) if cpu else None
+            row["added_p50_ms"] = round(row["kvroute_p50_ms"] - row["envoy_p50_ms"], 3)
+            row["added_p99_ms"] = round(row["kvroute_p99_ms"] - row["envoy_p99_ms"], 3)
+            results.append(row)
     return results
 
 

@@ -96,7 +96,7 @@ class Stack:
     replica_store: str = ""  # redis:// URL the replicas share their picture through
     replica_store_password: str = ""
     destination_from: str = "header"  # or "metadata": Envoy follows kvroute's `envoy.lb` dynamic metadata
-    body_mode: str = "buffered"  # or "full_duplex": bodies streamed both ways, as picker gateways do
+    body_mode: str = "buffered"  # or "full_duplex" (both ways, as picker gateways do), "full_duplex_request"
     extproc_tls: bool = False  # TLS between Envoy and the ext_proc (self-signed at the ext_proc's start)
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)

@@ -41,6 +41,14 @@ BODY_MODES: dict[str, dict[str, str]] = {
         "request_trailer_mode": "SEND",
         "response_trailer_mode": "SEND",
     },
+    # Request streamed as picker gateways do, response headers only: kvroute learns from the
+    # headers, so the response stream (one ext_proc message per chunk) is a cost it need not pay.
+    "full_duplex_request": {
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SKIP",
+    },
 }
 # Where override_host reads kvroute's choice.
 DESTINATION_SOURCES: dict[str, dict[str, Any]] = {
@@ -70,8 +78,9 @@ class EnvoyLayout:
     # Where override_host reads kvroute's choice: the request header, or the `envoy.lb` dynamic
     # metadata (as endpoint-picker gateways do); kvroute sends both.
     destination_from: str = "header"
-    # How Envoy sends bodies to the ext_proc: "buffered" (kvroute's own Envoy) or "full_duplex"
-    # (FULL_DUPLEX_STREAMED both ways, as endpoint-picker gateways configure it).
+    # How Envoy sends bodies to the ext_proc (BODY_MODES): "buffered" (kvroute's own Envoy),
+    # "full_duplex" (FULL_DUPLEX_STREAMED both ways, as endpoint-picker gateways configure it) or
+    # "full_duplex_request" (the request streamed, the response's headers only).
     body_mode: str = "buffered"
     extproc_tls: bool = False  # connect to the ext_proc with TLS (encrypted; its certificate is not verified)
     # A dead or slow ext_proc: requests go on unrouted (open), or fail with a 5xx (closed: never a
