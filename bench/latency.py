@@ -5,8 +5,9 @@ decode time): Envoy alone with round robin, and Envoy + kvroute's ext_proc. Repo
 latency at concurrency 1 and 16 for 8 KB and 84 KB chat bodies answered with one token, and for
 8 KB bodies answered with streams of 16 and 256 tokens (one SSE event each: what a full-duplex
 response stream costs the ext_proc), their differences, and the ext_proc's CPU seconds per
-request (from /proc), whose inverse is the request rate one ext_proc process sustains on one core. Client, Envoy, ext_proc and backends share this machine's cores,
-so compare the two stacks within one run, not across runs.
+request (from /proc), whose inverse is the request rate one ext_proc process sustains on one
+core. Client, Envoy, ext_proc and backends share this machine's cores, so compare the two stacks
+within one run, not across runs.
 """
 
 from __future__ import annotations
