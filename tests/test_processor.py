@@ -386,3 +386,44 @@ def test_without_fallback_the_destination_is_one_address(parts):
     target = set_headers(reply.request_body.response.header_mutation)[DESTINATION_HEADER]
     assert target in (A, B)  # no ",second" an ORIGINAL_DST cluster would take as part of the address
     assert reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value == target
+
+
+def test_full_duplex_failure_at_the_trailers_hands_back_body_and_answers_the_trailers(parts):
+    """A request body that ends with trailers, and routing fails when they arrive: Envoy gets the
+    held headers reply, the body, and a trailers reply (without which it would wait)."""
+    _, _, metrics, processor = parts
+
+    def broken(*_args: object, **_kwargs: object) -> object:
+        raise RuntimeError("boom")
+
+    processor._routed = broken  # any internal failure while deciding
+    chunk = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    messages = [
+        duplex(request_headers()),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk, end_of_stream=False)),
+        pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+    ]
+    _, _, replies = run_stream(processor, messages)
+    kinds = [r.WhichOneof("response") for r in replies]
+    assert kinds == ["request_headers", "request_body", "request_trailers"]
+    assert replies[1].request_body.response.body_mutation.streamed_response.body == chunk
+    assert metrics.errors.labels("internal")._value.get() == 1
+
+
+def test_full_duplex_failure_at_the_body_end_hands_back_the_whole_body_once(parts):
+    _, _, _, processor = parts
+
+    def broken(*_args: object, **_kwargs: object) -> object:
+        raise RuntimeError("boom")
+
+    processor._routed = broken
+    whole = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "z" * 1000}]})
+    messages = [
+        duplex(request_headers()),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=whole[:500], end_of_stream=False)),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=whole[500:], end_of_stream=True)),
+    ]
+    _, _, replies = run_stream(processor, messages)
+    assert replies[0].WhichOneof("response") == "request_headers"
+    streamed = [r.request_body.response.body_mutation.streamed_response for r in replies[1:]]
+    assert b"".join(s.body for s in streamed) == whole and streamed[-1].end_of_stream

@@ -266,10 +266,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     async def _release(self, stream: Stream, end_of_stream: bool, read: bool = True) -> list[pb.ProcessingResponse]:
         """Decide on the held body, then send the held headers reply and the body back."""
         body = b"".join(stream.held or ())
-        stream.held, stream.held_bytes = None, 0
         if read:
             await self._prepare_large(body, stream)
         decided = self._routed(stream, body if read else None, "request_headers")
+        stream.held, stream.held_bytes = None, 0  # only now: a failure above hands the held body back
         if decided.HasField("immediate_response"):
             return [decided]
         return [self._cleared(decided), *_chunks("request_body", body, end_of_stream)]
@@ -290,7 +290,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             body = b"".join(stream.held)
             stream.held = None
             end = kind == "request_body" and message.request_body.end_of_stream
-            return [_CONTINUE_HEADERS, *_chunks("request_body", body, end)]
+            trailers = [_CONTINUE[kind]] if kind == "request_trailers" else []  # Envoy waits for it
+            return [_CONTINUE_HEADERS, *_chunks("request_body", body, end), *trailers]
         if kind == "request_body" or (kind == "response_body" and stream.response_duplex):
             part = getattr(message, kind)
             return [_streamed(kind, part.body, part.end_of_stream)]
