@@ -3,9 +3,9 @@
 Runs the same requests through two stacks over the same fast simulated backends (no prefill or
 decode time): Envoy alone with round robin, and Envoy + kvroute's ext_proc. Reports p50/p99
 latency at concurrency 1 and 16 for 8 KB and 84 KB chat bodies answered with one token, and for
-8 KB bodies answered with streams of 16 and 256 tokens (one SSE event each: what a full-duplex
-response stream costs the ext_proc), their differences, and the ext_proc's CPU seconds per
-request (from /proc), whose inverse is the request rate one ext_proc process sustains on one
+8 KB bodies answered with streams of 16 and 256 tokens paced 1 ms apart (one SSE event, one body
+chunk each: what a full-duplex response stream costs the ext_proc), their differences, and the
+ext_proc's CPU seconds per request (from /proc), whose inverse is the request rate one ext_proc process sustains on one
 core. Client, Envoy, ext_proc and backends share this machine's cores, so compare the two stacks
 within one run, not across runs.
 """
@@ -27,6 +27,9 @@ from bench.stack import Stack
 from bench.workload import conversation
 
 FAST_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--default-max-tokens", "1"]
+# Streams paced at 1 ms a token, so each SSE event is its own body chunk (unpaced, the events of
+# a stream coalesce into a few reads and the response stream would look cheaper than it is).
+PACED_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0.001"]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -58,9 +61,13 @@ async def _load(url: str, bodies: list[bytes], concurrency: int) -> tuple[list[f
         return latencies, time.perf_counter() - started
 
 
-# (body bytes, concurrency, streamed response tokens or 0 for one token in one JSON answer)
-CASES = [(8_000, 1, 0), (8_000, 16, 0), (84_000, 1, 0), (84_000, 16, 0)]
-CASES += [(8_000, c, tokens) for tokens in (16, 256) for c in (1, 16)]
+# (body bytes, concurrency, streamed response tokens or 0 for one token in one JSON answer), per
+# simulator pacing; 256 paced tokens at concurrency 1 would take minutes, so only at 16.
+CASES = {
+    "fast": [(8_000, 1, 0), (8_000, 16, 0), (84_000, 1, 0), (84_000, 16, 0)],
+    "paced": [(8_000, 1, 16), (8_000, 16, 16), (8_000, 16, 256)],
+}
+SIM_ARGS = {"fast": FAST_SIM, "paced": PACED_SIM}
 
 
 def _bodies(size: int, count: int, stream_tokens: int = 0) -> list[bytes]:
@@ -89,12 +96,21 @@ def measure(requests: int, workdir: Path, body_mode: str = "buffered") -> list[d
     (bodies streamed both ways, the destination read from `envoy.lb` metadata); full_duplex_request
     streams only the request."""
     results = []
+    for pacing, cases in CASES.items():
+        results += _measure_cases(requests, workdir / pacing, body_mode, SIM_ARGS[pacing], cases)
+    return results
+
+
+def _measure_cases(
+    requests: int, workdir: Path, body_mode: str, sim_args: list[str], cases: list[tuple[int, int, int]]
+) -> list[dict[str, Any]]:
+    results = []
     destination = "header" if body_mode == "buffered" else "metadata"
-    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=FAST_SIM, body_mode=body_mode, destination_from=destination)
+    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=sim_args, body_mode=body_mode, destination_from=destination)
     plain = Stack(workdir / "plain", backends=kvroute.backends, ext_proc=False)
     with kvroute, plain:
         extproc_pid = kvroute.processes["extproc"].pid
-        for size, concurrency, tokens in CASES:
+        for size, concurrency, tokens in cases:
             bodies = _bodies(size, requests, tokens)
             asyncio.run(_load(plain.url, bodies[:50], concurrency))  # warm-up
             asyncio.run(_load(kvroute.url, bodies[:50], concurrency))
