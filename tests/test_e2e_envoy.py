@@ -238,3 +238,89 @@ def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
     assert metric(stack.admin_url, 'kvroute_errors_total{kind="unauthenticated_stream"}') == before + 2
     status, _, _ = post(stack.url, chat([{"role": "user", "content": "through Envoy, which has the token"}]))
     assert status == 200
+
+
+@pytest.mark.parametrize("body_mode", ["buffered", "full_duplex", "full_duplex_request"])
+def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, body_mode: str):
+    """Turns of one conversation held open as streams pile up on its backend until it is past
+    the gates (a load more than 10 blocks above the least loaded, and 1.5x; an in-flight request
+    weighs 4 blocks, so the fourth turn finds 3 in flight, 12 blocks): that turn goes elsewhere
+    (`load_override`), and the conversation follows it (the session is bound where it was
+    served). Without a response body (full_duplex_request) kvroute's own count ends at the
+    response headers, so the pile is seen through the engine's running count."""
+    destination = "header" if body_mode == "buffered" else "metadata"
+    gates = ["--balance-abs-gate", "10", "--balance-rel-gate", "1.5", "--engine-scrape-interval-s", "0.1"]
+    sim_args = ["--decode-s-per-token", "0.05"]  # 2,000 tokens: the held streams outlive the test
+    with Stack(
+        tmp_path, sims=3, sim_args=sim_args, extproc_args=gates, body_mode=body_mode, destination_from=destination
+    ) as stack:
+        history = [{"role": "system", "content": text(RNG, 3000)}, {"role": "user", "content": "start"}]
+        session = {"x-session-id": "busy"}
+        status, headers, _ = post(stack.url, chat(history, max_tokens=1), session)
+        home = headers["x-kvroute-backend"]
+        held: list[http.client.HTTPConnection] = []
+
+        def hold(content: str) -> tuple[str, str]:
+            """A turn streamed and left open; its decision and backend."""
+            conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+            body = chat([*history, {"role": "user", "content": content}], stream=True, max_tokens=2000)
+            conn.request(
+                "POST", "/v1/chat/completions", orjson.dumps(body), {**session, "content-type": "application/json"}
+            )
+            response = conn.getresponse()
+            assert response.status == 200 and response.read(5) == b"data:"
+            held.append(conn)
+            return response.getheader("x-kvroute-decision"), response.getheader("x-kvroute-backend")
+
+        def engine_requests(backend: str) -> int:
+            return stack.debug_state()["load"][backend]["engine_requests"]
+
+        decisions = []
+        try:
+            for i in range(6):
+                decisions.append(hold(f"hold {i}"))
+                if decisions[-1][0] == "load_override":
+                    break
+                if body_mode == "full_duplex_request":
+                    eventually(lambda: engine_requests(home) >= len(decisions), message="the engine counts them")
+        finally:
+            for conn in held:
+                conn.sock.close()
+                conn.close()
+        assert decisions[:-1] == [("session_match", home)] * 3, (home, decisions)
+        label, elsewhere = decisions[-1]
+        assert label == "load_override" and elsewhere != home
+        eventually(lambda: engine_requests(home) == 0, message="the held streams ended")
+        status, headers, _ = post(stack.url, chat([*history, {"role": "user", "content": "again"}]), session)
+        assert status == 200
+        assert (headers["x-kvroute-decision"], headers["x-kvroute-backend"]) == ("session_match", elsewhere)
+
+
+def test_killed_backend_behind_a_picker_gateway_costs_at_most_one_request(tmp_path: Path):
+    """As InferencePool gateways run it (TLS, full-duplex bodies, `envoy.lb` metadata, an
+    ORIGINAL_DST cluster that takes one address, failure mode closed): there is no second address
+    to retry, so the one request already sent to the dead backend may fail; kvroute marks the
+    refused backend at once, and every later request goes to a live one."""
+    with Stack(
+        tmp_path,
+        sims=3,
+        separate_sims=True,
+        extproc_args=["--health-interval-s", "0.3"],
+        body_mode="full_duplex",
+        destination_from="metadata",
+        backend_cluster="original_dst",
+        fail_open=False,
+        extproc_tls=True,
+    ) as stack:
+        history = [{"role": "system", "content": text(RNG, 4000)}, {"role": "user", "content": "hi"}]
+        status, headers, _ = post(stack.url, chat(history), {"x-session-id": "doomed"})
+        home = headers["x-kvroute-backend"]
+        stack.stop_process(f"sim{stack.backends.index(home)}", sig=9)
+        outcomes = []
+        for i in range(10):
+            turn = chat([*history, {"role": "user", "content": f"again {i}"}])
+            status, headers, _ = post(stack.url, turn, {"x-session-id": "doomed"})
+            outcomes.append((status, headers.get("x-sim-backend")))
+        assert sum(status != 200 for status, _ in outcomes) <= 1, outcomes
+        assert all(status == 200 and served != home for status, served in outcomes[1:]), outcomes
+        eventually(lambda: home not in stack.debug_state()["index_entries_by_backend"], message="index dropped")
