@@ -336,30 +336,38 @@ def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, t
     assert cp.kubectl("get", "kvrp", "default", "-n", "chart-llm", check=False).returncode != 0
 
 
-def test_picker_mode_installs_on_a_live_api_server_with_the_gateway_crds(release: ControlPlane, tmp_path: Path):
+@pytest.fixture
+def picker_release(control_plane: ControlPlane):
+    """A picker-mode release in its own namespace, removed afterwards."""
+    yield control_plane
+    control_plane.helm("uninstall", "kvroute", "-n", "picker", "--wait=false", check=False)
+    control_plane.kubectl("delete", "namespace", "picker", "--wait=false", check=False)
+
+
+def test_picker_mode_installs_on_a_live_api_server_with_the_gateway_crds(picker_release: ControlPlane, tmp_path: Path):
     """The pool, HTTPRoute and DestinationRule pass the real CRDs' server-side validation."""
-    cp = release
+    cp = picker_release
     cp.install_crds("gateway-api", "inference-extension", "istio")
     values = tmp_path / "values.yaml"
     picker = {
         **PICKER,
-        "policy": {"namespace": "chart"},
+        "policy": {"namespace": "picker"},
         "inferencePool": {**PICKER["inferencePool"], "targetPorts": [{"number": 8000}, {"number": 8001}]},
     }
     values.write_text(
         yaml.safe_dump({**picker, "provider": {"name": "istio"}, "experimentalHttpRoute": {"enabled": True}})
     )
-    cp.helm("install", "kvroute", str(CHART), "-n", "chart", "--create-namespace", "-f", str(values), "--wait=false")
-    pool = cp.get("inferencepool", "kvroute", "-n", "chart")
+    cp.helm("install", "kvroute", str(CHART), "-n", "picker", "--create-namespace", "-f", str(values), "--wait=false")
+    pool = cp.get("inferencepool", "kvroute", "-n", "picker")
     assert pool["spec"]["targetPorts"] == [{"number": 8000}, {"number": 8001}]
     assert pool["spec"]["endpointPickerRef"]["kind"] == "Service"  # the CRD's default, filled by the server
     assert (
-        cp.get("httproute", "kvroute", "-n", "chart")["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+        cp.get("httproute", "kvroute", "-n", "picker")["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
     )
     assert (
-        cp.get("destinationrule", "kvroute-extproc", "-n", "chart")["spec"]["trafficPolicy"]["tls"]["mode"] == "SIMPLE"
+        cp.get("destinationrule", "kvroute-extproc", "-n", "picker")["spec"]["trafficPolicy"]["tls"]["mode"] == "SIMPLE"
     )
-    assert cp.get("kvrp", "default", "-n", "chart")["spec"]["poolRef"] == {"name": "kvroute"}
+    assert cp.get("kvrp", "default", "-n", "picker")["spec"]["poolRef"] == {"name": "kvroute"}
     nine = yaml.safe_dump(
         {
             **picker,
@@ -367,5 +375,5 @@ def test_picker_mode_installs_on_a_live_api_server_with_the_gateway_crds(release
         }
     )
     values.write_text(nine)
-    refused = cp.helm("upgrade", "kvroute", str(CHART), "-n", "chart", "-f", str(values), check=False)
+    refused = cp.helm("upgrade", "kvroute", str(CHART), "-n", "picker", "-f", str(values), check=False)
     assert refused.returncode != 0 and "targetPorts" in refused.stderr  # the pool CRD allows 1 to 8
