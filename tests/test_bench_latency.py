@@ -10,7 +10,7 @@ import pytest
 
 from bench import latency
 
-pytestmark = pytest.mark.envoy
+pytestmark = [pytest.mark.envoy, pytest.mark.bench]
 
 
 def test_every_case_is_measured_through_both_stacks(tmp_path: Path):
