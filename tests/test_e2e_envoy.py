@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import itertools
 import random
+import ssl
 import threading
 from pathlib import Path
 
@@ -27,18 +28,31 @@ RNG = random.Random(3)
 SYSTEM = text(RNG, 12_000)
 
 
-@pytest.fixture(scope="module", params=["buffered", "full_duplex", "full_duplex_request"])
+# Envoy as kvroute's own bootstrap configures it, as endpoint-picker gateways do (override_host
+# reading `envoy.lb` metadata, or an ORIGINAL_DST cluster with TLS to the picker and failure mode
+# closed), and with the response stream switched off.
+LAYOUTS = {
+    "buffered": {"body_mode": "buffered", "destination_from": "header"},
+    "full_duplex": {"body_mode": "full_duplex", "destination_from": "metadata"},
+    "picker_original_dst": {
+        "body_mode": "full_duplex",
+        "destination_from": "metadata",
+        "backend_cluster": "original_dst",
+        "extproc_tls": True,
+        "fail_open": False,
+    },
+    "full_duplex_request": {"body_mode": "full_duplex_request", "destination_from": "metadata"},
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """kvroute's own Envoy (buffered bodies, the destination header), Envoy as endpoint-picker
-    gateways configure it (full-duplex bodies, the destination from `envoy.lb` metadata), and the
-    same with the response stream switched off (request streamed, response headers only): every
-    scenario in this module runs through all three."""
+    """Every scenario in this module runs through each of LAYOUTS."""
     # The 4 MB prompt (about a million tokens) needs a long-context model with a KV cache to hold
     # it, and would take 20 s of prefill at the default speed.
     sim_args = ["--prefill-s-per-token", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
-    destination = "header" if request.param == "buffered" else "metadata"
     workdir = tmp_path_factory.mktemp(request.param)
-    with Stack(workdir, sims=4, sim_args=sim_args, body_mode=request.param, destination_from=destination) as running:
+    with Stack(workdir, sims=4, sim_args=sim_args, **LAYOUTS[request.param]) as running:
         yield running
 
 
@@ -197,6 +211,17 @@ def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
         assert next(b for b in current["backends"] if b["address"] == home)["healthy"] is False
 
 
+def _extproc_channel(stack: Stack) -> grpc.aio.Channel:
+    """A channel to the ext_proc as Envoy opens it: TLS where the layout says (trusting the
+    certificate the ext_proc made at start, read off the port), plaintext otherwise."""
+    address = f"127.0.0.1:{stack.grpc_port}"
+    if not stack.extproc_tls:
+        return grpc.aio.insecure_channel(address)
+    pem = ssl.get_server_certificate(("127.0.0.1", stack.grpc_port)).encode()
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem)
+    return grpc.aio.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", "localhost")])
+
+
 def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
     """Streams without the shared token are refused before any handler runs; health stays open."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -211,7 +236,7 @@ def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
         """OK if the ext_proc answers a first message, else the status it ended the call with.
         Refused calls are only read: the refusal comes with the call's headers, and writing into
         a stream the server is resetting can surface on the client as INTERNAL instead."""
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        async with _extproc_channel(stack) as channel:
             call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=metadata)
             try:
                 if write:
@@ -225,7 +250,7 @@ def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
                 call.cancel()
 
     async def health(service: str = "") -> int:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        async with _extproc_channel(stack) as channel:
             request = health_pb2.HealthCheckRequest(service=service)
             return (await health_pb2_grpc.HealthStub(channel).Check(request)).status
 

@@ -178,15 +178,25 @@ def test_a_refused_connection_only_makes_the_backend_suspect(parts):
     assert pool._suspects == {A}  # the pool probes it at once (tests/test_pool.py)
 
 
-def test_non_llm_paths_pass_through_and_client_destination_is_removed(parts):
-    _, _, metrics, processor = parts
-    for headers in (request_headers("/v1/models", "GET"), request_headers("/metrics", "POST")):
+def test_non_llm_paths_pass_through_to_a_known_backend_never_the_clients_choice(parts):
+    """Not read, not learned from, not counted as decisions; but given the least loaded backend
+    as destination (header and metadata), which also replaces a client's own header: gateways
+    whose ORIGINAL_DST cluster connects only where the picker says need one."""
+    router, _, metrics, processor = parts
+    targets = set()
+    for headers in (request_headers("/v1/models", "GET"), request_headers("/metrics", "POST")) * 2:
         reply = processor.handle(headers, Stream())
         assert reply.mode_override.request_body_mode == pb.ProcessingMode.NONE
         assert reply.mode_override.response_header_mode == pb.ProcessingMode.SKIP
-    spoofed = processor.handle(request_headers("/v1/models", "GET", **{DESTINATION_HEADER: A}), Stream())
-    assert list(spoofed.request_headers.response.header_mutation.remove_headers) == [DESTINATION_HEADER]
+        target = set_headers(reply.request_headers.response.header_mutation)[DESTINATION_HEADER]
+        assert reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value == target
+        targets.add(target)
+    assert targets == {A, B}  # ties rotate
+    spoofed = processor.handle(request_headers("/v1/models", "GET", **{DESTINATION_HEADER: "10.6.6.6:80"}), Stream())
+    assert set_headers(spoofed.request_headers.response.header_mutation)[DESTINATION_HEADER] in (A, B)
     assert metrics.errors.labels("client_destination_header")._value.get() == 1
+    assert sum(router.stats.decisions.values()) == 0
+    assert all(load == (0, 0) for load in router.loads.snapshot().values())  # nothing reserved
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"messages": 5}', b"\xff\xfe"])

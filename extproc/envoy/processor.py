@@ -1,7 +1,8 @@
 """The Envoy external processor: one gRPC stream per HTTP request.
 
 A translator between Envoy's protobuf messages and the core's request lifecycle:
-request headers -> (LLM path?) -> whole body -> Router.begin -> destination header, and the
+request headers -> (LLM path? else the least loaded backend, body unread) -> whole body ->
+Router.begin -> destination header, and the
 same in `envoy.lb` dynamic metadata (the endpoint-picker protocol: gateways read either);
 response headers (the served endpoint from `envoy.lb` metadata or the `upstream.address`
 attribute) -> Router.response_started (the core decides what to learn and which headers
@@ -234,7 +235,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 if reply.HasField("mode_override"):  # not an LLM request: pass it through as it comes
                     reply.ClearField("mode_override")  # (a fresh reply; body modes cannot change in full duplex)
                     stream.routed = True
-                    return [reply]
+                    return [self._cleared(reply)]
                 if stream.routed:  # routed from its headers alone (no body), or a repeated message
                     return [reply if reply.HasField("immediate_response") else self._cleared(reply)]
                 stream.held = []  # an LLM request: the reply waits for the body
@@ -324,14 +325,29 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._metrics.errors.labels("client_destination_header").inc()
         path = headers.get(":path", "").partition("?")[0]
         if headers.get(":method") != "POST" or path not in LLM_PATHS:
-            response = pb.ProcessingResponse()
-            response.CopyFrom(_STRIP_HEADERS if spoofed else _CONTINUE_HEADERS)
-            response.mode_override.CopyFrom(_PASS_THROUGH)
-            return response
+            return self._passed_through(stream, spoofed)
         if message.end_of_stream:
             self._metrics.errors.labels("empty_body").inc()
             return self._routed(stream, None, "request_headers")
         return _STRIP_HEADERS if spoofed else _CONTINUE_HEADERS
+
+    def _passed_through(self, stream: Stream, spoofed: bool) -> pb.ProcessingResponse:
+        """Another path or method: its body is not read and nothing is learned from it, but it
+        still gets a destination (the least loaded backend): gateways whose cluster connects only
+        where the picker says would otherwise have nowhere to send it."""
+        backends = self._pool.backends
+        if stream.subset is not None:
+            backends = [b for b in backends if b.address in stream.subset]
+        target = self._router.least_loaded(backends, self._clock())
+        response = pb.ProcessingResponse()
+        if target is None:
+            response.CopyFrom(_STRIP_HEADERS if spoofed else _CONTINUE_HEADERS)
+        else:
+            mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, target)])
+            response.request_headers.response.header_mutation.CopyFrom(mutation)
+            _with_destination(response, target)
+        response.mode_override.CopyFrom(_PASS_THROUGH)
+        return response
 
     def _on_request_body(self, message: pb.HttpBody, stream: Stream) -> pb.ProcessingResponse:
         if stream.routed or not stream.headers:
