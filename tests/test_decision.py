@@ -122,3 +122,13 @@ def test_explanation_carries_every_term():
     assert explained[A] == {
         "backend": A, "matched": 5, "novel": 15, "reserved": 0, "active": 1, "load": 4.0, "churn": 0.0, "cost": 19.0
     }  # fmt: skip
+
+
+def test_requests_are_shed_only_when_every_candidate_is_at_the_limit():
+    limited = Settings(hash_key=bytes(16), max_backend_requests=2)
+    full = run({A: 20}, session_backend=A, loads=loads(a=2, b=2, c=2), settings=limited)
+    assert (full.label, full.backend, full.second) == (Label.SHED, None, None)
+    one_left = run({A: 20}, session_backend=A, loads=loads(a=2, b=2, c=1), settings=limited)
+    assert (one_left.label, one_left.backend) == (Label.LOAD_OVERRIDE, C)  # not shed: C has room
+    unlimited = run({A: 20}, session_backend=A, loads=loads(a=9, b=9, c=9))
+    assert unlimited.backend == A  # 0: never shed

@@ -364,3 +364,38 @@ def test_without_the_response_body_the_own_count_ends_at_the_response_headers(tm
         finally:
             conn.sock.close()
             conn.close()
+
+
+@pytest.mark.parametrize("layout", ["buffered", "picker_original_dst"])
+def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed(tmp_path: Path, layout: str):
+    """max_backend_requests 1 over two backends: the second stream goes to the other backend
+    although the first holds its prefix; a third request finds both full and is answered 429
+    (with retry-after), counted as `shed`; once the streams end, requests are served again."""
+    sim_args = ["--decode-s-per-token", "0.05"]
+    with Stack(
+        tmp_path, sims=2, sim_args=sim_args, extproc_args=["--max-backend-requests", "1"], **LAYOUTS[layout]
+    ) as stack:
+        history = [{"role": "system", "content": text(RNG, 3000)}]
+        held, served = [], []
+        try:
+            for i in range(2):
+                conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+                body = chat([*history, {"role": "user", "content": f"q{i}"}], stream=True, max_tokens=2000)
+                conn.request("POST", "/v1/chat/completions", orjson.dumps(body), {"content-type": "application/json"})
+                response = conn.getresponse()
+                assert response.status == 200 and response.read(5) == b"data:"
+                held.append(conn)
+                served.append(response.getheader("x-kvroute-backend"))
+            assert sorted(served) == sorted(stack.backends)  # one each, prefix or not
+            shed = metric(stack.admin_url, 'kvroute_decisions_total{decision="shed"}')
+            status, headers, body = post(stack.url, chat([*history, {"role": "user", "content": "one more"}]))
+            assert status == 429 and headers["retry-after"] == "1", body
+            assert metric(stack.admin_url, 'kvroute_decisions_total{decision="shed"}') == shed + 1
+        finally:
+            for conn in held:
+                conn.sock.close()
+                conn.close()
+        eventually(
+            lambda: post(stack.url, chat([*history, {"role": "user", "content": "after"}]))[0] == 200,
+            message="served again once the streams ended",
+        )

@@ -36,6 +36,7 @@ class Label(StrEnum):
     LOAD_OVERRIDE = "load_override"
     NO_CANDIDATES = "no_candidates"
     FALLBACK = "fallback"
+    SHED = "shed"  # every candidate at max_backend_requests: answered 429, routed nowhere
 
 
 @dataclass(slots=True)
@@ -126,21 +127,26 @@ def decide(
         costs.append(
             CandidateCost(backend, held, novel, load.reserved_blocks, load.requests(now), busy, turnover, cost)
         )
-    ranked = sorted(costs, key=lambda c: c.cost)
-    least = min(c.load for c in costs)
+    limit = settings.max_backend_requests
+    room = [c for c in costs if c.active < limit] if limit else costs  # a backend at the limit takes no more
+    if not room:
+        return Decision(Label.SHED, None, None, 0, total_blocks, bootstrap, costs)
+    ranked = sorted(room, key=lambda c: c.cost)
+    least = min(c.load for c in room)
     best_prefix = max(c.matched for c in costs)
 
-    session = next((c for c in costs if c.backend == session_backend), None)
-    holder = max(costs, key=lambda c: c.matched)
+    session = next((c for c in room if c.backend == session_backend), None)
+    session_full = session is None and any(c.backend == session_backend for c in costs)
+    holder = max(room, key=lambda c: c.matched)
     sticky = total_blocks > 0 and holder.matched >= settings.prefix_stick_ratio * total_blocks
     if session is not None and not overloaded(session.load, least, settings):
         chosen, label = session, Label.SESSION_MATCH
-    elif session is None and sticky and not overloaded(holder.load, least, settings):
+    elif session is None and not session_full and sticky and not overloaded(holder.load, least, settings):
         chosen, label = holder, Label.PREFIX_MATCH
     else:
         tied = [c for c in ranked if c.cost <= ranked[0].cost]
         chosen = tied[turn % len(tied)]
-        if session is not None and chosen is not session:
+        if session_full or (session is not None and chosen is not session):
             label = Label.LOAD_OVERRIDE
         elif best_prefix == 0:
             label = Label.LEAST_LOADED

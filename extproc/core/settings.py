@@ -153,6 +153,14 @@ class Settings:
         NON_NEGATIVE,
         "newSessionLoadWeight",
     )
+    max_backend_requests: int = _setting(
+        0,
+        "In-flight requests per backend (kvroute's own, other replicas', or the engine's running + "
+        "waiting) at which requests are shed: when every candidate has reached it, a request is "
+        "answered 429 at once instead of queued; 0: never shed.",
+        NON_NEGATIVE,
+        "maxBackendRequests",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

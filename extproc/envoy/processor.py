@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.request import PromptRequest
 from extproc.core.router import Exchange, ResponseStart, Router
@@ -79,6 +80,17 @@ _CONTINUE = {
 def _header(key: str, value: str) -> pb.HeaderValueOption:
     """Envoy reads raw_value; a mutation that sets only `value` produces an empty header."""
     return pb.HeaderValueOption(header=pb.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+# Every candidate at max_backend_requests: the picker protocol's answer to shed load.
+_SHED = pb.ProcessingResponse(
+    immediate_response=pb.ImmediateResponse(
+        status=pb.HttpStatus(code=429),
+        headers=pb.HeaderMutation(set_headers=[_header("retry-after", "1")]),
+        body=b"every backend is at its request limit",
+        details="kvroute_shed",
+    )
+)
 
 
 def _headers(message: pb.HttpHeaders) -> dict[str, str]:
@@ -363,6 +375,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._metrics.errors.labels("no_subset_candidate").inc()
             return _NO_CANDIDATE
         common, target = self._route(stream, body)
+        if stream.exchange is not None and stream.exchange.decision.label is Label.SHED:
+            return _SHED
         reply = pb.ProcessingResponse()
         getattr(reply, kind).response.CopyFrom(common)
         return _with_destination(reply, target)
