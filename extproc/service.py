@@ -80,7 +80,9 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.grpc_host}:{config.grpc_port}"
     host = config.grpc_host if config.grpc_tls_self_signed else ""
-    credentials = server_credentials(config.grpc_tls_cert_file, config.grpc_tls_key_file, host)
+    credentials = server_credentials(
+        config.grpc_tls_cert_file, config.grpc_tls_key_file, host, config.grpc_tls_client_ca_file
+    )
     if credentials is None:
         server.add_insecure_port(address)
     else:

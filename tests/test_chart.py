@@ -103,6 +103,8 @@ def test_defaults_render_everything(helm, tmp_path):
         "Role/kvroute-extproc",
         "RoleBinding/kvroute-extproc",
         "Secret/kvroute-envoy",
+        "Secret/kvroute-envoy-tls",
+        "Secret/kvroute-extproc-tls",
         "Secret/kvroute-grpc-token",
         "Secret/kvroute-hash-key",
         "Service/kvroute-controller",
@@ -140,6 +142,7 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
             extproc_ports=(9002,),
             backend_dns="vllm-pods.prod.svc.cluster.local:8001",
             extproc_token=token,
+            extproc_mtls_dir="/etc/kvroute/extproc-tls",  # mutual TLS: on by default with the chart's Envoy
         )
     )
     assert secrets["kvroute-envoy"]["envoy.yaml"] == expected
@@ -149,6 +152,55 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
 
 
 COMPONENT = "app.kubernetes.io/component"
+
+
+def test_mutual_tls_between_the_releases_envoy_and_the_ext_proc(helm, tmp_path):
+    """One private CA signs both sides; each side mounts only its own key; off without the
+    chart's Envoy or with extproc.mtls.enabled false."""
+    import subprocess
+
+    docs = template(helm, tmp_path)
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    server = named[("Secret", "kvroute-extproc-tls")]["stringData"]
+    client = named[("Secret", "kvroute-envoy-tls")]["stringData"]
+    assert server["ca.crt"] == client["ca.crt"] and set(server) == {"ca.crt", "server.crt", "server.key"}
+    assert set(client) == {"ca.crt", "client.crt", "client.key"}  # Envoy never holds the server key
+    for name, text in (
+        ("ca.crt", server["ca.crt"]),
+        ("server.crt", server["server.crt"]),
+        ("client.crt", client["client.crt"]),
+    ):
+        (tmp_path / name).write_text(text)
+    verified = subprocess.run(
+        [
+            "openssl",
+            "verify",
+            "-CAfile",
+            str(tmp_path / "ca.crt"),
+            str(tmp_path / "server.crt"),
+            str(tmp_path / "client.crt"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert verified.returncode == 0, verified.stderr
+    names = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(tmp_path / "server.crt")],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "kvroute-extproc-pods.kvroute.svc.cluster.local" in names
+    extproc = named[("Deployment", "kvroute-extproc")]["spec"]["template"]["spec"]
+    args = extproc["containers"][0]["args"]
+    assert args[args.index("--grpc-tls-client-ca-file") + 1] == "/etc/kvroute/tls/ca.crt"
+    assert {"name": "tls", "secret": {"secretName": "kvroute-extproc-tls"}} in extproc["volumes"]
+    envoy = named[("Deployment", "kvroute-envoy")]["spec"]["template"]["spec"]
+    assert {"name": "extproc-tls", "secret": {"secretName": "kvroute-envoy-tls"}} in envoy["volumes"]
+    for values in ({"extproc": {"mtls": {"enabled": False}}}, {"envoy": {"enabled": False}}):
+        plain = template(helm, tmp_path, values)
+        assert not [d for d in plain if d["metadata"]["name"].endswith("-tls")]
+        deployment = next(d for d in plain if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
+        assert "--grpc-tls-client-ca-file" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_replicas_share_through_a_store_the_chart_deploys_or_is_given(helm, tmp_path):
@@ -314,7 +366,10 @@ def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, t
     values.write_text(yaml.safe_dump(upgraded))
     token = cp.get("secret", "kvroute-grpc-token", "-n", "chart")["data"]["token"]
     key = cp.get("secret", "kvroute-hash-key", "-n", "chart")["data"]["key"]
+    tls = {name: cp.get("secret", name, "-n", "chart")["data"] for name in ("kvroute-extproc-tls", "kvroute-envoy-tls")}
     cp.helm("upgrade", "kvroute", str(CHART), "-n", "chart", "-f", str(values), "--wait=false")
+    for name, data in tls.items():
+        assert cp.get("secret", name, "-n", "chart")["data"] == data  # the CA and both certificates are kept
     assert cp.get("secret", "kvroute-grpc-token", "-n", "chart")["data"]["token"] == token  # kept on upgrade
     assert cp.get("secret", "kvroute-hash-key", "-n", "chart")["data"]["key"] == key  # replicas keep hashing alike
     assert cp.get("deployment", "kvroute-controller", "-n", "chart")["spec"]["replicas"] == 3
@@ -377,3 +432,21 @@ def test_picker_mode_installs_on_a_live_api_server_with_the_gateway_crds(picker_
     values.write_text(nine)
     refused = cp.helm("upgrade", "kvroute", str(CHART), "-n", "picker", "-f", str(values), check=False)
     assert refused.returncode != 0 and "targetPorts" in refused.stderr  # the pool CRD allows 1 to 8
+
+
+@pytest.mark.envoy
+def test_the_charts_generated_certificates_carry_a_real_mutual_tls_stream(helm, tmp_path):
+    """Helm's genCA/genSignedCert output, as the chart stores it, is what the ext_proc serves with
+    and what Envoy presents and trusts: a request through a real Envoy is routed by kvroute."""
+    from bench.stack import Stack
+    from tests.e2e import post
+
+    named = {(d["kind"], d["metadata"]["name"]): d for d in template(helm, tmp_path)}
+    folder = tmp_path / "stack" / "mtls"
+    folder.mkdir(parents=True)
+    for secret in ("kvroute-extproc-tls", "kvroute-envoy-tls"):
+        for name, text in named[("Secret", secret)]["stringData"].items():
+            (folder / name).write_text(text)
+    with Stack(tmp_path / "stack", sims=2, extproc_mtls=True, fail_open=False) as stack:
+        status, headers, _ = post(stack.url, {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and headers["x-kvroute-decision"] == "least_loaded"

@@ -56,6 +56,15 @@ DESTINATION_SOURCES: dict[str, dict[str, Any]] = {
     "metadata": {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
 }
 BACKEND_CLUSTERS = ("override_host", "original_dst")
+# The files of a mutual-TLS set, by role: what `issue_mutual` writes, Envoy's bootstrap reads
+# (ca, client_*) and the ext_proc is given (ca, server_*); the chart's Secrets use the same keys.
+MUTUAL_FILES = {
+    "ca": "ca.crt",
+    "server_cert": "server.crt",
+    "server_key": "server.key",
+    "client_cert": "client.crt",
+    "client_key": "client.key",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,10 @@ class EnvoyLayout:
     # "full_duplex_request" (the request streamed, the response's headers only).
     body_mode: str = "buffered"
     extproc_tls: bool = False  # connect to the ext_proc with TLS (encrypted; its certificate is not verified)
+    # Mutual TLS to the ext_proc (implies TLS): a folder with ca.crt (the private CA kvroute's
+    # certificate must chain to), client.crt and client.key (what Envoy presents), as
+    # `kvroute tls-certs` writes them and the chart mounts them.
+    extproc_mtls_dir: str = ""
     # A dead or slow ext_proc: requests go on unrouted (open), or fail with a 5xx (closed: never a
     # route kvroute did not choose; InferencePool's default, FailClose).
     fail_open: bool = True
@@ -203,6 +216,25 @@ _TLS_TO_EXTPROC = {
 }
 
 
+def _extproc_transport(layout: EnvoyLayout) -> dict[str, Any]:
+    """Plaintext HTTP/2, TLS without verification, or mutual TLS against the private CA."""
+    if layout.extproc_mtls_dir:
+        folder = layout.extproc_mtls_dir.rstrip("/")
+        context = {
+            "alpn_protocols": ["h2"],
+            "tls_certificates": [
+                {
+                    "certificate_chain": {"filename": f"{folder}/{MUTUAL_FILES['client_cert']}"},
+                    "private_key": {"filename": f"{folder}/{MUTUAL_FILES['client_key']}"},
+                }
+            ],
+            "validation_context": {"trusted_ca": {"filename": f"{folder}/{MUTUAL_FILES['ca']}"}},
+        }
+        socket = {**_TLS_TO_EXTPROC, "typed_config": {**_TLS_TO_EXTPROC["typed_config"], "common_tls_context": context}}
+        return {"transport_socket": socket}
+    return {"transport_socket": _TLS_TO_EXTPROC} if layout.extproc_tls else {}
+
+
 def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     """HTTP/2 to the Python processor, one stream per in-flight request, so raise max_requests.
     Several replicas (ports, or the A records of a headless Service) share the streams round robin."""
@@ -220,7 +252,7 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
             }
         },
         **_checked_and_unthrottled({"grpc_health_check": {}}),
-        **({"transport_socket": _TLS_TO_EXTPROC} if layout.extproc_tls else {}),
+        **_extproc_transport(layout),
         "load_assignment": _endpoints("kvroute_extproc", [f"{layout.extproc_host}:{p}" for p in layout.extproc_ports]),
     }
 

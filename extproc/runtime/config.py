@@ -45,6 +45,11 @@ class ExtProcConfig:
     grpc_tls_self_signed: bool = _key(
         False, "TLS on the ext_proc port with a certificate made at start (what endpoint-picker gateways expect)"
     )
+    grpc_tls_client_ca_file: str = _key(
+        "",
+        "PEM CA: mutual TLS, every client must present a certificate it signed (only Envoy holds one); "
+        "needs grpc_tls_cert_file",
+    )
     destination_fallback: bool = _key(
         True,
         "name a second choice after a comma in the destination (Envoy's override_host retries it); false for "
@@ -176,6 +181,8 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
         raise ValueError("grpc_tls_cert_file and grpc_tls_key_file go together")
     if values.get("grpc_tls_cert_file") and values.get("grpc_tls_self_signed"):
         raise ValueError("grpc_tls_self_signed or a certificate file, not both")
+    if values.get("grpc_tls_client_ca_file") and not values.get("grpc_tls_cert_file"):
+        raise ValueError("grpc_tls_client_ca_file needs grpc_tls_cert_file: clients verify the server too")
     if values.get("replica_store") and "hash_key" not in values["routing"]:
         raise ValueError("replica_store needs an explicit hash_key, the same on every replica")
     if values.get("policy") and values["policy"].count("/") != 1:

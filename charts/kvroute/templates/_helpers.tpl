@@ -38,3 +38,8 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 {{- end -}}
 {{- $pool.name | default .Release.Name -}}
 {{- end }}
+
+{{- /* Mutual TLS between this release's Envoy and the ext_proc: on with its own Envoy only. */}}
+{{- define "kvroute.mtls" -}}
+{{- if and .Values.envoy.enabled .Values.extproc.mtls.enabled }}true{{ end -}}
+{{- end }}
