@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     latency.add_argument("--body-mode", choices=tuple(BODY_MODES), default="buffered")
+    cancelled = bench.add_parser(
+        "cancelled-streams", help="a bare grpc.aio server's RSS per half-closed vs cancelled stream (JSON)"
+    )
+    cancelled.add_argument("--streams", type=int, default=100_000)
     lag = bench.add_parser("replica-lag", help="time until a sibling replica sees news, cost of telling (JSON)")
     lag.add_argument("--samples", type=int, default=200)
     return parser
@@ -231,6 +235,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench import latency
 
         latency.main(args.requests, args.body_mode)
+    elif args.command == "bench" and args.bench == "cancelled-streams":
+        from bench import cancelled_streams
+
+        cancelled_streams.main(args.streams)
     elif args.command == "bench" and args.bench == "replica-lag":
         from bench import replica_lag
 
