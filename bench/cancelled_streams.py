@@ -5,7 +5,8 @@ it plateaus. This isolates the cause from kvroute's code: a bare grpc.aio server
 service (one empty reply per message) in its own process, driven with streams that end by a
 half-close or by a cancel (RST_STREAM), its VmRSS sampled. grpcio's aio layer drops a batch's
 C-side op array when the batch fails or its awaiter is cancelled (grpc/grpc#43360); rerun this
-after a grpcio upgrade to see whether the growth is gone.
+after a grpcio upgrade to see whether the growth is gone. The same service on grpcio's threaded
+server (`grpc.server` with a thread pool) is measured alongside, as the way around it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from bench.soak import rss_bytes
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 
-SERVER = """
+SERVERS: dict[str, str] = {}
+SERVERS["aio"] = """
 import asyncio
 import grpc
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -41,6 +43,24 @@ async def main():
     await server.wait_for_termination()
 
 asyncio.run(main())
+"""
+SERVERS["threads"] = """
+from concurrent import futures
+import grpc
+from extproc.envoy.proto import ext_proc_pb2 as pb
+from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
+
+class Reply(pb_grpc.ExternalProcessorServicer):
+    def Process(self, messages, context):
+        for _ in messages:
+            yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+pb_grpc.add_ExternalProcessorServicer_to_server(Reply(), server)
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+print(port, flush=True)
+server.wait_for_termination()
 """
 MESSAGES = 3  # request headers, body, response headers: an ext_proc stream in buffered mode
 CONCURRENCY = 32
@@ -77,9 +97,9 @@ async def _drive(port: int, streams: int, cancel: bool) -> None:
         await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
 
-def measure(streams: int, cancel: bool, steps: int = 5) -> dict[str, Any]:
+def measure(streams: int, cancel: bool, steps: int = 5, server_kind: str = "aio") -> dict[str, Any]:
     """The server's RSS after each of `steps` equal shares of `streams`."""
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", SERVERS[server_kind]], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())  # type: ignore[union-attr]
         samples = []
@@ -92,6 +112,7 @@ def measure(streams: int, cancel: bool, steps: int = 5) -> dict[str, Any]:
     first, last = samples[0], samples[-1]
     per_stream = (last[1] - first[1]) * 2**20 / (last[0] - first[0])
     return {
+        "server": server_kind,
         "end": "cancel" if cancel else "half-close",
         "grpcio": grpc.__version__,
         "rss_mib_by_streams": samples,
@@ -102,5 +123,6 @@ def measure(streams: int, cancel: bool, steps: int = 5) -> dict[str, Any]:
 def main(streams: int) -> None:
     import orjson
 
-    for cancel in (False, True):
-        print(orjson.dumps(measure(streams, cancel)).decode(), flush=True)
+    for server_kind in SERVERS:
+        for cancel in (False, True):
+            print(orjson.dumps(measure(streams, cancel, server_kind=server_kind)).decode(), flush=True)
