@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     soak.add_argument("--requests", type=int, default=200_000)
     soak.add_argument("--concurrency", type=int, default=32)
     soak.add_argument("--extproc-env", action="append", default=[], help="NAME=VALUE for the ext_proc (repeatable)")
+    soak.add_argument("--body-mode", choices=tuple(BODY_MODES), default="buffered")
     bench.add_parser("stall", help="event-loop stall from one 16 MiB body of tiny parts (JSON line)")
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
@@ -226,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "bench" and args.bench == "soak":
         from bench import soak
 
-        soak.main(args.requests, args.concurrency, dict(item.split("=", 1) for item in args.extproc_env))
+        soak.main(
+            args.requests, args.concurrency, dict(item.split("=", 1) for item in args.extproc_env), args.body_mode
+        )
     elif args.command == "bench" and args.bench == "stall":
         from bench import stall
 

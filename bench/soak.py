@@ -78,15 +78,22 @@ async def _drive(url: str, total: int, concurrency: int, progress: list[int]) ->
     return failures
 
 
-def main(requests: int = 200_000, concurrency: int = 32, extproc_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the soak; print and return the RSS samples and the prediction."""
+def main(
+    requests: int = 200_000,
+    concurrency: int = 32,
+    extproc_env: dict[str, str] | None = None,
+    body_mode: str = "buffered",
+) -> dict[str, Any]:
+    """Run the soak; print and return the RSS samples and the prediction. `body_mode` is Envoy's
+    (full_duplex: as picker gateways run it, the response stream included)."""
     extproc_env = extproc_env or {}
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-soak-"))
     extproc_args = ["--capacity-auto", "false", "--capacity-blocks", str(CAPACITY_BLOCKS)]
     extproc_args += ["--session-capacity", str(SESSION_CAPACITY), "--log-level", "warning"]
     per_session = bytes_per_session()
     env = {**os.environ, **extproc_env}
-    stack = Stack(workdir, sims=BACKENDS, sim_args=FAST_SIM, extproc_args=extproc_args, extproc_env=env)
+    layout = {"body_mode": body_mode, "destination_from": "header" if body_mode == "buffered" else "metadata"}
+    stack = Stack(workdir, sims=BACKENDS, sim_args=FAST_SIM, extproc_args=extproc_args, extproc_env=env, **layout)
     with stack:
         pid = stack.processes["extproc"].pid
         url = f"{stack.url}/v1/chat/completions"
@@ -123,6 +130,7 @@ def main(requests: int = 200_000, concurrency: int = 32, extproc_env: dict[str, 
         "rss_by_requests_mib": [(n, round(r / mib, 1)) for n, r in samples[:: max(1, len(samples) // 12)]],
         "bytes_per_session": round(per_session, 1),
         "extproc_env": extproc_env,
+        "body_mode": body_mode,
     }
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     return result

@@ -437,3 +437,53 @@ def test_full_duplex_failure_at_the_body_end_hands_back_the_whole_body_once(part
     assert replies[0].WhichOneof("response") == "request_headers"
     streamed = [r.request_body.response.body_mutation.streamed_response for r in replies[1:]]
     assert b"".join(s.body for s in streamed) == whole and streamed[-1].end_of_stream
+
+
+@pytest.mark.parametrize("ending", ["last_body_chunk", "trailers", "headers_only"])
+def test_full_duplex_ends_the_stream_itself_once_the_response_has_ended(parts, ending):
+    """Nothing comes after the response's end, so the processor ends the stream rather than wait
+    for Envoy's reset (grpcio keeps memory for every reset stream); the load is released then."""
+    router, _, _, processor = parts
+    finished = pb.ProcessingRequest(response_headers=response_headers("200", "via_upstream", A).response_headers)
+    finished.response_headers.end_of_stream = ending == "headers_only"
+    tail = {
+        "last_body_chunk": [pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=True))],
+        "trailers": [
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=False)),
+            pb.ProcessingRequest(response_trailers=pb.HttpTrailers()),
+        ],
+        "headers_only": [],
+    }[ending]
+
+    async def messages():
+        yield duplex(request_headers())
+        yield body()
+        yield finished
+        for message in tail:
+            yield message
+        await asyncio.Event().wait()  # Envoy would reset the stream, later
+
+    class Ending:
+        """grpc's context: done callbacks run once the stream has ended."""
+
+        def __init__(self) -> None:
+            self.callbacks: list = []
+
+        def add_done_callback(self, callback) -> None:
+            self.callbacks.append(callback)
+
+    context = Ending()
+
+    async def scenario() -> list[str]:
+        replies = []
+        async for reply in processor.Process(messages(), context):
+            replies.append(reply.WhichOneof("response"))
+        for callback in context.callbacks:
+            callback(context)
+        return replies
+
+    replies = asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+    assert replies[-1] == {"last_body_chunk": "response_body", "trailers": "response_trailers"}.get(
+        ending, "response_headers"
+    )
+    assert all(load == (0, 0) for load in router.loads.snapshot().values())
