@@ -243,8 +243,8 @@ class Stack:
             args += ["--grpc-tls-client-ca-file", str(certs["ca"])]
         elif self.extproc_tls:
             args += ["--grpc-tls-self-signed", "true"]
-        if self.backend_cluster == "original_dst":
-            args += ["--destination-fallback", "false"]
+        if self.backend_cluster == "override_host":  # it retries a second address named after a comma
+            args += ["--destination-fallback", "true"]
         if self.policy:
             args += ["--policy", self.policy]
         else:

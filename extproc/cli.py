@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
         "--backend-cluster",
         choices=BACKEND_CLUSTERS,
         default=BACKEND_CLUSTERS[0],
-        help="original_dst: connect to the one address kvroute names (run it with --destination-fallback false)",
+        help="original_dst: connect to the one address kvroute names (override_host: run the ext_proc with "
+        "--destination-fallback true, so Envoy can retry a second one)",
     )
     envoy.add_argument("--extproc-tls", action="store_true", help="connect to the ext_proc with TLS (not verified)")
     envoy.add_argument(

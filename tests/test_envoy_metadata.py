@@ -67,6 +67,16 @@ def test_an_original_dst_cluster_goes_to_the_one_address_kvroute_names(tmp_path)
         assert len(served) == 1
 
 
+def test_an_original_dst_cluster_refuses_the_two_address_list(tmp_path):
+    """Why one address is the default: with `--destination-fallback true` (for kvroute's own
+    override_host Envoy) an ORIGINAL_DST cluster cannot connect to `chosen,second`."""
+    with Stack(
+        tmp_path, sims=2, backend_cluster="original_dst", extproc_args=["--destination-fallback", "true"]
+    ) as listed:
+        status, _, _ = post(listed.url, {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 503
+
+
 SUBSET_LUA = """
 function envoy_on_request(handle)
   local subset = handle:headers():get("x-test-subset")

@@ -26,7 +26,7 @@ def parts():
     router = Router(Settings(hash_key=b"k" * 16, decision_headers=True))
     pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
     metrics = Metrics(router, pool)
-    return router, pool, metrics, Processor(router, pool, metrics, clock=lambda: 100.0)
+    return router, pool, metrics, Processor(router, pool, metrics, clock=lambda: 100.0, fallback=True)
 
 
 def request_headers(path: str = "/v1/chat/completions", method: str = "POST", eos: bool = False, **extra: str):

@@ -203,10 +203,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         max_stream_age_s: float = 3600.0,
-        fallback: bool = True,
+        fallback: bool = False,
     ) -> None:
-        """`fallback`: name the second choice after a comma (Envoy's override_host retries it);
-        off for gateways whose ORIGINAL_DST cluster takes the destination as one address."""
+        """`fallback`: name the second choice after a comma (kvroute's own override_host Envoy
+        retries it); off, as by default, for gateways whose ORIGINAL_DST cluster takes the
+        destination as one address."""
         self._router = router
         self._pool = pool
         self._metrics = metrics

@@ -51,9 +51,9 @@ class ExtProcConfig:
         "needs grpc_tls_cert_file",
     )
     destination_fallback: bool = _key(
-        True,
-        "name a second choice after a comma in the destination (Envoy's override_host retries it); false for "
-        "gateways whose ORIGINAL_DST cluster takes it as one address",
+        False,
+        "name a second choice after a comma in the destination, for kvroute's own override_host Envoy (which "
+        "retries it); off by default: gateways' ORIGINAL_DST clusters take the destination as one address",
     )
     backends: tuple[Backend, ...] = _key((), "ip:port of each vLLM server (`--backend` repeatable; a list in YAML)")
     health_interval_s: float = _key(2.0, "seconds between backend /health probes")
