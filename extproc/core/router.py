@@ -320,18 +320,20 @@ class Router:
             self._prefilling = {key: held for key, held in waiting if held}
             self._prefill_sweep_at = 2 * len(self._prefilling) + 1024
 
-    def least_loaded(self, backends: Sequence[Backend], now: float) -> str | None:
-        """An address for a request kvroute does not route by its prompt (another path, a GET):
-        the least loaded healthy backend, ties rotated; nothing reserved, learned or counted."""
+    def _by_load(self, backends: Sequence[Backend], now: float) -> Decision:
+        """The decision with nothing known of the prompt: least loaded healthy backend, ties rotated."""
         self._turn += 1
         candidates = [b.address for b in backends if b.healthy]
-        return decide(candidates, {}, {}, 0, self.loads, None, False, self.settings, self._turn, now).backend
+        return decide(candidates, {}, {}, 0, self.loads, None, False, self.settings, self._turn, now)
+
+    def least_loaded(self, backends: Sequence[Backend], now: float) -> str | None:
+        """An address for a request kvroute does not route by its prompt (another path, a GET):
+        nothing reserved, learned or counted."""
+        return self._by_load(backends, now).backend
 
     def begin_unreadable(self, backends: Sequence[Backend], now: float) -> Exchange:
         """A request whose body could not be read: least loaded healthy backend, reserved."""
-        self._turn += 1
-        candidates = [b.address for b in backends if b.healthy]
-        decision = decide(candidates, {}, {}, 0, self.loads, None, False, self.settings, self._turn, now)
+        decision = self._by_load(backends, now)
         if decision.backend is not None:
             decision.label = Label.FALLBACK
             decision.reservation = self.loads.reserve(decision.backend, 0)

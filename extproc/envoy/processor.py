@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from extproc.core.backends import Backend
 from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.request import PromptRequest
@@ -116,6 +117,11 @@ def _subset(message: pb.ProcessingRequest) -> frozenset[str] | None:
     else:
         items = value.string_value.split(",")[:MAX_SUBSET]
     return frozenset(item.strip() for item in items if item.strip())
+
+
+def _destination(target: str) -> pb.HeaderMutation:
+    """The destination header, overwriting whatever a client sent."""
+    return pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, target)])
 
 
 def _with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.ProcessingResponse:
@@ -262,8 +268,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 reply = self._on_request_headers(message.request_headers, stream)
                 if reply.HasField("mode_override"):  # not an LLM request: pass it through as it comes
                     reply.ClearField("mode_override")  # (a fresh reply; body modes cannot change in full duplex)
+                    reply.request_headers.response.clear_route_cache = True
                     stream.routed = True
-                    return [self._cleared(reply)]
+                    return [reply]
                 if stream.routed:  # routed from its headers alone (no body), or a repeated message
                     return [reply if reply.HasField("immediate_response") else self._cleared(reply)]
                 stream.held = []  # an LLM request: the reply waits for the body
@@ -363,19 +370,21 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """Another path or method: its body is not read and nothing is learned from it, but it
         still gets a destination (the least loaded backend): gateways whose cluster connects only
         where the picker says would otherwise have nowhere to send it."""
-        backends = self._pool.backends
-        if stream.subset is not None:
-            backends = [b for b in backends if b.address in stream.subset]
-        target = self._router.least_loaded(backends, self._clock())
+        target = self._router.least_loaded(self._candidates(stream), self._clock())
         response = pb.ProcessingResponse()
         if target is None:
             response.CopyFrom(_STRIP_HEADERS if spoofed else _CONTINUE_HEADERS)
         else:
-            mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, target)])
-            response.request_headers.response.header_mutation.CopyFrom(mutation)
+            response.request_headers.response.header_mutation.CopyFrom(_destination(target))
             _with_destination(response, target)
         response.mode_override.CopyFrom(_PASS_THROUGH)
         return response
+
+    def _candidates(self, stream: Stream) -> list[Backend]:
+        """The pool's backends, within the gateway's subset hint if it sent one."""
+        if stream.subset is None:
+            return self._pool.backends
+        return [b for b in self._pool.backends if b.address in stream.subset]
 
     def _on_request_body(self, message: pb.HttpBody, stream: Stream) -> pb.ProcessingResponse:
         if stream.routed or not stream.headers:
@@ -386,25 +395,26 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     def _routed(self, stream: Stream, body: bytes | None, kind: str) -> pb.ProcessingResponse:
         """The routing reply to a request_headers or request_body message: the destination as a
         header mutation and as metadata, or a 503 when the gateway's subset leaves no backend."""
-        if stream.subset is not None and not any(b.address in stream.subset for b in self._pool.backends):
+        backends = self._candidates(stream)
+        if stream.subset is not None and not backends:
             stream.routed = True
             self._metrics.errors.labels("no_subset_candidate").inc()
             return _NO_CANDIDATE
-        common, target = self._route(stream, body)
+        common, target = self._route(stream, body, backends)
         if stream.exchange is not None and stream.exchange.decision.label is Label.SHED:
             return _SHED
         reply = pb.ProcessingResponse()
         getattr(reply, kind).response.CopyFrom(common)
         return _with_destination(reply, target)
 
-    def _route(self, stream: Stream, body: bytes | None) -> tuple[pb.CommonResponse, str | None]:
-        """Body -> exchange -> destination header (and the destination, for the metadata). A
-        missing or unreadable body goes least loaded (fail-open), counted once under its own kind."""
+    def _route(
+        self, stream: Stream, body: bytes | None, backends: list[Backend]
+    ) -> tuple[pb.CommonResponse, str | None]:
+        """Body -> exchange among `backends` -> destination header (and the destination, for the
+        metadata). A missing or unreadable body goes least loaded (fail-open), counted once under
+        its own kind."""
         stream.routed = True
         started = time.perf_counter()
-        backends = self._pool.backends
-        if stream.subset is not None:
-            backends = [b for b in backends if b.address in stream.subset]
         exchange = None
         if body is not None:
             try:
@@ -428,8 +438,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])), None
         second = decision.second if self._fallback else None
         target = decision.backend if second is None else f"{decision.backend},{second}"
-        mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, target)])
-        return pb.CommonResponse(header_mutation=mutation), target
+        return pb.CommonResponse(header_mutation=_destination(target)), target
 
     def _prepare(self, body: bytes, headers: dict[str, str]) -> PromptRequest | InvalidRequest:
         """Parse, tokenize (precise mode) and hash a body; may run in a worker thread (the router's
