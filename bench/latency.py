@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.stack import Stack
+from bench.stack import Stack, layout_for
 from bench.workload import conversation
 
 FAST_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--default-max-tokens", "1"]
@@ -105,8 +105,7 @@ def _measure_cases(
     requests: int, workdir: Path, body_mode: str, sim_args: list[str], cases: list[tuple[int, int, int]]
 ) -> list[dict[str, Any]]:
     results = []
-    destination = "header" if body_mode == "buffered" else "metadata"
-    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=sim_args, body_mode=body_mode, destination_from=destination)
+    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=sim_args, **layout_for(body_mode))
     plain = Stack(workdir / "plain", backends=kvroute.backends, ext_proc=False)
     with kvroute, plain:
         extproc_pid = kvroute.processes["extproc"].pid

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.stack import Stack
+from bench.stack import Stack, layout_for
 from extproc.core.sessions import SessionTable
 
 BACKENDS = 4
@@ -92,8 +92,9 @@ def main(
     extproc_args += ["--session-capacity", str(SESSION_CAPACITY), "--log-level", "warning"]
     per_session = bytes_per_session()
     env = {**os.environ, **extproc_env}
-    layout = {"body_mode": body_mode, "destination_from": "header" if body_mode == "buffered" else "metadata"}
-    stack = Stack(workdir, sims=BACKENDS, sim_args=FAST_SIM, extproc_args=extproc_args, extproc_env=env, **layout)
+    stack = Stack(
+        workdir, sims=BACKENDS, sim_args=FAST_SIM, extproc_args=extproc_args, extproc_env=env, **layout_for(body_mode)
+    )
     with stack:
         pid = stack.processes["extproc"].pid
         url = f"{stack.url}/v1/chat/completions"

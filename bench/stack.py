@@ -107,6 +107,22 @@ def stop(process: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s:
         process.wait()
 
 
+def layout_for(body_mode: str) -> dict[str, str]:
+    """Envoy for a body mode, as it is run: buffered reads the destination header (kvroute's own
+    Envoy); the streamed modes read `envoy.lb` metadata, as endpoint-picker gateways do."""
+    return {"body_mode": body_mode, "destination_from": "header" if body_mode == "buffered" else "metadata"}
+
+
+# Envoy as InferencePool gateways run it for their picker: full-duplex bodies, `envoy.lb` metadata,
+# TLS to the picker, an ORIGINAL_DST cluster that connects to the one address named, fail closed.
+PICKER_GATEWAY: dict[str, Any] = {
+    **layout_for("full_duplex"),
+    "backend_cluster": "original_dst",
+    "extproc_tls": True,
+    "fail_open": False,
+}
+
+
 @dataclass
 class Stack:
     """Ports are chosen free unless given. `sims` simulated backends unless `backends` are given."""

@@ -17,7 +17,7 @@ import grpc
 import orjson
 import pytest
 
-from bench.stack import Stack
+from bench.stack import PICKER_GATEWAY, Stack, layout_for
 from bench.workload import text
 from tests.e2e import eventually, get, metric, post
 
@@ -32,15 +32,9 @@ SYSTEM = text(RNG, 12_000)
 # reading `envoy.lb` metadata, or an ORIGINAL_DST cluster with TLS to the picker and failure mode
 # closed). Without the response stream (full_duplex_request): the tests that say so below.
 LAYOUTS = {
-    "buffered": {"body_mode": "buffered", "destination_from": "header"},
-    "full_duplex": {"body_mode": "full_duplex", "destination_from": "metadata"},
-    "picker_original_dst": {
-        "body_mode": "full_duplex",
-        "destination_from": "metadata",
-        "backend_cluster": "original_dst",
-        "extproc_tls": True,
-        "fail_open": False,
-    },
+    "buffered": layout_for("buffered"),
+    "full_duplex": layout_for("full_duplex"),
+    "picker_original_dst": PICKER_GATEWAY,
 }
 
 
@@ -266,12 +260,9 @@ def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, bo
     (`load_override`), and the conversation follows it (the session is bound where it was
     served). Without a response body (full_duplex_request) kvroute's own count ends at the
     response headers, so the pile is seen through the engine's running count."""
-    destination = "header" if body_mode == "buffered" else "metadata"
     gates = ["--balance-abs-gate", "10", "--balance-rel-gate", "1.5", "--engine-scrape-interval-s", "0.1"]
     sim_args = ["--decode-s-per-token", "0.05"]  # 2,000 tokens: the held streams outlive the test
-    with Stack(
-        tmp_path, sims=3, sim_args=sim_args, extproc_args=gates, body_mode=body_mode, destination_from=destination
-    ) as stack:
+    with Stack(tmp_path, sims=3, sim_args=sim_args, extproc_args=gates, **layout_for(body_mode)) as stack:
         history = [{"role": "system", "content": text(RNG, 3000)}, {"role": "user", "content": "start"}]
         session = {"x-session-id": "busy"}
         status, headers, _ = post(stack.url, chat(history, max_tokens=1), session)
@@ -324,11 +315,7 @@ def test_killed_backend_behind_a_picker_gateway_costs_at_most_one_request(tmp_pa
         sims=3,
         separate_sims=True,
         extproc_args=["--health-interval-s", "0.3"],
-        body_mode="full_duplex",
-        destination_from="metadata",
-        backend_cluster="original_dst",
-        fail_open=False,
-        extproc_tls=True,
+        **PICKER_GATEWAY,
     ) as stack:
         history = [{"role": "system", "content": text(RNG, 4000)}, {"role": "user", "content": "hi"}]
         status, headers, _ = post(stack.url, chat(history), {"x-session-id": "doomed"})
@@ -349,7 +336,7 @@ def test_without_the_response_body_the_own_count_ends_at_the_response_headers(tm
     when no response body is asked for, so kvroute's own in-flight count of a stream being decoded
     ends there (the engines' running counts carry it: test_load_overrides_... above). The price of
     that mode's saving, shown rather than assumed."""
-    with Stack(tmp_path, sims=2, body_mode="full_duplex_request", destination_from="metadata") as stack:
+    with Stack(tmp_path, sims=2, **layout_for("full_duplex_request")) as stack:
         conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
         body = chat([{"role": "user", "content": "stream please"}], stream=True, max_tokens=2000)
         conn.request("POST", "/v1/chat/completions", orjson.dumps(body), {"content-type": "application/json"})

@@ -10,7 +10,7 @@ import random
 import orjson
 import pytest
 
-from bench.stack import Stack
+from bench.stack import Stack, layout_for
 from bench.workload import text
 from tests.e2e import post
 
@@ -24,7 +24,7 @@ MODEL = "sim-model"
 def stack(tmp_path_factory: pytest.TempPathFactory):
     sim_args = ["--prefill-s-per-token", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
     workdir = tmp_path_factory.mktemp("duplex")
-    with Stack(workdir, sims=4, sim_args=sim_args, body_mode="full_duplex", destination_from="metadata") as running:
+    with Stack(workdir, sims=4, sim_args=sim_args, **layout_for("full_duplex")) as running:
         yield running
 
 

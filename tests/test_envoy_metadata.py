@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bench.stack import Stack
+from bench.stack import Stack, layout_for
 from bench.workload import text
 from tests.e2e import post
 
@@ -108,8 +108,7 @@ def with_subset_hints(config: dict) -> None:
 def test_a_gateways_subset_hint_limits_the_choice_and_an_empty_one_gives_503(tmp_path):
     """Full duplex, as the gateways that send hints run it (buffered mode reads the hint the
     same way: tests/test_processor.py)."""
-    layout = {"body_mode": "full_duplex", "destination_from": "metadata", "envoy_edit": with_subset_hints}
-    with Stack(tmp_path, sims=4, **layout) as s:
+    with Stack(tmp_path, sims=4, envoy_edit=with_subset_hints, **layout_for("full_duplex")) as s:
         allowed = s.backends[2]
         for i in range(8):
             body = {"model": "sim-model", "messages": [{"role": "user", "content": f"q{i} " + text(RNG, 200)}]}

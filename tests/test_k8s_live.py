@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.stack import Stack, dev_command, free_port, kvroute_command, spawn, stop, wait_http
+from bench.stack import PICKER_GATEWAY, Stack, dev_command, free_port, kvroute_command, spawn, stop, wait_http
 from bench.tiny_model import tokenizer_files
 from tests.controlplane import ROOT, ControlPlane
 from tests.e2e import eventually, get, post
@@ -350,11 +350,7 @@ def picked_through_a_picker_gateway(cluster: Cluster, pool: set[str]) -> None:
         backends=[f"{ip}:{PORT}" for ip in SIM_IPS],
         policy=f"{NS}/pooled",
         extproc_env={**cluster.cp.env(extproc_kubeconfig), "PYTHONUNBUFFERED": "1"},
-        destination_from="metadata",
-        body_mode="full_duplex",
-        extproc_tls=True,
-        fail_open=False,
-        backend_cluster="original_dst",
+        **PICKER_GATEWAY,
     )
     with gateway:
         eventually(lambda: {b["address"] for b in gateway.debug_state()["backends"]} == pool, timeout_s=30)
