@@ -43,3 +43,12 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 {{- define "kvroute.mtls" -}}
 {{- if and .Values.envoy.enabled .Values.extproc.mtls.enabled }}true{{ end -}}
 {{- end }}
+
+{{- /* The ext_proc's gRPC port in its Services: TLS as a picker or with mutual TLS, else h2c. */}}
+{{- define "kvroute.grpcServicePort" -}}
+{{- if or .Values.inferencePool.enabled (include "kvroute.mtls" .) -}}
+- {name: grpc, port: 9002, targetPort: grpc}
+{{- else -}}
+- {name: grpc, port: 9002, targetPort: grpc, appProtocol: kubernetes.io/h2c}
+{{- end -}}
+{{- end }}
