@@ -51,6 +51,11 @@ def body(data: bytes = BODY) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
 
 
+def broken(*_args: object, **_kwargs: object) -> object:
+    """Stands in for any internal step, failing."""
+    raise RuntimeError("boom")
+
+
 def set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
@@ -247,9 +252,6 @@ def test_a_failure_on_response_headers_answers_with_a_response_headers_reply(par
     processor.handle(request_headers(), stream)
     processor.handle(body(), stream)
 
-    def broken(*_args: object) -> bool:
-        raise RuntimeError("boom")
-
     pool.canonical = broken  # an internal failure while reading the response start
     reply = processor.handle(response_headers("200", "via_upstream", A), stream)
     assert reply.WhichOneof("response") == "response_headers"
@@ -403,9 +405,6 @@ def test_full_duplex_failure_at_the_trailers_hands_back_body_and_answers_the_tra
     held headers reply, the body, and a trailers reply (without which it would wait)."""
     _, _, metrics, processor = parts
 
-    def broken(*_args: object, **_kwargs: object) -> object:
-        raise RuntimeError("boom")
-
     processor._routed = broken  # any internal failure while deciding
     chunk = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     messages = [
@@ -422,9 +421,6 @@ def test_full_duplex_failure_at_the_trailers_hands_back_body_and_answers_the_tra
 
 def test_full_duplex_failure_at_the_body_end_hands_back_the_whole_body_once(parts):
     _, _, _, processor = parts
-
-    def broken(*_args: object, **_kwargs: object) -> object:
-        raise RuntimeError("boom")
 
     processor._routed = broken
     whole = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "z" * 1000}]})
