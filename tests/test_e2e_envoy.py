@@ -149,6 +149,34 @@ def test_client_disconnect_mid_stream_releases_load(stack: Stack):
     assert all(load["reserved_blocks"] == 0 for load in stack.debug_state()["load"].values())
 
 
+def envoy_stat(stack: Stack, name: str) -> int:
+    """One counter from Envoy's admin `/stats`."""
+    _, _, body = get(f"http://127.0.0.1:{stack.envoy_admin_port}", f"/stats?filter=^{name}$")
+    return int(body.decode().split(":")[1]) if body.strip() else 0
+
+
+def test_envoy_ends_every_ext_proc_stream_without_a_reset(stack: Stack):
+    """Envoy half-closes each ext_proc stream and the processor ends it (graceful close), also for
+    a streamed response and a client that leaves: a reset stream leaks ~120 bytes in grpcio."""
+    resets = "cluster.kvroute_extproc.upstream_rq_tx_reset"
+    closed = "http.kvroute.ext_proc.streams_closed"
+    before = envoy_stat(stack, resets), envoy_stat(stack, closed)
+    for i in range(5):
+        status, _, _ = post(stack.url, orjson.dumps(chat([{"role": "user", "content": f"graceful {i}"}])))
+        assert status == 200
+    status, _, streamed = post(stack.url, orjson.dumps(chat([{"role": "user", "content": "s"}], stream=True)))
+    assert status == 200 and streamed.endswith(b"data: [DONE]\n\n")
+    assert get(stack.url, "/v1/models")[0] == 200
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+    body = chat([{"role": "user", "content": "leaving"}], stream=True, max_tokens=2000)
+    conn.request("POST", "/v1/chat/completions", body=orjson.dumps(body), headers={"content-type": "application/json"})
+    assert conn.getresponse().read(5) == b"data:"
+    conn.sock.close()
+    conn.close()
+    eventually(lambda: envoy_stat(stack, closed) - before[1] >= 8, message="8 ext_proc streams closed")
+    assert envoy_stat(stack, resets) == before[0]
+
+
 def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
     with Stack(tmp_path, sims=2) as stack:
         results: list[int] = []

@@ -21,6 +21,11 @@ from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE
 
 BODY_LIMIT = 32 * 1024 * 1024
 MAX_CONNECTIONS = 50_000
+# Envoy half-closes each ext_proc stream when its request ends and waits (up to 1 s) for the
+# processor to end it, instead of resetting it: a reset stream costs grpcio's aio server about
+# 120 bytes of C memory that it never frees (grpc/grpc#43360; docs/security.md), and the
+# processor's end of stream carries a gRPC status Envoy can count.
+RUNTIME = {"envoy.reloadable_features.ext_proc_graceful_grpc_close": True}
 # The headers kvroute reads (request and response); nothing else (Authorization, cookies) reaches
 # the ext_proc.
 # Add configured session or tenant headers with `--forward-header`.
@@ -327,6 +332,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     return {
         "admin": {"address": {"socket_address": {"address": layout.admin_host, "port_value": layout.admin_port}}},
         "static_resources": {"listeners": [listener], "clusters": clusters},
+        "layered_runtime": {"layers": [{"name": "kvroute", "static_layer": RUNTIME}]},
         # A cap on downstream connections, so a connection flood meets a limit, not the file table.
         "overload_manager": {
             "refresh_interval": "0.25s",
