@@ -97,6 +97,7 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.fleets import ENGINE_SCHEDULING
     from bench.peers import ROUTERS
 
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
@@ -108,6 +109,13 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sim-block-size", type=int, default=16, help="simulated backends' KV block in tokens (vLLM-CPU: 128)"
+    )
+    parser.add_argument(
+        "--engine-scheduling",
+        choices=ENGINE_SCHEDULING,
+        default="idle",
+        help="vLLM-CPU servers under SCHED_IDLE (default), so routers and the client are not delayed behind "
+        "the engines' spinning threads on a small machine, or normal",
     )
     parser.add_argument(
         "--extproc-replicas",
@@ -135,6 +143,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         sim_args=tuple(args.sim_arg),
         sim_block_tokens=args.sim_block_size,
         extproc_replicas=args.extproc_replicas,
+        engine_scheduling=args.engine_scheduling,
     )
 
 

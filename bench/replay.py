@@ -28,7 +28,14 @@ from bench.prompts import PromptBuilder
 from bench.trace import TraceRequest, chains
 
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
-METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total")
+METRICS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:request_success_total",
+    # the engines' own time to first token: the client's minus this is what the path to them adds
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+)
 
 
 @dataclass(slots=True)
@@ -176,7 +183,10 @@ def summarize(
     hits = sum(d["vllm:prefix_cache_hits_total"] for d in delta.values())
     per_backend = {b: int(d["vllm:request_success_total"]) for b, d in delta.items()}
     mean = statistics.mean(per_backend.values()) if per_backend else 0
-    ttft = _percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None])
+    firsts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    ttft = _percentiles(firsts)
+    engine_ttft = sum(d["vllm:time_to_first_token_seconds_sum"] for d in delta.values())
+    engine_firsts = sum(d["vllm:time_to_first_token_seconds_count"] for d in delta.values())
     e2e = _percentiles([r.e2e_ms for r in ok])
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     predicted = [r for r in ok if r.predicted_tokens is not None and r.prompt_tokens]
@@ -190,6 +200,8 @@ def summarize(
         "ttft_p50_ms": ttft["p50"],
         "ttft_p90_ms": ttft["p90"],
         "ttft_p99_ms": ttft["p99"],
+        "engine_ttft_mean_ms": round(1000 * engine_ttft / engine_firsts, 1) if engine_firsts else None,
+        "ttft_mean_ms": round(statistics.mean(firsts), 1) if firsts else None,
         "e2e_p50_ms": e2e["p50"],
         "e2e_p90_ms": e2e["p90"],
         "e2e_p99_ms": e2e["p99"],

@@ -18,6 +18,8 @@ COLUMNS = (
     ("fraction_of_lru", "of one LRU"),
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("ttft_p99_ms", "TTFT p99 ms"),
+    ("ttft_mean_ms", "TTFT mean ms"),
+    ("engine_ttft_mean_ms", "engines' own TTFT mean ms"),
     ("e2e_p50_ms", "E2E p50 ms"),
     ("load_max_over_mean", "load max/mean"),
     ("prediction_mae_tokens", "prediction error (tokens)"),

@@ -5,14 +5,18 @@ Installs vllm-router and sglang-router from PyPI on first use (bench/venvs.py: o
 
 from __future__ import annotations
 
+import threading
+import urllib.request
 from pathlib import Path
 
 import orjson
 import pytest
 
+from bench import peers
 from bench.compare import CompareOptions, run
 from bench.peers import ROUTERS
 from bench.replay import Pacing
+from bench.stack import dev_command, free_port, spawn, stop, wait_http
 
 pytestmark = [pytest.mark.peers, pytest.mark.envoy]
 
@@ -111,3 +115,30 @@ def test_sweep_runs_every_router_at_every_load(tmp_path):
         assert results["goodput"][name] == 4.0  # a generous SLO: the heaviest load is good
     for name in ("summary.md", "ttft_vs_load.png", "hit_rate_vs_load.png", "results.json"):
         assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_sglang_router_is_started_with_every_worker_registered(tmp_path: Path):
+    """sglang-router serves once its first worker is registered; a run started then would send its
+    first sessions to that worker alone. Here the second backend comes up 3 s after the router:
+    peers.start returns only once /workers lists both as healthy."""
+    ports = [free_port(), free_port()]
+    sims = [spawn(dev_command("sim", "--port", str(ports[0])), tmp_path / "sim0.log")]
+    late = threading.Timer(
+        3.0, lambda: sims.append(spawn(dev_command("sim", "--port", str(ports[1])), tmp_path / "sim1.log"))
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{ports[0]}/health")
+        backends = [f"127.0.0.1:{p}" for p in ports]
+        late.start()
+        router = peers.start("sglang-router-cache_aware", backends, tmp_path / "router")
+        try:
+            with urllib.request.urlopen(router.url + "/workers", timeout=5) as response:
+                workers = orjson.loads(response.read())["workers"]
+            assert {w["url"] for w in workers if w["is_healthy"]} == {f"http://{b}" for b in backends}
+        finally:
+            router.stop()
+    finally:
+        late.cancel()
+        late.join()
+        for process in sims:
+            stop(process)

@@ -6,7 +6,9 @@ the clone) and builds the model.
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -23,14 +25,38 @@ SYSTEM = text(RNG, 9000)  # about 3,000 tokens with the tiny model's tokenizer
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    workdir = tmp_path_factory.mktemp("vllm")
-    fleet = VllmFleet(2, cache_tokens=2 * 512 * 128, longest_prompt=16384, workdir=workdir)
+def fleet(tmp_path_factory: pytest.TempPathFactory):
+    running = VllmFleet(2, cache_tokens=2 * 512 * 128, longest_prompt=16384, workdir=tmp_path_factory.mktemp("vllm"))
     try:
-        with Stack(workdir / "stack", backends=fleet.backends) as running:
-            yield running
+        yield running
     finally:
-        fleet.stop()
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(fleet: VllmFleet, tmp_path_factory: pytest.TempPathFactory):
+    with Stack(tmp_path_factory.mktemp("stack"), backends=fleet.backends) as running:
+        yield running
+
+
+def descendants(pid: int) -> list[int]:
+    """A process and every process below it, from /proc's children lists."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            todo += [int(child) for child in (task / "children").read_text().split()]
+    return out
+
+
+def test_the_engines_run_idle_beside_the_routers(fleet: VllmFleet):
+    """Every process of every server (API server, engine core, its workers) is under SCHED_IDLE,
+    so routers and the benchmark client are not delayed behind the engines' spinning threads."""
+    for process in fleet.processes:
+        pids = descendants(process.pid)
+        assert len(pids) >= 2  # the API server starts its engine core as a child
+        assert {os.sched_getscheduler(pid) for pid in pids} == {os.SCHED_IDLE}
 
 
 def chat(url: str, messages: list[dict], session: str) -> tuple[dict, dict]:
