@@ -38,7 +38,10 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=pytest.mark.layouts) if name != "buffered" else name for name in LAYOUTS],
+)
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Every scenario in this module runs through each of LAYOUTS."""
     # The 4 MB prompt (about a million tokens) needs a long-context model with a KV cache to hold
@@ -280,7 +283,14 @@ def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
     assert status == 200
 
 
-@pytest.mark.parametrize("body_mode", ["buffered", "full_duplex", "full_duplex_request"])
+@pytest.mark.parametrize(
+    "body_mode",
+    [
+        "buffered",
+        pytest.param("full_duplex", marks=pytest.mark.layouts),
+        pytest.param("full_duplex_request", marks=pytest.mark.layouts),
+    ],
+)
 def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, body_mode: str):
     """Turns of one conversation held open as streams pile up on its backend until it is past
     the gates (a load more than 10 blocks above the least loaded, and 1.5x; an in-flight request
@@ -333,6 +343,7 @@ def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, bo
         assert (headers["x-kvroute-decision"], headers["x-kvroute-backend"]) == ("session_match", elsewhere)
 
 
+@pytest.mark.layouts
 def test_killed_backend_behind_a_picker_gateway_costs_at_most_one_request(tmp_path: Path):
     """As InferencePool gateways run it (TLS, full-duplex bodies, `envoy.lb` metadata, an
     ORIGINAL_DST cluster that takes one address, failure mode closed): there is no second address
@@ -381,7 +392,7 @@ def test_without_the_response_body_the_own_count_ends_at_the_response_headers(tm
             conn.close()
 
 
-@pytest.mark.parametrize("layout", ["buffered", "picker_original_dst"])
+@pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
 def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed(tmp_path: Path, layout: str):
     """max_backend_requests 1 over two backends: the second stream goes to the other backend
     although the first holds its prefix; a third request finds both full and is answered 429
