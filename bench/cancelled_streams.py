@@ -1,7 +1,8 @@
 """`kvroute-dev bench cancelled-streams`: does a grpc.aio server keep memory for every stream its
-client resets? Envoy ends each ext_proc stream when its HTTP request ends, and the ext_proc's RSS
-behind Envoy grows by about 110 bytes a request (`bench soak`) while driven with clean half-closes
-it plateaus. This isolates the cause from kvroute's code: a bare grpc.aio server of the ext_proc
+client resets? Envoy, left at its default, resets each ext_proc stream when its HTTP request ends,
+and the ext_proc's RSS behind such an Envoy grew by about 110 bytes a request (`bench soak`, before
+kvroute's Envoy configurations turned on its graceful close) while driven with clean half-closes it
+plateaus. This isolates the cause from kvroute's code: a bare grpc.aio server of the ext_proc
 service (one empty reply per message) in its own process, driven with streams that end by a
 half-close or by a cancel (RST_STREAM), its VmRSS sampled. grpcio's aio layer drops a batch's
 C-side op array when the batch fails or its awaiter is cancelled (grpc/grpc#43360); rerun this

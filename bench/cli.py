@@ -113,7 +113,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-scheduling",
         choices=ENGINE_SCHEDULING,
-        default="idle",
+        default=ENGINE_SCHEDULING[0],
         help="vLLM-CPU servers under SCHED_IDLE (default), so routers and the client are not delayed behind "
         "the engines' spinning threads on a small machine, or normal",
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peers, report
-from bench.fleets import SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
+from bench.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
 from bench.trace import BLOCK_TOKENS, TraceRequest, read, truncate, working_set_blocks
@@ -38,7 +38,7 @@ class CompareOptions:
     sim_args: tuple[str, ...] = ()
     sim_block_tokens: int = SIM_BLOCK_TOKENS
     extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
-    engine_scheduling: str = "idle"  # vLLM-CPU servers: SCHED_IDLE beside the routers, or normal (VllmFleet)
+    engine_scheduling: str = ENGINE_SCHEDULING[0]  # vLLM-CPU servers beside the routers (VllmFleet)
 
 
 def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fleet:

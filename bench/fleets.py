@@ -119,7 +119,7 @@ def tiny_model() -> Path:
     return model
 
 
-# How the vLLM servers are scheduled beside the routers (VllmFleet).
+# How the vLLM servers are scheduled beside the routers (VllmFleet); the first is the default.
 ENGINE_SCHEDULING = ("idle", "normal")
 
 
@@ -129,7 +129,12 @@ class VllmFleet(Fleet):
     kvroute can follow them; `restart` replaces one server's process on the same ports."""
 
     def __init__(
-        self, count: int, cache_tokens: int, longest_prompt: int, workdir: Path, scheduling: str = "idle"
+        self,
+        count: int,
+        cache_tokens: int,
+        longest_prompt: int,
+        workdir: Path,
+        scheduling: str = ENGINE_SCHEDULING[0],
     ) -> None:
         """`scheduling` idle: the servers run under SCHED_IDLE. Each engine's OpenMP threads spin
         on their core, so on this small machine every router process (and the client) otherwise

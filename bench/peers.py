@@ -9,11 +9,8 @@ which vLLM serves only with --enable-scale-out), which shows in its TTFT.
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
-import time
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,25 +120,22 @@ def _peer(name: str, backends: Sequence[str], log: Path, router: RunningRouter) 
     router.processes.append(process)
     wait_http(f"http://127.0.0.1:{port}/v1/models", timeout_s=60, process=process)
     if tool == "sglang-router":
-        _wait_workers(port, backends, process)
+        # It registers its workers in the background and serves once the first is up: a run
+        # started then sends its first sessions to that worker alone, and its cache-aware tree
+        # keeps them there (seen: every request on one of two vLLM servers). Wait for them all.
+        wait_http(f"http://127.0.0.1:{port}/workers", 60, process, accept=_registers(backends))
     return port
 
 
-def _wait_workers(port: int, backends: Sequence[str], process: subprocess.Popen) -> None:
-    """sglang-router registers its workers in the background and serves once the first is up: a
-    run started then sends its first sessions to that worker alone, and its cache-aware tree keeps
-    them there (seen: every request on one of two vLLM servers). Wait until all are healthy."""
+def _registers(backends: Sequence[str]) -> Callable[[bytes], bool]:
+    """Whether an sglang-router `/workers` answer lists every backend as healthy."""
     wanted = {f"http://{b}" for b in backends}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"sglang-router exited with {process.returncode} while registering workers")
-        with (
-            contextlib.suppress(OSError, ValueError),
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/workers", timeout=1) as response,
-        ):
-            workers = orjson.loads(response.read())["workers"]
-            if {w["url"] for w in workers if w.get("is_healthy")} >= wanted:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"sglang-router did not register every worker of {sorted(wanted)} within 60 s")
+
+    def accept(body: bytes) -> bool:
+        try:
+            workers = orjson.loads(body)["workers"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return False
+        return {w.get("url") for w in workers if w.get("is_healthy")} >= wanted
+
+    return accept

@@ -62,17 +62,23 @@ def free_port() -> int:
         return port
 
 
-def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen | None = None) -> None:
-    """Poll until `url` answers 200; fail early if the process serving it died."""
+def wait_http(
+    url: str,
+    timeout_s: float = 30.0,
+    process: subprocess.Popen | None = None,
+    accept: Callable[[bytes], bool] | None = None,
+) -> None:
+    """Poll until `url` answers 200 (with a body `accept` takes, if given); fail early if the
+    process serving it died."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {url} answered")
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
-            if response.status == 200:
+            if response.status == 200 and (accept is None or accept(response.read())):
                 return
         time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s}s")
+    raise TimeoutError(f"{url} did not answer 200{' as awaited' if accept else ''} within {timeout_s}s")
 
 
 def kvroute_command(*args: str) -> list[str]:
