@@ -56,6 +56,29 @@ def chat(messages: list[dict], **extra) -> dict:
     return {"model": MODEL, "messages": messages, "max_tokens": 8, **extra}
 
 
+def open_stream(
+    stack: Stack, messages: list[dict], headers: dict[str, str] | None = None
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed completion (2,000 tokens) left open after its first bytes: in flight until `leave`."""
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+    body = orjson.dumps(chat(messages, stream=True, max_tokens=2000))
+    conn.request("POST", "/v1/chat/completions", body, {**(headers or {}), "content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.read(5) == b"data:"
+    return conn, response
+
+
+def leave(conn: http.client.HTTPConnection) -> None:
+    """The client goes away mid-stream."""
+    conn.sock.close()
+    conn.close()
+
+
+def in_flight(stack: Stack) -> int:
+    """Requests kvroute counts in flight, over every backend."""
+    return sum(load["active"] for load in stack.debug_state()["load"].values())
+
+
 def test_conversation_stays_on_one_backend_and_its_cache_grows(stack: Stack):
     history = [{"role": "system", "content": text(RNG, 3000)}]
     served, cached, decisions = set(), [], []
@@ -135,20 +158,10 @@ def test_four_megabyte_body_is_routed(stack: Stack):
 
 
 def test_client_disconnect_mid_stream_releases_load(stack: Stack):
-    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
-    body = chat([{"role": "user", "content": "stream please"}], stream=True, max_tokens=2000)
-    conn.request("POST", "/v1/chat/completions", body=orjson.dumps(body), headers={"content-type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200
-    assert response.read(5) == b"data:"
-
-    def active() -> int:
-        return sum(load["active"] for load in stack.debug_state()["load"].values())
-
-    assert active() == 1
-    conn.sock.close()
-    conn.close()
-    eventually(lambda: active() == 0, message="active requests back to zero")
+    conn, _ = open_stream(stack, [{"role": "user", "content": "stream please"}])
+    assert in_flight(stack) == 1
+    leave(conn)
+    eventually(lambda: in_flight(stack) == 0, message="active requests back to zero")
     assert all(load["reserved_blocks"] == 0 for load in stack.debug_state()["load"].values())
 
 
@@ -170,12 +183,7 @@ def test_envoy_ends_every_ext_proc_stream_without_a_reset(stack: Stack):
     status, _, streamed = post(stack.url, orjson.dumps(chat([{"role": "user", "content": "s"}], stream=True)))
     assert status == 200 and streamed.endswith(b"data: [DONE]\n\n")
     assert get(stack.url, "/v1/models")[0] == 200
-    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
-    body = chat([{"role": "user", "content": "leaving"}], stream=True, max_tokens=2000)
-    conn.request("POST", "/v1/chat/completions", body=orjson.dumps(body), headers={"content-type": "application/json"})
-    assert conn.getresponse().read(5) == b"data:"
-    conn.sock.close()
-    conn.close()
+    leave(open_stream(stack, [{"role": "user", "content": "leaving"}])[0])
     eventually(lambda: envoy_stat(stack, closed) - before[1] >= 8, message="8 ext_proc streams closed")
     assert envoy_stat(stack, resets) == before[0]
 
@@ -309,13 +317,7 @@ def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, bo
 
         def hold(content: str) -> tuple[str, str]:
             """A turn streamed and left open; its decision and backend."""
-            conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
-            body = chat([*history, {"role": "user", "content": content}], stream=True, max_tokens=2000)
-            conn.request(
-                "POST", "/v1/chat/completions", orjson.dumps(body), {**session, "content-type": "application/json"}
-            )
-            response = conn.getresponse()
-            assert response.status == 200 and response.read(5) == b"data:"
+            conn, response = open_stream(stack, [*history, {"role": "user", "content": content}], session)
             held.append(conn)
             return response.getheader("x-kvroute-decision"), response.getheader("x-kvroute-backend")
 
@@ -332,8 +334,7 @@ def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, bo
                     eventually(lambda: engine_requests(home) >= len(decisions), message="the engine counts them")
         finally:
             for conn in held:
-                conn.sock.close()
-                conn.close()
+                leave(conn)
         assert decisions[:-1] == [("session_match", home)] * 3, (home, decisions)
         label, elsewhere = decisions[-1]
         assert label == "load_override" and elsewhere != home
@@ -376,20 +377,15 @@ def test_without_the_response_body_the_own_count_ends_at_the_response_headers(tm
     ends there (the engines' running counts carry it: test_load_overrides_... above). The price of
     that mode's saving, shown rather than assumed."""
     with Stack(tmp_path, sims=2, **layout_for("full_duplex_request")) as stack:
-        conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
-        body = chat([{"role": "user", "content": "stream please"}], stream=True, max_tokens=2000)
-        conn.request("POST", "/v1/chat/completions", orjson.dumps(body), {"content-type": "application/json"})
-        response = conn.getresponse()
-        assert response.status == 200 and response.read(5) == b"data:"
+        conn, response = open_stream(stack, [{"role": "user", "content": "stream please"}])
         try:
             eventually(
-                lambda: sum(load["active"] for load in stack.debug_state()["load"].values()) == 0,
+                lambda: in_flight(stack) == 0,
                 message="the count ends with the response headers while the stream goes on",
             )
             assert response.read(5)  # still streaming
         finally:
-            conn.sock.close()
-            conn.close()
+            leave(conn)
 
 
 @pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
@@ -405,11 +401,7 @@ def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed
         held, served = [], []
         try:
             for i in range(2):
-                conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
-                body = chat([*history, {"role": "user", "content": f"q{i}"}], stream=True, max_tokens=2000)
-                conn.request("POST", "/v1/chat/completions", orjson.dumps(body), {"content-type": "application/json"})
-                response = conn.getresponse()
-                assert response.status == 200 and response.read(5) == b"data:"
+                conn, response = open_stream(stack, [*history, {"role": "user", "content": f"q{i}"}])
                 held.append(conn)
                 served.append(response.getheader("x-kvroute-backend"))
             assert sorted(served) == sorted(stack.backends)  # one each, prefix or not
@@ -419,8 +411,7 @@ def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed
             assert metric(stack.admin_url, 'kvroute_decisions_total{decision="shed"}') == shed + 1
         finally:
             for conn in held:
-                conn.sock.close()
-                conn.close()
+                leave(conn)
         eventually(
             lambda: post(stack.url, chat([*history, {"role": "user", "content": "after"}]))[0] == 200,
             message="served again once the streams ended",
