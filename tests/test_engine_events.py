@@ -232,6 +232,61 @@ def test_precise_mode_holds_a_prefill_reservation_until_the_engine_stores_the_la
     assert routing.loads.snapshot()[A] == (0, 0)
 
 
+def test_approximate_mode_holds_a_streamed_prefill_until_the_engines_progress_covers_it():
+    from extproc.core.backends import Backend
+    from extproc.core.router import ResponseStart
+
+    routing = Router(Settings(hash_key=KEY, block_size=512))  # 512 CBR bytes a block
+    started = ResponseStart(A, known=True, status=200, from_upstream=True)
+
+    def send(stream: bool, text: str):
+        body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": text * 2048}]}
+        exchange = routing.begin(parse_request(body, {}), [Backend(A)], 0.0)
+        routing.response_started(exchange, started, 0.1)
+        return exchange
+
+    unheard = send(True, "a")  # A has published nothing yet: the response start is all there is
+    assert routing.loads.snapshot()[A] == (0, 1)
+    unheard.end()
+    routing.engine_events(A, [BlockStored((1,), None, tuple(range(16)), 16, ())])  # A reports progress
+    streamed = send(True, "b")
+    held = streamed.decision.reservation.blocks
+    assert held >= 4 and routing.loads.snapshot()[A] == (held, 1)  # headers came before the prefill
+    tokens_per_block = 512 / routing.bytes_per_token.value
+    routing.engine_events(A, [BlockStored((2, 3), None, tuple(range(32)), 16, ())])
+    assert routing.loads.snapshot()[A][0] == held - int(32 / tokens_per_block)
+    blocks = round(held * tokens_per_block / 16) + 1
+    routing.engine_events(A, [BlockStored(tuple(range(blocks)), None, tuple(range(16 * blocks)), 16, ())])
+    assert routing.loads.snapshot()[A] == (0, 1)  # the engine stored the whole prompt
+    streamed.end()
+    send(False, "c").end()  # not streamed: the response starts after the prefill
+    lost = send(True, "d")
+    assert routing.loads.snapshot()[A][0] > 0
+    routing.events_lost(A, Reset.EVENTS_LOST)  # progress can no longer be followed: released now
+    assert routing.loads.snapshot()[A] == (0, 1)
+    lost.end()
+    send(True, "e")
+    assert routing.loads.snapshot()[A] == (0, 1)  # and released at response start again
+
+
+def test_an_error_or_another_backend_serving_releases_the_held_prefill_at_response_start():
+    from extproc.core.backends import Backend
+    from extproc.core.router import ResponseStart
+
+    routing = Router(Settings(hash_key=KEY))
+    routing.engine_events(A, [BlockStored((1,), None, tuple(range(16)), 16, ())])
+    routing.engine_events(B, [BlockStored((1,), None, tuple(range(16)), 16, ())])
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "z" * 8000}]}
+    for start in (
+        ResponseStart(A, known=True, status=503, from_upstream=True),
+        ResponseStart(B, known=True, status=200, from_upstream=True),  # the retry went to B
+    ):
+        exchange = routing.begin(parse_request(body, {}), [Backend(A)], 0.0)
+        routing.response_started(exchange, start, 0.1)
+        assert routing.loads.snapshot()[A] == (0, 1)
+        exchange.end()
+
+
 def test_prefill_waits_of_ended_requests_are_swept():
     from extproc.core.backends import Backend
 

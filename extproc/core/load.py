@@ -1,8 +1,10 @@
 """Per-backend load: reserved prefill work and in-flight requests, with leak-proof release.
 
 A reservation is taken in the same step as the decision. Its handle releases the prefill part
-when the response starts and the whole of it when the request ends, however it ends; every
-release is idempotent. A backend that leaves takes its counters with it: late releases from
+when the prefill is known done and the whole of it when the request ends, however it ends; every
+release is idempotent. A streamed response starts before its prefill, so a reservation may instead
+wait for the engine's own progress: the blocks its KV events report stored drain the backend's
+waiting reservations oldest first (`BackendLoad.progress`). A backend that leaves takes its counters with it: late releases from
 its handles land on the detached counters and cannot disturb a backend re-added later.
 
 With several replicas, each backend's load also counts the other replicas' reservations as they
@@ -11,10 +13,13 @@ last published them (`PeerLoads`), so a backend made busy through one replica is
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 
 # An engine sample older than this no longer says anything about the backend's load.
 ENGINE_SAMPLE_MAX_AGE_S = 2.0
+# Reservations waiting for engine progress are compacted (ended ones dropped) past this many.
+PROGRESS_COMPACT_AT = 256
 
 
 class BackendLoad:
@@ -22,7 +27,9 @@ class BackendLoad:
     engine's own request counts, which are late by a scrape but also see every other client."""
 
     __slots__ = (
+        "_credit",
         "active",
+        "awaiting",
         "engine_at",
         "engine_kv_usage",
         "engine_requests",
@@ -39,6 +46,36 @@ class BackendLoad:
         self.engine_requests = 0  # running + waiting at the engine's last sample
         self.engine_kv_usage = 0.0  # share of its KV blocks that running requests pin (for operators)
         self.engine_at = float("-inf")
+        self.awaiting: deque[Reservation] = deque()  # prefill drained by engine progress, oldest first
+        self._credit = 0.0  # progress of less than one block, kept for the next report
+
+    def await_progress(self, reservation: Reservation) -> None:
+        """Hold this reservation's prefill until the engine reports that much work stored."""
+        awaiting = self.awaiting
+        awaiting.append(reservation)
+        if len(awaiting) > PROGRESS_COMPACT_AT + 2 * self.active:  # ended ones behind a live head
+            self.awaiting = deque(r for r in awaiting if r.pending)
+
+    def progress(self, blocks: float) -> None:
+        """The engine stored this many blocks (in the reservations' units): prefill done, credited
+        to the oldest waiting reservations. Progress beyond what waits is the engine's other work
+        (decode, requests kvroute did not route) and is not kept for later ones."""
+        credit = self._credit + blocks
+        awaiting = self.awaiting
+        while awaiting and (not awaiting[0].pending or credit >= 1):
+            head = awaiting[0]
+            taken = min(head.pending, int(credit))
+            head.drain(taken)
+            credit -= taken
+            if not head.pending:
+                awaiting.popleft()
+        self._credit = credit if awaiting else 0.0
+
+    def release_awaiting(self) -> None:
+        """The engine's progress can no longer be followed: release every waiting prefill now."""
+        while self.awaiting:
+            self.awaiting.popleft().release_prefill()
+        self._credit = 0.0
 
     def report(self, running: int, waiting: int, kv_usage: float, now: float) -> None:
         """The engine's own counts, from its /metrics."""
@@ -63,22 +100,26 @@ class BackendLoad:
 class Reservation:
     """The load one routed request puts on its backend, until released."""
 
-    __slots__ = ("_active_held", "_load", "_prefill_held", "backend", "blocks")
+    __slots__ = ("_active_held", "_load", "backend", "blocks", "pending")
 
     def __init__(self, backend: str, load: BackendLoad, blocks: int) -> None:
         self.backend = backend
         self.blocks = blocks
+        self.pending = blocks  # prefill blocks still reserved
         self._load = load
-        self._prefill_held = True
         self._active_held = True
         load.reserved_blocks += blocks
         load.active += 1
 
+    def drain(self, blocks: int) -> None:
+        """The engine did this much of the prefill (at most what is still pending)."""
+        blocks = min(blocks, self.pending)
+        self.pending -= blocks
+        self._load.reserved_blocks -= blocks
+
     def release_prefill(self) -> None:
-        """The response started: its prefill is done. Safe to call any number of times."""
-        if self._prefill_held:
-            self._prefill_held = False
-            self._load.reserved_blocks -= self.blocks
+        """Its prefill is done (or can no longer be followed). Safe to call any number of times."""
+        self.drain(self.pending)
 
     def finish(self) -> None:
         """The request ended (completed, failed or abandoned). Safe to call any number of times."""
@@ -110,6 +151,7 @@ class LoadTracker:
         return Reservation(backend, self.get(backend), blocks)
 
     def remove_backend(self, backend: str) -> None:
+        """Detach the backend's counters; handles still held release into the detached ones."""
         self._loads.pop(backend, None)
 
     def snapshot(self) -> dict[str, tuple[int, int]]:

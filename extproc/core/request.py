@@ -37,6 +37,7 @@ class PromptRequest:
     tokens: Sequence[int] | None = None  # precise mode: the prompt as the engine tokenizes it
     cache_salt: str | None = None  # vLLM keys the first block by it: prompts with another salt never share
     cbr_bytes: int = 0  # the CBR's length, kept when the router drops the CBR itself
+    stream: bool = False  # the response is streamed: it starts before the prefill is done
 
 
 def parse_request(
@@ -69,6 +70,7 @@ def parse_request(
     salt = parsed.get("cache_salt")
     request = PromptRequest(model, encoded, followup, session, truncated=truncated)
     request.cache_salt = salt if isinstance(salt, str) and salt else None
+    request.stream = parsed.get("stream") is True
     if tokenizer is not None:
         request.tokens = tokenizer.tokens(parsed)
     return request

@@ -133,6 +133,7 @@ class Router:
         "_kv_tokens",
         "_prefill_sweep_at",
         "_prefilling",
+        "_progressing",
         "_sized_at",
         "_starts",
         "_turn",
@@ -168,6 +169,9 @@ class Router:
         # lasts until the engine reports that block stored.
         self._prefilling: dict[tuple[str, int], list[Reservation]] = {}
         self._prefill_sweep_at = 1024
+        # Approximate mode: backends whose KV events report what they store, so a streamed
+        # request's prefill is held until the engine's progress covers it.
+        self._progressing: set[str] = set()
         self._turn = 0
 
     @staticmethod
@@ -307,6 +311,8 @@ class Router:
                 self.churn.add(decision.backend, index.learn(chain, decision.backend, now), now)
                 if predicted < len(chain):
                     self._await_prefill((decision.backend, chain[-1]), decision.reservation)
+            elif request.stream and decision.backend in self._progressing:
+                self.loads.get(decision.backend).await_progress(decision.reservation)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, predicted, self.bytes_per_token)
 
@@ -341,17 +347,24 @@ class Router:
         return Exchange(None, decision)
 
     def response_started(self, exchange: Exchange, start: ResponseStart, now: float) -> Outcome:
-        """The response began: its prefill is done. A 2xx sent by a known backend teaches the
-        index (and binds the session) where it was really served; a refused connection is
-        reported so the adapter can drop that backend. Only the first call counts."""
+        """The response began. A 2xx sent by a known backend teaches the index (and binds the
+        session) where it was really served; a refused connection is reported so the adapter can
+        drop that backend. Only the first call counts. The prefill is over unless the response is
+        streamed: then the engine's events release it where they can be followed (precise mode,
+        or a backend whose events report progress), else this is the last sign kvroute gets."""
         if exchange.outcome is not None:
             return exchange.outcome
         decision = exchange.decision
-        if decision.reservation is not None and not self.precise:
-            decision.reservation.release_prefill()  # precise mode: the engine's events release it
-        served = start.upstream if start.known else ""
-        success = 200 <= start.status < 300
+        reservation = decision.reservation
         request = exchange.request
+        success = 200 <= start.status < 300
+        if reservation is not None and not self.precise:
+            prefilling = (
+                success and request is not None and request.stream and start.upstream in ("", reservation.backend)
+            )
+            if not (prefilling and reservation.backend in self._progressing):
+                reservation.release_prefill()
+        served = start.upstream if start.known else ""
         learned = bool(served) and success and start.from_upstream and request is not None
         if learned and request is not None:  # (the second test only narrows the type)
             self.learn(request, served, now)
@@ -409,6 +422,7 @@ class Router:
     def remove_backend(self, backend: str) -> None:
         """A backend left: drop its locations, turnover, session bindings and load at once."""
         self.reset_backend(backend, None)
+        self._progressing.discard(backend)
         self.loads.remove_backend(backend)
         self._starts.pop(backend, None)
         self.bytes_per_token.forget(backend)
@@ -444,13 +458,19 @@ class Router:
 
     def engine_events(self, backend: str, events: Iterable[EngineEvent]) -> None:
         """A batch of a known backend's KV cache events, in order. A cleared cache resets the backend
-        in both modes; stores and removals feed the precise index."""
+        in both modes; stores and removals feed the precise index. In approximate mode stores are
+        the engine's progress: they drain the prefill its streamed requests hold."""
         index = self.index
         for event in events:
             self.stats.events[type(event).__name__] += 1
             if isinstance(event, AllBlocksCleared):
                 self.reset_backend(backend, Reset.CACHE_CLEARED)
-            elif isinstance(index, PreciseIndex):
+            elif not isinstance(index, PreciseIndex):
+                if isinstance(event, BlockStored):
+                    self._progressing.add(backend)
+                    tokens = len(event.block_hashes) * event.block_size
+                    self.loads.get(backend).progress(tokens * self.bytes_per_token.value / self.settings.block_size)
+            else:
                 try:
                     if isinstance(event, BlockStored):
                         for key in index.stored(backend, event):
@@ -465,8 +485,16 @@ class Router:
         """The backend's event stream broke (a gap that could not be replayed, a new publisher).
         In precise mode its picture is no longer known and is dropped; approximate mode never
         used those events for locations, so a new publisher (a restart) resets it as well."""
+        self._stop_progress(backend)
         if self.precise or reason is Reset.SEQUENCE_RESTART:
             self.reset_backend(backend, reason)
+
+    def _stop_progress(self, backend: str) -> None:
+        """The backend's progress can no longer be followed: its held prefill is released now and
+        its streamed requests release at response start until its events flow again."""
+        if backend in self._progressing:
+            self._progressing.discard(backend)
+            self.loads.get(backend).release_awaiting()
 
     def _load_state(self, backend: str, reserved: int, active: int) -> dict[str, Any]:
         load = self.loads.get(backend)
