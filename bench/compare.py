@@ -20,6 +20,7 @@ from bench import peers, report
 from bench.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
+from bench.stack import cpu_seconds
 from bench.trace import BLOCK_TOKENS, TraceRequest, read, truncate, working_set_blocks
 
 
@@ -77,7 +78,10 @@ def run_router(
     fleet.reset()
     router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir, replicas)
     try:
+        cpu_before = cpu_seconds(router.pids())
         summary = asyncio.run(replay(router.url, requests, builder, pacing, fleet.backends, label=name))
+        # On a shared machine the router's CPU is taken from the engines beside it.
+        summary["router_cpu_s"] = round(cpu_seconds(router.pids()) - cpu_before, 2)
     finally:
         router.stop()
     records = summary.pop("records")

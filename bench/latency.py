@@ -13,7 +13,6 @@ within one run, not across runs.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import tempfile
 import time
@@ -23,19 +22,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.stack import Stack, layout_for
+from bench.stack import Stack, cpu_seconds, layout_for
 from bench.workload import conversation
 
 FAST_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--default-max-tokens", "1"]
 # Streams paced at 1 ms a token, so each SSE event is its own body chunk (unpaced, the events of
 # a stream coalesce into a few reads and the response stream would look cheaper than it is).
 PACED_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0.001"]
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its reaped children, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _load(url: str, bodies: list[bytes], concurrency: int) -> tuple[list[float], float]:
@@ -120,13 +113,13 @@ def _measure_cases(
                 "streamed_tokens": tokens,
             }
             for name, stack in (("envoy", plain), ("kvroute", kvroute)):
-                cpu_before = _cpu_seconds(extproc_pid)
+                cpu_before = cpu_seconds([extproc_pid])
                 latencies, wall = asyncio.run(_load(stack.url, bodies, concurrency))
                 row[f"{name}_p50_ms"] = round(statistics.median(latencies), 3)
                 row[f"{name}_p99_ms"] = round(_percentile(latencies, 0.99), 3)
                 row[f"{name}_rps"] = round(len(latencies) / wall, 1)
                 if name == "kvroute":
-                    cpu = _cpu_seconds(extproc_pid) - cpu_before
+                    cpu = cpu_seconds([extproc_pid]) - cpu_before
                     row["extproc_cpu_us_per_request"] = round(cpu / len(latencies) * 1e6, 1)
                     row["extproc_rps_per_core"] = round(len(latencies) / cpu, 1) if cpu else None
             row["added_p50_ms"] = round(row["kvroute_p50_ms"] - row["envoy_p50_ms"], 3)

