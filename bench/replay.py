@@ -52,6 +52,7 @@ class Record:
     error: str | None = None
     sent_at: float = 0.0  # perf_counter when it was sent: the order the bound is computed on
     predicted_tokens: int | None = None  # kvroute's prediction of the cached tokens (x-kvroute-cached-tokens)
+    decision: str | None = None  # why kvroute chose the backend (x-kvroute-decision)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest,
         async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as response:
             backend = response.headers.get("x-kvroute-backend") or response.headers.get("x-sim-backend")
             predicted = response.headers.get("x-kvroute-cached-tokens")
+            decision = response.headers.get("x-kvroute-decision")
             if response.status != 200:
                 await response.read()
                 return Record(request.index, response.status, None, _ms(started), 0, 0, backend, "http status")
@@ -109,6 +111,7 @@ async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest,
         int(details.get("cached_tokens") or 0),
         backend,
         predicted_tokens=int(predicted) if predicted is not None and predicted.isdigit() else None,
+        decision=decision,
     )
 
 

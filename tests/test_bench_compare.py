@@ -17,6 +17,7 @@ from bench.compare import CompareOptions, run
 from bench.peers import ROUTERS
 from bench.replay import Pacing
 from bench.stack import dev_command, free_port, spawn, stop, wait_http
+from extproc.core.decision import Label
 
 pytestmark = [pytest.mark.peers, pytest.mark.envoy]
 
@@ -56,7 +57,10 @@ def test_compare_smoke_all_routers(tmp_path: Path):
     assert saved["oracle_hit_rate"] == oracle and set(saved["routers"]) == set(results["routers"])
     for plot in ("ttft.png", "hit_rate.png", "load.png", "summary.md"):
         assert (tmp_path / plot).stat().st_size > 0
-    assert len(orjson.loads((tmp_path / "records" / "kvroute.json").read_bytes())) == limit
+    records = {name: orjson.loads((tmp_path / "records" / f"{name}.json").read_bytes()) for name in results["routers"]}
+    assert len(records["kvroute"]) == limit
+    assert {r["decision"] for r in records["kvroute"]} <= {label.value for label in Label}  # why, per request
+    assert {r["decision"] for r in records["envoy-round-robin"]} == {None}
 
 
 SYNTHETIC = TRACE.with_name("synthetic_trace_head.jsonl")
