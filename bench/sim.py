@@ -34,6 +34,8 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import choose_encoder
 
+from bench.sim_events import EventPublisher
+
 MAX_MODEL_LEN = 131_072
 """Reported by /tokenize and /v1/models but not enforced: benchmarks send multi-MB prompts."""
 
@@ -65,6 +67,12 @@ class SimConfig:
     default_max_tokens: int = field(default=16, metadata={"help": "output tokens when a request sets no limit"})
     max_model_len: int = field(
         default=MAX_MODEL_LEN, metadata={"help": "context length: longer prompt + max_tokens get a 400 at once"}
+    )
+    kv_events: bool = field(
+        default=False,
+        metadata={
+            "help": "publish KV cache events over ZMQ as vLLM does with --kv-events-config (GET /kv_event_sources)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -196,6 +204,7 @@ class BlockPool:
         self._refs: dict[int, int] = {}  # pinned cached blocks -> requests holding each
         self._free: OrderedDict[int, None] = OrderedDict()  # unpinned cached blocks, eviction order
         self._anonymous = 0  # pinned blocks without a hash
+        self.evicted: list[int] = []  # cached blocks dropped since the owner last took them (KV events)
 
     @property
     def pinned(self) -> int:
@@ -231,7 +240,7 @@ class BlockPool:
 
     def _make_room(self, blocks: int) -> None:
         while len(self._refs) + self._anonymous + len(self._free) + blocks > self.capacity and self._free:
-            self._free.popitem(last=False)
+            self.evicted.append(self._free.popitem(last=False)[0])
 
     def release(self, hashes: Sequence[int], anonymous: int) -> None:
         """A request finished: unpin its blocks, last first, into the free queue."""
@@ -330,10 +339,11 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
 class SimBackend:
     """One simulated vLLM server: state + aiohttp app."""
 
-    def __init__(self, config: SimConfig, name: str) -> None:
+    def __init__(self, config: SimConfig, name: str, host: str = "127.0.0.1") -> None:
         self.config = config
         self.name = name
         self._pool = BlockPool(config.capacity_blocks)
+        self._events = EventPublisher(host) if config.kv_events else None
         self._pool_freed = asyncio.Event()
         self._slots = asyncio.Semaphore(config.max_num_seqs)  # FIFO: waiters are woken in arrival order
         self._prefill_lock = asyncio.Lock()
@@ -391,10 +401,23 @@ class SimBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        if self._events is not None:
+            app.router.add_get("/kv_event_sources", self._event_sources)
+            app.on_cleanup.append(self._close_events)
         return app
+
+    async def _event_sources(self, request: web.Request) -> web.Response:
+        assert self._events is not None
+        return _json(self._events.sources())
+
+    async def _close_events(self, app: web.Application) -> None:
+        if self._events is not None:
+            self._events.close()
 
     def reset_prefix_cache(self) -> None:
         self._pool.clear()
+        if self._events is not None:
+            self._events.cleared()
 
     def _kv_usage(self) -> float:
         return min(1.0, self._pool.pinned / self.config.capacity_blocks)
@@ -567,12 +590,20 @@ class SimBackend:
             while not self._pool.can_acquire(blocks.hashes, blocks.anonymous):
                 self._pool_freed.clear()
                 await self._pool_freed.wait()
-            cached = self._pool.match(blocks.hashes, (len(prompt.tokens) - 1) // size) * size
+            present = self._pool.match(blocks.hashes, len(blocks.hashes))  # a hit's last block is still cached
+            cached = min(present, (len(prompt.tokens) - 1) // size) * size
             self._pool.acquire(blocks.hashes, blocks.anonymous)
             blocks.held = True
+            evicted, self._pool.evicted = self._pool.evicted, []
             self._queries.inc(len(prompt.tokens))
             self._hits.inc(cached)
+            if self._events is not None:
+                self._events.removed(evicted)
             await asyncio.sleep((len(prompt.tokens) - cached) * self.config.prefill_s_per_token)
+            if self._events is not None:  # the blocks cached anew, as the engine reports them after the step
+                parent = blocks.hashes[present - 1] if present else None
+                tokens = prompt.tokens[present * size : len(blocks.hashes) * size]
+                self._events.stored(blocks.hashes[present:], parent, tokens, size)
         return cached
 
     async def _render(self, request: web.Request) -> web.Response:
@@ -617,7 +648,7 @@ async def serve(ports: list[int], config: SimConfig, host: str = "127.0.0.1") ->
         for port in ports:
             sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
             sockets.append(sock)
-            backend = SimBackend(config, _address(host, sock.getsockname()[1]))
+            backend = SimBackend(config, _address(host, sock.getsockname()[1]), host)
             runner = web.AppRunner(
                 backend.app(), handler_cancellation=True, access_log=None, shutdown_timeout=_SHUTDOWN_S
             )
@@ -663,12 +694,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     for config_field in fields(SimConfig):
-        parser.add_argument(
-            f"--{config_field.name.replace('_', '-')}",
-            type=type(config_field.default),
-            default=config_field.default,
-            help=f"{config_field.metadata['help']} (default: %(default)s)",
-        )
+        flag, kind = f"--{config_field.name.replace('_', '-')}", type(config_field.default)
+        help_text = f"{config_field.metadata['help']} (default: %(default)s)"
+        if kind is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=config_field.default, help=help_text
+            )
+        else:
+            parser.add_argument(flag, type=kind, default=config_field.default, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:

@@ -186,6 +186,53 @@ def test_full_cache_evicts_old_prompts_and_refuses_a_prompt_larger_than_itself()
     run(test, SimConfig(block_size=4, capacity_blocks=8, prefill_s_per_token=0.0, decode_s_per_token=0.0))
 
 
+def test_kv_events_report_what_the_cache_stores_evicts_and_clears_as_vllm_publishes_them():
+    """Decoded by kvroute's own decoder: computed blocks once (a hit stores nothing), evictions,
+    a cleared cache; `--kv-events` on the command line turns it on."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored
+    from extproc.vllm.events import decode
+
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        async with session.get(url + "/kv_event_sources") as response:
+            (source,) = (await response.json()).values()
+        context = zmq.asyncio.Context()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, source["topic"].encode())
+        sub.connect(source["endpoint"].replace("*", "127.0.0.1"))
+        await asyncio.sleep(0.3)  # ZMQ's slow joiner
+        try:
+            a, b = {"prompt": "a" * 128, "max_tokens": 1}, {"prompt": "b" * 128, "max_tokens": 1}
+            await cached(session, url, a)  # 32 tokens: 7 full blocks cached (the last token is computed)
+            await cached(session, url, a)  # a hit: nothing new stored
+            await cached(session, url, b)  # evicts a's blocks
+            async with session.post(url + "/reset_prefix_cache") as response:
+                assert response.status == 200
+            events = []
+            while not any(isinstance(e, AllBlocksCleared) for e in events):
+                frames = await asyncio.wait_for(sub.recv_multipart(), 5)
+                batch = decode(frames)
+                assert msgpack.unpackb(frames[2])[1][0]["type"]  # vLLM 0.32's map form
+                events += batch.events
+        finally:
+            context.destroy(linger=0)
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert [len(e.block_hashes) for e in stored] == [8, 8] and all(len(e.token_ids) == 32 for e in stored)
+        assert stored[0].parent_hash is None and stored[0].block_size == 4
+        removed = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+        assert removed == set(stored[0].block_hashes)  # b took the whole cache
+
+    config = SimConfig(block_size=4, capacity_blocks=8, prefill_s_per_token=0.0, decode_s_per_token=0.0)
+    run(test, dataclasses.replace(config, kv_events=True))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--port", "1", "--kv-events"])).kv_events
+
+
 def test_media_and_cache_salt_key_the_blocks_like_vllm():
     async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
         url = urls[0]

@@ -1,0 +1,64 @@
+"""KV cache events from a simulated backend, published as vLLM publishes them.
+
+vLLM started with `--kv-events-config` binds a ZMQ PUB socket and sends, per engine step, three
+frames: the topic, an 8-byte big-endian sequence number and a msgpack `[timestamp, events,
+data_parallel_rank]`, each event a map with a `type` (`BlockStored`, `BlockRemoved`,
+`AllBlocksCleared`); `GET /kv_event_sources` says where. The simulator does the same so a
+router that follows engine events (kvroute's prefill progress) behaves on it as on vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+TOPIC = b"kv"
+_HASH_MASK = (1 << 64) - 1  # vLLM sends a block hash's low 64 bits
+
+
+class EventPublisher:
+    """One backend's PUB socket on `host`, on a free port."""
+
+    def __init__(self, host: str) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self._sequence = 0
+
+    def sources(self) -> dict[str, Any]:
+        """The `/kv_event_sources` answer: one publisher, bound on every address like vLLM's `tcp://*`."""
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.port}"}
+        return {"0": {**config, "topic": TOPIC.decode()}}
+
+    def stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int) -> None:
+        """Blocks the engine computed and cached, in order (`tokens`: theirs, block_size each)."""
+        if hashes:
+            event = {"type": "BlockStored", "block_hashes": [h & _HASH_MASK for h in hashes]}
+            event.update(parent_block_hash=None if parent is None else parent & _HASH_MASK, token_ids=list(tokens))
+            event.update(block_size=block_size, lora_id=None, medium="GPU", lora_name=None)
+            self._send(event)
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        """Blocks the engine evicted."""
+        if hashes:
+            self._send({"type": "BlockRemoved", "block_hashes": [h & _HASH_MASK for h in hashes], "medium": "GPU"})
+
+    def cleared(self) -> None:
+        self._send({"type": "AllBlocksCleared"})
+
+    def _send(self, event: dict[str, Any]) -> None:
+        """One event per batch; a PUB socket never blocks (a slow subscriber loses messages, as on vLLM)."""
+        frames = [TOPIC, self._sequence.to_bytes(8, "big"), msgpack.packb([time.time(), [event], None])]
+        self._sequence += 1
+        with contextlib.suppress(zmq.Again):
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
