@@ -35,6 +35,7 @@ METRICS = (
     # the engines' own time to first token: the client's minus this is what the path to them adds
     "vllm:time_to_first_token_seconds_sum",
     "vllm:time_to_first_token_seconds_count",
+    "vllm:num_preemptions_total",  # running requests put back to wait for KV blocks (recomputed later)
 )
 
 
@@ -204,6 +205,7 @@ def summarize(
         "ttft_p90_ms": ttft["p90"],
         "ttft_p99_ms": ttft["p99"],
         "engine_ttft_mean_ms": round(1000 * engine_ttft / engine_firsts, 1) if engine_firsts else None,
+        "engine_preemptions": int(sum(d["vllm:num_preemptions_total"] for d in delta.values())),
         "ttft_mean_ms": round(statistics.mean(firsts), 1) if firsts else None,
         "e2e_p50_ms": e2e["p50"],
         "e2e_p90_ms": e2e["p90"],

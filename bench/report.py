@@ -21,6 +21,7 @@ COLUMNS = (
     ("ttft_mean_ms", "TTFT mean ms"),
     ("engine_ttft_mean_ms", "engines' own TTFT mean ms"),
     ("e2e_p50_ms", "E2E p50 ms"),
+    ("engine_preemptions", "preemptions"),
     ("router_cpu_s", "router CPU s"),
     ("load_max_over_mean", "load max/mean"),
     ("prediction_mae_tokens", "prediction error (tokens)"),

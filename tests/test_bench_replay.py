@@ -148,14 +148,17 @@ def test_min_is_never_below_lru(chains, capacity):
 
 
 def test_summary_sets_the_engines_own_ttft_beside_the_clients():
-    """What the path to the engines adds shows as the client's mean TTFT minus the engines' own."""
+    """What the path to the engines adds shows as the client's mean TTFT minus the engines' own;
+    the engines' preemptions say whether running requests ran out of KV blocks."""
     zero = dict.fromkeys(METRICS, 0.0)
     after = {
         "a": {**zero, "vllm:time_to_first_token_seconds_sum": 0.3, "vllm:time_to_first_token_seconds_count": 2},
         "b": {**zero, "vllm:time_to_first_token_seconds_sum": 0.1, "vllm:time_to_first_token_seconds_count": 2},
     }
+    after["b"]["vllm:num_preemptions_total"] = 3
     records = [Record(i, 200, ttft, 200.0, 10, 0, "a") for i, ttft in enumerate((110.0, 120.0, 130.0, 140.0))]
     summary = summarize(records, {"a": zero, "b": zero}, after, wall_s=1.0)
     assert summary["engine_ttft_mean_ms"] == 100.0
     assert summary["ttft_mean_ms"] == 125.0
+    assert summary["engine_preemptions"] == 3
     assert summarize(records, {"a": zero}, {"a": zero}, wall_s=1.0)["engine_ttft_mean_ms"] is None  # simulators
