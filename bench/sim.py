@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
@@ -33,7 +34,6 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import choose_encoder
 
-from bench.sim_engine import BlockPool, Prefill, StepScheduler
 from bench.sim_events import EventPublisher
 
 MAX_MODEL_LEN = 131_072
@@ -59,10 +59,7 @@ class SimConfig:
     capacity_blocks: int = field(default=4096, metadata={"help": "prefix cache capacity in blocks (LRU eviction)"})
     max_num_seqs: int = field(default=8, metadata={"help": "running batch size; more requests wait in a FIFO queue"})
     prefill_s_per_token: float = field(
-        default=0.00002, metadata={"help": "seconds per uncached prompt token computed in an engine step"}
-    )
-    max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "prompt tokens one engine step computes (chunked prefill; vLLM-CPU's default)"}
+        default=0.00002, metadata={"help": "seconds per uncached prompt token; prefill is serialized per backend"}
     )
     decode_s_per_token: float = field(
         default=0.005, metadata={"help": "seconds per output token; running requests decode concurrently"}
@@ -82,8 +79,7 @@ class SimConfig:
         """Reject settings the simulation cannot honour at start-up, not on the first request."""
         if not self.model:
             raise ValueError("model must not be empty")
-        positive = ("block_size", "capacity_blocks", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens")
-        for name in (*positive, "max_model_len"):
+        for name in ("block_size", "capacity_blocks", "max_num_seqs", "default_max_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("prefill_s_per_token", "decode_s_per_token"):
@@ -191,14 +187,86 @@ def prompt_blocks(body: Mapping[str, Any], block_size: int) -> tuple[int, list[i
     return len(prompt.tokens), _block_hashes(prompt, block_size)
 
 
+class BlockPool:
+    """vLLM's KV block pool, as its KV cache manager runs it.
+
+    `capacity` blocks in all. The blocks of running requests are pinned (referenced) and never
+    evicted; when a request finishes, its blocks go to the free queue tail first (its last block
+    first), so a prompt's head, which follow-ups share, is evicted last. Cached blocks in the free
+    queue still hit; a hit takes a block out of the queue and pins it again. A new block comes from
+    never-used space, else from the free queue's head: the least recently freed block is evicted.
+    Blocks without a hash (a prompt's partial last block, generated tokens) are pinned but never
+    cached. A request that cannot get its blocks waits, as vLLM's scheduler keeps it waiting.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._refs: dict[int, int] = {}  # pinned cached blocks -> requests holding each
+        self._free: OrderedDict[int, None] = OrderedDict()  # unpinned cached blocks, eviction order
+        self._anonymous = 0  # pinned blocks without a hash
+        self.evicted: list[int] = []  # cached blocks dropped since the owner last took them (KV events)
+
+    @property
+    def pinned(self) -> int:
+        return len(self._refs) + self._anonymous
+
+    def match(self, hashes: Sequence[int], limit: int) -> int:
+        """How many leading blocks, at most `limit`, are cached (pinned or free)."""
+        matched = 0
+        for block in itertools.islice(hashes, limit):
+            if block not in self._refs and block not in self._free:
+                break
+            matched += 1
+        return matched
+
+    def can_acquire(self, hashes: Sequence[int], anonymous: int) -> bool:
+        """Whether the blocks a request needs fit beside what is pinned."""
+        new = sum(1 for block in dict.fromkeys(hashes) if block not in self._refs)
+        return len(self._refs) + self._anonymous + new + anonymous <= self.capacity
+
+    def acquire(self, hashes: Sequence[int], anonymous: int) -> None:
+        """Pin a request's blocks (call when can_acquire holds), evicting free blocks as needed."""
+        for block in hashes:
+            if block in self._refs:
+                self._refs[block] += 1
+                continue
+            if block in self._free:  # a hit on a free block: out of the queue, pinned again
+                del self._free[block]
+            else:
+                self._make_room(1)
+            self._refs[block] = 1
+        self._make_room(anonymous)
+        self._anonymous += anonymous
+
+    def _make_room(self, blocks: int) -> None:
+        while len(self._refs) + self._anonymous + len(self._free) + blocks > self.capacity and self._free:
+            self.evicted.append(self._free.popitem(last=False)[0])
+
+    def release(self, hashes: Sequence[int], anonymous: int) -> None:
+        """A request finished: unpin its blocks, last first, into the free queue."""
+        self._anonymous -= anonymous
+        for block in reversed(hashes):
+            refs = self._refs.get(block)
+            if refs is None:
+                continue
+            if refs > 1:
+                self._refs[block] = refs - 1
+            else:
+                del self._refs[block]
+                self._free[block] = None
+
+    def clear(self) -> None:
+        """Forget every unpinned cached block (vLLM refuses to reset while requests hold blocks)."""
+        self._free.clear()
+
+
 @dataclass(slots=True)
 class _Blocks:
-    """The KV blocks one request holds while it runs: its prompt's full blocks and the unhashed rest,
-    pinned by its prefill once the scheduler admits it."""
+    """The KV blocks one request holds while it runs: its prompt's full blocks and the unhashed rest."""
 
     hashes: list[int]
     anonymous: int
-    prefill: Prefill | None = None
+    held: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +344,9 @@ class SimBackend:
         self.name = name
         self._pool = BlockPool(config.capacity_blocks)
         self._events = EventPublisher(host) if config.kv_events else None
+        self._pool_freed = asyncio.Event()
         self._slots = asyncio.Semaphore(config.max_num_seqs)  # FIFO: waiters are woken in arrival order
+        self._prefill_lock = asyncio.Lock()
         self._running = 0
         self._waiting = 0
         self._started = int(time.time())
@@ -300,14 +370,6 @@ class SimBackend:
             registry=registry,
         ).labels(**model)
         self._success = {reason: success.labels(finished_reason=reason, **model) for reason in ("stop", "length")}
-        self._scheduler = StepScheduler(
-            self._pool,
-            config.block_size,
-            config.max_num_batched_tokens,
-            config.prefill_s_per_token,
-            self._admitted,
-            self._events,
-        )
         gauges = {
             "vllm:num_requests_running": ("Requests in the running batch.", lambda: self._running),
             "vllm:num_requests_waiting": ("Requests waiting for a running slot.", lambda: self._waiting),
@@ -339,22 +401,16 @@ class SimBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        app.on_cleanup.append(self._close)
         if self._events is not None:
             app.router.add_get("/kv_event_sources", self._event_sources)
+            app.on_cleanup.append(self._close_events)
         return app
-
-    def _admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """The scheduler admitted a request: the prefix cache was queried (vLLM counts it then)."""
-        self._queries.inc(prompt_tokens)
-        self._hits.inc(cached_tokens)
 
     async def _event_sources(self, request: web.Request) -> web.Response:
         assert self._events is not None
         return _json(self._events.sources())
 
-    async def _close(self, app: web.Application) -> None:
-        await self._scheduler.close()
+    async def _close_events(self, app: web.Application) -> None:
         if self._events is not None:
             self._events.close()
 
@@ -516,15 +572,39 @@ class SimBackend:
             yield blocks
         finally:
             self._running -= 1
-            if blocks.prefill is not None:
-                self._scheduler.release(blocks.prefill)
+            if blocks.held:
+                self._pool.release(blocks.hashes, blocks.anonymous)
+                self._pool_freed.set()
             self._slots.release()
 
     async def _prefill(self, prompt: _Prompt, blocks: _Blocks) -> int:
-        """Wait for the engine's steps to compute the uncached part of the prompt (`StepScheduler`);
-        return the cached token count."""
-        blocks.prefill = await self._scheduler.prefill(prompt.tokens, blocks.hashes, blocks.anonymous)
-        return blocks.prefill.cached
+        """Compute the uncached part of the prompt, one request at a time; return the cached token count.
+
+        The cache is looked up once the prefill lock is held, so a request queued behind the prefill of
+        the same prefix reuses it, as in vLLM's next scheduling step; a request whose blocks do not fit
+        beside the pinned ones waits for running requests to finish. Like vLLM, at least the last
+        prompt token is always computed.
+        """
+        size = self.config.block_size
+        async with self._prefill_lock:
+            while not self._pool.can_acquire(blocks.hashes, blocks.anonymous):
+                self._pool_freed.clear()
+                await self._pool_freed.wait()
+            present = self._pool.match(blocks.hashes, len(blocks.hashes))  # a hit's last block is still cached
+            cached = min(present, (len(prompt.tokens) - 1) // size) * size
+            self._pool.acquire(blocks.hashes, blocks.anonymous)
+            blocks.held = True
+            evicted, self._pool.evicted = self._pool.evicted, []
+            self._queries.inc(len(prompt.tokens))
+            self._hits.inc(cached)
+            if self._events is not None:
+                self._events.removed(evicted)
+            await asyncio.sleep((len(prompt.tokens) - cached) * self.config.prefill_s_per_token)
+            if self._events is not None:  # the blocks cached anew, as the engine reports them after the step
+                parent = blocks.hashes[present - 1] if present else None
+                tokens = prompt.tokens[present * size : len(blocks.hashes) * size]
+                self._events.stored(blocks.hashes[present:], parent, tokens, size)
+        return cached
 
     async def _render(self, request: web.Request) -> web.Response:
         text, _ = _render_chat(await self._body(request))

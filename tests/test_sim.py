@@ -530,7 +530,7 @@ def test_main_serves_until_sigterm():
 
 
 def test_block_pool_pins_running_blocks_and_evicts_finished_prompts_tail_first():
-    from bench.sim_engine import BlockPool
+    from bench.sim import BlockPool
 
     pool = BlockPool(6)
     pool.acquire([1, 2, 3], 1)  # a running prompt: three full blocks and its partial last one
@@ -543,51 +543,6 @@ def test_block_pool_pins_running_blocks_and_evicts_finished_prompts_tail_first()
     pool.release([7, 8, 9, 10, 11], 0)
     pool.acquire([12, 13, 14, 15, 16], 0)  # evicts 11, 10, 9, 8, 7 (least recently freed first), never 1
     assert pool.match([1], 1) == 1 and pool.match([7], 1) == 0
-
-
-def test_requests_scheduled_in_one_step_compute_their_shared_prefix_each():
-    """vLLM looks a prompt up when its scheduler admits it and caches blocks once computed: two
-    copies admitted in the same step both miss; a third, admitted later, hits. Here a blocker
-    holds the whole step budget (64 tokens) for a first 1.3 s step while both copies arrive;
-    the next step has room for the blocker's last 8 tokens and both copies."""
-
-    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
-        url = urls[0]
-        blocker = asyncio.create_task(cached(session, url, {"prompt": "z" * 4 * 72, "max_tokens": 1}))
-        await asyncio.sleep(0.1)
-        copy = {"prompt": "c" * 4 * 24, "max_tokens": 1}  # 24 tokens, 6 blocks
-        assert await asyncio.gather(cached(session, url, copy), cached(session, url, copy)) == [0, 0]
-        assert await cached(session, url, copy) == 20  # computed by now: every block but the last token's
-        assert await blocker == 0
-
-    run(test, SimConfig(block_size=4, max_num_batched_tokens=64, prefill_s_per_token=0.02, decode_s_per_token=0.0))
-
-
-def test_a_long_prefill_takes_steps_of_the_budget_and_reports_each_steps_blocks():
-    """Chunked prefill: 40 tokens at 16 a step are three steps, each publishing the blocks it filled."""
-    import zmq
-    import zmq.asyncio
-
-    from extproc.core.engine import BlockStored
-    from extproc.vllm.events import decode
-
-    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
-        async with session.get(urls[0] + "/kv_event_sources") as response:
-            (source,) = (await response.json()).values()
-        context = zmq.asyncio.Context()
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(source["endpoint"].replace("*", "127.0.0.1"))
-        await asyncio.sleep(0.3)  # ZMQ's slow joiner
-        try:
-            assert await cached(session, urls[0], {"prompt": "q" * 4 * 40, "max_tokens": 1}) == 0
-            batches = [decode(await asyncio.wait_for(sub.recv_multipart(), 5)).events for _ in range(3)]
-        finally:
-            context.destroy(linger=0)
-        assert [len(e.block_hashes) for (e,) in batches if isinstance(e, BlockStored)] == [4, 4, 2]
-
-    config = SimConfig(block_size=4, max_num_batched_tokens=16, prefill_s_per_token=0.0, decode_s_per_token=0.0)
-    run(test, dataclasses.replace(config, kv_events=True))
 
 
 def test_a_request_waits_for_blocks_while_others_pin_the_cache():
