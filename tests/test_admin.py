@@ -121,6 +121,11 @@ def test_probes_state_and_metrics():
         metrics = (await (await monitoring.get("/metrics")).read()).decode()
         assert f'kvroute_backend_reserved_blocks{{backend="{A}"}} 3.0' in metrics
         assert f'kvroute_backend_healthy{{backend="{B}"}} 1.0' in metrics
+        assert f'kvroute_backend_prediction_trust{{backend="{A}"}} 1.0' in metrics
+        router.trust.values[A] = 0.25  # as learned from A's engine (tests/test_trust.py)
+        metrics = (await (await monitoring.get("/metrics")).read()).decode()
+        assert f'kvroute_backend_prediction_trust{{backend="{A}"}} 0.25' in metrics
+        assert (await _json(await client.get("/debug/state")))["prediction_trust"] == {A: 0.25}
 
     run(scenario)
 

@@ -26,6 +26,9 @@ vllm:num_requests_waiting{engine="1",model_name="tiny-llama"} not-a-number
 vllm:request_prompt_tokens_sum{engine="0",model_name="tiny-llama"} 5000.0
 vllm:request_prompt_tokens_sum{engine="1",model_name="tiny-llama"} 1200.0
 vllm:prefix_cache_queries_total{engine="0",model_name="tiny-llama"} 4000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="tiny-llama"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="tiny-llama"} 1.7646e+09
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny-llama"} 2500.0
 """
 
 
@@ -35,6 +38,7 @@ def test_a_vllm_page_becomes_one_sample_summed_over_engines():
     assert (sample.running, sample.waiting, sample.kv_usage) == (3, 4, 0.25)
     assert (sample.start_time, sample.cache_tokens, sample.block_size) == (1.7646e9, 131072, 128)
     assert sample.prompt_tokens == 6200  # finished requests' prompt tokens, not the cache lookups
+    assert (sample.cache_queries, sample.cache_hits) == (5000, 2500)  # what the prefix cache found (trust.py)
     assert engine_sample("some_other_exporter 1\n") is None
 
 

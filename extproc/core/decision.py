@@ -65,6 +65,7 @@ class Decision:
     bootstrap: bool
     candidates: list[CandidateCost]
     reservation: Reservation | None = None
+    picture_blocks: int = 0  # what kvroute's picture held on the chosen backend, before trust (trust.py)
 
     def explain(self) -> dict[str, Any]:
         """A JSON-ready account of the decision."""

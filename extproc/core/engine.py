@@ -46,3 +46,5 @@ class EngineSample:
     cache_tokens: int | None  # num_gpu_blocks * block_size from vllm:cache_config_info
     block_size: int | None
     prompt_tokens: float | None = None  # vllm:request_prompt_tokens_sum: prompt tokens of finished requests
+    cache_queries: float | None = None  # vllm:prefix_cache_queries_total: prompt tokens looked up
+    cache_hits: float | None = None  # vllm:prefix_cache_hits_total: of those, found cached

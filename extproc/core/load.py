@@ -4,8 +4,9 @@ A reservation is taken in the same step as the decision. Its handle releases the
 when the prefill is known done and the whole of it when the request ends, however it ends; every
 release is idempotent. A streamed response starts before its prefill, so a reservation may instead
 wait for the engine's own progress: the blocks its KV events report stored drain the backend's
-waiting reservations oldest first (`BackendLoad.progress`). A backend that leaves takes its counters with it: late releases from
-its handles land on the detached counters and cannot disturb a backend re-added later.
+waiting reservations oldest first (`BackendLoad.progress`). A backend that leaves takes its
+counters with it: late releases from its handles land on the detached counters and cannot
+disturb a backend re-added later.
 
 With several replicas, each backend's load also counts the other replicas' reservations as they
 last published them (`PeerLoads`), so a backend made busy through one replica is busy for all.

@@ -28,6 +28,7 @@ from extproc.core.replicas import ReplicaLink
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
 from extproc.core.settings import Settings
+from extproc.core.trust import PredictionTrust
 
 # Precise mode: blocks one backend may report before its picture is dropped as implausible
 # (2**18 blocks of 16 tokens is 4M tokens, beyond any one engine's KV cache today).
@@ -148,6 +149,7 @@ class Router:
         "stats",
         "token_hasher",
         "tokenizer",
+        "trust",
     )
 
     def __init__(self, settings: Settings, index: LocationIndex | None = None) -> None:
@@ -163,6 +165,7 @@ class Router:
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
         self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
+        self.trust = PredictionTrust()  # approximate mode: how far each backend's picture holds, per its engine
         self._sized_at = self.bytes_per_token.value  # the ratio the pictures were last sized with
         self._starts: dict[str, float] = {}
         # Precise mode: (backend, key of a prompt's last full block) -> reservations whose prefill
@@ -277,11 +280,12 @@ class Router:
             if session_backend is not None and session_backend not in candidates:
                 self.sessions.forget(request.session_key)
                 session_backend = None
-        matched = self.index.lookup(chain, candidates, now)
+        picture = self.index.lookup(chain, candidates, now)
+        matched = self.trust.apply(picture) if self.settings.prediction_trust and not self.precise else picture
         churn = {backend: self.churn.rate(backend, now) for backend in candidates}
         bootstrap = not request.followup or not chain
         self._turn += 1
-        return decide(
+        decision = decide(
             candidates,
             matched,
             churn,
@@ -293,6 +297,9 @@ class Router:
             self._turn,
             now,
         )
+        if decision.backend is not None:
+            decision.picture_blocks = picture.get(decision.backend, 0)
+        return decision
 
     def begin(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Exchange:
         """Choose a backend among the healthy ones serving the request's model and reserve the
@@ -311,8 +318,11 @@ class Router:
                 self.churn.add(decision.backend, index.learn(chain, decision.backend, now), now)
                 if predicted < len(chain):
                     self._await_prefill((decision.backend, chain[-1]), decision.reservation)
-            elif request.stream and decision.backend in self._progressing:
-                self.loads.get(decision.backend).await_progress(decision.reservation)
+            else:
+                block_bytes = self.settings.block_size
+                self.trust.routed(decision.backend, decision.picture_blocks * block_bytes, request.cbr_bytes)
+                if request.stream and decision.backend in self._progressing:
+                    self.loads.get(decision.backend).await_progress(decision.reservation)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, predicted, self.bytes_per_token)
 
@@ -434,6 +444,7 @@ class Router:
         self.index.remove_backend(backend)
         self.churn.remove_backend(backend)
         self.sessions.remove_backend(backend)
+        self.trust.forget(backend)
         if reason is not None:
             self.stats.resets[reason] += 1
 
@@ -451,6 +462,8 @@ class Router:
         index = self.index
         if isinstance(index, PreciseIndex) and index.block_size is None and sample.block_size:
             index.block_size = sample.block_size  # from vllm:cache_config_info, before any event
+        if sample.cache_queries is not None and sample.cache_hits is not None:
+            self.trust.engine(backend, sample.cache_queries, sample.cache_hits)
         if sample.prompt_tokens is not None:
             self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens)
             if abs(self.bytes_per_token.value - self._sized_at) > RESIZE_SHARE * self._sized_at:
@@ -518,5 +531,6 @@ class Router:
             "index": "precise" if self.precise else "approximate",
             "resets": {str(reason): count for reason, count in self.stats.resets.items()},
             "bytes_per_token": round(self.bytes_per_token.value, 3),
+            "prediction_trust": {b: round(t, 3) for b, t in self.trust.values.items()},
             "engine_events": dict(self.stats.events),
         }

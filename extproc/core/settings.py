@@ -147,6 +147,12 @@ class Settings:
     capacity_auto: bool = _setting(
         True, "Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."
     )
+    prediction_trust: bool = _setting(
+        True,
+        "Approximate mode: weigh the prefix kvroute sees cached on a backend by the share of its predictions "
+        "that the engine's own prefix-cache counters confirm (vllm:prefix_cache_hits_total), at most 1.",
+        policy="predictionTrust",
+    )
     new_session_load_weight: float = _setting(
         2.0,
         "Load multiplier when placing a bootstrap request: it decides where a whole conversation will live.",

@@ -51,6 +51,14 @@ class _RouterCollector(Collector):
             active.add_metric([backend], load["active"])
         yield reserved
         yield active
+        trust = GaugeMetricFamily(
+            "kvroute_backend_prediction_trust",
+            "share of the cached prefix kvroute predicts there that the engine's own counters confirm (at most 1)",
+            labels=["backend"],
+        )
+        for backend in state["load"]:
+            trust.add_metric([backend], self._router.trust.of(backend))
+        yield trust
         healthy = GaugeMetricFamily("kvroute_backend_healthy", "1 if the backend is routable", labels=["backend"])
         for backend in self._pool.backends:
             healthy.add_metric([backend.address], float(backend.healthy))

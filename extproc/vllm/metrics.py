@@ -15,7 +15,10 @@ START_TIME = "process_start_time_seconds"
 # Prompt tokens of finished requests. Not vllm:prefix_cache_queries_total: a preempted request's
 # second lookup is counted apart from it, so under cache pressure that counter misses tokens.
 PROMPT_TOKENS = "vllm:request_prompt_tokens_sum"
-_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, PROMPT_TOKENS)
+# The prefix cache's own count of what it looked up and found: the hit share the engine really had.
+CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+CACHE_HITS = "vllm:prefix_cache_hits_total"
+_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, PROMPT_TOKENS, CACHE_QUERIES, CACHE_HITS)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -29,6 +32,7 @@ def engine_sample(text: str) -> EngineSample | None:
     usage: float = 0.0
     start: float | None = None
     prompt_tokens: float | None = None
+    counters: dict[str, float] = {}
     cache_tokens = block_size = None
     seen = False
     for line in text.splitlines():
@@ -47,6 +51,8 @@ def engine_sample(text: str) -> EngineSample | None:
                 start = _value(line)
             elif name == PROMPT_TOKENS:
                 prompt_tokens = (prompt_tokens or 0.0) + _value(line)
+            elif name in (CACHE_QUERIES, CACHE_HITS):
+                counters[name] = counters.get(name, 0.0) + _value(line)
             elif name == CACHE_INFO and cache_tokens is None:
                 labels = dict(_LABEL.findall(line))
                 block_size = int(labels["block_size"])
@@ -55,4 +61,14 @@ def engine_sample(text: str) -> EngineSample | None:
             continue  # one odd line never hides the rest
     if not seen:
         return None
-    return EngineSample(int(running), int(waiting), usage, start, cache_tokens, block_size, prompt_tokens)
+    return EngineSample(
+        int(running),
+        int(waiting),
+        usage,
+        start,
+        cache_tokens,
+        block_size,
+        prompt_tokens,
+        counters.get(CACHE_QUERIES),
+        counters.get(CACHE_HITS),
+    )
