@@ -319,8 +319,7 @@ class Router:
                 if predicted < len(chain):
                     self._await_prefill((decision.backend, chain[-1]), decision.reservation)
             else:
-                block_bytes = self.settings.block_size
-                self.trust.routed(decision.backend, decision.picture_blocks * block_bytes, request.cbr_bytes)
+                self.trust.routed(decision.backend, decision.picture_blocks * self.block_tokens())
                 if request.stream and decision.backend in self._progressing:
                     self.loads.get(decision.backend).await_progress(decision.reservation)
         self.stats.decisions[decision.label] += 1

@@ -1,17 +1,20 @@
 """How far to trust the approximate picture of each backend's cache, learned from the engine.
 
-kvroute predicts a request's cached prefix from what it routed (approximate mode); the engine
-counts what it really found (`vllm:prefix_cache_hits_total` of `vllm:prefix_cache_queries_total`
-tokens). When the picture is too hopeful for a backend (traffic kvroute did not route evicts its
-blocks, its cache is smaller than configured), the engine's share of hits falls below kvroute's
-predicted share for the requests it sent there, window after window. The trust of a backend is
-that ratio, at most 1, and the decision weighs the prefix kvroute sees there by it, so a picture
+kvroute predicts a request's cached prefix from what it routed (approximate mode), in tokens as
+`x-kvroute-cached-tokens` reports it; the engine counts the tokens it really found
+(`vllm:prefix_cache_hits_total`). When the picture is too hopeful for a backend (traffic kvroute
+did not route evicts its blocks, its cache is smaller than configured), the engine finds fewer
+tokens than kvroute predicted for the requests it sent there, window after window. The trust of
+a backend is that ratio; the decision weighs the prefix kvroute sees there by it, so a picture
 the engine keeps contradicting stops pulling requests (and stops being reported as cached).
 
-Both shares are of prompt size in their own units (CBR bytes for the prediction, tokens for the
-engine), so the learned bytes per token does not enter. Sums decay per window, so about the last
-ten windows count; a window closes once the engine has looked up `MIN_TOKENS` more tokens.
-Reading the engines' counters costs nothing per request: they come with the load scrape.
+Windows do not line up exactly with what was sent (kvroute predicts when it routes, the engine
+counts when it schedules), so a ratio of at least `AGREEMENT` counts as agreement (trust 1);
+other clients' hits can only raise the engine's count, so they never lower the trust. Sums decay
+per window, so about the last ten windows count; a window closes once the engine has looked up
+`MIN_TOKENS` more tokens, and nothing is concluded before the sums hold `EVIDENCE` windows
+(a cold start's first windows count predictions whose hits land in the next one). Reading the
+engines' counters costs nothing per request: they come with the load scrape.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 WEIGHT = 0.1  # decay of the sums per window
-MIN_TOKENS = 8192  # a window over fewer looked-up tokens is noise
-MIN_PREDICTED_SHARE = 0.05  # below this kvroute predicted too little for a ratio to mean anything
+MIN_TOKENS = 65536  # a window over fewer looked-up tokens is noise (requests of 10k tokens are common)
+MIN_PREDICTED_SHARE = 0.05  # of the looked-up tokens: below this a ratio means nothing
+AGREEMENT = 0.9  # the engine found at least this share of the predicted tokens: the picture holds
+EVIDENCE = 4  # windows a backend's sums must hold before their ratio is acted on
 
 
 class PredictionTrust:
@@ -29,9 +34,9 @@ class PredictionTrust:
     __slots__ = ("_counters", "_pending", "_sums", "values")
 
     def __init__(self) -> None:
-        self._pending: dict[str, list[float]] = {}  # backend -> [predicted bytes, prompt bytes] this window
+        self._pending: dict[str, float] = {}  # backend -> tokens predicted cached this window
         self._counters: dict[str, tuple[float, float]] = {}  # backend -> engine (queries, hits) at the window start
-        self._sums: dict[str, list[float]] = {}  # backend -> decayed [predicted, prompt, hits, queries]
+        self._sums: dict[str, list[float]] = {}  # backend -> decayed [predicted, hits, looked up], windows
         self.values: dict[str, float] = {}  # backend -> trust below 1 (absent: 1)
 
     def of(self, backend: str) -> float:
@@ -43,13 +48,11 @@ class PredictionTrust:
             return matched
         return {backend: int(blocks * self.of(backend)) for backend, blocks in matched.items()}
 
-    def routed(self, backend: str, predicted_bytes: int, prompt_bytes: int) -> None:
-        """kvroute sent a request of `prompt_bytes` CBR bytes there, `predicted_bytes` of them
-        predicted cached by its own picture (before any trust was applied)."""
+    def routed(self, backend: str, predicted_tokens: float) -> None:
+        """kvroute sent a request there that its own picture (before any trust) predicted to find
+        so many tokens cached."""
         if backend in self._counters:
-            pending = self._pending.setdefault(backend, [0.0, 0.0])
-            pending[0] += predicted_bytes
-            pending[1] += prompt_bytes
+            self._pending[backend] = self._pending.get(backend, 0.0) + predicted_tokens
 
     def engine(self, backend: str, queries: float, hits: float) -> None:
         """The engine's prefix-cache counters (tokens looked up, tokens found), from one sample."""
@@ -62,16 +65,14 @@ class PredictionTrust:
         if looked_up < MIN_TOKENS:
             return
         self._counters[backend] = (queries, hits)
-        predicted, prompt = self._pending.pop(backend, (0.0, 0.0))
         sums = self._sums.setdefault(backend, [0.0, 0.0, 0.0, 0.0])
-        for index, value in enumerate((predicted, prompt, found, looked_up)):
+        for index, value in enumerate((self._pending.pop(backend, 0.0), found, looked_up)):
             sums[index] = sums[index] * (1 - WEIGHT) + value
-        predicted_share = sums[0] / sums[1] if sums[1] else 0.0
-        if predicted_share < MIN_PREDICTED_SHARE:
-            self.values.pop(backend, None)
-            return
-        trust = min(1.0, (sums[2] / sums[3]) / predicted_share)
-        if trust < 1.0:
+        sums[3] += 1
+        predicted, found, looked_up, count = sums
+        enough = count >= EVIDENCE and predicted >= MIN_PREDICTED_SHARE * looked_up
+        trust = found / predicted if enough else 1.0
+        if trust < AGREEMENT:
             self.values[backend] = trust
         else:
             self.values.pop(backend, None)
