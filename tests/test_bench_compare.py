@@ -63,6 +63,32 @@ def test_compare_smoke_all_routers(tmp_path: Path):
     assert {r["decision"] for r in records["envoy-round-robin"]} == {None}
 
 
+def test_other_traffic_reaches_the_first_backend_beside_the_routers(tmp_path: Path):
+    """`--other-traffic`: the engines serve requests no router sent, on the first backend only; the
+    routers' own requests are all accounted for and their own hit rate leaves the others out."""
+    limit = 60
+    results = run(
+        CompareOptions(
+            trace=TRACE,
+            limit=limit,
+            out=tmp_path,
+            backends=2,
+            routers=("kvroute",),
+            pacing=Pacing(speedup=5.0),
+            max_output_tokens=4,
+            sim_args=FAST_SIM,
+            other_traffic_tokens=2000,
+        )
+    )
+    row = results["routers"]["kvroute"]
+    records = orjson.loads((tmp_path / "records" / "kvroute.json").read_bytes())
+    own = {b: sum(1 for r in records if r["backend"] == b) for b in row["requests_per_backend"]}
+    served = row["requests_per_backend"]
+    assert row["ok"] == limit and results["other_traffic_tokens"] == 2000
+    backends = list(served)
+    assert served[backends[0]] > own[backends[0]] and served[backends[1]] == own[backends[1]]
+
+
 SYNTHETIC = TRACE.with_name("synthetic_trace_head.jsonl")
 
 
