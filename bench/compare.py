@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import other_traffic, peers, report
+from bench import peers, report
 from bench.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
+from bench.other_traffic import OtherTraffic
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
 from bench.stack import cpu_seconds
@@ -84,10 +85,14 @@ def run_router(
     try:
         cpu_before = cpu_seconds(router.pids())
         work = replay(router.url, requests, builder, pacing, fleet.backends, label=name)
+        other = None
         if other_traffic_tokens:
             chars = round(other_traffic_tokens * builder.chars_per_token)
-            work = other_traffic.beside(work, fleet.backends[0], fleet.model, chars)
+            other = OtherTraffic(fleet.backends[0], fleet.model, chars)
+            work = other.beside(work)
         summary = asyncio.run(work)
+        if other is not None:
+            summary["other_traffic"] = {"served": other.served, "failed": other.failed}
         # On a shared machine the router's CPU is taken from the engines beside it.
         summary["router_cpu_s"] = round(cpu_seconds(router.pids()) - cpu_before, 2)
     finally:

@@ -23,25 +23,42 @@ from bench.workload import text
 T = TypeVar("T")
 
 
-async def _send_forever(backend: str, model: str, chars: int) -> None:
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for seed in itertools.count():
-            content = text(random.Random(seed), chars)  # never repeats: nothing of it is ever a hit
-            body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
-            try:
-                async with session.post(f"http://{backend}/v1/chat/completions", data=orjson.dumps(body)) as response:
-                    await response.read()
-            except (aiohttp.ClientError, TimeoutError):
-                await asyncio.sleep(0.5)  # the backend is restarting or gone: try again, never fail the run
+class OtherTraffic:
+    """One client sending prompts of `chars` characters to `backend`, and what became of them."""
 
+    def __init__(self, backend: str, model: str, chars: int) -> None:
+        self.backend = backend
+        self.model = model
+        self.chars = chars
+        self.served = 0
+        self.failed = 0  # refused or lost: a run whose other traffic failed did not test what it says
 
-async def beside(work: Awaitable[T], backend: str, model: str, chars: int) -> T:
-    """Run `work` while the other client sends prompts of `chars` characters to `backend`."""
-    other = asyncio.create_task(_send_forever(backend, model, chars))
-    try:
-        return await work
-    finally:
-        other.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await other
+    async def _send_forever(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=600)
+        headers = {"content-type": "application/json"}
+        url = f"http://{self.backend}/v1/chat/completions"
+        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+            for seed in itertools.count():
+                content = text(random.Random(seed), self.chars)  # never repeats: nothing of it is ever a hit
+                body = {"model": self.model, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
+                try:
+                    async with session.post(url, data=orjson.dumps(body)) as response:
+                        await response.read()
+                        ok = response.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                if ok:
+                    self.served += 1
+                else:
+                    self.failed += 1
+                    await asyncio.sleep(0.5)  # never hammer a backend that refuses; never fail the run
+
+    async def beside(self, work: Awaitable[T]) -> T:
+        """Run `work` while sending."""
+        sender = asyncio.create_task(self._send_forever())
+        try:
+            return await work
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender

@@ -428,6 +428,8 @@ class SimBackend:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         """The JSON object body, checked to name this backend's model (or none, meaning the served one)."""
+        if request.content_type != "application/json":  # vLLM validates the media type before the body
+            raise _ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as error:

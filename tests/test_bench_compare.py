@@ -85,6 +85,7 @@ def test_other_traffic_reaches_the_first_backend_beside_the_routers(tmp_path: Pa
     own = {b: sum(1 for r in records if r["backend"] == b) for b in row["requests_per_backend"]}
     served = row["requests_per_backend"]
     assert row["ok"] == limit and results["other_traffic_tokens"] == 2000
+    assert row["other_traffic"]["served"] > 0 and row["other_traffic"]["failed"] == 0
     backends = list(served)
     assert served[backends[0]] > own[backends[0]] and served[backends[1]] == own[backends[1]]
 

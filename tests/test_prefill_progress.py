@@ -49,7 +49,8 @@ def test_a_streamed_prefill_is_held_until_the_engines_events_report_it_stored():
                     request = parse_request(body(letter), {})
                     exchange = router.begin(request, [Backend(backend)], 0.0)
                     url = f"http://{backend}/v1/chat/completions"
-                    async with session.post(url, data=orjson.dumps(body(letter))) as response:
+                    data, headers = orjson.dumps(body(letter)), {"content-type": "application/json"}
+                    async with session.post(url, data=data, headers=headers) as response:
                         start = ResponseStart(backend, known=True, status=response.status, from_upstream=True)
                         router.response_started(exchange, start, 0.0)  # headers: before the prefill
                         reserved = router.loads.snapshot()[backend][0]

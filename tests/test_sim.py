@@ -349,6 +349,8 @@ def test_what_vllm_refuses_at_once_is_refused_at_once():
         headers = {"Content-Type": "application/json", "Content-Encoding": "gzip", "Connection": "close"}
         async with session.post(url + "/v1/chat/completions", data=orjson.dumps(chat("hi")), headers=headers) as r:
             assert r.status == 400 and (await r.json())["error"]["type"] == "BadRequestError"  # labelled gzip, is not
+        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(chat("hi"))) as r:
+            assert r.status == 400 and "application/json" in (await r.json())["error"]["message"]  # no media type
         assert time.monotonic() - started < 5  # no prefill was modelled for any of them
         status, _, _ = await post(session, url + "/v1/chat/completions", chat("fits"))
         assert status == 200
