@@ -66,8 +66,8 @@ def run(options: SweepOptions) -> dict[str, Any]:
                     _pacing(options, load),
                     prompts,
                     out / "logs" / f"{load:g}",
-                    options.extproc_replicas,
-                    options.other_traffic_tokens,
+                    options.compare.extproc_replicas,
+                    options.compare.other_traffic_tokens,
                 )
                 curves.setdefault(name, {})[load] = summary
     finally:
