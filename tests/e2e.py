@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import time
 import urllib.parse
@@ -55,3 +56,12 @@ def eventually(check: Callable[[], bool], timeout_s: float = 15.0, message: str 
             return
         time.sleep(0.1)
     raise AssertionError(f"{message} not reached within {timeout_s}s")
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 10.0, message: str = "condition") -> None:
+    """`eventually` for async tests: polls without blocking the event loop the code under test runs on."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{message} not reached within {timeout_s}s")
+        await asyncio.sleep(0.02)

@@ -17,17 +17,10 @@ from extproc.core.router import ResponseStart, Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.subscriber import EventSubscriber
+from tests.e2e import until
 
 # Prefill of the 2,000-token prompts below takes 0.5 s.
 SLOW = SimConfig(block_size=16, prefill_s_per_token=0.00025, decode_s_per_token=0.0, kv_events=True)
-
-
-async def _until(check, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def body(letter: str) -> dict:
@@ -56,14 +49,14 @@ def test_a_streamed_prefill_is_held_until_the_engines_events_report_it_stored():
                         reserved = router.loads.snapshot()[backend][0]
                         assert reserved == (exchange.decision.reservation.blocks if hold else 0)
                         if hold:  # the engine's events drain it while the request still runs
-                            await _until(lambda: router.loads.snapshot()[backend] == (0, 1))
+                            await until(lambda: router.loads.snapshot()[backend] == (0, 1))
                         await response.read()
                     exchange.end()
 
-                await _until(lambda: subscriber.status.get(backend, "").startswith("subscribed"))
+                await until(lambda: subscriber.status.get(backend, "").startswith("subscribed"))
                 await asyncio.sleep(0.3)  # ZMQ's slow joiner
                 await send("a", hold=False)  # nothing heard from the engine yet: released at headers
-                await _until(lambda: router.stats.events["BlockStored"] > 0)
+                await until(lambda: router.stats.events["BlockStored"] > 0)
                 await send("b", hold=True)
                 assert router.loads.snapshot()[backend] == (0, 0)
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 
 import msgpack
 import zmq
@@ -16,6 +17,7 @@ from extproc.core.router import Reset, Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.subscriber import END_SEQ, EventSubscriber, sources
+from tests.e2e import until
 
 BLOCK = 4
 
@@ -60,12 +62,7 @@ class Engine:
             await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
 
 
-async def _until(check, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
+_until = functools.partial(until, timeout_s=5.0)
 
 
 async def _scenario(replay: bool, steps) -> tuple[Router, EventSubscriber]:
