@@ -481,7 +481,7 @@ class Router:
                 if isinstance(event, BlockStored):
                     self._progressing.add(backend)
                     tokens = len(event.block_hashes) * event.block_size
-                    self.loads.get(backend).progress(tokens * self.bytes_per_token.value / self.settings.block_size)
+                    self.loads.get(backend).progress(tokens / self.block_tokens())
             else:
                 try:
                     if isinstance(event, BlockStored):

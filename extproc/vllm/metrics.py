@@ -31,8 +31,7 @@ def engine_sample(text: str) -> EngineSample | None:
     running = waiting = 0.0
     usage: float = 0.0
     start: float | None = None
-    prompt_tokens: float | None = None
-    counters: dict[str, float] = {}
+    counters: dict[str, float] = {}  # summed over label sets; absent if the engine exports none
     cache_tokens = block_size = None
     seen = False
     for line in text.splitlines():
@@ -49,9 +48,7 @@ def engine_sample(text: str) -> EngineSample | None:
                 usage = max(usage, _value(line))
             elif name == START_TIME:
                 start = _value(line)
-            elif name == PROMPT_TOKENS:
-                prompt_tokens = (prompt_tokens or 0.0) + _value(line)
-            elif name in (CACHE_QUERIES, CACHE_HITS):
+            elif name in (PROMPT_TOKENS, CACHE_QUERIES, CACHE_HITS):
                 counters[name] = counters.get(name, 0.0) + _value(line)
             elif name == CACHE_INFO and cache_tokens is None:
                 labels = dict(_LABEL.findall(line))
@@ -68,7 +65,7 @@ def engine_sample(text: str) -> EngineSample | None:
         start,
         cache_tokens,
         block_size,
-        prompt_tokens,
+        counters.get(PROMPT_TOKENS),
         counters.get(CACHE_QUERIES),
         counters.get(CACHE_HITS),
     )
