@@ -592,6 +592,8 @@ class SimBackend:
             while not self._pool.can_acquire(blocks.hashes, blocks.anonymous):
                 self._pool_freed.clear()
                 await self._pool_freed.wait()
+            if self._events is not None:
+                self._events.step()
             present = self._pool.match(blocks.hashes, len(blocks.hashes))  # a hit's last block is still cached
             cached = min(present, (len(prompt.tokens) - 1) // size) * size
             self._pool.acquire(blocks.hashes, blocks.anonymous)

@@ -30,6 +30,7 @@ class EventPublisher:
         self._socket.setsockopt(zmq.LINGER, 0)
         self.port = self._socket.bind_to_random_port(f"tcp://{host}")
         self._sequence = 0
+        self._clear_pending = False
 
     def sources(self) -> dict[str, Any]:
         """The `/kv_event_sources` answer: one publisher, bound on every address like vLLM's `tcp://*`."""
@@ -50,7 +51,15 @@ class EventPublisher:
             self._send({"type": "BlockRemoved", "block_hashes": [h & _HASH_MASK for h in hashes], "medium": "GPU"})
 
     def cleared(self) -> None:
-        self._send({"type": "AllBlocksCleared"})
+        """The cache was reset: vLLM queues the event and publishes it with its next step (`step`),
+        so an idle engine reports it only once the next request is scheduled."""
+        self._clear_pending = True
+
+    def step(self) -> None:
+        """The engine schedules a step: what it queued since the last one goes out first."""
+        if self._clear_pending:
+            self._clear_pending = False
+            self._send({"type": "AllBlocksCleared"})
 
     def _send(self, event: dict[str, Any]) -> None:
         """One event per batch; a PUB socket never blocks (a slow subscriber loses messages, as on vLLM)."""

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.core.backends import Backend
 from extproc.core.chain import TokenHasher, extra_digest
 from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineSample
 from extproc.core.precise import PreciseIndex
 from extproc.core.request import parse_request
-from extproc.core.router import Reset, Router
+from extproc.core.router import Exchange, Reset, ResponseStart, Router
 from extproc.core.settings import Settings
 from extproc.vllm.events import EventError, decode
 
@@ -130,6 +131,35 @@ def test_a_cleared_cache_drops_the_backend_and_its_sessions_in_both_modes():
         routing.engine_events(A, [AllBlocksCleared()])
         assert routing.index.entries_by_backend().get(A, 0) == 0 and len(routing.sessions) == 0
         assert routing.stats.resets[Reset.CACHE_CLEARED] == 1
+
+
+def _served(routing: Router, content: str, session: str, now: float) -> Exchange:
+    """A request kvroute sent to A and learned there when its response started, at `now`."""
+    body = {"model": "m", "messages": [{"role": "user", "content": content * 3000}]}
+    exchange = routing.begin(parse_request(body, {"x-session-id": session}), [Backend(A)], now)
+    routing.response_started(exchange, ResponseStart(A, True, 200, True), now)
+    return exchange
+
+
+SERVED = (("a", "before-the-last-batch", 1.0), ("b", "ended-after-it", 3.0), ("c", "in-flight", 4.0))
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["approximate", "precise"])
+def test_a_clear_reported_late_keeps_what_the_requests_still_in_flight_taught(precise: bool):
+    # vLLM publishes a clear with its next step: on an idle engine, the step of the first requests
+    # sent after it, which kvroute learned at their response start, before the clear arrives.
+    routing = router() if precise else Router(Settings(hash_key=KEY))
+    exchanges = {c: _served(routing, c, name, now) for c, name, now in SERVED}
+    exchanges["a"].end()
+    exchanges["b"].end()  # ran to its end after the last batch: the clear still came later
+    routing.engine_events(A, [AllBlocksCleared()], previous=2.0)
+    bound = {name: routing.sessions.get(f"session:{name}", 5.0) for _, name, _ in SERVED}
+    assert bound == {"before-the-last-batch": None, "ended-after-it": None, "in-flight": A}
+    if not precise:  # the precise index holds only what the engine's events say, so it starts empty
+        held = {c: routing.index.lookup(e.request.chain or [], [A], 5.0)[A] for c, e in exchanges.items()}
+        assert held["a"] == held["b"] == 0 < held["c"], held
+    routing.engine_events(A, [AllBlocksCleared()])  # no arrival time known: everything goes
+    assert routing.sessions.get("session:in-flight", 5.0) is None
 
 
 def test_events_refused_by_the_index_are_counted_and_the_rest_applied():

@@ -130,6 +130,26 @@ def test_a_reset_cache_is_forgotten_at_once(fleet: VllmFleet, tmp_path, precise:
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("precise", [False, True], ids=["approximate", "precise"])
+def test_a_clear_published_with_the_next_request_keeps_that_request(fleet: VllmFleet, tmp_path, precise: bool):
+    # An idle engine publishes its clear with its next step: here, the step of the first streamed
+    # request after the reset, which kvroute learned (and bound) when its response started.
+    fleet.reset()
+    args = precise_args(fleet) if precise else []
+    with Stack(tmp_path / "next", backends=fleet.backends, extproc_args=args) as stack:
+        cleared = stack.debug_state()["resets"].get("cache_cleared", 0)
+        rng = random.Random(13)
+        history = [{"role": "system", "content": text(rng, 4500)}, {"role": "user", "content": "first"}]
+        body = {"model": "tiny-llama", "messages": history, "max_tokens": 8, "temperature": 0, "stream": True}
+        status, headers, _ = post(stack.url, body, {"x-session-id": "fresh"})
+        assert status == 200 and headers["x-kvroute-decision"] != "session_match"
+        _dropped_within(stack, "cache_cleared", 5.0, cleared)
+        history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "second"}]
+        headers, answer = chat(stack, history, "fresh")
+    assert headers["x-kvroute-decision"] == "session_match" and int(headers["x-kvroute-cached-tokens"]) > 1000
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 1000
+
+
 def test_a_restarted_engine_is_forgotten(fleet: VllmFleet, tmp_path):
     fleet.reset()
     with Stack(tmp_path / "restart", backends=fleet.backends, extproc_args=precise_args(fleet)) as stack:

@@ -31,6 +31,11 @@ class LocationIndex(Protocol):
         """Forget everything about a backend at once."""
         ...
 
+    def forget_before(self, backend: str, moment: float) -> None:
+        """The backend's cache was emptied some time after `moment`: forget what was learned of it
+        until then; what was learned since may already be its new content."""
+        ...
+
     def entries_by_backend(self) -> dict[str, int]:
         """Locations held per backend (its size)."""
         ...
@@ -119,6 +124,11 @@ class LocalIndex:
 
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
+
+    def forget_before(self, backend: str, moment: float) -> None:
+        blocks = self._backends.get(backend)
+        if blocks:  # a full pass, not from the old end: a sibling replica's learning may arrive late
+            self._backends[backend] = OrderedDict((block, seen) for block, seen in blocks.items() if seen > moment)
 
     def vacuum(self, now: float) -> int:
         """Pop expired entries from the old end of each LRU; each entry is popped at most once."""

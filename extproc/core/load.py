@@ -37,6 +37,7 @@ class BackendLoad:
         "peer_active",
         "peer_reserved",
         "reserved_blocks",
+        "settled_at",
     )
 
     def __init__(self) -> None:
@@ -49,6 +50,9 @@ class BackendLoad:
         self.engine_at = float("-inf")
         self.awaiting: deque[Reservation] = deque()  # prefill drained by engine progress, oldest first
         self._credit = 0.0  # progress of less than one block, kept for the next report
+        # The latest moment kvroute learned a request here that has since ended: the engine ran
+        # it, so a cache clear it reports later happened after that moment.
+        self.settled_at = float("-inf")
 
     def await_progress(self, reservation: Reservation) -> None:
         """Hold this reservation's prefill until the engine reports that much work stored."""
@@ -101,12 +105,13 @@ class BackendLoad:
 class Reservation:
     """The load one routed request puts on its backend, until released."""
 
-    __slots__ = ("_active_held", "_load", "backend", "blocks", "pending")
+    __slots__ = ("_active_held", "_load", "backend", "blocks", "learned_at", "pending")
 
     def __init__(self, backend: str, load: BackendLoad, blocks: int) -> None:
         self.backend = backend
         self.blocks = blocks
         self.pending = blocks  # prefill blocks still reserved
+        self.learned_at: float | None = None  # when kvroute learned the backend took it
         self._load = load
         self._active_held = True
         load.reserved_blocks += blocks
@@ -127,7 +132,10 @@ class Reservation:
         self.release_prefill()
         if self._active_held:
             self._active_held = False
-            self._load.active -= 1
+            load = self._load
+            load.active -= 1
+            if self.learned_at is not None and self.learned_at > load.settled_at:
+                load.settled_at = self.learned_at
 
     @property
     def finished(self) -> bool:

@@ -176,5 +176,9 @@ class PreciseIndex:
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
 
+    def forget_before(self, backend: str, moment: float) -> None:
+        """Everything goes: the engine's own events after the clear say what it holds again."""
+        self.remove_backend(backend)
+
     def entries_by_backend(self) -> dict[str, int]:
         return {backend: len(held.by_hash) for backend, held in self._backends.items()}

@@ -377,6 +377,8 @@ class Router:
         learned = bool(served) and success and start.from_upstream and request is not None
         if learned and request is not None:  # (the second test only narrows the type)
             self.learn(request, served, now)
+            if reservation is not None and reservation.backend == served:
+                reservation.learned_at = now
         rerouted = bool(served) and served != decision.backend
         if rerouted:
             self.stats.rerouted += 1
@@ -436,13 +438,18 @@ class Router:
         self._starts.pop(backend, None)
         self.bytes_per_token.forget(backend)
 
-    def reset_backend(self, backend: str, reason: Reset | None) -> None:
+    def reset_backend(self, backend: str, reason: Reset | None, emptied_after: float | None = None) -> None:
         """The backend's cache is not what kvroute believed (restarted, cleared, events lost): drop
         its locations, turnover and session bindings, so the next requests are placed on merit.
-        Its in-flight load stays: those requests are still running."""
-        self.index.remove_backend(backend)
+        Its in-flight load stays: those requests are still running. `emptied_after`: the cache was
+        emptied at some moment after this one, so what was learned and bound since is kept."""
+        if emptied_after is None:
+            self.index.remove_backend(backend)
+            self.sessions.remove_backend(backend)
+        else:
+            self.index.forget_before(backend, emptied_after)
+            self.sessions.remove_backend(backend, emptied_after)
         self.churn.remove_backend(backend)
-        self.sessions.remove_backend(backend)
         self.trust.forget(backend)
         if reason is not None:
             self.stats.resets[reason] += 1
@@ -468,15 +475,23 @@ class Router:
             if abs(self.bytes_per_token.value - self._sized_at) > RESIZE_SHARE * self._sized_at:
                 self._size_index()  # every backend's picture follows the learned ratio
 
-    def engine_events(self, backend: str, events: Iterable[EngineEvent]) -> None:
+    def engine_events(self, backend: str, events: Iterable[EngineEvent], previous: float | None = None) -> None:
         """A batch of a known backend's KV cache events, in order. A cleared cache resets the backend
         in both modes; stores and removals feed the precise index. In approximate mode stores are
-        the engine's progress: they drain the prefill its streamed requests hold."""
+        the engine's progress: they drain the prefill its streamed requests hold.
+
+        `previous`: when the backend's previous batch arrived (router clock). vLLM publishes a clear
+        with its next step, which on an idle engine is the step of the first requests sent after the
+        clear, and kvroute learned those at their response start, before the clear arrives. The clear
+        happened after `previous` and after every request that ended there had been learned (vLLM
+        clears only while nothing runs), so what was learned since then is kept: the requests still
+        in flight, which the engine computes after the clear. Without `previous`, all of it goes."""
         index = self.index
         for event in events:
             self.stats.events[type(event).__name__] += 1
             if isinstance(event, AllBlocksCleared):
-                self.reset_backend(backend, Reset.CACHE_CLEARED)
+                after = None if previous is None else max(previous, self.loads.get(backend).settled_at)
+                self.reset_backend(backend, Reset.CACHE_CLEARED, after)
             elif not isinstance(index, PreciseIndex):
                 if isinstance(event, BlockStored):
                     self._progressing.add(backend)

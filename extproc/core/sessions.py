@@ -123,9 +123,10 @@ class SessionTable:
     def forget(self, session_key: str) -> bool:
         return self._bindings.pop(self._digest(session_key), None) is not None
 
-    def remove_backend(self, backend: str) -> int:
-        """Drop every binding to a backend that left; return how many."""
-        gone = [key for key, (bound, _) in self._bindings.items() if bound == backend]
+    def remove_backend(self, backend: str, before: float = float("inf")) -> int:
+        """Drop the bindings to a backend that left (or whose cache was emptied after `before`: the
+        bindings used since may already point at its new content); return how many."""
+        gone = [key for key, (bound, seen) in self._bindings.items() if bound == backend and seen <= before]
         for key in gone:
             del self._bindings[key]
         return len(gone)

@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -89,8 +91,10 @@ class EventSubscriber:
         pool: BackendPool,
         discovery_interval_s: float = 30.0,
         replay_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._router = router
+        self._clock = clock  # the router's clock: when each batch arrived bounds when a clear happened
         self._pool = pool
         self._discovery_interval_s = discovery_interval_s
         self._replay_timeout_s = replay_timeout_s
@@ -158,9 +162,11 @@ class EventSubscriber:
         sock.setsockopt(zmq.SUBSCRIBE, source.topic)
         sock.connect(source.endpoint)
         last: int | None = None
+        previous = self._clock()  # what this publisher sends next happened after this moment
         try:
             while True:
                 frames = await sock.recv_multipart()
+                arrived = self._clock()
                 batch = self._decode(backend, frames)
                 if batch is None:
                     continue
@@ -169,11 +175,11 @@ class EventSubscriber:
                     self._router.events_lost(backend, Reset.SEQUENCE_RESTART)
                 elif last is not None and batch.sequence > last + 1:
                     self._problem(backend, "gap", f"{batch.sequence - last - 1} batches missed")
-                    if not await self._replay(backend, source, last + 1, batch.sequence):
+                    if not await self._replay(backend, source, last + 1, batch.sequence, previous):
                         self._problem(backend, "lost", "could not replay the missed batches")
                         self._router.events_lost(backend, Reset.EVENTS_LOST)
-                self._apply(backend, batch)
-                last = batch.sequence
+                self._apply(backend, batch, previous)
+                last, previous = batch.sequence, arrived
         finally:
             sock.close(linger=0)
 
@@ -187,12 +193,13 @@ class EventSubscriber:
             self._problem(backend, "unknown_event", "an event type this version does not know", batch.unknown)
         return batch
 
-    def _apply(self, backend: str, batch: EventBatch) -> None:
+    def _apply(self, backend: str, batch: EventBatch, previous: float) -> None:
         if self._pool.is_known(backend):
-            self._router.engine_events(backend, batch.events)
+            self._router.engine_events(backend, batch.events, previous)
 
-    async def _replay(self, backend: str, source: Source, start: int, until: int) -> bool:
-        """Fetch and apply batches start..until-1 from the replay socket; True if all came."""
+    async def _replay(self, backend: str, source: Source, start: int, until: int, previous: float) -> bool:
+        """Fetch and apply batches start..until-1 from the replay socket; True if all came. They
+        were published after the last batch that arrived live, at `previous`."""
         if source.replay is None:
             return False
         sock = self._socket(zmq.DEALER)
@@ -209,7 +216,7 @@ class EventSubscriber:
                     continue
                 if batch.sequence > expected:
                     return False  # the engine's buffer no longer holds what was missed
-                self._apply(backend, batch)
+                self._apply(backend, batch, previous)
                 expected += 1
         except (TimeoutError, zmq.ZMQError) as exc:
             self._problem(backend, "replay_failed", f"{type(exc).__name__}: {exc}")
