@@ -358,16 +358,17 @@ def test_bytes_per_token_is_learned_from_what_ended_and_the_engine_counted():
     ratio = BytesPerToken()
     ratio.ended(A, 1_000_000)  # before the first sample: not counted
     ratio.engine_tokens(A, 500.0)  # the first sample is the baseline
-    ratio.ended(A, 20_000)
-    ratio.engine_tokens(A, 2_500.0)  # 2,000 tokens: too few to judge, keep accumulating
+    ratio.ended(A, 15_000)  # 3 bytes a token: one request of 5,000 tokens
+    ratio.engine_tokens(A, 5_500.0)  # 5,000 tokens: too few to judge, keep accumulating
     assert ratio.value == 4.0
-    ratio.engine_tokens(A, 10_500.0)  # 20,000 bytes over 10,000 tokens: 2 bytes a token
-    assert ratio.value == pytest.approx(2.0)
+    # The engine counted three more such requests whose end kvroute has not seen yet: alone this
+    # window would say 0.75 bytes a token; against the prior it moves the ratio part of the way.
+    ratio.engine_tokens(A, 20_500.0)
+    assert 2.5 < ratio.value < 4.0
     ratio.engine_tokens(A, 100.0)  # a restarted engine's counter starts over: a new baseline
-    assert ratio.value == pytest.approx(2.0)
     for _ in range(60):
-        ratio.ended(A, 30_000)
-        ratio.engine_tokens(A, ratio._tokens[A] + 10_000)
+        ratio.ended(A, 60_000)
+        ratio.engine_tokens(A, ratio._tokens[A] + 20_000)
     assert ratio.value == pytest.approx(3.0, abs=0.01)  # 3 bytes a token from here on
 
 
@@ -375,9 +376,9 @@ def test_a_learned_ratio_resizes_the_approximate_index_and_the_prediction():
     routing = Router(Settings(hash_key=KEY))  # 512-byte blocks
     routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 128_000, 128, 0.0), 0)
     assert routing.index._capacities[A] == 128_000 * 4 // 512  # 4 bytes a token until measured
-    for step in range(1, 40):
-        routing.bytes_per_token.ended(A, 20_000)
-        routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 128_000, 128, step * 10_000.0), step)
+    for step in range(1, 60):
+        routing.bytes_per_token.ended(A, 40_000)
+        routing.engine_sample(A, EngineSample(0, 0, 0.0, 1.0, 128_000, 128, step * 20_000.0), step)
     assert routing.bytes_per_token.value == pytest.approx(2.0, abs=0.05)
     assert routing.index._capacities[A] == pytest.approx(128_000 * 2 / 512, rel=0.05)
     assert routing.block_tokens() == pytest.approx(256, rel=0.05)  # 512 bytes are 256 tokens here

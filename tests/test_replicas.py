@@ -15,6 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from bench.store import PASSWORD, RedisServer
+from extproc.core.calibration import DEFAULT_BYTES_PER_TOKEN, PRIOR_TOKENS
 from extproc.core.decision import Label
 from extproc.core.router import Router
 from extproc.core.settings import Settings
@@ -146,7 +147,9 @@ async def test_bytes_per_token_counts_every_replicas_requests(redis_server):
         ratio = second.router.bytes_per_token
         await until(lambda: ratio._pending_bytes.get(backend, 0) > 0)
         ratio.engine_tokens(backend, 1000.0 + sent / 2.5)  # the engine counted the sibling's requests
-        assert ratio.value == pytest.approx(2.5, rel=0.2)  # without the sibling's bytes: the 1.0 floor
+        # 2.5 bytes a token, weighed with the prior; without the sibling's bytes it would fall to about 1.4
+        expected = (PRIOR_TOKENS * DEFAULT_BYTES_PER_TOKEN + sent) / (PRIOR_TOKENS + sent / 2.5)
+        assert ratio.value == pytest.approx(expected, rel=0.02) and ratio.value > 2.5
 
 
 @in_loop
