@@ -12,8 +12,9 @@ tokens, so it errs low. A window spans several requests and the sums start from 
 default ratio: the engine may count requests whose end kvroute has not seen yet, and a first
 window of a few requests setting the ratio alone is the likely cause of a vLLM-CPU run that
 predicted 7,000-12,000 cached tokens for 3,500-4,300-token prompts (and none for others, their
-blocks trimmed from an index sized by the same ratio). With several replicas, each also counts the bytes its siblings sent
-(`add`, from their published totals `sent`): the engine's counter sees every replica's requests.
+blocks trimmed from an index sized by the same ratio). With several replicas, each also counts
+the bytes its siblings sent (`add`, from their published totals `sent`): the engine's counter
+sees every replica's requests.
 """
 
 from __future__ import annotations
