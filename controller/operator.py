@@ -86,7 +86,8 @@ async def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup(registry=REGISTRY)
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Quiet kopf (no events), load API credentials, start the reconciler and probes. CRDs are
-    watched so an InferencePool CRD installed after the operator starts is followed without a restart."""
+    watched so an InferencePool CRD installed after the operator starts is followed without a restart,
+    unless kopf's rescans all come before discovery serves it (docs/kubernetes.md)."""
     settings.posting.enabled = False
     settings.peering.mandatory = True
     settings.peering.priority = random.randint(1, 1_000_000)  # distinct priorities: one replica leads
