@@ -142,6 +142,9 @@ def chat(cluster: Cluster, content: str, session: str | None = None) -> dict[str
     return response_headers
 
 
+UNRESOLVED_POOLS = "Unresolved resources cannot be served (try creating their CRDs): Selector(group='inference"
+
+
 # --- the operator --------------------------------------------------------------------------
 
 
@@ -368,10 +371,14 @@ def picked_through_a_picker_gateway(cluster: Cluster, pool: set[str]) -> None:
 
 
 def test_a_policy_on_an_inference_pool_follows_the_pool(cluster: Cluster):
-    """The InferencePool CRD is installed while the operator runs (it notices without a restart);
-    a policy naming the pool lists each selected pod IP x each target port; pool edits and the
-    pool's deletion show in the policy's status."""
+    """The InferencePool CRD is installed while the operator runs: it notices without a restart,
+    or, when kopf's rescans all came before discovery served the new resource (the known race in
+    docs/kubernetes.md, told by its log line), after the documented restart. A policy naming the
+    pool lists each selected pod IP x each target port; pool edits and the pool's deletion show in
+    the policy's status."""
     cp = cluster.cp
+    (operator,) = cluster.operators
+    unresolved = cluster.log(operator).count(UNRESOLVED_POOLS)
     cp.install_crds("inference-extension")
     pool = {
         "apiVersion": "inference.networking.k8s.io/v1",
@@ -400,7 +407,14 @@ def test_a_policy_on_an_inference_pool_follows_the_pool(cluster: Cluster):
     eventually(lambda: cluster.status("pooled").get("conditions") and reason() == "PoolNotFound", timeout_s=30)
     cp.apply([pool])
     first = {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}
-    eventually(lambda: cluster.ready("pooled") == first, timeout_s=60, message="the pool's pods, once it exists")
+    try:
+        eventually(lambda: cluster.ready("pooled") == first, timeout_s=30, message="the pool's pods, once it exists")
+    except AssertionError:
+        log = cluster.log(operator)
+        assert log.count(UNRESOLVED_POOLS) > unresolved, f"not the known race: {log[-3000:]}"
+        stop(cluster.operators.pop(operator), signal.SIGTERM)
+        cluster.start_operator(f"{operator}-restarted")
+        eventually(lambda: cluster.ready("pooled") == first, timeout_s=60, message="the pool's pods, after a restart")
     picked_through_a_picker_gateway(cluster, first)
     pool["spec"]["targetPorts"].append({"number": PORT + 1})
     cp.apply([pool])
