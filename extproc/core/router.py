@@ -484,8 +484,9 @@ class Router:
         with its next step, which on an idle engine is the step of the first requests sent after the
         clear, and kvroute learned those at their response start, before the clear arrives. The clear
         happened after `previous` and after every request that ended there had been learned (vLLM
-        clears only while nothing runs), so what was learned since then is kept: the requests still
-        in flight, which the engine computes after the clear. Without `previous`, all of it goes."""
+        clears only while nothing runs, or preempts what runs to compute it again), so what was
+        learned since then is kept: the requests still in flight, which the engine computes after
+        the clear. Without `previous`, all of it goes."""
         index = self.index
         for event in events:
             self.stats.events[type(event).__name__] += 1
