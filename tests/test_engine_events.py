@@ -220,9 +220,6 @@ def test_blocks_routed_but_unconfirmed_are_pending_until_the_engine_confirms_or_
 
 
 def test_a_precise_router_co_locates_concurrent_requests_and_predicts_only_confirmed_blocks():
-    from extproc.core.backends import Backend
-    from extproc.core.router import ResponseStart
-
     routing = router(decision_headers=True)
     routing.index.block_size = 4  # as learned from the engines' events
     backends = [Backend(A), Backend(B)]
@@ -242,9 +239,6 @@ def test_a_precise_router_co_locates_concurrent_requests_and_predicts_only_confi
 
 
 def test_precise_mode_holds_a_prefill_reservation_until_the_engine_stores_the_last_block():
-    from extproc.core.backends import Backend
-    from extproc.core.router import ResponseStart
-
     routing = router()
     routing.index.block_size = 4
     parsed = parse_request({"model": "m", "messages": [{"role": "user", "content": "q"}]}, {})
@@ -263,9 +257,6 @@ def test_precise_mode_holds_a_prefill_reservation_until_the_engine_stores_the_la
 
 
 def test_approximate_mode_holds_a_streamed_prefill_until_the_engines_progress_covers_it():
-    from extproc.core.backends import Backend
-    from extproc.core.router import ResponseStart
-
     routing = Router(Settings(hash_key=KEY, block_size=512))  # 512 CBR bytes a block
     started = ResponseStart(A, known=True, status=200, from_upstream=True)
 
@@ -300,9 +291,6 @@ def test_approximate_mode_holds_a_streamed_prefill_until_the_engines_progress_co
 
 
 def test_an_error_or_another_backend_serving_releases_the_held_prefill_at_response_start():
-    from extproc.core.backends import Backend
-    from extproc.core.router import ResponseStart
-
     routing = Router(Settings(hash_key=KEY))
     routing.engine_events(A, [BlockStored((1,), None, tuple(range(16)), 16, ())])
     routing.engine_events(B, [BlockStored((1,), None, tuple(range(16)), 16, ())])
@@ -318,8 +306,6 @@ def test_an_error_or_another_backend_serving_releases_the_held_prefill_at_respon
 
 
 def test_prefill_waits_of_ended_requests_are_swept():
-    from extproc.core.backends import Backend
-
     routing = router()
     routing.index.block_size = 4
     for i in range(3000):
