@@ -13,9 +13,11 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
+from bench.replay import UPSTREAM_HEADER
 from bench.stack import Stack, free_port, spawn, stop, wait_http
 from bench.store import PASSWORD, RedisServer
 from bench.venvs import peers_venv
@@ -98,7 +100,7 @@ def start(
     if name in ("kvroute", "kvroute-unshared"):
         return _kvroute(name, backends, workdir, (), replicas)
     if name == "envoy-round-robin":
-        stack = Stack(workdir, backends=list(backends), ext_proc=False).start()
+        stack = Stack(workdir, backends=list(backends), ext_proc=False, envoy_edit=_name_upstream).start()
         return RunningRouter(name, stack.url, stack=stack)
     router = RunningRouter(name, "")
     try:
@@ -112,6 +114,16 @@ def start(
         router.stop()
         raise
     return router
+
+
+def _name_upstream(config: dict[str, Any]) -> None:
+    """Envoy names the backend that served each response, so the records of a round robin on real
+    vLLM (which names nothing) show where each request went, as kvroute's and the simulator's do."""
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    for host in manager["route_config"]["virtual_hosts"]:
+        for route in host["routes"]:
+            header = {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}
+            route.setdefault("response_headers_to_add", []).append({"header": header})
 
 
 def _peer(name: str, backends: Sequence[str], log: Path, router: RunningRouter) -> int:

@@ -1,10 +1,10 @@
 """`kvroute-dev bench replay`: send a trace through a router and measure what the fleet did with it.
 
 Per request: TTFT, end-to-end latency, prompt and cached tokens (from `usage`), the backend that
-served (`x-kvroute-backend`, or the simulator's `x-sim-backend`), status. Per run: the prompt
-cache hit rate measured on the backends (deltas of `vllm:prefix_cache_hits_total` over
-`vllm:prefix_cache_queries_total`), latency percentiles, requests per backend (deltas of
-`vllm:request_success_total`) and their max/mean, errors.
+served (`x-kvroute-backend`, the simulator's `x-sim-backend`, or the round-robin Envoy's
+`x-bench-upstream`), status. Per run: the prompt cache hit rate measured on the backends (deltas
+of `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total`), latency percentiles,
+requests per backend (deltas of `vllm:request_success_total`) and their max/mean, errors.
 
 Pacing: the trace's own arrival times divided by `speedup`, or a closed loop of `concurrency`
 workers. A session's requests go in order, each after the previous one finished.
@@ -28,6 +28,8 @@ from bench.prompts import PromptBuilder
 from bench.trace import TraceRequest, chains
 
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
+UPSTREAM_HEADER = "x-bench-upstream"  # the benchmark's round-robin Envoy names the backend it picked
+BACKEND_HEADERS = ("x-kvroute-backend", "x-sim-backend", UPSTREAM_HEADER)  # first present wins
 METRICS = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
@@ -86,7 +88,7 @@ async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest,
     usage: dict[str, Any] = {}
     try:
         async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as response:
-            backend = response.headers.get("x-kvroute-backend") or response.headers.get("x-sim-backend")
+            backend = next((response.headers[name] for name in BACKEND_HEADERS if name in response.headers), None)
             predicted = response.headers.get("x-kvroute-cached-tokens")
             decision = response.headers.get("x-kvroute-decision")
             if response.status != 200:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from bench.compare import CompareOptions, run
@@ -34,3 +35,6 @@ def test_no_router_beats_the_bound_on_vllm(tmp_path: Path):
     for name, row in results["routers"].items():
         assert row["errors"] == 0, name
         assert 0 <= row["hit_rate"] <= row["bound_hit_rate"], name
+    # vLLM names no backend; the round robin's Envoy does, so its records show where each went.
+    served = orjson.loads((tmp_path / "records" / "envoy-round-robin.json").read_bytes())
+    assert {r["backend"] for r in served} == set(results["routers"]["envoy-round-robin"]["requests_per_backend"])
