@@ -25,10 +25,10 @@ import orjson
 from bench.stack import Stack, cpu_seconds, layout_for
 from bench.workload import conversation
 
-FAST_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--default-max-tokens", "1"]
+FAST_SIM = ["--token-s", "0", "--step-s", "0", "--default-max-tokens", "1"]
 # Streams paced at 1 ms a token, so each SSE event is its own body chunk (unpaced, the events of
 # a stream coalesce into a few reads and the response stream would look cheaper than it is).
-PACED_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0.001"]
+PACED_SIM = ["--token-s", "0", "--step-s", "0.001"]
 
 
 async def _load(url: str, bodies: list[bytes], concurrency: int) -> tuple[list[float], float]:

@@ -18,6 +18,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from bench import sim
+from bench.sim_engine import BlockPool
 
 Prompt = tuple[int, Sequence[int]]  # prompt length in tokens, block hashes of its prefix
 _NEVER = 1 << 62
@@ -26,7 +27,7 @@ _NEVER = 1 << 62
 def lru(prompts: Iterable[Prompt], block_tokens: int, capacity_blocks: int) -> float:
     """Hit rate of one cache of `capacity_blocks` run as vLLM's block pool (the simulator's), one
     request at a time: in effect an LRU that frees each prompt tail first."""
-    cache = sim.BlockPool(capacity_blocks)
+    cache = BlockPool(capacity_blocks)
     hits = queries = 0
     for length, hashes in prompts:
         hits += cache.match(hashes, (length - 1) // block_tokens) * block_tokens

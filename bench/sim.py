@@ -1,8 +1,9 @@
 """A simulated vLLM OpenAI server, for tests, demos and benchmarks of request routers.
 
-It models what routing policies are judged on: a prefix cache of fixed-size token blocks with LRU
-eviction (cache hits shorten prefill), a bounded running batch with a FIFO waiting queue,
-serialized prefill and concurrent decode, and vLLM's metric names. It renders and tokenizes with
+It models what routing policies are judged on: vLLM's prefix cache of fixed-size token blocks
+(cache hits shorten prefill), its scheduler's steps (a token budget per step, chunked prefill beside
+decode, a bounded running batch, a FIFO waiting queue, preemption; `bench/sim_engine.py`), and
+vLLM's metric names. It renders and tokenizes with
 its own simple, deterministic rules and knows nothing of the router's hashing, so a router earns
 cache hits only by really sending a prompt back to the backend that holds its prefix.
 
@@ -21,9 +22,7 @@ import sys
 import time
 import uuid
 from array import array
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -34,6 +33,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import choose_encoder
 
+from bench.sim_engine import BlockPool, Engine, Request, StepCost
 from bench.sim_events import EventPublisher
 
 MAX_MODEL_LEN = 131_072
@@ -42,7 +42,6 @@ MAX_MODEL_LEN = 131_072
 _BYTES_PER_TOKEN = 4
 _VOCAB = 50_000
 _FIRST_TOKEN_ID = 100  # ids below are left to special tokens, as in real vocabularies
-_MIN_SLEEP_S = 0.005  # streamed decode sleeps at least this long per chunk: timer overhead swamps shorter sleeps
 _SHUTDOWN_S = 1.0  # how long in-flight requests may finish when the server stops
 _MAX_BODY_BYTES = 256 * 1024 * 1024  # aiohttp's 1 MiB default would refuse the multi-MB benchmark prompts
 _MESSAGE_FIELDS = ("name", "tool_call_id", "tool_calls")  # besides role and content, what templates render
@@ -58,11 +57,19 @@ class SimConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     capacity_blocks: int = field(default=4096, metadata={"help": "prefix cache capacity in blocks (LRU eviction)"})
     max_num_seqs: int = field(default=8, metadata={"help": "running batch size; more requests wait in a FIFO queue"})
-    prefill_s_per_token: float = field(
-        default=0.00002, metadata={"help": "seconds per uncached prompt token; prefill is serialized per backend"}
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "tokens one engine step computes at most (vLLM-CPU's default)"}
     )
-    decode_s_per_token: float = field(
-        default=0.005, metadata={"help": "seconds per output token; running requests decode concurrently"}
+    step_s: float = field(
+        default=0.005,
+        metadata={"help": "seconds of every engine step; each step decodes one token of every running request"},
+    )
+    token_s: float = field(
+        default=0.00002, metadata={"help": "seconds per token a step computes (prompt chunk or output token)"}
+    )
+    attention_s: float = field(
+        default=0.0,
+        metadata={"help": "seconds per (token, earlier token of its sequence) pair a step computes: attention"},
     )
     default_max_tokens: int = field(default=16, metadata={"help": "output tokens when a request sets no limit"})
     max_model_len: int = field(
@@ -79,10 +86,17 @@ class SimConfig:
         """Reject settings the simulation cannot honour at start-up, not on the first request."""
         if not self.model:
             raise ValueError("model must not be empty")
-        for name in ("block_size", "capacity_blocks", "max_num_seqs", "default_max_tokens", "max_model_len"):
+        for name in (
+            "block_size",
+            "capacity_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "default_max_tokens",
+            "max_model_len",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("prefill_s_per_token", "decode_s_per_token"):
+        for name in ("step_s", "token_s", "attention_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0")
 
@@ -187,88 +201,6 @@ def prompt_blocks(body: Mapping[str, Any], block_size: int) -> tuple[int, list[i
     return len(prompt.tokens), _block_hashes(prompt, block_size)
 
 
-class BlockPool:
-    """vLLM's KV block pool, as its KV cache manager runs it.
-
-    `capacity` blocks in all. The blocks of running requests are pinned (referenced) and never
-    evicted; when a request finishes, its blocks go to the free queue tail first (its last block
-    first), so a prompt's head, which follow-ups share, is evicted last. Cached blocks in the free
-    queue still hit; a hit takes a block out of the queue and pins it again. A new block comes from
-    never-used space, else from the free queue's head: the least recently freed block is evicted.
-    Blocks without a hash (a prompt's partial last block, generated tokens) are pinned but never
-    cached. A request that cannot get its blocks waits, as vLLM's scheduler keeps it waiting.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._refs: dict[int, int] = {}  # pinned cached blocks -> requests holding each
-        self._free: OrderedDict[int, None] = OrderedDict()  # unpinned cached blocks, eviction order
-        self._anonymous = 0  # pinned blocks without a hash
-        self.evicted: list[int] = []  # cached blocks dropped since the owner last took them (KV events)
-
-    @property
-    def pinned(self) -> int:
-        return len(self._refs) + self._anonymous
-
-    def match(self, hashes: Sequence[int], limit: int) -> int:
-        """How many leading blocks, at most `limit`, are cached (pinned or free)."""
-        matched = 0
-        for block in itertools.islice(hashes, limit):
-            if block not in self._refs and block not in self._free:
-                break
-            matched += 1
-        return matched
-
-    def can_acquire(self, hashes: Sequence[int], anonymous: int) -> bool:
-        """Whether the blocks a request needs fit beside what is pinned."""
-        new = sum(1 for block in dict.fromkeys(hashes) if block not in self._refs)
-        return len(self._refs) + self._anonymous + new + anonymous <= self.capacity
-
-    def acquire(self, hashes: Sequence[int], anonymous: int) -> None:
-        """Pin a request's blocks (call when can_acquire holds), evicting free blocks as needed."""
-        for block in hashes:
-            if block in self._refs:
-                self._refs[block] += 1
-                continue
-            if block in self._free:  # a hit on a free block: out of the queue, pinned again
-                del self._free[block]
-            else:
-                self._make_room(1)
-            self._refs[block] = 1
-        self._make_room(anonymous)
-        self._anonymous += anonymous
-
-    def _make_room(self, blocks: int) -> None:
-        while len(self._refs) + self._anonymous + len(self._free) + blocks > self.capacity and self._free:
-            self.evicted.append(self._free.popitem(last=False)[0])
-
-    def release(self, hashes: Sequence[int], anonymous: int) -> None:
-        """A request finished: unpin its blocks, last first, into the free queue."""
-        self._anonymous -= anonymous
-        for block in reversed(hashes):
-            refs = self._refs.get(block)
-            if refs is None:
-                continue
-            if refs > 1:
-                self._refs[block] = refs - 1
-            else:
-                del self._refs[block]
-                self._free[block] = None
-
-    def clear(self) -> None:
-        """Forget every unpinned cached block (vLLM refuses to reset while requests hold blocks)."""
-        self._free.clear()
-
-
-@dataclass(slots=True)
-class _Blocks:
-    """The KV blocks one request holds while it runs: its prompt's full blocks and the unhashed rest."""
-
-    hashes: list[int]
-    anonymous: int
-    held: bool = False
-
-
 @dataclass(frozen=True, slots=True)
 class _Reply:
     """The OpenAI response shapes of one chat or completions request."""
@@ -344,11 +276,6 @@ class SimBackend:
         self.name = name
         self._pool = BlockPool(config.capacity_blocks)
         self._events = EventPublisher(host) if config.kv_events else None
-        self._pool_freed = asyncio.Event()
-        self._slots = asyncio.Semaphore(config.max_num_seqs)  # FIFO: waiters are woken in arrival order
-        self._prefill_lock = asyncio.Lock()
-        self._running = 0
-        self._waiting = 0
         self._started = int(time.time())
         self._registry = registry = CollectorRegistry()  # per backend: backends in one process keep separate metrics
         model = {"model_name": config.model}
@@ -370,9 +297,22 @@ class SimBackend:
             registry=registry,
         ).labels(**model)
         self._success = {reason: success.labels(finished_reason=reason, **model) for reason in ("stop", "length")}
+        preemptions = PromCounter(
+            "vllm:num_preemptions", "Running requests put back to wait for KV blocks.", by_model, registry=registry
+        ).labels(**model)
+        self._engine = Engine(
+            self._pool,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            StepCost(config.step_s, config.token_s, config.attention_s),
+            self._events,
+            on_admit=self._admitted,
+            on_preempt=preemptions.inc,
+        )
         gauges = {
-            "vllm:num_requests_running": ("Requests in the running batch.", lambda: self._running),
-            "vllm:num_requests_waiting": ("Requests waiting for a running slot.", lambda: self._waiting),
+            "vllm:num_requests_running": ("Requests in the running batch.", lambda: len(self._engine.running)),
+            "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", lambda: len(self._engine.waiting)),
             "vllm:kv_cache_usage_perc": ("Fraction of KV blocks held by running prompts.", self._kv_usage),
         }
         for name, (documentation, read) in gauges.items():
@@ -401,6 +341,7 @@ class SimBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.on_cleanup.append(self._stop_engine)
         if self._events is not None:
             app.router.add_get("/kv_event_sources", self._event_sources)
             app.on_cleanup.append(self._close_events)
@@ -413,6 +354,13 @@ class SimBackend:
     async def _close_events(self, app: web.Application) -> None:
         if self._events is not None:
             self._events.close()
+
+    async def _stop_engine(self, app: web.Application) -> None:
+        await self._engine.close()
+
+    def _admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._queries.inc(prompt_tokens)
+        self._hits.inc(cached_tokens)
 
     def reset_prefix_cache(self) -> None:
         self._pool.clear()
@@ -508,107 +456,64 @@ class SimBackend:
             raise _ApiError(400, "the simulator generates one choice per request (n=1)")
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        hashes = _block_hashes(prompt, self.config.block_size)
+        size = self.config.block_size
+        if math.ceil((len(prompt.tokens) + length - 1) / size) > self._pool.capacity:  # the last token needs no KV
+            raise _ApiError(400, f"the request needs more than the {self._pool.capacity} KV blocks there are")
         reply = _Reply.new(chat, self.config.model)
+        out: asyncio.Queue[int] = asyncio.Queue()
+        job = Request(prompt.tokens, _block_hashes(prompt, size), length, out.put_nowait)
         if not stream:
-            async with self._slot(prompt, hashes) as blocks:
-                cached = await self._prefill(prompt, blocks)
-                await asyncio.sleep(length * self.config.decode_s_per_token)
-            self._success[finish_reason].inc()
-            self._prompt_tokens.observe(len(prompt.tokens))
+            self._engine.submit(job)
+            try:
+                while await out.get() < length - 1:
+                    pass
+            finally:
+                self._engine.finish(job)
+            self._finished(len(prompt.tokens), finish_reason)
             return web.Response(
-                body=reply.full(_filler(0, length), finish_reason, _usage(len(prompt.tokens), length, cached)),
+                body=reply.full(_filler(0, length), finish_reason, _usage(len(prompt.tokens), length, job.cached)),
                 content_type="application/json",
             )
         # Headers go out at once, as from vLLM's streaming response, however long the request then waits.
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        self._engine.submit(job)
         try:
-            async with self._slot(prompt, hashes) as blocks:
-                cached = await self._prefill(prompt, blocks)
-                if chat:
-                    await response.write(reply.chunk("", None, role=True))
-                await self._stream_decode(response, reply, length, finish_reason)
+            await self._stream(response, reply, out, length, finish_reason, chat)
             if include_usage:
-                await response.write(reply.usage_chunk(_usage(len(prompt.tokens), length, cached)))
+                await response.write(reply.usage_chunk(_usage(len(prompt.tokens), length, job.cached)))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
-            return response  # the client left; leaving the slot already freed it
-        self._success[finish_reason].inc()
-        self._prompt_tokens.observe(len(prompt.tokens))
+            return response  # the client left; finishing the job already freed its blocks
+        finally:
+            self._engine.finish(job)
+        self._finished(len(prompt.tokens), finish_reason)
         return response
 
-    async def _stream_decode(
-        self, response: web.StreamResponse, reply: _Reply, length: int, finish_reason: str
+    def _finished(self, prompt_tokens: int, finish_reason: str) -> None:
+        self._success[finish_reason].inc()
+        self._prompt_tokens.observe(prompt_tokens)
+
+    @staticmethod
+    async def _stream(
+        response: web.StreamResponse,
+        reply: _Reply,
+        out: asyncio.Queue[int],
+        length: int,
+        finish_reason: str,
+        chat: bool,
     ) -> None:
-        """Send the output tokens as they are decoded, one event per chunk of at least _MIN_SLEEP_S.
-
-        Chunk ends follow an absolute schedule, so the overhead of each sleep does not add up.
-        """
-        per_token = self.config.decode_s_per_token
-        step = max(1, math.ceil(_MIN_SLEEP_S / per_token)) if per_token else length
-        loop = asyncio.get_running_loop()
-        begin = loop.time()
-        for start in range(0, length, step):
-            end = min(length, start + step)
-            await asyncio.sleep(begin + end * per_token - loop.time())
-            await response.write(reply.chunk(_filler(start, end), finish_reason if end == length else None))
-
-    @asynccontextmanager
-    async def _slot(self, prompt: _Prompt, hashes: list[int]) -> AsyncIterator[_Blocks]:
-        """Hold one of max_num_seqs running slots, after waiting FIFO, and at the end the request's
-        KV blocks; both are freed even when the client leaves."""
-        size = self.config.block_size
-        # The prompt's blocks are taken at admission; vLLM adds decode blocks one at a time as tokens
-        # come, which is not modelled (the benchmarks' outputs are short).
-        blocks = _Blocks(hashes, math.ceil(len(prompt.tokens) / size) - len(hashes))
-        if len(hashes) + blocks.anonymous > self._pool.capacity:
-            raise _ApiError(400, f"the prompt needs more than the {self._pool.capacity} KV blocks there are")
-        self._waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-        self._running += 1
-        try:
-            yield blocks
-        finally:
-            self._running -= 1
-            if blocks.held:
-                self._pool.release(blocks.hashes, blocks.anonymous)
-                self._pool_freed.set()
-            self._slots.release()
-
-    async def _prefill(self, prompt: _Prompt, blocks: _Blocks) -> int:
-        """Compute the uncached part of the prompt, one request at a time; return the cached token count.
-
-        The cache is looked up once the prefill lock is held, so a request queued behind the prefill of
-        the same prefix reuses it, as in vLLM's next scheduling step; a request whose blocks do not fit
-        beside the pinned ones waits for running requests to finish. Like vLLM, at least the last
-        prompt token is always computed.
-        """
-        size = self.config.block_size
-        async with self._prefill_lock:
-            while not self._pool.can_acquire(blocks.hashes, blocks.anonymous):
-                self._pool_freed.clear()
-                await self._pool_freed.wait()
-            if self._events is not None:
-                self._events.step()
-            present = self._pool.match(blocks.hashes, len(blocks.hashes))  # a hit's last block is still cached
-            cached = min(present, (len(prompt.tokens) - 1) // size) * size
-            self._pool.acquire(blocks.hashes, blocks.anonymous)
-            blocks.held = True
-            evicted, self._pool.evicted = self._pool.evicted, []
-            self._queries.inc(len(prompt.tokens))
-            self._hits.inc(cached)
-            if self._events is not None:
-                self._events.removed(evicted)
-            await asyncio.sleep((len(prompt.tokens) - cached) * self.config.prefill_s_per_token)
-            if self._events is not None:  # the blocks cached anew, as the engine reports them after the step
-                parent = blocks.hashes[present - 1] if present else None
-                tokens = prompt.tokens[present * size : len(blocks.hashes) * size]
-                self._events.stored(blocks.hashes[present:], parent, tokens, size)
-        return cached
+        """Send the output tokens as the engine's steps make them: one event per wake-up, with
+        every token made since (a chat stream first names the speaker, as vLLM's does)."""
+        sent = 0
+        while sent < length:
+            last = await out.get()
+            while not out.empty():
+                last = out.get_nowait()
+            if chat and not sent:
+                await response.write(reply.chunk("", None, role=True))
+            await response.write(reply.chunk(_filler(sent, last + 1), finish_reason if last + 1 == length else None))
+            sent = last + 1
 
     async def _render(self, request: web.Request) -> web.Response:
         text, _ = _render_chat(await self._body(request))

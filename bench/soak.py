@@ -30,7 +30,7 @@ CAPACITY_BLOCKS = 8192  # per backend
 SESSION_CAPACITY = 50_000
 BYTES_PER_ENTRY = 126.5  # `kvroute-dev bench core` at 1 M entries (docs/benchmarks.md)
 WARMUP = 2_000
-FAST_SIM = ["--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--default-max-tokens", "1"]
+FAST_SIM = ["--token-s", "0", "--step-s", "0", "--default-max-tokens", "1"]
 
 
 def bytes_per_session(count: int = 50_000) -> float:

@@ -22,7 +22,7 @@ from extproc.core.decision import Label
 pytestmark = [pytest.mark.peers, pytest.mark.envoy]
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace_head.jsonl"
-FAST_SIM = ("--prefill-s-per-token", "0.000002", "--decode-s-per-token", "0.001", "--max-num-seqs", "16")
+FAST_SIM = ("--token-s", "0.000002", "--step-s", "0.001", "--max-num-seqs", "16")
 
 
 def test_compare_smoke_all_routers(tmp_path: Path):

@@ -46,7 +46,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """Every scenario in this module runs through each of LAYOUTS."""
     # The 4 MB prompt (about a million tokens) needs a long-context model with a KV cache to hold
     # it, and would take 20 s of prefill at the default speed.
-    sim_args = ["--prefill-s-per-token", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
+    sim_args = ["--token-s", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
     workdir = tmp_path_factory.mktemp(request.param)
     with Stack(workdir, sims=4, sim_args=sim_args, **LAYOUTS[request.param]) as running:
         yield running
@@ -307,7 +307,7 @@ def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, bo
     served). Without a response body (full_duplex_request) kvroute's own count ends at the
     response headers, so the pile is seen through the engine's running count."""
     gates = ["--balance-abs-gate", "10", "--balance-rel-gate", "1.5", "--engine-scrape-interval-s", "0.1"]
-    sim_args = ["--decode-s-per-token", "0.05"]  # 2,000 tokens: the held streams outlive the test
+    sim_args = ["--step-s", "0.05"]  # 2,000 tokens: the held streams outlive the test
     with Stack(tmp_path, sims=3, sim_args=sim_args, extproc_args=gates, **layout_for(body_mode)) as stack:
         history = [{"role": "system", "content": text(RNG, 3000)}, {"role": "user", "content": "start"}]
         session = {"x-session-id": "busy"}
@@ -393,7 +393,7 @@ def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed
     """max_backend_requests 1 over two backends: the second stream goes to the other backend
     although the first holds its prefix; a third request finds both full and is answered 429
     (with retry-after), counted as `shed`; once the streams end, requests are served again."""
-    sim_args = ["--decode-s-per-token", "0.05"]
+    sim_args = ["--step-s", "0.05"]
     with Stack(
         tmp_path, sims=2, sim_args=sim_args, extproc_args=["--max-backend-requests", "1"], **LAYOUTS[layout]
     ) as stack:

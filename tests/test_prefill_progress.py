@@ -20,7 +20,7 @@ from extproc.vllm.subscriber import EventSubscriber
 from tests.e2e import until
 
 # Prefill of the 2,000-token prompts below takes 0.5 s.
-SLOW = SimConfig(block_size=16, prefill_s_per_token=0.00025, decode_s_per_token=0.0, kv_events=True)
+SLOW = SimConfig(block_size=16, token_s=0.00025, step_s=0.0, kv_events=True)
 
 
 def body(letter: str) -> dict:

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.sim import SimConfig, add_arguments, config_from_args, serve, tokenize
 
 MODEL = '{model_name="sim-model"}'
-FAST = SimConfig(block_size=16, prefill_s_per_token=0.0, decode_s_per_token=0.0)
+FAST = SimConfig(block_size=16, token_s=0.0, step_s=0.0)
 
 Test = Callable[[aiohttp.ClientSession, list[str]], Awaitable[None]]
 
@@ -183,7 +183,7 @@ def test_full_cache_evicts_old_prompts_and_refuses_a_prompt_larger_than_itself()
             assert response.status == 200
         assert await cached(session, url, b) == 0
 
-    run(test, SimConfig(block_size=4, capacity_blocks=8, prefill_s_per_token=0.0, decode_s_per_token=0.0))
+    run(test, SimConfig(block_size=4, capacity_blocks=8, token_s=0.0, step_s=0.0))
 
 
 def test_kv_events_report_what_the_cache_stores_evicts_and_clears_as_vllm_publishes_them():
@@ -231,7 +231,7 @@ def test_kv_events_report_what_the_cache_stores_evicts_and_clears_as_vllm_publis
         removed = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
         assert removed == set(stored[0].block_hashes)  # b took the whole cache
 
-    config = SimConfig(block_size=4, capacity_blocks=8, prefill_s_per_token=0.0, decode_s_per_token=0.0)
+    config = SimConfig(block_size=4, capacity_blocks=8, token_s=0.0, step_s=0.0)
     run(test, dataclasses.replace(config, kv_events=True))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -284,7 +284,7 @@ def test_streaming_chat_sends_sse_chunks_then_usage_then_done():
         status, whole, _ = await post(session, urls[0] + "/v1/chat/completions", {**body, "stream": False})
         assert status == 200 and whole["choices"][0]["message"]["content"] == text
 
-    run(test, SimConfig(decode_s_per_token=0.005))
+    run(test, SimConfig(step_s=0.005))
 
 
 def test_completions_from_text_or_token_ids():
@@ -411,8 +411,9 @@ def test_metrics_expose_vllm_names_and_values():
         assert running(samples) == 0 and waiting(samples) == 0
         assert samples["vllm:kv_cache_usage_perc" + MODEL] == 0
         assert samples['vllm:cache_config_info{block_size="16",num_gpu_blocks="64"}'] == 1
-        # Two running requests on one 100-token prompt hold its 6 full blocks once and a partial block each.
-        slow = {"prompt": "k" * 400, "max_tokens": 100_000}
+        # Two running requests on one 100-token prompt hold its 6 full blocks once and a partial block
+        # each, until their 12th output token needs another (0.6 s of steps away).
+        slow = {"prompt": "k" * 400, "max_tokens": 300}
         tasks = [asyncio.create_task(cached(session, url, slow)) for _ in range(2)]
         samples = await wait_for(session, url, lambda samples: running(samples) == 2)
         assert samples["vllm:kv_cache_usage_perc" + MODEL] == pytest.approx(8 / 64)
@@ -421,7 +422,7 @@ def test_metrics_expose_vllm_names_and_values():
         await wait_for(session, url, lambda samples: running(samples) == 0)
         assert (await scrape(session, url))["vllm:kv_cache_usage_perc" + MODEL] == 0
 
-    run(test, SimConfig(capacity_blocks=64, prefill_s_per_token=0.0, decode_s_per_token=0.01))
+    run(test, SimConfig(capacity_blocks=64, token_s=0.0, step_s=0.05))
 
 
 def test_requests_beyond_max_num_seqs_wait_fifo_and_all_finish():
@@ -451,7 +452,7 @@ def test_requests_beyond_max_num_seqs_wait_fifo_and_all_finish():
         assert running(samples) == 0 and waiting(samples) == 0
         assert samples['vllm:request_success_total{finished_reason="length",model_name="sim-model"}'] == 5
 
-    run(test, SimConfig(max_num_seqs=2, prefill_s_per_token=0.0, decode_s_per_token=per_request / 4))
+    run(test, SimConfig(max_num_seqs=2, token_s=0.0, step_s=per_request / 4))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -460,7 +461,7 @@ def test_client_disconnect_frees_running_and_waiting_slots(stream: bool):
         url = urls[0]
 
         async def request() -> None:
-            body = {"prompt": "never finishes", "max_tokens": 100, "stream": stream}
+            body = {"prompt": "never finishes", "max_tokens": 60_000, "stream": stream}  # 3,000 s of steps
             async with session.post(url + "/v1/completions", json=body) as response:
                 await response.read()
 
@@ -478,7 +479,7 @@ def test_client_disconnect_frees_running_and_waiting_slots(stream: bool):
         samples = await wait_for(session, url, lambda samples: running(samples) == 0)
         assert samples['vllm:request_success_total{finished_reason="length",model_name="sim-model"}'] == 0
 
-    run(test, SimConfig(max_num_seqs=1, prefill_s_per_token=0.0, decode_s_per_token=60.0))
+    run(test, SimConfig(max_num_seqs=1, token_s=0.0, step_s=0.05))
 
 
 def test_two_backends_in_one_process_keep_separate_caches_and_metrics():
@@ -504,10 +505,10 @@ def test_command_line_flags_build_the_config():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(
-        ["--port", "8001", "--port", "8002", "--block-size", "32", "--prefill-s-per-token", "0.001", "--model", "m"]
+        ["--port", "8001", "--port", "8002", "--block-size", "32", "--token-s", "0.001", "--model", "m"]
     )
     assert args.port == [8001, 8002] and args.host == "127.0.0.1"
-    assert config_from_args(args) == SimConfig(model="m", block_size=32, prefill_s_per_token=0.001)
+    assert config_from_args(args) == SimConfig(model="m", block_size=32, token_s=0.001)
     defaults = parser.parse_args(["--port", "1"])
     assert config_from_args(defaults) == SimConfig()
     with pytest.raises(ValueError, match="max_num_seqs"):
@@ -516,7 +517,7 @@ def test_command_line_flags_build_the_config():
 
 def test_main_serves_until_sigterm():
     async def main() -> None:
-        command = ["-m", "bench.sim", "--port", "0", "--port", "0", "--decode-s-per-token", "0"]
+        command = ["-m", "bench.sim", "--port", "0", "--port", "0", "--step-s", "0"]
         root = Path(__file__).resolve().parent.parent
         process = await asyncio.create_subprocess_exec(sys.executable, *command, cwd=root, stdout=subprocess.PIPE)
         try:
@@ -537,7 +538,7 @@ def test_main_serves_until_sigterm():
 
 
 def test_block_pool_pins_running_blocks_and_evicts_finished_prompts_tail_first():
-    from bench.sim import BlockPool
+    from bench.sim_engine import BlockPool
 
     pool = BlockPool(6)
     pool.acquire([1, 2, 3], 1)  # a running prompt: three full blocks and its partial last one
@@ -555,7 +556,8 @@ def test_block_pool_pins_running_blocks_and_evicts_finished_prompts_tail_first()
 def test_a_request_waits_for_blocks_while_others_pin_the_cache():
     async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
         url = urls[0]
-        hog = {"prompt": "h" * 4 * 40, "max_tokens": 60}  # 40 tokens: 10 of the 12 blocks, held while it decodes
+        # 40 tokens: 10 of the 12 blocks, held while it decodes (its 7 output tokens fill 2 more)
+        hog = {"prompt": "h" * 4 * 40, "max_tokens": 8}
         small = {"prompt": "s" * 4 * 12, "max_tokens": 1}  # 3 blocks: must wait for the hog to finish
         first = asyncio.create_task(cached(session, url, hog))
         await wait_for(session, url, lambda samples: running(samples) == 1)
@@ -565,5 +567,5 @@ def test_a_request_waits_for_blocks_while_others_pin_the_cache():
 
     run(
         test,
-        SimConfig(block_size=4, capacity_blocks=12, max_num_seqs=4, prefill_s_per_token=0.0, decode_s_per_token=0.01),
+        SimConfig(block_size=4, capacity_blocks=12, max_num_seqs=4, token_s=0.0, step_s=0.05),
     )

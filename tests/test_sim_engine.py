@@ -1,0 +1,122 @@
+"""The simulator's engine, step by step: what vLLM's scheduler puts into each step, and what the
+block pool holds meanwhile. Steps are planned and ended by hand, so nothing here depends on time."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.sim_engine import BlockPool, Engine, Request, StepCost
+
+BLOCK = 4
+
+
+def engine(capacity: int = 64, budget: int = 16, max_num_seqs: int = 8) -> tuple[Engine, list[int]]:
+    """An engine over a fresh pool, and the list its preemptions are counted in."""
+    preempted: list[int] = []
+    built = Engine(
+        BlockPool(capacity),
+        BLOCK,
+        max_num_seqs,
+        budget,
+        StepCost(0.0, 0.0, 0.0),
+        None,
+        on_admit=lambda prompt, cached: None,
+        on_preempt=lambda: preempted.append(1),
+    )
+    return built, preempted
+
+
+def request(tokens: list[int], output_tokens: int = 2) -> tuple[Request, list[int]]:
+    """A request whose block hashes are its tokens' block contents (equal prefixes, equal hashes)."""
+    hashes = [hash(tuple(tokens[: end + BLOCK])) for end in range(0, len(tokens) - BLOCK + 1, BLOCK)]
+    out: list[int] = []
+    return Request(tokens, hashes, output_tokens, out.append), out
+
+
+def step(built: Engine) -> dict[int, int]:
+    """Plan and end one step; return the tokens it computed per request (by id)."""
+    planned = built.plan_step()
+    scheduled = {id(r): r.scheduled for r in planned}
+    built.end_step(planned)
+    return scheduled
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_step_budget_and_then_decodes():
+    built, _ = engine(budget=16)
+    long, out = request(list(range(40)), output_tokens=3)
+    built.waiting.append(long)
+    assert [step(built)[id(long)] for _ in range(3)] == [16, 16, 8]  # the third chunk ends the prompt
+    assert out == [0]  # the step that computes a prompt's last token makes its first output token
+    assert step(built)[id(long)] == 1 and out == [0, 1]
+    assert step(built)[id(long)] == 1 and out == [0, 1, 2]
+    assert long.ended and built.pool.pinned == 0 and not built.running  # freed as its last token came
+
+
+def test_running_requests_come_first_and_waiting_ones_get_what_budget_is_left():
+    built, _ = engine(budget=16)
+    decoding, _ = request([1] * 8, output_tokens=10)
+    built.waiting.append(decoding)
+    step(built)  # its whole prompt: now it decodes, one token a step
+    first, _ = request([2] * 40)
+    second, _ = request([3] * 8)
+    built.waiting.extend([first, second])
+    planned = step(built)
+    assert planned == {id(decoding): 1, id(first): 15}  # the budget ran out before the second
+    planned = step(built)
+    assert planned == {id(decoding): 1, id(first): 15}  # the running prefill keeps its place
+    assert planned.get(id(second)) is None and list(built.waiting) == [second]
+
+
+def test_a_request_hits_blocks_scheduled_earlier_even_in_the_same_step():
+    """vLLM caches a block when it schedules its tokens: the second of two copies admitted in one
+    step finds what the first scheduled; only the last prompt token is computed again."""
+    built, _ = engine(budget=64)
+    a, _ = request(list(range(20)))
+    b, _ = request(list(range(20)))
+    built.waiting.extend([a, b])
+    planned = step(built)
+    assert planned == {id(a): 20, id(b): 4} and (a.cached, b.cached) == (0, 16)
+    assert built.pool.pinned == 5 + 0  # five shared blocks, held by both
+    c, _ = request(list(range(10)) + [99] * 10)  # shares only the first two blocks
+    built.waiting.append(c)
+    step(built)
+    assert c.cached == 8
+
+
+def test_the_head_of_the_queue_waits_for_room_for_its_whole_prompt_and_nothing_overtakes_it():
+    built, _ = engine(capacity=10, budget=64)
+    hog, _ = request([7] * 24, output_tokens=50)  # 6 blocks, then more as it decodes
+    built.waiting.append(hog)
+    step(built)
+    big, _ = request([8] * 20)  # 5 blocks: 6 + 5 > 10
+    small, _ = request([9] * 4)  # 1 block would fit, but waits behind the head
+    built.waiting.extend([big, small])
+    planned = step(built)
+    assert planned == {id(hog): 1} and list(built.waiting) == [big, small]
+    built.finish(hog)
+    assert step(built) == {id(big): 20, id(small): 4}
+
+
+def test_a_running_request_that_cannot_grow_preempts_the_latest_one_which_recomputes_later():
+    built, preempted = engine(capacity=8, budget=64)
+    older, _ = request([1] * 16, output_tokens=20)  # 4 blocks, growing a block every 4 tokens
+    newer, _ = request([2] * 12, output_tokens=20)  # 3 blocks
+    built.waiting.extend([older, newer])
+    step(built)
+    assert built.pool.pinned == 7  # both prompts (a first output token is written by the next step)
+    step(built)  # older takes the last free block for its token; newer needs one too, and is the latest
+    assert preempted == [1] and built.running == [older] and list(built.waiting) == [newer]
+    assert newer.computed == 0 and newer.cached == 0  # its first admission's count is kept
+    assert built.pool.match(newer.hashes, 3) == 3  # its blocks went to the free queue, still cached
+
+
+def test_a_step_costs_its_fixed_part_plus_its_tokens_plus_their_context():
+    cost = StepCost(step_s=0.01, token_s=0.001, pair_s=0.0001)
+    assert cost.of(0, 4) == pytest.approx(4 * 0.001 + (1 + 2 + 3 + 4) * 0.0001)  # each token sees those before it
+    assert cost.of(100, 1) == pytest.approx(0.001 + 101 * 0.0001)  # a decode token sees the whole context
+    built, _ = engine()
+    a, _ = request(list(range(8)))
+    built.waiting.append(a)
+    built._cost = cost
+    planned = built.plan_step()
+    assert built.duration(planned) == pytest.approx(0.01 + cost.of(0, 8))
