@@ -55,7 +55,7 @@ class SimConfig:
 
     model: str = field(default="sim-model", metadata={"help": "served model name"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    capacity_blocks: int = field(default=4096, metadata={"help": "prefix cache capacity in blocks (LRU eviction)"})
+    capacity_blocks: int = field(default=4096, metadata={"help": "KV cache capacity in blocks"})
     max_num_seqs: int = field(default=8, metadata={"help": "running batch size; more requests wait in a FIFO queue"})
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "tokens one engine step computes at most (vLLM-CPU's default)"}
