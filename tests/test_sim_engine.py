@@ -120,3 +120,21 @@ def test_a_step_costs_its_fixed_part_plus_its_tokens_plus_their_context():
     built._cost = cost
     planned = built.plan_step()
     assert built.duration(planned) == pytest.approx(0.01 + cost.of(0, 8))
+
+
+def test_the_vllm_cpu_preset_is_flags_the_simulator_takes_and_later_sim_args_override_it():
+    import argparse
+
+    from bench import cli, sim
+    from bench.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS
+
+    args = cli._parser().parse_args(
+        ["bench", "compare", "--trace", "t.jsonl", "--out", "o", "--sim-as-vllm-cpu", "--sim-arg=--step-s=0.01"]
+    )
+    options = cli._compare_options(args)
+    assert options.sim_block_tokens == VLLM_BLOCK_TOKENS
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    config = sim.config_from_args(parser.parse_args(["--port", "0", *options.sim_args]))
+    assert (config.max_num_seqs, config.token_s, config.step_s) == (128, 0.0000235, 0.01)
+    assert config.attention_s > 0 and options.sim_args[: len(VLLM_CPU_SIM_ARGS)] == VLLM_CPU_SIM_ARGS
