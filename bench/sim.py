@@ -329,7 +329,8 @@ class SimBackend:
         """A new aiohttp app serving this backend's state.
 
         Run it with `handler_cancellation=True`, as serve() and aiohttp's TestServer do: only then does
-        aiohttp cancel the handler of a client that left, and the cancellation is what frees its slot.
+        aiohttp cancel the handler of a client that left, and the cancellation is what takes its
+        request out of the engine.
         """
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_openai_errors])
         app.on_response_prepare.append(self._tag)
