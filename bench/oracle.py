@@ -87,9 +87,9 @@ def _make_room(cache: dict[int, int], farthest: list[tuple[int, int]], pinned: s
     return len(cache) < capacity
 
 
-def simulated_prompts(bodies: Iterable[dict], block_size: int) -> list[Prompt]:
+def simulated_prompts(bodies: Iterable[dict], block_size: int, tokenizer: str = "bytes") -> list[Prompt]:
     """Prompts in the simulator's own units: its template, tokenizer and block size."""
-    return [sim.prompt_blocks(body, block_size) for body in bodies]
+    return [sim.prompt_blocks(body, block_size, tokenizer) for body in bodies]
 
 
 def token_prompts(prompts: Iterable[Sequence[int]], block_tokens: int) -> list[Prompt]:

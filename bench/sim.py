@@ -16,11 +16,13 @@ import argparse
 import asyncio
 import itertools
 import math
+import re
 import signal
 import socket
 import sys
 import time
 import uuid
+import zlib
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -75,6 +77,13 @@ class SimConfig:
     max_model_len: int = field(
         default=MAX_MODEL_LEN, metadata={"help": "context length: longer prompt + max_tokens get a 400 at once"}
     )
+    tokenizer: str = field(
+        default="bytes",
+        metadata={
+            "help": "bytes: every 4 bytes a token (exact arithmetic for tests); words: tokens of varying length, "
+            "as a real tokenizer's"
+        },
+    )
     kv_events: bool = field(
         default=False,
         metadata={
@@ -96,6 +105,8 @@ class SimConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {sorted(TOKENIZERS)}")
         for name in ("step_s", "token_s", "attention_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0")
@@ -129,6 +140,31 @@ def tokenize(text: str) -> list[int]:
     if sys.byteorder == "big":
         words.byteswap()
     return [word % _VOCAB + _FIRST_TOKEN_ID for word in words]
+
+
+_PIECE = re.compile(r" ?\S{1,4}|\s")
+_PIECE_IDS: dict[str, int] = {}
+_PIECE_IDS_MAX = 1 << 20  # distinct pieces remembered; past it the table starts over
+
+
+def tokenize_words(text: str) -> list[int]:
+    """The simulator's other tokenizer: a space and up to four more characters, or one whitespace
+    character, is one token. Tokens then vary in length (about 3.5 bytes on the benchmarks' text,
+    as the tiny model's tokenizer does), so a router that counts bytes predicts tokens only as
+    closely as it would on vLLM. Deterministic across processes (ids from CRC-32)."""
+    ids = _PIECE_IDS
+    if len(ids) > _PIECE_IDS_MAX:
+        ids.clear()
+    out = []
+    for piece in _PIECE.findall(text):
+        token = ids.get(piece)
+        if token is None:
+            token = ids[piece] = zlib.crc32(piece.encode()) % _VOCAB + _FIRST_TOKEN_ID
+        out.append(token)
+    return out
+
+
+TOKENIZERS = {"bytes": tokenize, "words": tokenize_words}
 
 
 def _canonical(value: Any) -> str:
@@ -193,11 +229,11 @@ def _block_hashes(prompt: _Prompt, block_size: int) -> list[int]:
     return hashes
 
 
-def prompt_blocks(body: Mapping[str, Any], block_size: int) -> tuple[int, list[int]]:
+def prompt_blocks(body: Mapping[str, Any], block_size: int, tokenizer: str = "bytes") -> tuple[int, list[int]]:
     """A text-only chat prompt's length in tokens and the block hashes this simulator caches it by,
     for offline analyses (the benchmark's oracle) that must count exactly as the backends do."""
     text, _ = _render_chat(body)
-    prompt = _Prompt(tokenize(text), {})
+    prompt = _Prompt(TOKENIZERS[tokenizer](text), {})
     return len(prompt.tokens), _block_hashes(prompt, block_size)
 
 
@@ -275,6 +311,7 @@ class SimBackend:
         self.config = config
         self.name = name
         self._pool = BlockPool(config.capacity_blocks)
+        self._tokenize_text = TOKENIZERS[config.tokenizer]
         self._events = EventPublisher(host) if config.kv_events else None
         self._started = int(time.time())
         self._registry = registry = CollectorRegistry()  # per backend: backends in one process keep separate metrics
@@ -393,7 +430,8 @@ class SimBackend:
         return body
 
     def _prompt(self, tokens: list[int], media: Sequence[tuple[int, bytes]], body: Mapping[str, Any]) -> _Prompt:
-        """Attach the extra block keys: media to the block holding its placeholder, vLLM's cache_salt to block 0."""
+        """Attach the extra block keys: media to the block holding its placeholder (found at 4 bytes a
+        token, which the words tokenizer only approximates), vLLM's cache_salt to block 0."""
         block_bytes = self.config.block_size * _BYTES_PER_TOKEN
         extra_keys: dict[int, tuple[bytes, ...]] = {}
         salt = body.get("cache_salt")
@@ -409,7 +447,7 @@ class SimBackend:
     def _completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return tokenize(prompt)
+            return self._tokenize_text(prompt)
         if isinstance(prompt, list) and all(type(token) is int and token >= 0 for token in prompt):
             return prompt
         raise _ApiError(400, "prompt must be a string or a list of token ids (batches are not simulated)")
@@ -428,7 +466,7 @@ class SimBackend:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         text, media = _render_chat(body)
-        return await self._generate(request, body, self._prompt(tokenize(text), media, body), chat=True)
+        return await self._generate(request, body, self._prompt(self._tokenize_text(text), media, body), chat=True)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -518,11 +556,11 @@ class SimBackend:
 
     async def _render(self, request: web.Request) -> web.Response:
         text, _ = _render_chat(await self._body(request))
-        return _json({"prompt": text, "prompt_token_ids": tokenize(text)})
+        return _json({"prompt": text, "prompt_token_ids": self._tokenize_text(text)})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        tokens = tokenize(_render_chat(body)[0]) if "messages" in body else self._completion_tokens(body)
+        tokens = self._tokenize_text(_render_chat(body)[0]) if "messages" in body else self._completion_tokens(body)
         return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.config.max_model_len})
 
     async def _reset(self, request: web.Request) -> web.Response:

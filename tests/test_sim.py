@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.sim import SimConfig, add_arguments, config_from_args, serve, tokenize
+from bench.sim import SimConfig, add_arguments, config_from_args, serve, tokenize, tokenize_words
 
 MODEL = '{model_name="sim-model"}'
 FAST = SimConfig(block_size=16, token_s=0.0, step_s=0.0)
@@ -569,3 +569,21 @@ def test_a_request_waits_for_blocks_while_others_pin_the_cache():
         test,
         SimConfig(block_size=4, capacity_blocks=12, max_num_seqs=4, token_s=0.0, step_s=0.05),
     )
+
+
+def test_the_words_tokenizer_gives_tokens_of_varying_length_as_a_real_tokenizer_does():
+    from bench.prompts import PromptBuilder
+
+    assert len(tokenize_words(" the quick brown")) == 5  # " the", " quic", "k", " brow", "n"
+    same = tokenize_words(" quick quick")
+    assert same[:2] == same[2:] and len(set(same[:2])) == 2  # equal pieces, equal ids
+    text = PromptBuilder("sim-model", 4.0, 1).block_text(7) * 4
+    assert 3.0 < len(text) / len(tokenize_words(text)) < 4.0  # the tiny model: about 3.5 bytes a token
+
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        status, reply, _ = await post(session, urls[0] + "/v1/completions", {"prompt": text, "max_tokens": 1})
+        assert status == 200 and reply["usage"]["prompt_tokens"] == len(tokenize_words(text))
+
+    run(test, SimConfig(tokenizer="words", token_s=0.0, step_s=0.0))
+    with pytest.raises(ValueError, match="tokenizer"):
+        SimConfig(tokenizer="sentencepiece")

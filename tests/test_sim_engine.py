@@ -132,7 +132,7 @@ def test_the_vllm_cpu_preset_is_flags_the_simulator_takes_and_later_sim_args_ove
         ["bench", "compare", "--trace", "t.jsonl", "--out", "o", "--sim-as-vllm-cpu", "--sim-arg=--step-s=0.01"]
     )
     options = cli._compare_options(args)
-    assert options.sim_block_tokens == VLLM_BLOCK_TOKENS
+    assert options.sim_block_tokens == VLLM_BLOCK_TOKENS and options.sim_tokenizer == "words"
     parser = argparse.ArgumentParser()
     sim.add_arguments(parser)
     config = sim.config_from_args(parser.parse_args(["--port", "0", *options.sim_args]))
