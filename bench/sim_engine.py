@@ -196,6 +196,7 @@ class Engine:
             self.end_step(step)
 
     def duration(self, step: Sequence[Request]) -> float:
+        """How long the planned step runs: its fixed part plus each request's tokens and context."""
         cost = self._cost.step_s
         for request in step:
             cost += self._cost.of(request.computed - request.scheduled, request.scheduled)
