@@ -46,7 +46,16 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """Every scenario in this module runs through each of LAYOUTS."""
     # The 4 MB prompt (about a million tokens) needs a long-context model with a KV cache to hold
     # it, and would take 20 s of prefill at the default speed.
-    sim_args = ["--token-s", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
+    sim_args = [
+        "--token-s",
+        "0.000001",
+        "--max-num-batched-tokens",
+        "2000000",
+        "--max-model-len",
+        "2000000",
+        "--capacity-blocks",
+        "70000",
+    ]
     workdir = tmp_path_factory.mktemp(request.param)
     with Stack(workdir, sims=4, sim_args=sim_args, **LAYOUTS[request.param]) as running:
         yield running

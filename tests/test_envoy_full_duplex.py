@@ -22,7 +22,16 @@ MODEL = "sim-model"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    sim_args = ["--token-s", "0.000001", "--max-model-len", "2000000", "--capacity-blocks", "70000"]
+    sim_args = [
+        "--token-s",
+        "0.000001",
+        "--max-num-batched-tokens",
+        "2000000",
+        "--max-model-len",
+        "2000000",
+        "--capacity-blocks",
+        "70000",
+    ]
     workdir = tmp_path_factory.mktemp("duplex")
     with Stack(workdir, sims=4, sim_args=sim_args, **layout_for("full_duplex")) as running:
         yield running
