@@ -261,6 +261,7 @@ class Engine:
 
     @staticmethod
     def _schedule_tokens(request: Request, take: int, step: list[Request]) -> int:
+        """Put `take` tokens of the request into the step; return them, for the budget."""
         request.scheduled = take
         request.computed += take
         step.append(request)
@@ -272,12 +273,12 @@ class Engine:
         full = min(len(request.hashes), tokens // size)  # hashed blocks whose tokens are all scheduled
         anonymous = max(0, -(-tokens // size) - max(full, request.pinned))
         hashes = request.hashes[request.pinned : full]
-        more = max(0, anonymous - request.anonymous)
+        more = anonymous - request.anonymous  # below 0 when a partial block became a full, hashed one
         if not self.pool.can_acquire(hashes, more):
             return False
-        self.pool.acquire(hashes, more)
-        if anonymous < request.anonymous:  # a partial block became a full, hashed one
-            self.pool.release([], request.anonymous - anonymous)
+        if more < 0:
+            self.pool.release([], -more)
+        self.pool.acquire(hashes, max(0, more))
         request.pinned, request.anonymous = max(full, request.pinned), anonymous
         return True
 

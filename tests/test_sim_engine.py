@@ -110,6 +110,16 @@ def test_a_running_request_that_cannot_grow_preempts_the_latest_one_which_recomp
     assert built.pool.match(newer.hashes, 3) == 3  # its blocks went to the free queue, still cached
 
 
+def test_a_chunk_that_completes_a_partial_block_needs_no_extra_block():
+    """The first chunk ends inside a block (held unhashed); the next fills it, and it becomes a
+    cached block in place: a cache with room for exactly the prompt must not preempt."""
+    built, preempted = engine(capacity=3, budget=6)
+    full, out = request(list(range(12)), output_tokens=1)  # three blocks exactly
+    built.waiting.append(full)
+    assert step(built) == {id(full): 6} and built.pool.pinned == 2  # one full block, one partial
+    assert step(built) == {id(full): 6} and preempted == [] and out == [0]
+
+
 def test_a_step_costs_its_fixed_part_plus_its_tokens_plus_their_context():
     cost = StepCost(step_s=0.01, token_s=0.001, pair_s=0.0001)
     assert cost.of(0, 4) == pytest.approx(4 * 0.001 + (1 + 2 + 3 + 4) * 0.0001)  # each token sees those before it
