@@ -11,6 +11,20 @@ from typing import Any
 
 import orjson
 
+# Simulated backends for multi-MB prompts (about a million tokens): a long context, a KV cache to
+# hold it, fast prefill, and a step budget that prefills it in one step (at the default budget the
+# fixed cost of some 500 steps would add seconds to each request).
+LONG_PROMPT_SIM = (
+    "--token-s",
+    "0.000001",
+    "--max-num-batched-tokens",
+    "2000000",
+    "--max-model-len",
+    "2000000",
+    "--capacity-blocks",
+    "70000",
+)
+
 
 def post(url: str, body: Any, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions"):
     """POST and read the whole response: (status, headers, parsed or raw body)."""

@@ -19,7 +19,7 @@ import pytest
 
 from bench.stack import PICKER_GATEWAY, Stack, layout_for
 from bench.workload import text
-from tests.e2e import eventually, get, metric, post
+from tests.e2e import LONG_PROMPT_SIM, eventually, get, metric, post
 
 pytestmark = pytest.mark.envoy
 
@@ -44,20 +44,8 @@ LAYOUTS = {
 )
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Every scenario in this module runs through each of LAYOUTS."""
-    # The 4 MB prompt (about a million tokens) needs a long-context model with a KV cache to hold
-    # it, and would take 20 s of prefill at the default speed.
-    sim_args = [
-        "--token-s",
-        "0.000001",
-        "--max-num-batched-tokens",
-        "2000000",
-        "--max-model-len",
-        "2000000",
-        "--capacity-blocks",
-        "70000",
-    ]
     workdir = tmp_path_factory.mktemp(request.param)
-    with Stack(workdir, sims=4, sim_args=sim_args, **LAYOUTS[request.param]) as running:
+    with Stack(workdir, sims=4, sim_args=LONG_PROMPT_SIM, **LAYOUTS[request.param]) as running:
         yield running
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from bench.stack import Stack, layout_for
 from bench.workload import text
-from tests.e2e import post
+from tests.e2e import LONG_PROMPT_SIM, post
 
 pytestmark = pytest.mark.envoy
 
@@ -22,18 +22,8 @@ MODEL = "sim-model"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    sim_args = [
-        "--token-s",
-        "0.000001",
-        "--max-num-batched-tokens",
-        "2000000",
-        "--max-model-len",
-        "2000000",
-        "--capacity-blocks",
-        "70000",
-    ]
     workdir = tmp_path_factory.mktemp("duplex")
-    with Stack(workdir, sims=4, sim_args=sim_args, **layout_for("full_duplex")) as running:
+    with Stack(workdir, sims=4, sim_args=LONG_PROMPT_SIM, **layout_for("full_duplex")) as running:
         yield running
 
 
