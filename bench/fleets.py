@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from bench import oracle
+from bench import oracle, sim
 from bench.prompts import PromptBuilder
 from bench.stack import dev_command, free_port, spawn, stop, wait_http
 from bench.trace import TraceRequest
@@ -92,7 +92,7 @@ class SimFleet(Fleet):
         sim_args: Sequence[str] = (),
         block_tokens: int = SIM_BLOCK_TOKENS,
         longest_prompt: int = 0,
-        tokenizer: str = "bytes",
+        tokenizer: str = sim.DEFAULT_TOKENIZER,
     ) -> None:
         """Like vLLM, a backend must hold its longest prompt: below that, the cache is raised to it."""
         self.model = "sim-model"

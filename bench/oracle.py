@@ -87,7 +87,7 @@ def _make_room(cache: dict[int, int], farthest: list[tuple[int, int]], pinned: s
     return len(cache) < capacity
 
 
-def simulated_prompts(bodies: Iterable[dict], block_size: int, tokenizer: str = "bytes") -> list[Prompt]:
+def simulated_prompts(bodies: Iterable[dict], block_size: int, tokenizer: str = sim.DEFAULT_TOKENIZER) -> list[Prompt]:
     """Prompts in the simulator's own units: its template, tokenizer and block size."""
     return [sim.prompt_blocks(body, block_size, tokenizer) for body in bodies]
 

@@ -42,6 +42,7 @@ MAX_MODEL_LEN = 131_072
 """Reported by /tokenize and /v1/models but not enforced: benchmarks send multi-MB prompts."""
 
 _BYTES_PER_TOKEN = 4
+DEFAULT_TOKENIZER = "bytes"  # every 4 bytes a token: the exact arithmetic tests rely on
 _VOCAB = 50_000
 _FIRST_TOKEN_ID = 100  # ids below are left to special tokens, as in real vocabularies
 _SHUTDOWN_S = 1.0  # how long in-flight requests may finish when the server stops
@@ -78,7 +79,7 @@ class SimConfig:
         default=MAX_MODEL_LEN, metadata={"help": "context length: longer prompt + max_tokens get a 400 at once"}
     )
     tokenizer: str = field(
-        default="bytes",
+        default=DEFAULT_TOKENIZER,
         metadata={
             "help": "bytes: every 4 bytes a token (exact arithmetic for tests); words: tokens of varying length, "
             "as a real tokenizer's"
@@ -229,7 +230,9 @@ def _block_hashes(prompt: _Prompt, block_size: int) -> list[int]:
     return hashes
 
 
-def prompt_blocks(body: Mapping[str, Any], block_size: int, tokenizer: str = "bytes") -> tuple[int, list[int]]:
+def prompt_blocks(
+    body: Mapping[str, Any], block_size: int, tokenizer: str = DEFAULT_TOKENIZER
+) -> tuple[int, list[int]]:
     """A text-only chat prompt's length in tokens and the block hashes this simulator caches it by,
     for offline analyses (the benchmark's oracle) that must count exactly as the backends do."""
     text, _ = _render_chat(body)
