@@ -38,6 +38,14 @@ METRICS = (
     "vllm:time_to_first_token_seconds_sum",
     "vllm:time_to_first_token_seconds_count",
     "vllm:num_preemptions_total",  # running requests put back to wait for KV blocks (recomputed later)
+    # where the engines' time to first token goes: waiting to be scheduled, then scheduled until the
+    # first token; the rest is the server's front end (parsing, templating, tokenizing)
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_sum",
+    # engine steps and the tokens they computed
+    "vllm:iteration_tokens_total_sum",
+    "vllm:iteration_tokens_total_count",
 )
 
 
@@ -179,6 +187,10 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": round(statistics.median(ordered), 1), "p90": pick(0.9), "p99": pick(0.99)}
 
 
+def _mean_ms(total_s: float, count: float) -> float | None:
+    return round(1000 * total_s / count, 1) if count else None
+
+
 def summarize(
     records: list[Record], before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], wall_s: float
 ) -> dict[str, Any]:
@@ -191,8 +203,10 @@ def summarize(
     mean = statistics.mean(per_backend.values()) if per_backend else 0
     firsts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     ttft = _percentiles(firsts)
-    engine_ttft = sum(d["vllm:time_to_first_token_seconds_sum"] for d in delta.values())
-    engine_firsts = sum(d["vllm:time_to_first_token_seconds_count"] for d in delta.values())
+    engine = {k: sum(d[k] for d in delta.values()) for k in METRICS}
+    engine_firsts = engine["vllm:time_to_first_token_seconds_count"]
+    scheduled = engine["vllm:request_queue_time_seconds_count"]
+    steps = engine["vllm:iteration_tokens_total_count"]
     e2e = _percentiles([r.e2e_ms for r in ok])
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     predicted = [r for r in ok if r.predicted_tokens is not None and r.prompt_tokens]
@@ -206,7 +220,11 @@ def summarize(
         "ttft_p50_ms": ttft["p50"],
         "ttft_p90_ms": ttft["p90"],
         "ttft_p99_ms": ttft["p99"],
-        "engine_ttft_mean_ms": round(1000 * engine_ttft / engine_firsts, 1) if engine_firsts else None,
+        "engine_ttft_mean_ms": _mean_ms(engine["vllm:time_to_first_token_seconds_sum"], engine_firsts),
+        "engine_queue_mean_ms": _mean_ms(engine["vllm:request_queue_time_seconds_sum"], scheduled),
+        "engine_prefill_mean_ms": _mean_ms(engine["vllm:request_prefill_time_seconds_sum"], scheduled),
+        "engine_steps": int(steps),
+        "engine_tokens_per_step": round(engine["vllm:iteration_tokens_total_sum"] / steps, 1) if steps else None,
         "engine_preemptions": int(sum(d["vllm:num_preemptions_total"] for d in delta.values())),
         "ttft_mean_ms": round(statistics.mean(firsts), 1) if firsts else None,
         "e2e_p50_ms": e2e["p50"],

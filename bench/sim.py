@@ -45,6 +45,7 @@ _BYTES_PER_TOKEN = 4
 DEFAULT_TOKENIZER = "bytes"  # every 4 bytes a token: the exact arithmetic tests rely on
 _VOCAB = 50_000
 _FIRST_TOKEN_ID = 100  # ids below are left to special tokens, as in real vocabularies
+_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # the timing histograms'
 _SHUTDOWN_S = 1.0  # how long in-flight requests may finish when the server stops
 _MAX_BODY_BYTES = 256 * 1024 * 1024  # aiohttp's 1 MiB default would refuse the multi-MB benchmark prompts
 _MESSAGE_FIELDS = ("name", "tool_call_id", "tool_calls")  # besides role and content, what templates render
@@ -340,6 +341,22 @@ class SimBackend:
         preemptions = PromCounter(
             "vllm:num_preemptions", "Running requests put back to wait for KV blocks.", by_model, registry=registry
         ).labels(**model)
+        timing = {
+            "vllm:request_queue_time_seconds": "Seconds from arrival to first scheduling.",
+            "vllm:request_prefill_time_seconds": "Seconds from first scheduling to the first token.",
+            "vllm:time_to_first_token_seconds": "Seconds from arrival to the first token.",
+        }
+        self._timing = {
+            name: Histogram(name, documentation, by_model, buckets=_SECONDS_BUCKETS, registry=registry).labels(**model)
+            for name, documentation in timing.items()
+        }
+        self._step_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens computed per engine step.",
+            by_model,
+            buckets=(1, 8, 64, 512, 2048, 16384),
+            registry=registry,
+        ).labels(**model)
         self._engine = Engine(
             self._pool,
             config.block_size,
@@ -349,6 +366,7 @@ class SimBackend:
             self._events,
             on_admit=self._admitted,
             on_preempt=preemptions.inc,
+            on_step=self._stepped,
         )
         gauges = {
             "vllm:num_requests_running": ("Requests in the running batch.", lambda: len(self._engine.running)),
@@ -399,9 +417,17 @@ class SimBackend:
     async def _stop_engine(self, app: web.Application) -> None:
         await self._engine.close()
 
-    def _admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self._queries.inc(prompt_tokens)
-        self._hits.inc(cached_tokens)
+    def _admitted(self, request: Request) -> None:
+        self._queries.inc(len(request.tokens))
+        self._hits.inc(request.cached)
+        self._timing["vllm:request_queue_time_seconds"].observe(request.scheduled_at - request.queued_at)
+
+    def _stepped(self, tokens: int, firsts: Sequence[Request]) -> None:
+        self._step_tokens.observe(tokens)
+        now = time.monotonic()  # the engine's clock
+        for request in firsts:
+            self._timing["vllm:request_prefill_time_seconds"].observe(now - request.scheduled_at)
+            self._timing["vllm:time_to_first_token_seconds"].observe(now - request.queued_at)
 
     def reset_prefix_cache(self) -> None:
         self._pool.clear()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -124,6 +125,8 @@ class Request:
     reported: int = 0  # leading hashed blocks known to be stored (hits, or reported after a step)
     scheduled: int = 0  # tokens it computes in the step being run
     ended: bool = False
+    queued_at: float = 0.0  # when it reached the engine (the engine's clock)
+    scheduled_at: float = 0.0  # when it was first scheduled: queued until then, prefilling after
 
     @property
     def prompt_left(self) -> int:
@@ -142,8 +145,10 @@ class Engine:
         max_num_batched_tokens: int,
         cost: StepCost,
         events: EventPublisher | None,
-        on_admit: Callable[[int, int], None],
+        on_admit: Callable[[Request], None],
         on_preempt: Callable[[], None],
+        on_step: Callable[[int, Sequence[Request]], None] = lambda tokens, firsts: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self._block_size = block_size
@@ -151,14 +156,17 @@ class Engine:
         self._budget = max_num_batched_tokens
         self._cost = cost
         self._events = events
-        self._on_admit = on_admit  # (prompt tokens, cached tokens) on a request's first scheduling
+        self._on_admit = on_admit  # on a request's first scheduling (its `cached` is then known)
         self._on_preempt = on_preempt
+        self._on_step = on_step  # after each step: the tokens it computed, the requests it gave a first token
+        self._clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def submit(self, request: Request) -> None:
+        request.queued_at = self._clock()
         self.waiting.append(request)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -234,7 +242,8 @@ class Engine:
             request.computed = min(present, (prompt - 1) // size) * size  # the last prompt token is computed
             if request.cached < 0:
                 request.cached = request.computed
-                self._on_admit(prompt, request.cached)
+                request.scheduled_at = self._clock()
+                self._on_admit(request)
             take = min(request.prompt_left, budget)
             self._grow(request, request.computed + take)  # fits: the whole prompt did
             self.running.append(request)
@@ -248,6 +257,7 @@ class Engine:
 
     def end_step(self, step: Sequence[Request]) -> None:
         """The step ran: report its stored blocks, hand out its tokens, free what finished."""
+        firsts = []
         for request in step:
             if request.ended:  # its client left during the step
                 continue
@@ -255,9 +265,12 @@ class Engine:
             if request.prompt_left:
                 continue
             request.generated += 1
+            if request.generated == 1:
+                firsts.append(request)
             if request.generated >= request.output_tokens:
                 self.finish(request)  # before the next step is planned, as vLLM frees it
             request.emit(request.generated - 1)
+        self._on_step(sum(request.scheduled for request in step), firsts)
 
     @staticmethod
     def _schedule_tokens(request: Request, take: int, step: list[Request]) -> int:

@@ -411,6 +411,13 @@ def test_metrics_expose_vllm_names_and_values():
         assert running(samples) == 0 and waiting(samples) == 0
         assert samples["vllm:kv_cache_usage_perc" + MODEL] == 0
         assert samples['vllm:cache_config_info{block_size="16",num_gpu_blocks="64"}'] == 1
+        # One step each (the budget holds the prompt, the first token is the last): 100 tokens, then 4.
+        assert samples["vllm:iteration_tokens_total_count" + MODEL] == 2
+        assert samples["vllm:iteration_tokens_total_sum" + MODEL] == 104
+        timing = ("request_queue_time", "request_prefill_time", "time_to_first_token")
+        assert all(samples[f"vllm:{name}_seconds_count" + MODEL] == 2 for name in timing)
+        queued, ttft = (samples[f"vllm:{name}_seconds_sum" + MODEL] for name in (timing[0], timing[2]))
+        assert queued <= ttft == pytest.approx(queued + samples["vllm:request_prefill_time_seconds_sum" + MODEL])
         # Two running requests on one 100-token prompt hold its 6 full blocks once and a partial block
         # each, until their 12th output token needs another (0.6 s of steps away).
         slow = {"prompt": "k" * 400, "max_tokens": 300}

@@ -20,7 +20,7 @@ def engine(capacity: int = 64, budget: int = 16, max_num_seqs: int = 8) -> tuple
         budget,
         StepCost(0.0, 0.0, 0.0),
         None,
-        on_admit=lambda prompt, cached: None,
+        on_admit=lambda request: None,
         on_preempt=lambda: preempted.append(1),
     )
     return built, preempted
@@ -148,3 +148,26 @@ def test_the_vllm_cpu_preset_is_flags_the_simulator_takes_and_later_sim_args_ove
     config = sim.config_from_args(parser.parse_args(["--port", "0", *options.sim_args]))
     assert (config.max_num_seqs, config.token_s, config.step_s) == (128, 0.0000235, 0.01)
     assert config.attention_s > 0 and options.sim_args[: len(VLLM_CPU_SIM_ARGS)] == VLLM_CPU_SIM_ARGS
+
+
+def test_each_step_reports_its_tokens_and_the_requests_it_gave_a_first_token():
+    steps: list[tuple[int, list[int]]] = []
+    built = Engine(
+        BlockPool(64),
+        BLOCK,
+        8,
+        16,
+        StepCost(0.0, 0.0, 0.0),
+        None,
+        on_admit=lambda request: None,
+        on_preempt=lambda: None,
+        on_step=lambda tokens, firsts: steps.append((tokens, [id(r) for r in firsts])),
+    )
+    long, _ = request(list(range(20)), output_tokens=2)
+    short, _ = request([99] * 4, output_tokens=2)
+    built.waiting.extend([long, short])
+    for _ in range(3):
+        step(built)
+    # 16 of the long prompt; its last 4 and the short one's 4, which give both their first token;
+    # then a decode token each.
+    assert steps == [(16, []), (8, [id(long), id(short)]), (2, [])]
