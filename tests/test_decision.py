@@ -72,6 +72,24 @@ def test_overloaded_needs_both_the_absolute_and_the_relative_gate(load: float, l
     assert overloaded(load, least, SETTINGS) is expected
 
 
+def test_under_cache_pressure_the_gates_widen_for_sessions_and_heads():
+    moved = run(session_backend=A, loads=loads(a=9))  # past both gates, as above
+    assert moved.label == Label.LOAD_OVERRIDE
+    kept = run(session_backend=A, loads=loads(a=9), gate_factor=2.0)  # 36 < 2 * 32
+    assert (kept.label, kept.backend) == (Label.SESSION_MATCH, A)
+    homed = run(home=A, loads=loads(a=9), gate_factor=2.0)
+    assert (homed.label, homed.backend) == (Label.PREFIX_HOME, A)
+    assert run(session_backend=A, loads=loads(a=17), gate_factor=2.0).label == Label.LOAD_OVERRIDE  # 68 > 64
+
+
+def test_a_head_goes_home_only_while_nothing_holds_any_of_it_and_home_is_within_the_gates():
+    assert run(home=B, loads=loads(b=2)).backend == B  # B is busier than A and C, yet within the gates
+    assert run(home=B, loads=loads(b=2)).label == Label.PREFIX_HOME
+    assert run(home=B, loads=loads(b=9)).label == Label.LEAST_LOADED  # past both gates: placed by load
+    assert run({C: 2}, home=B).backend == C  # some of it is cached: the cache decides, not the home
+    assert run(home="10.0.0.9:8000").label == Label.LEAST_LOADED  # a home that is not a candidate
+
+
 def test_a_backend_holding_half_the_prompt_keeps_it_against_a_cheaper_cost():
     # B holds 10 of 20 blocks (the stick ratio); A is idle, B carries 2 requests (8 blocks): by cost
     # alone A (20 novel) would lose to B (10 novel + 8 load) anyway, so make B dearer: 3 requests.

@@ -15,6 +15,7 @@ from bench.workload import text
 from extproc.core.backends import Backend
 from extproc.core.decision import Decision, Label
 from extproc.core.errors import InvalidRequest
+from extproc.core.pressure import MAX_GATE_FACTOR
 from extproc.core.request import PromptRequest, parse_request
 from extproc.core.router import Exchange, ResponseStart, Router
 from extproc.core.settings import Settings
@@ -150,10 +151,74 @@ def test_identical_requests_do_not_herd():
     assert set(picks) == {A, B, C, D}
 
 
-def test_concurrent_identical_requests_spread_by_reservations():
+def test_concurrent_identical_requests_share_a_home_until_it_is_past_the_gates_then_spread():
     router = make_router()
-    decisions = [router.begin(chat([], None, "same"), FLEET, 0).decision for _ in range(4)]
-    assert {d.backend for d in decisions} == {A, B, C, D}
+    decisions = [router.begin(chat([], None, "same"), FLEET, 0).decision for _ in range(8)]
+    home = decisions[0].backend
+    assert (decisions[1].backend, decisions[1].label) == (home, Label.PREFIX_HOME)  # not learned yet
+    assert all(d.backend == home for d in decisions if d.label == Label.PREFIX_HOME)
+    assert {d.backend for d in decisions} == {A, B, C, D}  # reservations push the rest elsewhere
+
+
+def test_a_head_no_cache_shows_any_more_goes_where_it_was_first_placed():
+    router = make_router()
+    home = serve(router, chat([], "s1", "first question"), 0).backend
+    router.reset_backend(home, None)  # its cache turned over: the picture shows the head nowhere
+    held = occupy(router, home, 2)  # busier than the rest, within the gates
+    decision = router.begin(chat([], "s2", "another question"), FLEET, 1).decision
+    assert (decision.backend, decision.label) == (home, Label.PREFIX_HOME)
+    assert decision.matched_blocks == 0
+    for r in held:
+        r.finish()
+
+
+def test_a_head_whose_home_left_is_placed_again_and_homed_there():
+    router = make_router()
+    first = serve(router, chat([], "s1", "first question"), 0).backend
+    router.remove_backend(first)
+    rest = [b for b in FLEET if b.address != first]
+    second = serve(router, chat([], "s2", "second question"), 1, rest).backend
+    assert second != first
+    router.reset_backend(second, None)
+    held = occupy(router, second, 2)
+    again = router.begin(chat([], "s3", "third question"), rest, 2).decision
+    assert (again.backend, again.label) == (second, Label.PREFIX_HOME)
+    for r in held:
+        r.finish()
+
+
+def take_turns(router: Router, conversations: int, turns: int) -> None:
+    """Conversations with prompts of their own (about 6 blocks, then 4 more a turn) taking turns on one backend."""
+    histories = [[{"role": "system", "content": text(RNG, 3000)}] for _ in range(conversations)]
+    for turn in range(turns):
+        for number, history in enumerate(histories):
+            history.append({"role": "user", "content": text(RNG, 1000)})
+            body = {"model": "m", "messages": history}
+            serve(router, parse_request(body, {"x-session-id": f"c{number}"}), turn, [Backend(A)])
+            history.append({"role": "assistant", "content": text(RNG, 1000)})
+
+
+def test_conversations_that_find_their_context_evicted_widen_the_balance_gates():
+    starved = make_router(capacity_blocks=200)  # twelve conversations of 10-46 blocks: each evicts the others
+    take_turns(starved, 12, 10)
+    assert starved.pressure.lost > 0.5 and starved.pressure.gate_factor() == MAX_GATE_FACTOR
+    roomy = make_router(capacity_blocks=200)  # two of them fit
+    take_turns(roomy, 2, 10)
+    assert roomy.pressure.lost == 0 and roomy.pressure.gate_factor() == 1.0
+
+
+def test_under_pressure_a_conversation_stays_where_load_alone_would_move_it():
+    router = make_router()
+    decisions = converse(router, 3, "busy")
+    home = decisions[0].backend
+    held = occupy(router, home, 30)
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    for _ in range(40):
+        router.pressure.returned(100, 40)  # conversations keep finding most of their context gone
+    stayed = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
+    assert (stayed.backend, stayed.label) == (home, Label.SESSION_MATCH)
+    for r in held:
+        r.finish()
 
 
 def test_removed_backend_is_never_chosen_again():

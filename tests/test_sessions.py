@@ -106,3 +106,12 @@ def test_a_tenant_header_scopes_session_ids():
     b = derive_session_key({"x-session-id": "s1", "x-tenant": "b"}, {}, ("x-session-id",), "x-tenant")
     assert a != b and a.endswith("session:s1")
     assert derive_session_key({"x-session-id": "s1"}, {}, ("x-session-id",), "") == "session:s1"
+
+
+def test_a_binding_remembers_how_many_blocks_the_last_prompt_put_there():
+    table = SessionTable(ttl_s=10, capacity=10, key=bytes(16))
+    table.bind("s1", "A", 0, 42)
+    assert table.binding("s1", 1) == ("A", 42) and table.get("s1", 1) == "A"
+    table.bind_digest(table.bind("s2", "B", 0), "C", 1)  # a sibling's binding: the size is not known here
+    assert table.binding("s2", 2) == ("C", 0)
+    assert table.binding("s1", 11) is None  # expired

@@ -32,6 +32,7 @@ class Label(StrEnum):
 
     SESSION_MATCH = "session_match"
     PREFIX_MATCH = "prefix_match"
+    PREFIX_HOME = "prefix_home"  # no cache shows the prompt's head: sent where that head was first placed
     LEAST_LOADED = "least_loaded"
     LOAD_OVERRIDE = "load_override"
     NO_CANDIDATES = "no_candidates"
@@ -66,6 +67,9 @@ class Decision:
     candidates: list[CandidateCost]
     reservation: Reservation | None = None
     picture_blocks: int = 0  # what kvroute's picture held on the chosen backend, before trust (trust.py)
+    # A returning conversation: blocks its last prompt put on its backend, and how many of them the
+    # picture still shows there (pressure.py)
+    returning: tuple[int, int] | None = None
 
     def explain(self) -> dict[str, Any]:
         """A JSON-ready account of the decision."""
@@ -92,9 +96,10 @@ class Decision:
         }
 
 
-def overloaded(load: float, least: float, settings: Settings) -> bool:
-    """Past both gates: busier than the least loaded by an absolute amount and by a ratio."""
-    return load - least > settings.balance_abs_gate and load > settings.balance_rel_gate * least
+def overloaded(load: float, least: float, settings: Settings, factor: float = 1.0) -> bool:
+    """Past both gates, each widened by `factor`: busier than the least loaded by an absolute
+    amount and by a ratio."""
+    return load - least > factor * settings.balance_abs_gate and load > factor * settings.balance_rel_gate * least
 
 
 def decide(
@@ -108,8 +113,12 @@ def decide(
     settings: Settings,
     turn: int,
     now: float,
+    home: str | None = None,
+    gate_factor: float = 1.0,
 ) -> Decision:
-    """Choose among candidates. `turn` rotates ties so identical requests do not herd.
+    """Choose among candidates. `turn` rotates ties so identical requests do not herd. `home`:
+    where the prompt's head was first placed (homes.py), taken when no candidate holds any of it.
+    `gate_factor`: how much the balance gates are widened under cache pressure (pressure.py).
 
     FALLBACK is never chosen here: Router.fallback gives it to requests it could not read.
     """
@@ -140,10 +149,18 @@ def decide(
     session_full = session is None and any(c.backend == session_backend for c in costs)
     holder = max(room, key=lambda c: c.matched)
     sticky = total_blocks > 0 and holder.matched >= settings.prefix_stick_ratio * total_blocks
-    if session is not None and not overloaded(session.load, least, settings):
+    homed = next((c for c in room if c.backend == home), None) if best_prefix == 0 else None
+    if session is not None and not overloaded(session.load, least, settings, gate_factor):
         chosen, label = session, Label.SESSION_MATCH
-    elif session is None and not session_full and sticky and not overloaded(holder.load, least, settings):
+    elif session is None and not session_full and sticky and not overloaded(holder.load, least, settings, gate_factor):
         chosen, label = holder, Label.PREFIX_MATCH
+    elif (
+        session is None
+        and not session_full
+        and homed is not None
+        and not overloaded(homed.load, least, settings, gate_factor)
+    ):
+        chosen, label = homed, Label.PREFIX_HOME
     else:
         tied = [c for c in ranked if c.cost <= ranked[0].cost]
         chosen = tied[turn % len(tied)]

@@ -21,9 +21,11 @@ from extproc.core.chain import BlockHasher, TokenHasher, extra_digest
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision, Label, decide
 from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineSample
+from extproc.core.homes import PrefixHomes
 from extproc.core.index import BoundedIndex, LocalIndex, LocationIndex
 from extproc.core.load import LoadTracker, Reservation
 from extproc.core.precise import PreciseIndex
+from extproc.core.pressure import CachePressure
 from extproc.core.replicas import ReplicaLink
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
@@ -141,8 +143,10 @@ class Router:
         "bytes_per_token",
         "churn",
         "hasher",
+        "homes",
         "index",
         "loads",
+        "pressure",
         "replicas",
         "sessions",
         "settings",
@@ -160,6 +164,8 @@ class Router:
         self.tokenizer: PromptTokenizer | None = None
         self.churn = ChurnMeter(settings.churn_half_life_s)
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
+        self.homes = PrefixHomes()
+        self.pressure = CachePressure()  # approximate mode: how much returning conversations find evicted
         self.loads = LoadTracker()
         self.replicas: ReplicaLink | None = None  # sibling replicas to tell what is learned and bound
         self.stats = Stats()
@@ -274,14 +280,19 @@ class Router:
         """Dry run: the decision `begin` would make now, with no reservation and not counted."""
         candidates = [b.address for b in backends if b.serves(request.model)]
         chain = self.chain_of(request)
-        session_backend = None
+        session_backend, session_blocks = None, 0
         if request.session_key is not None:
-            session_backend = self.sessions.get(request.session_key, now)
-            if session_backend is not None and session_backend not in candidates:
+            binding = self.sessions.binding(request.session_key, now)
+            if binding is not None and binding[0] not in candidates:
                 self.sessions.forget(request.session_key)
-                session_backend = None
+            elif binding is not None:
+                session_backend, session_blocks = binding
         picture = self.index.lookup(chain, candidates, now)
-        matched = self.trust.apply(picture) if self.settings.prediction_trust and not self.precise else picture
+        trusted = self.settings.prediction_trust and not self.precise
+        matched = self.trust.apply(picture) if trusted else picture
+        home = self.homes.get(chain[0]) if chain else None
+        if trusted and home is not None and self.trust.of(home) < 1.0:
+            home = None  # the engine contradicts kvroute's picture there: a home would pull like a held prefix
         churn = {backend: self.churn.rate(backend, now) for backend in candidates}
         bootstrap = not request.followup or not chain
         self._turn += 1
@@ -296,9 +307,13 @@ class Router:
             self.settings,
             self._turn,
             now,
+            home,
+            self.pressure.gate_factor(),
         )
         if decision.backend is not None:
             decision.picture_blocks = picture.get(decision.backend, 0)
+        if session_backend is not None and session_blocks:
+            decision.returning = (session_blocks, picture.get(session_backend, 0))
         return decision
 
     def begin(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Exchange:
@@ -310,7 +325,10 @@ class Router:
         request.tokens = None
         predicted = decision.matched_blocks
         index = self.index
+        if decision.returning is not None:
+            self.pressure.returned(*decision.returning)
         if decision.backend is not None:
+            self._place_home(request, decision)
             decision.reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
             if isinstance(index, PreciseIndex):  # the engine confirms later; until then the blocks are pending
                 chain = self.chain_of(request)
@@ -324,6 +342,15 @@ class Router:
                     self.loads.get(decision.backend).await_progress(decision.reservation)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, predicted, self.bytes_per_token)
+
+    def _place_home(self, request: PromptRequest, decision: Decision) -> None:
+        """The first placement of a prompt head (or the first since its home left) becomes its home."""
+        chain = self.chain_of(request)
+        if not chain:
+            return
+        home = self.homes.get(chain[0])
+        if home is None or all(c.backend != home for c in decision.candidates):
+            self.homes.place(chain[0], decision.backend)
 
     def _await_prefill(self, block: tuple[str, int], reservation: Reservation) -> None:
         """Hold the reservation's prefill until the engine stores the prompt's last block (streaming
@@ -411,7 +438,7 @@ class Router:
                 replicas.learned(backend, chain)
         self.stats.learned += 1
         if request.session_key is not None:
-            session = self.sessions.bind(request.session_key, backend, now)
+            session = self.sessions.bind(request.session_key, backend, now, len(self.chain_of(request)))
             if replicas is not None:
                 replicas.bound(session, backend)
         return added
@@ -435,6 +462,7 @@ class Router:
         self.reset_backend(backend, None)
         self._progressing.discard(backend)
         self.loads.remove_backend(backend)
+        self.homes.remove_backend(backend)
         self._starts.pop(backend, None)
         self.bytes_per_token.forget(backend)
 

@@ -64,7 +64,8 @@ def _unscoped_key(headers: Mapping[str, str], body: Mapping[str, Any], session_h
 
 
 class SessionTable:
-    """digest(session key) -> (backend, last access), with a TTL and LRU capacity."""
+    """digest(session key) -> (backend, last access, blocks of its last prompt there), with a TTL
+    and LRU capacity."""
 
     __slots__ = ("_bindings", "_capacity", "_key", "_ttl")
 
@@ -72,7 +73,7 @@ class SessionTable:
         self._ttl = ttl_s
         self._capacity = capacity
         self._key = key
-        self._bindings: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._bindings: OrderedDict[bytes, tuple[str, float, int]] = OrderedDict()
 
     def _digest(self, session_key: str) -> bytes:
         return hashlib.blake2b(session_key.encode("utf-8", "surrogatepass"), key=self._key, digest_size=16).digest()
@@ -93,6 +94,12 @@ class SessionTable:
 
     def get(self, session_key: str, now: float) -> str | None:
         """The bound backend, or None if unbound or expired (an expired binding is dropped)."""
+        binding = self.binding(session_key, now)
+        return None if binding is None else binding[0]
+
+    def binding(self, session_key: str, now: float) -> tuple[str, int] | None:
+        """The bound backend and how many blocks the session's last prompt put there (0: not known
+        here, e.g. bound by another replica), or None if unbound or expired (then dropped)."""
         key = self._digest(session_key)
         binding = self._bindings.get(key)
         if binding is None:
@@ -100,21 +107,21 @@ class SessionTable:
         if binding[1] < now - self._ttl:
             del self._bindings[key]
             return None
-        return binding[0]
+        return binding[0], binding[2]
 
-    def bind(self, session_key: str, backend: str, now: float) -> bytes:
+    def bind(self, session_key: str, backend: str, now: float, blocks: int = 0) -> bytes:
         """Bind (or refresh) a session; returns its digest, the only form it is shared in."""
         key = self._digest(session_key)
-        self.bind_digest(key, backend, now)
+        self.bind_digest(key, backend, now, blocks)
         return key
 
-    def bind_digest(self, key: bytes, backend: str, now: float) -> None:
+    def bind_digest(self, key: bytes, backend: str, now: float, blocks: int = 0) -> None:
         """Bind by digest: what another replica shared (same hash key, so the same digest). A binding
         older than the one held changes nothing (a sibling's snapshot may be replayed late)."""
         held = self._bindings.get(key)
         if held is not None and held[1] > now:
             return
-        self._bindings[key] = (backend, now)
+        self._bindings[key] = (backend, now, blocks)
         self._bindings.move_to_end(key)
         while len(self._bindings) > self._capacity:
             self._bindings.popitem(last=False)
@@ -126,7 +133,7 @@ class SessionTable:
     def remove_backend(self, backend: str, before: float = float("inf")) -> int:
         """Drop the bindings to a backend that left (or whose cache was emptied after `before`: the
         bindings used since may already point at its new content); return how many."""
-        gone = [key for key, (bound, seen) in self._bindings.items() if bound == backend and seen <= before]
+        gone = [key for key, (bound, seen, _) in self._bindings.items() if bound == backend and seen <= before]
         for key in gone:
             del self._bindings[key]
         return len(gone)
@@ -135,7 +142,7 @@ class SessionTable:
         """Bindings are in last-use order, so expired ones sit at the front."""
         cutoff = now - self._ttl
         while self._bindings:
-            key, (_, seen) = next(iter(self._bindings.items()))
+            key, (_, seen, _) = next(iter(self._bindings.items()))
             if seen >= cutoff:
                 return
             del self._bindings[key]

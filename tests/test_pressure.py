@@ -1,0 +1,51 @@
+"""Cache pressure and prefix homes: the two memories that keep a starved fleet from copying contexts."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.core import homes
+from extproc.core.homes import PrefixHomes
+from extproc.core.pressure import MAX_GATE_FACTOR, CachePressure
+
+
+def test_nothing_lost_keeps_the_configured_gates():
+    pressure = CachePressure()
+    for _ in range(100):
+        pressure.returned(50, 50)
+        pressure.returned(50, 80)  # more than before (another conversation shares its head): nothing lost
+    assert pressure.lost == 0 and pressure.gate_factor() == 1.0
+
+
+def test_the_gates_widen_with_the_share_lost_and_stop_at_the_cap():
+    pressure = CachePressure()
+    pressure.returned(0, 0)  # no known previous prompt: no sample
+    assert pressure.lost == 0
+    for _ in range(200):
+        pressure.returned(100, 75)
+    assert pressure.lost == pytest.approx(0.25, abs=1e-3)
+    assert pressure.gate_factor() == pytest.approx(0.75**-5, rel=1e-2)  # about 4
+    for _ in range(200):
+        pressure.returned(100, 0)
+    assert pressure.gate_factor() == MAX_GATE_FACTOR
+
+
+def test_a_running_mean_recovers_when_contexts_survive_again():
+    pressure = CachePressure()
+    for _ in range(100):
+        pressure.returned(100, 0)
+    for _ in range(100):
+        pressure.returned(100, 100)
+    assert pressure.lost < 0.01
+
+
+def test_homes_are_bounded_least_recently_used_first_out(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(homes, "CAPACITY", 3)
+    table = PrefixHomes()
+    for head in range(3):
+        table.place(head, "A")
+    assert table.get(0) == "A"  # used: now the most recent
+    table.place(3, "B")
+    assert len(table) == 3 and table.get(1) is None and table.get(0) == "A"
+    table.remove_backend("A")
+    assert len(table) == 1 and table.get(3) == "B"
