@@ -126,6 +126,15 @@ def test_probes_state_and_metrics():
         metrics = (await (await monitoring.get("/metrics")).read()).decode()
         assert f'kvroute_backend_prediction_trust{{backend="{A}"}} 0.25' in metrics
         assert (await _json(await client.get("/debug/state")))["prediction_trust"] == {A: 0.25}
+        assert "kvroute_balance_gate_factor 1.0" in metrics and "kvroute_prefix_homes 0.0" in metrics
+        for _ in range(100):
+            router.pressure.returned(100, 50)  # conversations find half their context evicted
+        router.homes.place(7, A)
+        metrics = (await (await monitoring.get("/metrics")).read()).decode()
+        assert "kvroute_cache_pressure 0.49" in metrics and "kvroute_balance_gate_factor 16.0" in metrics
+        assert "kvroute_prefix_homes 1.0" in metrics
+        state = await _json(await client.get("/debug/state"))
+        assert state["prefix_homes"] == 1 and state["cache_pressure"]["gate_factor"] == 16.0
 
     run(scenario)
 

@@ -5,8 +5,8 @@ takes room that, under cache pressure, would have kept some conversation's conte
 index cannot keep a head in one place by itself: when every cache has turned over, it shows the
 head nowhere, the next request that starts with it goes to the least loaded backend, and the head
 ends up copied everywhere. Its home says where to send such a request instead, while that backend
-is within the balance gates. Keyed by the first block of the chain, which is already a keyed hash
-of the prompt (and of its tenant's salt, where it has one); bounded, least recently used first out.
+is within the balance gates. Keyed by the first block of the chain, itself a keyed hash of the
+prompt's head; bounded, least recently used first out.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ class Router:
         self.churn = ChurnMeter(settings.churn_half_life_s)
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
         self.homes = PrefixHomes()
-        self.pressure = CachePressure()  # approximate mode: how much returning conversations find evicted
+        self.pressure = CachePressure()  # how much of their context returning conversations find evicted
         self.loads = LoadTracker()
         self.replicas: ReplicaLink | None = None  # sibling replicas to tell what is learned and bound
         self.stats = Stats()
@@ -575,5 +575,10 @@ class Router:
             "resets": {str(reason): count for reason, count in self.stats.resets.items()},
             "bytes_per_token": round(self.bytes_per_token.value, 3),
             "prediction_trust": {b: round(t, 3) for b, t in self.trust.values.items()},
+            "prefix_homes": len(self.homes),
+            "cache_pressure": {
+                "lost": round(self.pressure.lost, 4),
+                "gate_factor": round(self.pressure.gate_factor(), 3),
+            },
             "engine_events": dict(self.stats.events),
         }

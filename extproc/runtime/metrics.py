@@ -44,6 +44,17 @@ class _RouterCollector(Collector):
             "canonical prompt bytes per engine token, learned from the engines' prompt-token counters",
             value=state["bytes_per_token"],
         )
+        yield GaugeMetricFamily(
+            "kvroute_cache_pressure",
+            "share of their previous prompt that returning conversations find evicted (running mean)",
+            value=state["cache_pressure"]["lost"],
+        )
+        yield GaugeMetricFamily(
+            "kvroute_balance_gate_factor",
+            "how much wider than configured the balance gates are under cache pressure",
+            value=state["cache_pressure"]["gate_factor"],
+        )
+        yield GaugeMetricFamily("kvroute_prefix_homes", "prompt heads with a home backend", value=state["prefix_homes"])
         reserved = GaugeMetricFamily("kvroute_backend_reserved_blocks", "prefill blocks reserved", labels=["backend"])
         active = GaugeMetricFamily("kvroute_backend_active_requests", "requests in flight", labels=["backend"])
         for backend, load in state["load"].items():
