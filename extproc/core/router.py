@@ -308,7 +308,7 @@ class Router:
             self._turn,
             now,
             home,
-            self.pressure.gate_factor(),
+            self.pressure.gate_factor() if self.settings.cache_pressure_gates else 1.0,
         )
         if decision.backend is not None:
             decision.picture_blocks = picture.get(decision.backend, 0)

@@ -153,6 +153,13 @@ class Settings:
         "that the engine's own prefix-cache counters confirm (vllm:prefix_cache_hits_total), at most 1.",
         policy="predictionTrust",
     )
+    cache_pressure_gates: bool = _setting(
+        True,
+        "Widen the balance gates that let a session or a prompt head leave its backend as returning "
+        "conversations find their previous prompt evicted (kvroute_cache_pressure), up to 16 times: a "
+        "starved fleet then stops copying contexts into every cache. Off: the configured gates always.",
+        policy="cachePressureGates",
+    )
     new_session_load_weight: float = _setting(
         2.0,
         "Load multiplier when placing a bootstrap request: it decides where a whole conversation will live.",
