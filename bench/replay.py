@@ -197,13 +197,13 @@ def summarize(
     """One run's figures; the hit rate is the backends' own count."""
     ok = [r for r in records if r.status == 200]
     delta = {b: {k: after[b][k] - before[b][k] for k in METRICS} for b in after}
-    queries = sum(d["vllm:prefix_cache_queries_total"] for d in delta.values())
-    hits = sum(d["vllm:prefix_cache_hits_total"] for d in delta.values())
+    engine = {k: sum(d[k] for d in delta.values()) for k in METRICS}  # the whole fleet's
+    queries = engine["vllm:prefix_cache_queries_total"]
+    hits = engine["vllm:prefix_cache_hits_total"]
     per_backend = {b: int(d["vllm:request_success_total"]) for b, d in delta.items()}
     mean = statistics.mean(per_backend.values()) if per_backend else 0
     firsts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     ttft = _percentiles(firsts)
-    engine = {k: sum(d[k] for d in delta.values()) for k in METRICS}
     engine_firsts = engine["vllm:time_to_first_token_seconds_count"]
     scheduled = engine["vllm:request_queue_time_seconds_count"]
     steps = engine["vllm:iteration_tokens_total_count"]
@@ -225,7 +225,7 @@ def summarize(
         "engine_prefill_mean_ms": _mean_ms(engine["vllm:request_prefill_time_seconds_sum"], scheduled),
         "engine_steps": int(steps),
         "engine_tokens_per_step": round(engine["vllm:iteration_tokens_total_sum"] / steps, 1) if steps else None,
-        "engine_preemptions": int(sum(d["vllm:num_preemptions_total"] for d in delta.values())),
+        "engine_preemptions": int(engine["vllm:num_preemptions_total"]),
         "ttft_mean_ms": round(statistics.mean(firsts), 1) if firsts else None,
         "e2e_p50_ms": e2e["p50"],
         "e2e_p90_ms": e2e["p90"],

@@ -424,10 +424,9 @@ class SimBackend:
 
     def _stepped(self, tokens: int, firsts: Sequence[Request]) -> None:
         self._step_tokens.observe(tokens)
-        now = time.monotonic()  # the engine's clock
         for request in firsts:
-            self._timing["vllm:request_prefill_time_seconds"].observe(now - request.scheduled_at)
-            self._timing["vllm:time_to_first_token_seconds"].observe(now - request.queued_at)
+            self._timing["vllm:request_prefill_time_seconds"].observe(request.first_token_at - request.scheduled_at)
+            self._timing["vllm:time_to_first_token_seconds"].observe(request.first_token_at - request.queued_at)
 
     def reset_prefix_cache(self) -> None:
         self._pool.clear()

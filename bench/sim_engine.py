@@ -127,6 +127,7 @@ class Request:
     ended: bool = False
     queued_at: float = 0.0  # when it reached the engine (the engine's clock)
     scheduled_at: float = 0.0  # when it was first scheduled: queued until then, prefilling after
+    first_token_at: float = 0.0  # when the step that made its first output token ended
 
     @property
     def prompt_left(self) -> int:
@@ -266,6 +267,7 @@ class Engine:
                 continue
             request.generated += 1
             if request.generated == 1:
+                request.first_token_at = self._clock()
                 firsts.append(request)
             if request.generated >= request.output_tokens:
                 self.finish(request)  # before the next step is planned, as vLLM frees it

@@ -98,12 +98,17 @@ def test_new_session_sharing_system_prompt_goes_where_it_is_cached_unless_loaded
         r.finish()
 
 
+def busy_session(router: Router) -> tuple[str, list, list[dict[str, Any]]]:
+    """A three-turn session "busy" whose backend then carries 30 more requests than the others:
+    its backend, the held requests (release them) and a history for its next turn."""
+    home = converse(router, 3, "busy")[0].backend
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    return home, occupy(router, home, 30), history
+
+
 def test_imbalance_overrides_session_affinity():
     router = make_router()
-    decisions = converse(router, 3, "busy")
-    home = decisions[0].backend
-    held = occupy(router, home, 30)
-    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    home, held, history = busy_session(router)
     moved = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
     assert moved.backend != home
     assert moved.label == Label.LOAD_OVERRIDE
@@ -209,10 +214,7 @@ def test_conversations_that_find_their_context_evicted_widen_the_balance_gates()
 
 def test_under_pressure_a_conversation_stays_where_load_alone_would_move_it():
     router = make_router()
-    decisions = converse(router, 3, "busy")
-    home = decisions[0].backend
-    held = occupy(router, home, 30)
-    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    home, held, history = busy_session(router)
     for _ in range(40):
         router.pressure.returned(100, 40)  # conversations keep finding most of their context gone
     stayed = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
