@@ -90,6 +90,16 @@ def test_a_head_goes_home_only_while_nothing_holds_any_of_it_and_home_is_within_
     assert run(home="10.0.0.9:8000").label == Label.LEAST_LOADED  # a home that is not a candidate
 
 
+def test_among_backends_holding_as_much_of_a_prompt_its_home_keeps_it():
+    # A copy of B's head went to A while B was busy; B is no longer past the gates, A is idle.
+    copied = {A: 12, B: 12}
+    decision = run(copied, home=B, loads=loads(b=3))  # by cost alone A: 8 novel against B's 8 + 12
+    assert (decision.label, decision.backend) == (Label.PREFIX_MATCH, B)
+    assert run(copied, loads=loads(b=3)).backend == A  # no home known: the cheaper copy
+    assert run(copied, home=B, loads=loads(b=9)).backend == A  # home past both gates: the copy serves
+    assert run({A: 14, B: 12}, home=B).backend == A  # more of it elsewhere (a conversation): not the home
+
+
 def test_a_backend_holding_half_the_prompt_keeps_it_against_a_cheaper_cost():
     # B holds 10 of 20 blocks (the stick ratio); A is idle, B carries 2 requests (8 blocks): by cost
     # alone A (20 novel) would lose to B (10 novel + 8 load) anyway, so make B dearer: 3 requests.

@@ -13,7 +13,9 @@ spread the fleet's cache evenly instead of overfilling one backend.
 Two bindings win outright unless their backend is past both balance gates: a session's, and
 that of a backend already holding at least `prefix_stick_ratio` of the prompt. Moving such a
 request would not only recompute its prefix but copy the conversation into a second cache,
-which under cache pressure evicts someone else's.
+which under cache pressure evicts someone else's. Where several backends hold as much of it, the
+prompt head's home (homes.py) is that backend: otherwise one copy made while the home was busy
+would draw half of the head's new conversations into a second cache for good.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ def decide(
     gate_factor: float = 1.0,
 ) -> Decision:
     """Choose among candidates. `turn` rotates ties so identical requests do not herd. `home`:
-    where the prompt's head was first placed (homes.py), taken when no candidate holds any of it.
+    where the prompt's head was first placed (homes.py), taken when no candidate holds any of it
+    and preferred among those holding the most of it.
     `gate_factor`: how much the balance gates are widened under cache pressure (pressure.py).
 
     FALLBACK is never chosen here: Router.fallback gives it to requests it could not read.
@@ -147,9 +150,11 @@ def decide(
 
     session = next((c for c in room if c.backend == session_backend), None)
     session_full = session is None and any(c.backend == session_backend for c in costs)
+    homed = next((c for c in room if c.backend == home), None)
     holder = max(room, key=lambda c: c.matched)
+    if homed is not None and homed.matched >= holder.matched:
+        holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
     sticky = total_blocks > 0 and holder.matched >= settings.prefix_stick_ratio * total_blocks
-    homed = next((c for c in room if c.backend == home), None) if best_prefix == 0 else None
     if session is not None and not overloaded(session.load, least, settings, gate_factor):
         chosen, label = session, Label.SESSION_MATCH
     elif session is None and not session_full and sticky and not overloaded(holder.load, least, settings, gate_factor):
@@ -157,6 +162,7 @@ def decide(
     elif (
         session is None
         and not session_full
+        and best_prefix == 0
         and homed is not None
         and not overloaded(homed.load, least, settings, gate_factor)
     ):
