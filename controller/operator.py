@@ -21,6 +21,7 @@ from aiohttp import web
 from kubernetes_asyncio import client, config
 
 from controller import crd, logic
+from controller.late_crds import Insights, follow_late_crd
 from controller.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
@@ -86,14 +87,18 @@ async def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup(registry=REGISTRY)
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Quiet kopf (no events), load API credentials, start the reconciler and probes. CRDs are
-    watched so an InferencePool CRD installed after the operator starts is followed without a restart,
-    unless kopf's rescans all come before discovery serves it (docs/kubernetes.md)."""
+    watched so an InferencePool CRD installed after the operator starts is followed without a restart;
+    when kopf's rescans on its events all come before discovery serves it, `follow_late_crd` finds it."""
     settings.posting.enabled = False
     settings.peering.mandatory = True
     settings.peering.priority = random.randint(1, 1_000_000)  # distinct priorities: one replica leads
     client.Configuration.set_default(await _client_configuration())
     memo.reconciler = Reconciler(_patch_status)
     memo.reconciler_task = asyncio.create_task(memo.reconciler.run())
+    memo.late_crd_tasks = [
+        asyncio.create_task(follow_late_crd(memo.insights, settings, REGISTRY, group, plural))
+        for group, plural in ((crd.GROUP, crd.PLURAL), (crd.POOL_GROUP, crd.POOL_PLURAL))
+    ]
     memo.health = web.AppRunner(_health_app(memo.reconciler), access_log=None)
     await memo.health.setup()
     await web.TCPSite(memo.health, memo.health_host, memo.health_port).start()
@@ -101,9 +106,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
 
 @kopf.on.cleanup(registry=REGISTRY)
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    memo.reconciler_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await memo.reconciler_task
+    for task in (memo.reconciler_task, *memo.late_crd_tasks):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await memo.health.cleanup()
 
 
@@ -147,5 +153,6 @@ def changed(
 def main(health_host: str = "0.0.0.0", health_port: int = 8080) -> None:
     """Blocking entry point: all namespaces, peering on; /healthz and /readyz on the health port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    memo = kopf.Memo(health_host=health_host, health_port=health_port)
-    kopf.run(registry=REGISTRY, clusterwide=True, peering_name="kvroute", memo=memo)
+    insights = Insights()  # what kopf follows; shared so that late CRDs can be looked up again
+    memo = kopf.Memo(health_host=health_host, health_port=health_port, insights=insights)
+    kopf.run(registry=REGISTRY, clusterwide=True, peering_name="kvroute", memo=memo, insights=insights)

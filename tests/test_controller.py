@@ -10,6 +10,7 @@ import pytest
 
 import controller.operator as operator
 from controller import logic
+from controller.late_crds import Insights
 from controller.reconciler import Reconciler
 from tests.k8s_objects import inference_pool, pod, policy, pool_policy
 
@@ -253,11 +254,13 @@ def test_startup_configures_kopf_quietly(monkeypatch):
         return operator.client.Configuration(host="https://127.0.0.1:1")
 
     monkeypatch.setattr(operator, "_client_configuration", local)
-    memo = kopf.Memo(health_host="127.0.0.1", health_port=0)
+    memo = kopf.Memo(health_host="127.0.0.1", health_port=0, insights=Insights())
 
     async def scenario() -> None:
         await operator.start(settings=settings, memo=memo)
+        assert len(memo.late_crd_tasks) == 2 and not any(task.done() for task in memo.late_crd_tasks)
         await operator.stop(memo=memo)
+        assert all(task.cancelled() for task in memo.late_crd_tasks)
 
     asyncio.run(scenario())
     assert settings.posting.enabled is False and settings.scanning.disabled is False  # a later pool CRD is seen
