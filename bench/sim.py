@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import choose_encoder
 
-from bench.sim_engine import BlockPool, Engine, Request, StepCost
+from bench.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
 from bench.sim_events import EventPublisher
 
 MAX_MODEL_LEN = 131_072
@@ -50,7 +50,13 @@ _SHUTDOWN_S = 1.0  # how long in-flight requests may finish when the server stop
 _MAX_BODY_BYTES = 256 * 1024 * 1024  # aiohttp's 1 MiB default would refuse the multi-MB benchmark prompts
 _MESSAGE_FIELDS = ("name", "tool_call_id", "tool_calls")  # besides role and content, what templates render
 _FILLER = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " while", " blocks", " warm")
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+_FAILED = "the engine failed while running this request"
+_FAILED_EVENT = (
+    b"data: "
+    + orjson.dumps({"error": {"message": _FAILED, "type": _ERROR_TYPES[500], "param": None, "code": 500}})
+    + b"\n\n"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,8 +538,9 @@ class SimBackend:
         if not stream:
             self._engine.submit(job)
             try:
-                while await out.get() < length - 1:
-                    pass
+                while (token := await out.get()) < length - 1:
+                    if token == ENGINE_FAILED:
+                        raise _ApiError(500, _FAILED)
             finally:
                 self._engine.finish(job)
             self._finished(len(prompt.tokens), finish_reason)
@@ -546,15 +553,16 @@ class SimBackend:
         await response.prepare(request)
         self._engine.submit(job)
         try:
-            await self._stream(response, reply, out, length, finish_reason, chat)
-            if include_usage:
+            completed = await self._stream(response, reply, out, length, finish_reason, chat)
+            if completed and include_usage:
                 await response.write(reply.usage_chunk(_usage(len(prompt.tokens), length, job.cached)))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             return response  # the client left; finishing the job already freed its blocks
         finally:
             self._engine.finish(job)
-        self._finished(len(prompt.tokens), finish_reason)
+        if completed:
+            self._finished(len(prompt.tokens), finish_reason)
         return response
 
     def _finished(self, prompt_tokens: int, finish_reason: str) -> None:
@@ -569,18 +577,23 @@ class SimBackend:
         length: int,
         finish_reason: str,
         chat: bool,
-    ) -> None:
+    ) -> bool:
         """Send the output tokens as the engine's steps make them: one event per wake-up, with
-        every token made since (a chat stream first names the speaker, as vLLM's does)."""
+        every token made since (a chat stream first names the speaker, as vLLM's does). False if
+        the engine failed instead: an error event was sent."""
         sent = 0
         while sent < length:
             last = await out.get()
             while not out.empty():
                 last = out.get_nowait()
+            if last == ENGINE_FAILED:  # as vLLM's stream reports an error: an error event, then [DONE]
+                await response.write(_FAILED_EVENT)
+                return False
             if chat and not sent:
                 await response.write(reply.chunk("", None, role=True))
             await response.write(reply.chunk(_filler(sent, last + 1), finish_reason if last + 1 == length else None))
             sent = last + 1
+        return True
 
     async def _render(self, request: web.Request) -> web.Response:
         text, _ = _render_chat(await self._body(request))

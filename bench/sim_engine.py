@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.sim_events import EventPublisher
+
+log = logging.getLogger(__name__)
+
+# Told to every request in the engine, instead of a token index, when a step fails: its server
+# answers 500 (or ends the stream) rather than waiting for tokens that will never come.
+ENGINE_FAILED = -1
 
 
 class BlockPool:
@@ -195,6 +202,21 @@ class Engine:
         request.pinned = request.anonymous = 0
 
     async def _run(self) -> None:
+        """Run steps while there is work. A step that raises fails every request in the engine, as
+        vLLM's dead engine core fails its server's requests; the next `submit` starts afresh."""
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception(
+                "an engine step failed; failing the %d requests in the engine", len(self.running) + len(self.waiting)
+            )
+            for request in [*self.running, *self.waiting]:
+                self.finish(request)
+                request.emit(ENGINE_FAILED)
+
+    async def _steps(self) -> None:
         while True:
             step = self.plan_step()
             if not step:

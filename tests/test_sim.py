@@ -594,3 +594,37 @@ def test_the_words_tokenizer_gives_tokens_of_varying_length_as_a_real_tokenizer_
     run(test, SimConfig(tokenizer="words", token_s=0.0, step_s=0.0))
     with pytest.raises(ValueError, match="tokenizer"):
         SimConfig(tokenizer="sentencepiece")
+
+
+def test_a_failing_engine_step_answers_500_or_an_error_event_and_the_next_request_is_served(monkeypatch):
+    from bench.sim_engine import Engine
+
+    plan = Engine.plan_step
+    failures = [1, 1]  # the next two steps raise: one per request below
+
+    def plan_or_fail(self: Engine) -> list:
+        if failures and (self.waiting or self.running):
+            failures.pop()
+            raise RuntimeError("a bug in a step")
+        return plan(self)
+
+    monkeypatch.setattr(Engine, "plan_step", plan_or_fail)
+
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        await asyncio.wait_for(requests(session, urls), timeout=20)  # a request left waiting fails, not hangs
+
+    async def requests(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0] + "/v1/chat/completions"
+        status, reply, _ = await post(session, url, chat("one"))
+        assert status == 500 and reply["error"]["type"] == "InternalServerError" and reply["error"]["code"] == 500
+        async with session.post(url, json=chat("two", stream=True)) as response:
+            assert response.status == 200  # the headers went out before the engine ran it
+            events = (await response.text()).split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        assert orjson.loads(events[-3].removeprefix("data: "))["error"]["code"] == 500
+        status, reply, _ = await post(session, url, chat("three"))
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4  # a fresh engine loop served it
+        samples = await scrape(session, urls[0])
+        assert running(samples) == 0 and waiting(samples) == 0
+
+    run(test)

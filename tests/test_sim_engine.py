@@ -3,9 +3,11 @@ block pool holds meanwhile. Steps are planned and ended by hand, so nothing here
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from bench.sim_engine import BlockPool, Engine, Request, StepCost
+from bench.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
 
 BLOCK = 4
 
@@ -171,3 +173,33 @@ def test_each_step_reports_its_tokens_and_the_requests_it_gave_a_first_token():
     # 16 of the long prompt; its last 4 and the short one's 4, which give both their first token;
     # then a decode token each.
     assert steps == [(16, []), (8, [id(long), id(short)]), (2, [])]
+
+
+def test_a_step_that_raises_fails_every_request_in_the_engine_and_the_next_submit_starts_afresh(monkeypatch):
+    built, _ = engine()
+    running, running_out = request([1] * 8, output_tokens=5)
+    waiting, waiting_out = request([2] * 8)
+    built.waiting.append(running)
+    step(built)  # running holds blocks now
+    built.waiting.append(waiting)
+    planned = built.plan_step
+
+    def broken() -> list[Request]:
+        raise RuntimeError("a bug in a step")
+
+    async def scenario() -> list[int]:
+        monkeypatch.setattr(built, "plan_step", broken)
+        later, later_out = request([3] * 8, output_tokens=1)
+        built.submit(later)  # starts the loop, whose first step raises
+        await asyncio.sleep(0.01)
+        assert built.pool.pinned == 0 and not built.running and not built.waiting
+        monkeypatch.setattr(built, "plan_step", planned)
+        again, again_out = request([4] * 8, output_tokens=1)
+        built.submit(again)
+        await asyncio.sleep(0.01)
+        await built.close()
+        assert later_out == [ENGINE_FAILED]
+        return again_out
+
+    assert asyncio.run(scenario()) == [0]  # served by a fresh loop
+    assert running_out == [0, ENGINE_FAILED] and waiting_out == [ENGINE_FAILED]
