@@ -98,6 +98,7 @@ def test_among_backends_holding_as_much_of_a_prompt_its_home_keeps_it():
     assert run(copied, loads=loads(b=3)).backend == A  # no home known: the cheaper copy
     assert run(copied, home=B, loads=loads(b=9)).backend == A  # home past both gates: the copy serves
     assert run({A: 14, B: 12}, home=B).backend == A  # more of it elsewhere (a conversation): not the home
+    assert run(copied, home=B, loads=loads(b=3), home_ties=False).backend == A  # starved: the cheaper copy
 
 
 def test_a_backend_holding_half_the_prompt_keeps_it_against_a_cheaper_cost():

@@ -30,6 +30,17 @@ def test_the_gates_widen_with_the_share_lost_and_stop_at_the_cap():
     assert pressure.gate_factor() == MAX_GATE_FACTOR
 
 
+def test_homes_keep_their_heads_among_equal_holders_only_while_little_is_lost():
+    pressure = CachePressure()
+    assert pressure.home_ties()
+    for _ in range(200):
+        pressure.returned(100, 85)  # 15 % lost
+    assert pressure.home_ties()
+    for _ in range(200):
+        pressure.returned(100, 70)  # 30 % lost: starved
+    assert not pressure.home_ties()
+
+
 def test_a_running_mean_recovers_when_contexts_survive_again():
     pressure = CachePressure()
     for _ in range(100):

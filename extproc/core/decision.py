@@ -117,11 +117,13 @@ def decide(
     now: float,
     home: str | None = None,
     gate_factor: float = 1.0,
+    home_ties: bool = True,
 ) -> Decision:
     """Choose among candidates. `turn` rotates ties so identical requests do not herd. `home`:
     where the prompt's head was first placed (homes.py), taken when no candidate holds any of it
     and preferred among those holding the most of it.
     `gate_factor`: how much the balance gates are widened under cache pressure (pressure.py).
+    `home_ties`: the home wins among backends holding as much of the prompt (off when starved).
 
     FALLBACK is never chosen here: Router.fallback gives it to requests it could not read.
     """
@@ -152,7 +154,7 @@ def decide(
     session_full = session is None and any(c.backend == session_backend for c in costs)
     homed = next((c for c in room if c.backend == home), None)
     holder = max(room, key=lambda c: c.matched)
-    if homed is not None and homed.matched >= holder.matched:
+    if home_ties and homed is not None and homed.matched >= holder.matched:
         holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
     sticky = total_blocks > 0 and holder.matched >= settings.prefix_stick_ratio * total_blocks
     if session is not None and not overloaded(session.load, least, settings, gate_factor):

@@ -18,6 +18,11 @@ from __future__ import annotations
 WEIGHT = 0.05  # of each returning conversation in the running mean: about the last 20 count
 POWER = 5.0  # 5 % lost: 1.3 times the gates; 25 %: 4.2; 42 %: 15
 MAX_GATE_FACTOR = 16.0  # the gates never widen past this: a backend far busier than the rest still sheds
+# A head's home keeps it among equal holders only while returning conversations lose less than
+# this share: where caches hold what they need, a second copy only wastes room; where they are
+# starved, the copy spreads the head's new conversations over two caches, which paid more on
+# vLLM-CPU (docs/benchmarks.md, "The home among several holders").
+HOME_TIES_MAX_LOST = 0.2
 
 
 class CachePressure:
@@ -35,6 +40,10 @@ class CachePressure:
             return
         lost = max(0.0, 1.0 - matched_blocks / previous_blocks)
         self.lost += WEIGHT * (lost - self.lost)
+
+    def home_ties(self) -> bool:
+        """Whether a head's home still wins among backends holding as much of the prompt."""
+        return self.lost < HOME_TIES_MAX_LOST
 
     def gate_factor(self) -> float:
         """How much wider than configured the balance gates are now."""

@@ -309,6 +309,7 @@ class Router:
             now,
             home,
             self.pressure.gate_factor() if self.settings.cache_pressure_gates else 1.0,
+            self.pressure.home_ties() or not self.settings.cache_pressure_gates,
         )
         if decision.backend is not None:
             decision.picture_blocks = picture.get(decision.backend, 0)
