@@ -219,9 +219,11 @@ def test_under_pressure_a_conversation_stays_where_load_alone_would_move_it():
         router.pressure.returned(100, 40)  # conversations keep finding most of their context gone
     stayed = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
     assert (stayed.backend, stayed.label) == (home, Label.SESSION_MATCH)
+    assert router.state()["cache_pressure"]["gate_factor"] > 1
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", cache_pressure_gates=False))  # operators can turn it off
     moved = router.query(chat(history, "busy", "next"), FLEET, 11)
     assert moved.backend != home and moved.label == Label.LOAD_OVERRIDE
+    assert router.state()["cache_pressure"]["gate_factor"] == 1.0  # what the decisions apply, not the pressure
     for r in held:
         r.finish()
 

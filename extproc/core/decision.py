@@ -14,8 +14,10 @@ Two bindings win outright unless their backend is past both balance gates: a ses
 that of a backend already holding at least `prefix_stick_ratio` of the prompt. Moving such a
 request would not only recompute its prefix but copy the conversation into a second cache,
 which under cache pressure evicts someone else's. Where several backends hold as much of it, the
-prompt head's home (homes.py) is that backend: otherwise one copy made while the home was busy
-would draw half of the head's new conversations into a second cache for good.
+prompt head's home (homes.py) is that backend while the caches hold what returning conversations
+need (`home_ties`): otherwise one copy made while the home was busy would draw half of the head's
+new conversations into a second cache for good. Where caches are starved that copy spreads them,
+which pays more, so the cheaper holder is taken.
 """
 
 from __future__ import annotations

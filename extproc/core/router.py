@@ -308,8 +308,7 @@ class Router:
             self._turn,
             now,
             home,
-            self.pressure.gate_factor() if self.settings.cache_pressure_gates else 1.0,
-            self.pressure.home_ties() or not self.settings.cache_pressure_gates,
+            *self._pressure_terms(),
         )
         if decision.backend is not None:
             decision.picture_blocks = picture.get(decision.backend, 0)
@@ -343,6 +342,14 @@ class Router:
                     self.loads.get(decision.backend).await_progress(decision.reservation)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, predicted, self.bytes_per_token)
+
+    def _pressure_terms(self) -> tuple[float, bool]:
+        """What cache pressure does to decisions now: the balance gates' factor, and whether a
+        head's home wins among equal holders (the configured gates and ties when
+        `cache_pressure_gates` is off)."""
+        if not self.settings.cache_pressure_gates:
+            return 1.0, True
+        return self.pressure.gate_factor(), self.pressure.home_ties()
 
     def _place_home(self, request: PromptRequest, decision: Decision) -> None:
         """The first placement of a prompt head (or the first since its home left) becomes its home."""
@@ -579,7 +586,7 @@ class Router:
             "prefix_homes": len(self.homes),
             "cache_pressure": {
                 "lost": round(self.pressure.lost, 4),
-                "gate_factor": round(self.pressure.gate_factor(), 3),
+                "gate_factor": round(self._pressure_terms()[0], 3),  # as decisions apply it
             },
             "engine_events": dict(self.stats.events),
         }

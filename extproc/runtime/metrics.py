@@ -51,7 +51,7 @@ class _RouterCollector(Collector):
         )
         yield GaugeMetricFamily(
             "kvroute_balance_gate_factor",
-            "how much wider than configured the balance gates are under cache pressure",
+            "how much wider than configured the balance gates are under cache pressure (1 with cachePressureGates off)",
             value=state["cache_pressure"]["gate_factor"],
         )
         yield GaugeMetricFamily("kvroute_prefix_homes", "prompt heads with a home backend", value=state["prefix_homes"])
