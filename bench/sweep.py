@@ -18,6 +18,7 @@ import orjson
 
 from bench.compare import CompareOptions, describe, load_requests, prompt_builder, run_router, runnable, start_fleet
 from bench.replay import Pacing
+from bench.trace import chains
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -45,10 +46,24 @@ def goodput(points: dict[float, dict[str, Any]], slo_p90_ms: float) -> float | N
     return max(good, default=None)
 
 
+def check_concurrencies(loads: tuple[float, ...], sessions: int) -> None:
+    """A closed loop gives each client one session at a time, so a concurrency above the trace's
+    sessions offers no more load than the session count: refuse it rather than plot a flat curve
+    as if the routers had absorbed the extra load."""
+    beyond = [load for load in loads if load > sessions]
+    if beyond:
+        raise ValueError(
+            f"concurrency {beyond[0]:g} is more than the trace's {sessions} sessions, which is all a closed "
+            f"loop can keep in flight: use loads up to {sessions}, or a trace with more sessions"
+        )
+
+
 def run(options: SweepOptions) -> dict[str, Any]:
     """Every router at every load; write results.json, summary.md and the two plots."""
     compare = options.compare
     requests = load_requests(compare)
+    if options.closed_loop:
+        check_concurrencies(options.loads, len(chains(requests)))
     out = compare.out
     fleet = start_fleet(compare, requests)
     curves: dict[str, dict[float, dict[str, Any]]] = {}

@@ -128,6 +128,14 @@ def test_goodput_is_the_highest_load_within_the_slo_without_errors():
     assert goodput(points, 50.0) is None
 
 
+def test_a_closed_loop_sweep_refuses_more_clients_than_the_trace_has_sessions():
+    from bench.sweep import check_concurrencies
+
+    check_concurrencies((16.0, 248.0), sessions=248)  # every client can hold a session
+    with pytest.raises(ValueError, match="320 is more than the trace's 248 sessions"):
+        check_concurrencies((16.0, 248.0, 320.0), sessions=248)
+
+
 def test_sweep_runs_every_router_at_every_load(tmp_path):
     from bench import skew
     from bench.sweep import options_from, run
