@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     skew.add_argument("--out", required=True, type=Path)
     skew.add_argument("--seed", type=int, default=0)
     skew.add_argument("--shape", choices=tuple(SHAPES), default="skewed")
+    losses = bench.add_parser("losses", help="where each router of a compare run lost cache reuse (JSON)")
+    losses.add_argument("--results", required=True, type=Path, help="a `bench compare` output folder")
+    losses.add_argument("--trace", required=True, type=Path, help="the trace that run replayed")
+    losses.add_argument("--reference", help="a router of that run to compare the others with, request by request")
     decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
@@ -248,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench import skew
 
         skew.write(args.out, skew.SHAPES[args.shape], seed=args.seed)
+    elif args.command == "bench" and args.bench == "losses":
+        from bench import losses
+
+        print(orjson.dumps(losses.report(args.results, args.trace, args.reference), option=orjson.OPT_INDENT_2).decode())
     elif args.command == "bench" and args.bench == "decisions":
         from bench import decisions
 
