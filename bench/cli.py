@@ -255,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "bench" and args.bench == "losses":
         from bench import losses
 
-        print(orjson.dumps(losses.report(args.results, args.trace, args.reference), option=orjson.OPT_INDENT_2).decode())
+        figures = losses.report(args.results, args.trace, args.reference)
+        print(orjson.dumps(figures, option=orjson.OPT_INDENT_2).decode())
     elif args.command == "bench" and args.bench == "decisions":
         from bench import decisions
 

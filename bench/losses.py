@@ -113,7 +113,8 @@ def live_sessions(run: Sequence[Turn]) -> dict[str, dict[str, float]]:
         }
     if len(backends) == 2:
         a, b = (counts[x] for x in backends)
-        out["imbalance"] = {"live_mean_abs_difference": round(statistics.mean(abs(x - y) for x, y in zip(a, b)), 2)}
+        difference = statistics.mean(abs(x - y) for x, y in zip(a, b, strict=True))
+        out["imbalance"] = {"live_mean_abs_difference": round(difference, 2)}
     return out
 
 

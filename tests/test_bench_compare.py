@@ -22,6 +22,7 @@ from extproc.core.decision import Label
 pytestmark = [pytest.mark.peers, pytest.mark.envoy]
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace_head.jsonl"
+AGENTS = Path(__file__).resolve().parent / "data" / "agents" / "agent-tune-head.jsonl"
 FAST_SIM = ("--token-s", "0.000002", "--step-s", "0.001", "--max-num-seqs", "16")
 
 
@@ -113,6 +114,41 @@ def test_no_router_beats_the_bound_on_multi_turn_chains(tmp_path: Path, ratio: f
     for name, row in results["routers"].items():
         assert row["errors"] == 0, name
         assert 0 < row["hit_rate"] <= row["bound_hit_rate"], name
+
+
+def test_real_agent_sessions_through_kvroute_and_sglang_router_with_their_losses(tmp_path: Path):
+    """The real-agent configuration in small: sessions with their ids, closed loop, prompts capped.
+    `bench losses` reads both routers' records as the trace's sessions: every request a turn, one
+    first turn per session, and kvroute's turns placed on named backends."""
+    from bench.losses import report
+
+    results = run(
+        CompareOptions(
+            trace=AGENTS,
+            limit=96,
+            out=tmp_path,
+            capacity_ratio=0.5,
+            backends=2,
+            routers=("kvroute", "sglang-router-cache_aware"),
+            pacing=Pacing(concurrency=8),
+            max_output_tokens=2,
+            max_input_tokens=4096,
+            sim_args=FAST_SIM,
+        )
+    )
+    for name, row in results["routers"].items():
+        assert row["errors"] == 0, name
+        assert 0 < row["hit_rate"] <= row["bound_hit_rate"], name
+    losses = report(tmp_path, AGENTS, "sglang-router-cache_aware")
+    for name, figures in losses.items():
+        assert figures["requests"] == 96, name
+        firsts = sum(figures["first_turns_by_label"].values())
+        assert firsts + figures["followups"] == 96, name
+        assert firsts == len({r["session_id"] for r in map(orjson.loads, AGENTS.read_bytes().splitlines()[:96])})
+    ours = losses["kvroute"]
+    assert set(ours["first_turns_by_label"]) <= {label.value for label in Label}  # kvroute says why
+    assert ours["returning"] + ours["moved"] == ours["followups"]  # every follow-up's backend is known
+    assert sum(v["live_max"] for k, v in ours["by_backend"].items() if k != "imbalance") > 0
 
 
 def test_goodput_is_the_highest_load_within_the_slo_without_errors():
