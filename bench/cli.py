@@ -211,9 +211,7 @@ def _replay(args: argparse.Namespace) -> None:
     from bench import fleets, replay, trace
     from bench.prompts import PromptBuilder
 
-    requests = trace.read(args.trace, args.limit)
-    if args.max_input_tokens:
-        requests = trace.truncate(requests, args.max_input_tokens)
+    requests = trace.read(args.trace, args.limit, args.max_input_tokens)
     cpt = fleets.chars_per_token(args.backend[0], args.model) if args.backend else 4.0
     builder = PromptBuilder(args.model, cpt, args.max_output_tokens)
     summary = asyncio.run(replay.replay(args.url.rstrip("/"), requests, builder, _pacing(args), args.backend))

@@ -23,7 +23,7 @@ from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
 from bench.sim import DEFAULT_TOKENIZER
 from bench.stack import cpu_seconds
-from bench.trace import BLOCK_TOKENS, TraceRequest, read, truncate, working_set_blocks
+from bench.trace import BLOCK_TOKENS, TraceRequest, read, working_set_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +139,7 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
 
 
 def load_requests(options: CompareOptions) -> list[TraceRequest]:
-    requests = read(options.trace, options.limit)
-    return truncate(requests, options.max_input_tokens) if options.max_input_tokens else requests
+    return read(options.trace, options.limit, options.max_input_tokens)
 
 
 def run(options: CompareOptions) -> dict[str, Any]:

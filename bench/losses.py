@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from bench.trace import BLOCK_TOKENS, TraceRequest, read, truncate
+from bench.trace import BLOCK_TOKENS, TraceRequest, read
 
 THRESHOLD_TOKENS = 256  # a difference of two vLLM-CPU blocks counts as a win or a loss
 POORLY_CACHED = 0.1  # a follow-up that found less than this share of its prompt cached
@@ -35,12 +35,16 @@ class Turn:
     session: str
     backend: str  # "" where the router does not say (sglang-router on vLLM)
     sent_at: float
-    ended_at: float
     prompt_tokens: int
     cached_tokens: int
     decision: str
     reusable_tokens: int  # of its prompt, what the session's previous turn had computed (0 on a first turn)
     previous: Turn | None
+
+    @property
+    def lost_tokens(self) -> int:
+        """Of what its previous turn computed, the tokens it did not find cached."""
+        return max(0, self.reusable_tokens - self.cached_tokens)
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -73,7 +77,6 @@ def turns(requests: Sequence[TraceRequest], records: Sequence[dict[str, Any]]) -
             session,
             record["backend"] or "",
             record["sent_at"],
-            record["sent_at"] + record["e2e_ms"] / 1000,
             record["prompt_tokens"],
             record["cached_tokens"],
             record.get("decision") or "-",  # "-": the router does not say why
@@ -121,11 +124,11 @@ def live_sessions(run: Sequence[Turn]) -> dict[str, dict[str, float]]:
 def summary(run: Sequence[Turn]) -> dict[str, Any]:
     """One router's losses."""
     followups = [t for t in run if t.previous is not None]
-    placed = [t for t in followups if t.backend and t.previous.backend]  # type: ignore[union-attr]
-    returning = [t for t in placed if t.backend == t.previous.backend and t.reusable_tokens]  # type: ignore[union-attr]
-    moved = [t for t in placed if t.backend != t.previous.backend]  # type: ignore[union-attr]
+    placed = [(t, t.previous.backend) for t in followups if t.previous is not None and t.backend and t.previous.backend]
+    returning = [t for t, before in placed if t.backend == before and t.reusable_tokens]
+    moved = [t for t, before in placed if t.backend != before]
     evicted = [t for t in returning if t.cached_tokens < EVICTED * t.reusable_tokens]
-    lost = sum(max(0, t.reusable_tokens - t.cached_tokens) for t in returning)
+    lost = sum(t.lost_tokens for t in returning)
     first_label = {t.session: t.decision for t in run if t.previous is None}
     prompt = sum(t.prompt_tokens for t in run)
     return {
@@ -141,7 +144,7 @@ def summary(run: Sequence[Turn]) -> dict[str, Any]:
         "evicted_by_first_placement": dict(Counter(first_label[t.session] for t in evicted)),
         "evicted_by_backend": dict(Counter(t.backend for t in evicted)),
         "moved": len(moved),
-        "moved_lost_tokens": sum(max(0, t.reusable_tokens - t.cached_tokens) for t in moved),
+        "moved_lost_tokens": sum(t.lost_tokens for t in moved),
         "by_backend": live_sessions([t for t in run if t.backend]),
     }
 
@@ -171,9 +174,7 @@ def report(results_dir: Path, trace: Path, reference: str | None = None) -> dict
     """Every router's losses in a compare run (its results.json and records/), and each against
     `reference` when given."""
     results = orjson.loads((results_dir / "results.json").read_bytes())
-    requests = read(trace, results["requests"])
-    if results.get("max_input_tokens"):
-        requests = truncate(requests, results["max_input_tokens"])
+    requests = read(trace, results["requests"], results.get("max_input_tokens"))
     runs = {
         name: turns(requests, orjson.loads((results_dir / "records" / f"{name}.json").read_bytes()))
         for name in results["routers"]

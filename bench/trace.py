@@ -47,8 +47,9 @@ def _parse(index: int, record: dict[str, Any]) -> TraceRequest:
         raise ValueError(f"line {index + 1}: not a Mooncake record ({exc})") from None
 
 
-def read(path: Path, limit: int | None = None) -> list[TraceRequest]:
-    """The first `limit` requests of a trace, in file order."""
+def read(path: Path, limit: int | None = None, max_input_tokens: int | None = None) -> list[TraceRequest]:
+    """The first `limit` requests of a trace, in file order; with `max_input_tokens`, each prompt
+    cut to that many tokens (`truncate`)."""
     out: list[TraceRequest] = []
     with path.open("rb") as lines:
         for line in lines:
@@ -56,7 +57,7 @@ def read(path: Path, limit: int | None = None) -> list[TraceRequest]:
                 break
             if line.strip():
                 out.append(_parse(len(out), orjson.loads(line)))
-    return out
+    return truncate(out, max_input_tokens) if max_input_tokens else out
 
 
 def truncate(requests: list[TraceRequest], max_input_tokens: int) -> list[TraceRequest]:
