@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from bench.replay import Pacing
+from bench.replay import ORDERS, Pacing
 from extproc.envoy.bootstrap import BODY_MODES
 
 if TYPE_CHECKING:
@@ -96,6 +96,13 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, help="stop sending after this many seconds")
     parser.add_argument("--speedup", type=float, default=10.0, help="divide the trace's arrival times by this")
     parser.add_argument("--concurrency", type=int, help="closed loop with N workers instead of the trace's times")
+    parser.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="sessions",
+        help="closed loop: a worker runs one session to its end (sessions), or sends the earliest-arriving "
+        "request whose session is idle, keeping every started conversation live (arrival)",
+    )
     parser.add_argument("--max-output-tokens", type=int, default=32, help="cap on each request's output")
     parser.add_argument("--max-input-tokens", type=int, help="keep at most this many prompt tokens (whole blocks)")
 
@@ -172,7 +179,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
 
 def _pacing(args: argparse.Namespace) -> Pacing:
     if args.concurrency:
-        return Pacing(concurrency=args.concurrency, duration_s=args.duration)
+        return Pacing(concurrency=args.concurrency, duration_s=args.duration, order=args.order)
     return Pacing(speedup=args.speedup, duration_s=args.duration)
 
 

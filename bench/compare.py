@@ -175,7 +175,11 @@ def run(options: CompareOptions) -> dict[str, Any]:
     results = {
         **describe(options, requests, fleet),
         "working_set_tokens": working_set_tokens,
-        "pacing": {"speedup": options.pacing.speedup, "concurrency": options.pacing.concurrency},
+        "pacing": {
+            "speedup": options.pacing.speedup,
+            "concurrency": options.pacing.concurrency,
+            "order": options.pacing.order,
+        },
         "max_output_tokens": options.max_output_tokens,
         "max_input_tokens": options.max_input_tokens,
         "oracle_hit_rate": round(ideal["lru"], 4),

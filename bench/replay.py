@@ -7,16 +7,21 @@ of `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total`), laten
 requests per backend (deltas of `vllm:request_success_total`) and their max/mean, errors.
 
 Pacing: the trace's own arrival times divided by `speedup`, or a closed loop of `concurrency`
-workers. A session's requests go in order, each after the previous one finished.
+workers. A session's requests go in order, each after the previous one finished. In a closed loop a
+worker either runs one session to its end (`sessions`: only `concurrency` conversations are ever
+live) or takes the earliest-arriving request whose session has nothing in flight (`arrival`: every
+conversation the trace has started stays live between its turns, as agents' do while their tools
+run, so the caches must hold many more contexts than there are requests in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,11 +71,15 @@ class Record:
     decision: str | None = None  # why kvroute chose the backend (x-kvroute-decision)
 
 
+ORDERS = ("sessions", "arrival")  # how a closed loop's workers pick their next request (module docstring)
+
+
 @dataclass(frozen=True, slots=True)
 class Pacing:
     speedup: float | None = None
     concurrency: int | None = None
     duration_s: float | None = None
+    order: str = "sessions"  # one of ORDERS; closed loop only
 
 
 async def scrape(session: aiohttp.ClientSession, backends: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -163,7 +172,9 @@ async def replay(
                 records.append(record)
                 progress.update()
 
-        if pacing.concurrency:
+        if pacing.concurrency and pacing.order == "arrival":
+            await _arrival_order(groups, pacing.concurrency, lambda request: run_chain([request]))
+        elif pacing.concurrency:
             queue = list(reversed(groups))
 
             async def worker() -> None:
@@ -177,6 +188,40 @@ async def replay(
         after = await scrape(session, backends)
     progress.close()
     return summarize(records, before, after, wall)
+
+
+async def _arrival_order(
+    groups: list[list[TraceRequest]], workers: int, send: Callable[[TraceRequest], Awaitable[None]]
+) -> None:
+    """Closed loop in the trace's order: each free worker sends the earliest-arriving request whose
+    session's previous turn has finished; a session's next turn becomes ready when its last ends."""
+    ready: list[tuple[float, int, int]] = [(chain[0].timestamp_ms, chain[0].index, g) for g, chain in enumerate(groups)]
+    heapq.heapify(ready)
+    position = [0] * len(groups)
+    in_flight = 0
+    changed = asyncio.Condition()
+
+    async def worker() -> None:
+        nonlocal in_flight
+        while True:
+            async with changed:
+                await changed.wait_for(lambda: bool(ready) or in_flight == 0)
+                if not ready:
+                    return  # nothing ready and nothing in flight that could make something ready
+                _, _, g = heapq.heappop(ready)
+                in_flight += 1
+            try:
+                await send(groups[g][position[g]])
+            finally:
+                async with changed:
+                    in_flight -= 1
+                    position[g] += 1
+                    if position[g] < len(groups[g]):
+                        following = groups[g][position[g]]
+                        heapq.heappush(ready, (following.timestamp_ms, following.index, g))
+                    changed.notify_all()
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
