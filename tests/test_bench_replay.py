@@ -162,3 +162,39 @@ def test_summary_sets_the_engines_own_ttft_beside_the_clients():
     assert summary["ttft_mean_ms"] == 125.0
     assert summary["engine_preemptions"] == 3
     assert summarize(records, {"a": zero}, {"a": zero}, wall_s=1.0)["engine_ttft_mean_ms"] is None  # simulators
+
+
+def test_arrival_order_sends_the_earliest_ready_turn_and_keeps_sessions_in_order():
+    """A closed loop in arrival order: with two workers, the three sessions' turns go out by
+    arrival, a session never has two turns in flight, and a turn waits for its session's last."""
+    import asyncio
+
+    from bench.replay import _arrival_order
+
+    turns = [
+        TraceRequest(0, 0.0, 10, 1, (1,), "a"),
+        TraceRequest(1, 1.0, 10, 1, (2,), "b"),
+        TraceRequest(2, 2.0, 10, 1, (1,), "a"),
+        TraceRequest(3, 3.0, 10, 1, (3,), "c"),
+        TraceRequest(4, 4.0, 10, 1, (2,), "b"),
+        TraceRequest(5, 5.0, 10, 1, (4,), None),
+    ]
+    sent: list[int] = []
+    flying: set[str | None] = set()
+    most = 0
+
+    async def send(request: TraceRequest) -> None:
+        nonlocal most
+        assert request.session_id is None or request.session_id not in flying
+        flying.add(request.session_id)
+        most = max(most, len(flying))
+        sent.append(request.index)
+        await asyncio.sleep(0.01 * (3 if request.session_id == "a" else 1))
+        flying.discard(request.session_id)
+
+    asyncio.run(_arrival_order(chains(turns), 2, send))
+    # a (slow) and b start; b ends first: its next turn (4) and c's first (3) are ready, c's
+    # arrived first; when c ends, a's second turn (2), the earliest of all, is still waiting for
+    # a's first, so b's goes; a's second goes when a's first ends
+    assert sent == [0, 1, 3, 4, 2, 5]
+    assert most == 2

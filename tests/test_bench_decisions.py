@@ -1,0 +1,27 @@
+"""`bench decisions`, the routing-change detector: deterministic in both index modes, on the real
+agent slice with its own session ids. The digests below are today's routing: a commit that means
+to change routing updates them and says so; a refactor must leave them as they are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import decisions
+
+AGENTS = Path(__file__).resolve().parent / "data" / "agents" / "agent-tune-head.jsonl"
+DIGESTS = {
+    "approximate": "410386ab38f1fbb192cf8ae7a98383ba0e7a71f8feb0f652e66e07c0d34d929a",
+    "precise": "71c4f3864df66227e20d60ca41749b2e80e9317f18f0683f37459fb8d4a927db",
+}
+
+
+@pytest.mark.parametrize("mode", decisions.MODES)
+def test_the_agent_slice_routes_as_it_did_in_both_modes(mode, tmp_path):
+    result = decisions.run(AGENTS, 160, tmp_path / "decisions.txt", mode)
+    assert result["sessions"] == "trace" and result["requests"] == 160
+    # 91 sessions, 69 returning turns: each finds its session where it left it, and its prefix
+    # there (precise mode from the engines' events alone)
+    assert result["labels"]["session_match"] == 69 and result["hit_rate"] > 0.2
+    assert result["digest"] == DIGESTS[mode], (tmp_path / "decisions.txt").read_text()[:2000]
