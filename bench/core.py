@@ -22,8 +22,9 @@ import orjson
 from bench.workload import conversation
 from extproc.core.backends import Backend
 from extproc.core.engine import BlockStored
+from extproc.core.exchange import ResponseStart
 from extproc.core.request import parse_request
-from extproc.core.router import ResponseStart, Router
+from extproc.core.router import Router
 from extproc.core.settings import Settings
 
 BODY_SIZES = (8_000, 84_000, 2_000_000)

@@ -29,7 +29,8 @@ from bench.sim import block_hashes, prompt_tokens
 from bench.sim_engine import BlockPool
 from extproc.core.backends import Backend
 from extproc.core.engine import BlockRemoved, BlockStored, EngineEvent, EngineSample
-from extproc.core.router import Exchange, ResponseStart, Router
+from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.router import Router
 from extproc.core.settings import Settings
 
 MODES = ("approximate", "precise")

@@ -201,11 +201,14 @@ async def _arrival_order(
     in_flight = 0
     changed = asyncio.Condition()
 
+    def can_go() -> bool:  # a turn is ready, or none can become ready: all are sent
+        return bool(ready) or in_flight == 0
+
     async def worker() -> None:
         nonlocal in_flight
         while True:
             async with changed:
-                await changed.wait_for(lambda: bool(ready) or in_flight == 0)
+                await changed.wait_for(can_go)
                 if not ready:
                     return  # nothing ready and nothing in flight that could make something ready
                 _, _, g = heapq.heappop(ready)

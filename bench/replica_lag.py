@@ -22,7 +22,8 @@ from redis.asyncio import Redis
 from bench.store import PASSWORD, RedisServer
 from bench.workload import conversation
 from extproc.core.backends import Backend
-from extproc.core.router import ResponseStart, Router
+from extproc.core.exchange import ResponseStart
+from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.replicas.redis_link import RedisLink
 from extproc.runtime.pool import BackendPool

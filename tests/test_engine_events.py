@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from extproc.core.backends import Backend
 from extproc.core.chain import TokenHasher, extra_digest
 from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineSample
+from extproc.core.exchange import Exchange, Reset, ResponseStart
+from extproc.core.modes import PreciseMode
 from extproc.core.precise import PreciseIndex
 from extproc.core.request import parse_request
-from extproc.core.router import Exchange, Reset, ResponseStart, Router
+from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.vllm.events import EventError, decode
 
@@ -312,7 +314,8 @@ def test_prefill_waits_of_ended_requests_are_swept():
         parsed = parse_request({"model": "m", "messages": [{"role": "user", "content": "q"}]}, {})
         parsed.tokens = [i] * 8
         routing.begin(parsed, [Backend(A)], float(i)).end()  # never confirmed by the engine
-    assert len(routing._prefilling) <= 2048 and routing.loads.snapshot()[A] == (0, 0)
+    assert isinstance(routing.mode, PreciseMode) and len(routing.mode._prefilling) <= 2048
+    assert routing.loads.snapshot()[A] == (0, 0)
 
 
 def test_lora_blocks_serve_only_requests_for_that_adapter():

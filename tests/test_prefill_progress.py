@@ -12,8 +12,9 @@ import orjson
 
 from bench.sim import SimConfig, serve
 from extproc.core.backends import Backend
+from extproc.core.exchange import ResponseStart
 from extproc.core.request import parse_request
-from extproc.core.router import ResponseStart, Router
+from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.subscriber import EventSubscriber

@@ -15,9 +15,11 @@ from bench.workload import text
 from extproc.core.backends import Backend
 from extproc.core.decision import Decision, Label
 from extproc.core.errors import InvalidRequest
+from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.modes import ApproximateMode
 from extproc.core.pressure import MAX_GATE_FACTOR
 from extproc.core.request import PromptRequest, parse_request
-from extproc.core.router import Exchange, ResponseStart, Router
+from extproc.core.router import Router
 from extproc.core.settings import Settings
 from tests.strategies import json_values, messages, shaping
 
@@ -329,7 +331,8 @@ def test_reconfigure_keeps_the_index_unless_chains_change():
     assert router.query(chat([], None, "warm"), FLEET, 1).label == Label.PREFIX_MATCH
     assert router.sessions.get("session:s", 10) is None  # the new session TTL applies at once
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
-    assert router.state()["index_entries"] == 0 and router.hasher.block_size == 256
+    assert router.state()["index_entries"] == 0
+    assert isinstance(router.mode, ApproximateMode) and router.mode.hasher.block_size == 256
 
 
 def test_capacity_auto_sizes_each_backend_from_its_kv_cache():

@@ -13,7 +13,8 @@ import zmq.asyncio
 from aiohttp import web
 
 from extproc.core.backends import Backend
-from extproc.core.router import Reset, Router
+from extproc.core.exchange import Reset
+from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.subscriber import END_SEQ, EventSubscriber, sources

@@ -24,9 +24,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.core.errors import InvalidRequest
+from extproc.core.exchange import ResponseStart
 from extproc.core.leases import LeaseTable
 from extproc.core.request import PromptRequest
-from extproc.core.router import ResponseStart, Router
+from extproc.core.router import Router
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.policy_state import PolicyState
 from extproc.runtime.pool import BackendPool

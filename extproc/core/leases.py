@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 
-from extproc.core.router import Exchange
+from extproc.core.exchange import Exchange
 
 
 class LeaseTable:

@@ -27,8 +27,9 @@ import grpc
 from extproc.core.backends import Backend
 from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
+from extproc.core.exchange import Exchange, ResponseStart
 from extproc.core.request import PromptRequest
-from extproc.core.router import Exchange, ResponseStart, Router
+from extproc.core.router import Router
 from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc

@@ -24,7 +24,8 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from extproc.core.router import Reset, Router
+from extproc.core.exchange import Reset
+from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.events import MAX_BATCH_BYTES, EventBatch, EventError, decode
 

@@ -1,0 +1,95 @@
+"""The values an adapter exchanges with the routing core: what the gateway saw when a response
+began (`ResponseStart`), the core's reading of it (`Outcome`), the handle kept per request
+(`Exchange`), why a backend's picture was dropped (`Reset`), and the core's counters (`Stats`).
+Protocol-neutral: the Envoy processor and the HTTP lease API both speak only these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from extproc.core.calibration import BytesPerToken
+from extproc.core.decision import Decision, Label
+from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored
+from extproc.core.request import PromptRequest
+
+
+class Reset(StrEnum):
+    """Why a backend's cached picture was dropped while the backend stayed in the pool."""
+
+    RESTART = "restart"  # its process start time changed
+    CACHE_CLEARED = "cache_cleared"  # AllBlocksCleared
+    SEQUENCE_RESTART = "sequence_restart"  # its event sequence numbers went back: a new publisher
+    EVENTS_LOST = "events_lost"  # precise mode: events were missed and could not be replayed
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseStart:
+    """What the gateway saw when the response began, in protocol-neutral terms."""
+
+    upstream: str  # the backend that served, as the gateway reports it ("" if it does not say)
+    known: bool  # the upstream is one of the pool's backends
+    status: int  # HTTP status of the response
+    from_upstream: bool  # the backend sent it (not a local reply of the gateway)
+    connect_failed: bool = False  # the gateway could not connect to the upstream
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The core's reading of a response start: what it learned and what to tell the client."""
+
+    served: str  # the backend that served (the chosen one when the gateway does not say)
+    learned: bool
+    refused: bool  # the served backend refused the connection: the adapter should mark it down
+    rerouted: bool  # served by another backend than the first choice
+    headers: tuple[tuple[str, str], ...]
+
+
+class Exchange:
+    """One routed request from decision to end: the handle an adapter keeps per request."""
+
+    __slots__ = ("_ended", "_ratio", "decision", "outcome", "predicted_blocks", "request")
+
+    def __init__(
+        self,
+        request: PromptRequest | None,
+        decision: Decision,
+        predicted_blocks: int = 0,
+        ratio: BytesPerToken | None = None,
+    ) -> None:
+        self.request = request
+        self.decision = decision
+        self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
+        self.outcome: Outcome | None = None
+        self._ratio = ratio  # told the request's size when it ends, beside the engine's token count
+        self._ended = False
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def end(self) -> bool:
+        """Release whatever the request still holds. True the first time, False after."""
+        if self._ended:
+            return False
+        self._ended = True
+        if self.decision.reservation is not None:
+            self.decision.reservation.finish()
+        if self._ratio is not None and self.request is not None and self.outcome is not None:
+            self._ratio.ended(self.outcome.served, self.request.cbr_bytes)
+        return True
+
+
+class Stats:
+    """What the core did, as plain counters; the metrics adapter exports them."""
+
+    __slots__ = ("bad_events", "decisions", "events", "learned", "rerouted", "resets", "untokenized")
+
+    def __init__(self) -> None:
+        self.decisions: dict[str, int] = dict.fromkeys(Label, 0)
+        self.learned = 0
+        self.rerouted = 0
+        self.resets: dict[str, int] = dict.fromkeys(Reset, 0)
+        self.events: dict[str, int] = {kind.__name__: 0 for kind in (BlockStored, BlockRemoved, AllBlocksCleared)}
+        self.bad_events = 0  # decoded events the index refused (inconsistent sizes, token ids out of range)
+        self.untokenized = 0  # precise mode: requests the tokenizer could not take (placed on load alone)

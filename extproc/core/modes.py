@@ -1,0 +1,361 @@
+"""Index modes: how kvroute knows what each backend caches, one object per way of knowing.
+
+*Approximate* mode learns from its own routing: a request's chain is hashed from its canonical
+bytes (CBR), each backend's picture is an LRU sized by the engine's KV cache at the learned bytes
+per token and weighed by how far that engine's own hit counts bear it out (trust.py); sibling
+replicas' learning applies; a streamed request's prefill is held until the engine's KV events
+report progress, where they flow.
+
+*Precise* mode follows the engines' KV events: chains of token keys from the model's own
+tokenizer, a picture that is what the engines report, a routed request's blocks pending there
+until its engine confirms them, its prefill held until the engine stores its last block; its own
+routing and siblings' teach it nothing.
+
+`Router` keeps the request lifecycle, sessions and membership, and asks its mode for the rest.
+A third mode is a third class here and a line where the router picks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from extproc.core.calibration import BytesPerToken
+from extproc.core.chain import BlockHasher, TokenHasher, extra_digest
+from extproc.core.churn import ChurnMeter
+from extproc.core.decision import Decision
+from extproc.core.engine import BlockRemoved, BlockStored, EngineSample
+from extproc.core.exchange import Reset, ResponseStart, Stats
+from extproc.core.index import LocalIndex, LocationIndex
+from extproc.core.load import LoadTracker, Reservation
+from extproc.core.precise import PreciseIndex
+from extproc.core.request import PromptRequest, PromptTokenizer
+from extproc.core.settings import Settings
+from extproc.core.trust import PredictionTrust
+
+# Precise mode: blocks one backend may report before its picture is dropped as implausible
+# (2**18 blocks of 16 tokens is 4M tokens, beyond any one engine's KV cache today).
+PRECISE_MAX_BLOCKS = 1 << 18
+# The approximate pictures are re-sized when the learned bytes per token moves by more than this share.
+RESIZE_SHARE = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """The router's collaborators a mode reads and feeds; they outlive any one mode."""
+
+    churn: ChurnMeter
+    loads: LoadTracker
+    trust: PredictionTrust
+    bytes_per_token: BytesPerToken
+    stats: Stats
+    kv_tokens: Mapping[str, int]  # each backend's KV cache in tokens, as it last reported
+
+
+class IndexMode(Protocol):
+    """What differs between ways of knowing the caches; every method is the router's question."""
+
+    name: ClassVar[str]  # as /debug/state and the metrics say it
+    precise: ClassVar[bool]  # fed by the engines' events: adapters subscribe and tokenize for it
+    index: LocationIndex
+    tokenizer: PromptTokenizer | None  # requests are tokenized for this mode's chains (None: not)
+
+    def chain_of(self, request: PromptRequest) -> list[int]:
+        """The request's block chain, made once and kept on the request."""
+        ...
+
+    def block_tokens(self) -> float:
+        """Tokens per block of the chains (exact or estimated)."""
+        ...
+
+    def picture(
+        self, chain: Sequence[int], candidates: Sequence[str], home: str | None, now: float
+    ) -> tuple[dict[str, int], dict[str, int], str | None]:
+        """Leading blocks each candidate holds as the picture shows them, as decisions should weigh
+        them, and the prompt head's home if decisions may follow it."""
+        ...
+
+    def routed(self, request: PromptRequest, decision: Decision, reservation: Reservation, now: float) -> int:
+        """The request was sent where decided: record it; returns the blocks expected cached there."""
+        ...
+
+    def response_started(
+        self, reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool
+    ) -> None:
+        """The response began: release the prefill unless the engine's events will."""
+        ...
+
+    def learn(self, request: PromptRequest, backend: str, now: float) -> tuple[int, list[int] | None]:
+        """The backend served the prompt: blocks new there, and the chain to tell siblings (None: no)."""
+        ...
+
+    def peer_learned(self, chain: Sequence[int], backend: str, when: float) -> None:
+        """A sibling replica learned that the backend holds the chain."""
+        ...
+
+    def set_capacity(self, backend: str, kv_tokens: int) -> None:
+        """The backend reported its KV cache size."""
+        ...
+
+    def engine_sample(self, backend: str, sample: EngineSample) -> None:
+        """One scrape of the backend's metrics, after the router took what every mode takes."""
+        ...
+
+    def engine_event(self, backend: str, event: BlockStored | BlockRemoved) -> bool:
+        """One stored or removed event of the backend; False if it was refused as inconsistent."""
+        ...
+
+    def resets_on_lost_events(self, reason: Reset) -> bool:
+        """Whether the backend's picture is no longer known when its event stream breaks so."""
+        ...
+
+    def stop_progress(self, backend: str) -> None:
+        """The backend's events can no longer be followed: release what waits for them."""
+        ...
+
+    def remove_backend(self, backend: str) -> None:
+        """The backend left: drop what the mode keeps for it besides the index."""
+        ...
+
+    def reconfigure(self, settings: Settings, rehash: bool) -> None:
+        """New settings; `rehash`: a new block size or key, so every chain changes (the router has
+        already emptied the index)."""
+        ...
+
+    def leave(self) -> None:
+        """Another mode takes over."""
+        ...
+
+
+class ApproximateMode:
+    """Locations learned from kvroute's own routing, per backend an LRU of CBR block hashes."""
+
+    name: ClassVar[str] = "approximate"
+    precise: ClassVar[bool] = False
+    __slots__ = ("_progressing", "_shared", "_sized_at", "hasher", "index", "settings", "tokenizer")
+
+    def __init__(self, settings: Settings, shared: Shared) -> None:
+        self.settings = settings
+        self._shared = shared
+        self.hasher = BlockHasher(settings.block_size, settings.hash_key)
+        self.index = LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
+        self.tokenizer: PromptTokenizer | None = None
+        # backends whose KV events report what they store, so a streamed request's prefill is held
+        # until the engine's progress covers it
+        self._progressing: set[str] = set()
+        self._sized_at = shared.bytes_per_token.value  # the ratio the pictures were last sized with
+        self._size()
+
+    def _size(self) -> None:
+        self._sized_at = self._shared.bytes_per_token.value
+        settings = self.settings
+        capacities = {b: self._blocks(t) for b, t in self._shared.kv_tokens.items()} if settings.capacity_auto else {}
+        self.index.configure(settings.location_ttl_s, settings.capacity_blocks, capacities)
+
+    def _blocks(self, kv_tokens: int) -> int:
+        """A KV cache of so many tokens as CBR blocks, at the learned bytes per token."""
+        return max(1, int(kv_tokens * self._shared.bytes_per_token.value) // self.settings.block_size)
+
+    def chain_of(self, request: PromptRequest) -> list[int]:
+        if request.chain is None:
+            request.chain = self.hasher.chain(request.cbr)
+        return request.chain
+
+    def block_tokens(self) -> float:
+        return self.settings.block_size / self._shared.bytes_per_token.value
+
+    def picture(
+        self, chain: Sequence[int], candidates: Sequence[str], home: str | None, now: float
+    ) -> tuple[dict[str, int], dict[str, int], str | None]:
+        picture = self.index.lookup(chain, candidates, now)
+        if not self.settings.prediction_trust:
+            return picture, picture, home
+        trust = self._shared.trust
+        if home is not None and trust.of(home) < 1.0:
+            home = None  # the engine contradicts kvroute's picture there: a home would pull like a held prefix
+        return picture, trust.apply(picture), home
+
+    def routed(self, request: PromptRequest, decision: Decision, reservation: Reservation, now: float) -> int:
+        backend = reservation.backend
+        self._shared.trust.routed(backend, decision.picture_blocks * self.block_tokens())
+        if request.stream and backend in self._progressing:
+            self._shared.loads.get(backend).await_progress(reservation)
+        return decision.matched_blocks
+
+    def response_started(
+        self, reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool
+    ) -> None:
+        prefilling = success and request is not None and request.stream and start.upstream in ("", reservation.backend)
+        if not (prefilling and reservation.backend in self._progressing):
+            reservation.release_prefill()
+
+    def learn(self, request: PromptRequest, backend: str, now: float) -> tuple[int, list[int] | None]:
+        chain = self.chain_of(request)
+        added = self.index.learn(chain, backend, now)
+        self._shared.churn.add(backend, added, now)
+        return added, chain
+
+    def peer_learned(self, chain: Sequence[int], backend: str, when: float) -> None:
+        self._shared.churn.add(backend, self.index.learn(chain, backend, when), when)
+
+    def set_capacity(self, backend: str, kv_tokens: int) -> None:
+        if self.settings.capacity_auto:
+            self.index.set_capacity(backend, self._blocks(kv_tokens))
+
+    def engine_sample(self, backend: str, sample: EngineSample) -> None:
+        value = self._shared.bytes_per_token.value
+        if sample.prompt_tokens is not None and abs(value - self._sized_at) > RESIZE_SHARE * self._sized_at:
+            self._size()  # every backend's picture follows the learned ratio
+
+    def engine_event(self, backend: str, event: BlockStored | BlockRemoved) -> bool:
+        """Stores are the engine's progress: they drain the prefill its streamed requests hold."""
+        if isinstance(event, BlockStored):
+            self._progressing.add(backend)
+            tokens = len(event.block_hashes) * event.block_size
+            self._shared.loads.get(backend).progress(tokens / self.block_tokens())
+        return True
+
+    def resets_on_lost_events(self, reason: Reset) -> bool:
+        return reason is Reset.SEQUENCE_RESTART  # a new publisher: the engine restarted
+
+    def stop_progress(self, backend: str) -> None:
+        if backend in self._progressing:
+            self._progressing.discard(backend)
+            self._shared.loads.get(backend).release_awaiting()
+
+    def remove_backend(self, backend: str) -> None:
+        self._progressing.discard(backend)
+
+    def reconfigure(self, settings: Settings, rehash: bool) -> None:
+        self.settings = settings
+        if rehash:
+            self.hasher = BlockHasher(settings.block_size, settings.hash_key)
+        self._size()
+
+    def leave(self) -> None:
+        """Another mode takes over: streamed prefill held for progress is released now, as no
+        other mode drains it."""
+        for backend in list(self._progressing):
+            self.stop_progress(backend)
+
+
+class PreciseMode:
+    """Locations as the engines' KV events report them, keyed by the model's own tokens."""
+
+    name: ClassVar[str] = "precise"
+    precise: ClassVar[bool] = True
+    __slots__ = ("_prefill_sweep_at", "_prefilling", "_shared", "hasher", "index", "tokenizer")
+
+    def __init__(self, settings: Settings, shared: Shared, tokenizer: PromptTokenizer) -> None:
+        self._shared = shared
+        self.tokenizer: PromptTokenizer | None = tokenizer
+        self.hasher = TokenHasher(settings.hash_key)
+        self.index = PreciseIndex(self.hasher, PRECISE_MAX_BLOCKS)
+        # (backend, key of a prompt's last full block) -> reservations whose prefill lasts until
+        # the engine reports that block stored
+        self._prefilling: dict[tuple[str, int], list[Reservation]] = {}
+        self._prefill_sweep_at = 1024
+
+    def chain_of(self, request: PromptRequest) -> list[int]:
+        """Token keys: none until the engines' block size is known, or if the prompt could not be
+        tokenized."""
+        if request.chain is None:
+            index = self.index
+            if request.tokens is None:
+                self._shared.stats.untokenized += 1
+            if request.tokens is None or index.block_size is None:
+                request.chain = []
+            else:
+                lora = request.model if request.model in index.lora_names else None
+                extras = _extra_keys(lora, request.cache_salt, len(request.tokens) // index.block_size)
+                request.chain = self.hasher.chain(request.tokens, index.block_size, extras)
+        return request.chain
+
+    def block_tokens(self) -> float:
+        return float(self.index.block_size or 0)
+
+    def picture(
+        self, chain: Sequence[int], candidates: Sequence[str], home: str | None, now: float
+    ) -> tuple[dict[str, int], dict[str, int], str | None]:
+        picture = self.index.lookup(chain, candidates, now)
+        return picture, picture, home
+
+    def routed(self, request: PromptRequest, decision: Decision, reservation: Reservation, now: float) -> int:
+        """The blocks are pending there until the engine confirms them; what it confirmed already
+        is the prediction."""
+        backend = reservation.backend
+        chain = self.chain_of(request)
+        predicted = self.index.confirmed(chain, backend)
+        self._shared.churn.add(backend, self.index.learn(chain, backend, now), now)
+        if predicted < len(chain):
+            self._await_prefill((backend, chain[-1]), reservation)
+        return predicted
+
+    def _await_prefill(self, block: tuple[str, int], reservation: Reservation) -> None:
+        """Hold the reservation's prefill until the engine stores the prompt's last block (streaming
+        responses start before the prefill, so the response start says nothing). Entries of requests
+        that ended are swept from time to time, so the table stays bounded by the requests in flight."""
+        self._prefilling.setdefault(block, []).append(reservation)
+        if len(self._prefilling) > self._prefill_sweep_at:  # amortized: the next sweep waits for twice as many
+            waiting = ((key, [r for r in held if not r.finished]) for key, held in self._prefilling.items())
+            self._prefilling = {key: held for key, held in waiting if held}
+            self._prefill_sweep_at = 2 * len(self._prefilling) + 1024
+
+    def response_started(
+        self, reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool
+    ) -> None:
+        """The engine's events release the prefill, not the response start."""
+
+    def learn(self, request: PromptRequest, backend: str, now: float) -> tuple[int, list[int] | None]:
+        """The engine's events say what it holds: nothing is learned from routing."""
+        return 0, None
+
+    def peer_learned(self, chain: Sequence[int], backend: str, when: float) -> None:
+        """Every replica follows the engines' own events: a sibling's learning adds nothing."""
+
+    def set_capacity(self, backend: str, kv_tokens: int) -> None:
+        """The engine's events bound the picture: its size is not needed."""
+
+    def engine_sample(self, backend: str, sample: EngineSample) -> None:
+        index = self.index
+        if index.block_size is None and sample.block_size:
+            index.block_size = sample.block_size  # from vllm:cache_config_info, before any event
+
+    def engine_event(self, backend: str, event: BlockStored | BlockRemoved) -> bool:
+        try:
+            if isinstance(event, BlockStored):
+                for key in self.index.stored(backend, event):
+                    for reservation in self._prefilling.pop((backend, key), ()):
+                        reservation.release_prefill()
+            else:
+                self.index.removed(backend, event)
+        except (ValueError, OverflowError, TypeError):  # inconsistent sizes, token ids out of range
+            return False
+        return True
+
+    def resets_on_lost_events(self, reason: Reset) -> bool:
+        return True  # the picture was the events: without them it is unknown
+
+    def stop_progress(self, backend: str) -> None:
+        """Prefill is released by stored blocks or by the request's end, never by progress."""
+
+    def remove_backend(self, backend: str) -> None:
+        """Its index entries are all this mode keeps for a backend."""
+
+    def reconfigure(self, settings: Settings, rehash: bool) -> None:
+        if rehash:
+            self.hasher = TokenHasher(settings.hash_key)
+            self.index = PreciseIndex(self.hasher, PRECISE_MAX_BLOCKS)
+
+    def leave(self) -> None:
+        """Nothing held outlives this mode but reservations, which their requests' ends release."""
+
+
+def _extra_keys(lora: str | None, salt: str | None, blocks: int) -> list[bytes]:
+    """Each block's extra keys as vLLM publishes them: the LoRA adapter's name on every block, the
+    cache salt on the first one only."""
+    if lora is None:
+        return [extra_digest((salt,))] if salt else []
+    first = extra_digest((lora, salt) if salt else (lora,))
+    return [first] + [extra_digest((lora,))] * (blocks - 1) if blocks else []
