@@ -1,0 +1,37 @@
+"""The index modes behind their seam (extproc/core/modes.py), through the router's lifecycle."""
+
+from __future__ import annotations
+
+from extproc.core.backends import Backend
+from extproc.core.engine import BlockStored
+from extproc.core.exchange import ResponseStart
+from extproc.core.modes import ApproximateMode, PreciseMode
+from extproc.core.request import parse_request
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+
+A = "10.0.0.1:8000"
+STREAMED = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x " * 4000}]}
+
+
+def test_approximate_mode_holds_a_streamed_prefill_for_progress_until_another_mode_takes_over():
+    router = Router(Settings(hash_key=b"test-key-16bytes"))
+    assert isinstance(router.mode, ApproximateMode) and router.state()["index"] == "approximate"
+    router.engine_events(A, [BlockStored((1,), None, (0,) * 16, 16, ())])  # A's events report progress
+    exchange = router.begin(parse_request(STREAMED, {}), [Backend(A)], 0.0)
+    router.response_started(exchange, ResponseStart(A, known=True, status=200, from_upstream=True), 0.0)
+    held = router.loads.snapshot()[A][0]
+    assert held > 0  # the response started before the prefill: the engine's progress releases it
+    router.use_precise(tokenizer=None)  # type: ignore[arg-type]  # no request is tokenized here
+    assert isinstance(router.mode, PreciseMode) and router.state()["index"] == "precise"
+    assert router.loads.snapshot()[A] == (0, 1)  # precise mode never drains progress: released now
+    assert exchange.end() and router.loads.snapshot()[A] == (0, 0)
+
+
+def test_siblings_learning_applies_in_approximate_mode_only():
+    router = Router(Settings(hash_key=b"test-key-16bytes"))
+    router.peer_learned([11, 12], A, 0.0)
+    assert router.index.entries_by_backend() == {A: 2}
+    router.use_precise(tokenizer=None)  # type: ignore[arg-type]
+    router.peer_learned([11, 12], A, 0.0)
+    assert router.index.entries_by_backend() == {}  # every replica follows the engines' own events
