@@ -55,7 +55,7 @@ def _fill(router: Router, entries: int, rng: random.Random) -> float:
                 break
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    return (after - before) / router.state()["index_entries"]
+    return (after - before) / router.state().index_entries
 
 
 def _bodies(size: int, count: int) -> Iterator[bytes]:
@@ -91,7 +91,7 @@ def run_case(case: Case, block_size: int) -> dict[str, float | int]:
     timings = sorted(t for t, _ in decided)
     return {
         "body_bytes": len(bodies[0]),
-        "index_entries": router.state()["index_entries"],
+        "index_entries": router.state().index_entries,
         "block_size": block_size,
         "blocks": len(router.chain_of(router.parse(bodies[-1], {}))),
         "iterations": case.iterations,

@@ -180,7 +180,7 @@ def test_a_new_process_start_time_resets_the_backend_and_engine_load_counts():
     routing.engine_sample(A, EngineSample(3, 2, 0.5, 100.0, 131072, 128), 1)
     assert routing.index.entries_by_backend()[A] > 0  # same process: nothing dropped
     assert routing.loads.get(A).requests(1) == 5  # the engine sees five requests kvroute never sent
-    assert routing.state()["load"][A]["engine_kv_usage"] == 0.5
+    assert routing.state().load[A].engine_kv_usage == 0.5
     assert routing.loads.get(A).requests(10) == 0  # a sample that old says nothing
     routing.engine_sample(A, EngineSample(0, 0, 0.0, 200.0, 131072, 128), 2)
     assert routing.index.entries_by_backend().get(A, 0) == 0 and routing.stats.resets[Reset.RESTART] == 1

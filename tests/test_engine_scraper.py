@@ -67,7 +67,7 @@ def test_scraping_running_servers_feeds_load_capacity_and_start_times():
                 await runner.cleanup()
         assert scraper.failures == 2  # a page that is not vLLM's, a server that is not there
         assert router.loads.get(sim).engine_at == 5.0
-        assert router.state()["load"][sim]["engine_requests"] == 0
+        assert router.state().load[sim].engine_requests == 0
         assert router._kv_tokens == {sim: 300 * 16}
         assert router._starts[sim] > 1.7e9
 

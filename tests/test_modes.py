@@ -16,14 +16,14 @@ STREAMED = {"model": "m", "stream": True, "messages": [{"role": "user", "content
 
 def test_approximate_mode_holds_a_streamed_prefill_for_progress_until_another_mode_takes_over():
     router = Router(Settings(hash_key=b"test-key-16bytes"))
-    assert isinstance(router.mode, ApproximateMode) and router.state()["index"] == "approximate"
+    assert isinstance(router.mode, ApproximateMode) and router.state().index == "approximate"
     router.engine_events(A, [BlockStored((1,), None, (0,) * 16, 16, ())])  # A's events report progress
     exchange = router.begin(parse_request(STREAMED, {}), [Backend(A)], 0.0)
     router.response_started(exchange, ResponseStart(A, known=True, status=200, from_upstream=True), 0.0)
     held = router.loads.snapshot()[A][0]
     assert held > 0  # the response started before the prefill: the engine's progress releases it
     router.use_precise(tokenizer=None)  # type: ignore[arg-type]  # no request is tokenized here
-    assert isinstance(router.mode, PreciseMode) and router.state()["index"] == "precise"
+    assert isinstance(router.mode, PreciseMode) and router.state().index == "precise"
     assert router.loads.snapshot()[A] == (0, 1)  # precise mode never drains progress: released now
     assert exchange.end() and router.loads.snapshot()[A] == (0, 0)
 

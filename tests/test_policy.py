@@ -65,7 +65,7 @@ def test_a_backend_that_leaves_is_dropped_at_once():
             )
         ),
     )
-    assert router.state()["index_entries"] == 0
+    assert router.state().index_entries == 0
     assert decision.backend not in router.loads.snapshot()
     assert decision.backend not in [b.address for b in pool.backends]
 

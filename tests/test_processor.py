@@ -169,7 +169,7 @@ def test_only_upstream_successes_from_known_backends_teach(parts, status, detail
     processor.handle(request_headers(), stream)
     processor.handle(body(), stream)
     processor.handle(response_headers(status, details, upstream), stream)
-    assert router.state()["index_entries"] == 0
+    assert router.state().index_entries == 0
     assert all(reserved == 0 for reserved, _ in router.loads.snapshot().values())
 
 

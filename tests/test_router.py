@@ -221,11 +221,11 @@ def test_under_pressure_a_conversation_stays_where_load_alone_would_move_it():
         router.pressure.returned(100, 40)  # conversations keep finding most of their context gone
     stayed = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
     assert (stayed.backend, stayed.label) == (home, Label.SESSION_MATCH)
-    assert router.state()["cache_pressure"]["gate_factor"] > 1
+    assert router.state().gate_factor > 1
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", cache_pressure_gates=False))  # operators can turn it off
     moved = router.query(chat(history, "busy", "next"), FLEET, 11)
     assert moved.backend != home and moved.label == Label.LOAD_OVERRIDE
-    assert router.state()["cache_pressure"]["gate_factor"] == 1.0  # what the decisions apply, not the pressure
+    assert router.state().gate_factor == 1.0  # what the decisions apply, not the pressure
     for r in held:
         r.finish()
 
@@ -234,7 +234,7 @@ def test_removed_backend_is_never_chosen_again():
     router = make_router()
     home = converse(router, 3, "s")[0].backend
     router.remove_backend(home)
-    assert router.state()["index_entries_by_backend"].get(home) is None
+    assert router.state().index_entries_by_backend.get(home) is None
     rest = [b for b in FLEET if b.address != home]
     for i in range(200):
         decision = router.begin(chat([], "s" if i % 2 else f"x{i}", f"q{i}"), rest, 20 + i).decision
@@ -325,13 +325,13 @@ def test_fallback_goes_least_loaded_and_reserves():
 def test_reconfigure_keeps_the_index_unless_chains_change():
     router = make_router()
     serve(router, chat([], "s", "warm"), 0)
-    entries = router.state()["index_entries"]
+    entries = router.state().index_entries
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", location_ttl_s=30, session_ttl_s=5))
-    assert router.state()["index_entries"] == entries and router.settings.location_ttl_s == 30
+    assert router.state().index_entries == entries and router.settings.location_ttl_s == 30
     assert router.query(chat([], None, "warm"), FLEET, 1).label == Label.PREFIX_MATCH
     assert router.sessions.get("session:s", 10) is None  # the new session TTL applies at once
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
-    assert router.state()["index_entries"] == 0
+    assert router.state().index_entries == 0
     assert isinstance(router.mode, ApproximateMode) and router.mode.hasher.block_size == 256
 
 

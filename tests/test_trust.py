@@ -101,7 +101,7 @@ def test_a_contradicted_picture_stops_pulling_by_prefix_and_stops_being_predicte
         for turn in range(3):  # requests that share the system prompt, never answered (nothing learned)
             doubting.begin(chat([], f"p{window}-{turn}", "a prompt sharing the system prompt"), FLEET, 1).end()
         doubting.engine_sample(held, sample(window * MIN_TOKENS, 0), 1)
-    assert doubting.trust.of(held) == 0.0 and doubting.state()["prediction_trust"] == {held: 0.0}
+    assert doubting.trust.of(held) == 0.0 and doubting.state().prediction_trust == {held: 0.0}
     decision, headers = second_session(doubting, 2)
     assert doubting.index.entries_by_backend()[held] > 0  # the picture still holds the prefix there
     assert next(c for c in decision.candidates if c.backend == held).matched == 0  # but it is not weighed

@@ -121,7 +121,7 @@ class Admin:
         settings = self._router.settings
         return _json(
             {
-                **self._router.state(),
+                **self._router.state().as_json(),
                 **self._details(),
                 "backends": [
                     {"address": b.address, "healthy": b.healthy, "models": sorted(b.models)}

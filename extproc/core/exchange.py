@@ -1,12 +1,14 @@
 """The values an adapter exchanges with the routing core: what the gateway saw when a response
 began (`ResponseStart`), the core's reading of it (`Outcome`), the handle kept per request
-(`Exchange`), why a backend's picture was dropped (`Reset`), and the core's counters (`Stats`).
-Protocol-neutral: the Envoy processor and the HTTP lease API both speak only these."""
+(`Exchange`), why a backend's picture was dropped (`Reset`), and what the core did and holds
+(`Stats`, `RouterState`), for metrics and /debug/state. Protocol-neutral: the Envoy processor
+and the HTTP lease API both speak only these."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
+from typing import Any
 
 from extproc.core.calibration import BytesPerToken
 from extproc.core.decision import Decision, Label
@@ -93,3 +95,38 @@ class Stats:
         self.events: dict[str, int] = {kind.__name__: 0 for kind in (BlockStored, BlockRemoved, AllBlocksCleared)}
         self.bad_events = 0  # decoded events the index refused (inconsistent sizes, token ids out of range)
         self.untokenized = 0  # precise mode: requests the tokenizer could not take (placed on load alone)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendState:
+    """One backend's load as the core holds it."""
+
+    reserved_blocks: int  # prefill kvroute's own requests reserved there
+    active: int  # kvroute's own requests in flight there
+    peer_reserved_blocks: int  # sibling replicas' reservations, as last published
+    peer_active: int
+    engine_requests: int  # running + waiting at the engine's last sample
+    engine_kv_usage: float  # share of its KV blocks running requests pin
+
+
+@dataclass(frozen=True, slots=True)
+class RouterState:
+    """Sizes, load and what the adaptive rules conclude now: one snapshot, read by attribute."""
+
+    index: str  # the index mode's name
+    index_entries: int
+    index_entries_by_backend: dict[str, int]
+    sessions: int
+    load: dict[str, BackendState]
+    resets: dict[str, int]
+    bytes_per_token: float
+    prediction_trust: dict[str, float]  # backends trusted less than fully
+    prefix_homes: int
+    cache_pressure: float  # share of their last prompt returning conversations find evicted
+    gate_factor: float  # how much the balance gates are widened, as decisions apply it
+    engine_events: dict[str, int]
+
+    def as_json(self) -> dict[str, Any]:
+        """For /debug/state."""
+        return asdict(self)
+

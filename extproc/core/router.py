@@ -18,7 +18,7 @@ from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision, Label, decide
 from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
-from extproc.core.exchange import Exchange, Outcome, Reset, ResponseStart, Stats
+from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
 from extproc.core.homes import PrefixHomes
 from extproc.core.index import LocationIndex
 from extproc.core.load import LoadTracker
@@ -358,33 +358,27 @@ class Router:
         if self.mode.resets_on_lost_events(reason):
             self.reset_backend(backend, reason)
 
-    def _load_state(self, backend: str, reserved: int, active: int) -> dict[str, Any]:
-        load = self.loads.get(backend)
-        return {
-            "reserved_blocks": reserved,
-            "active": active,
-            "peer_reserved_blocks": load.peer_reserved,  # sibling replicas' reservations
-            "peer_active": load.peer_active,
-            "engine_requests": load.engine_requests,
-            "engine_kv_usage": load.engine_kv_usage,
-        }
-
-    def state(self) -> dict[str, Any]:
+    def state(self) -> RouterState:
         """Sizes and load, for metrics and /debug/state."""
         by_backend = self.index.entries_by_backend()
-        return {
-            "index_entries": sum(by_backend.values()),
-            "index_entries_by_backend": by_backend,
-            "sessions": len(self.sessions),
-            "load": {b: self._load_state(b, r, a) for b, (r, a) in self.loads.snapshot().items()},
-            "index": self.mode.name,
-            "resets": {str(reason): count for reason, count in self.stats.resets.items()},
-            "bytes_per_token": round(self.bytes_per_token.value, 3),
-            "prediction_trust": {b: round(t, 3) for b, t in self.trust.values.items()},
-            "prefix_homes": len(self.homes),
-            "cache_pressure": {
-                "lost": round(self.pressure.lost, 4),
-                "gate_factor": round(self._pressure_terms()[0], 3),  # as decisions apply it
+        loads = self.loads
+        return RouterState(
+            index=self.mode.name,
+            index_entries=sum(by_backend.values()),
+            index_entries_by_backend=by_backend,
+            sessions=len(self.sessions),
+            load={
+                backend: BackendState(
+                    reserved, active, load.peer_reserved, load.peer_active, load.engine_requests, load.engine_kv_usage
+                )
+                for backend, (reserved, active) in loads.snapshot().items()
+                for load in (loads.get(backend),)
             },
-            "engine_events": dict(self.stats.events),
-        }
+            resets={str(reason): count for reason, count in self.stats.resets.items()},
+            bytes_per_token=round(self.bytes_per_token.value, 3),
+            prediction_trust={b: round(t, 3) for b, t in self.trust.values.items()},
+            prefix_homes=len(self.homes),
+            cache_pressure=round(self.pressure.lost, 4),
+            gate_factor=round(self._pressure_terms()[0], 3),
+            engine_events=dict(self.stats.events),
+        )

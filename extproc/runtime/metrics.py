@@ -36,30 +36,30 @@ class _RouterCollector(Collector):
         )
         state = self._router.state()
         yield GaugeMetricFamily(
-            "kvroute_index_entries", "(block, backend) locations held", value=state["index_entries"]
+            "kvroute_index_entries", "(block, backend) locations held", value=state.index_entries
         )
-        yield GaugeMetricFamily("kvroute_sessions", "session bindings held", value=state["sessions"])
+        yield GaugeMetricFamily("kvroute_sessions", "session bindings held", value=state.sessions)
         yield GaugeMetricFamily(
             "kvroute_bytes_per_token",
             "canonical prompt bytes per engine token, learned from the engines' prompt-token counters",
-            value=state["bytes_per_token"],
+            value=state.bytes_per_token,
         )
         yield GaugeMetricFamily(
             "kvroute_cache_pressure",
             "share of their previous prompt that returning conversations find evicted (running mean)",
-            value=state["cache_pressure"]["lost"],
+            value=state.cache_pressure,
         )
         yield GaugeMetricFamily(
             "kvroute_balance_gate_factor",
             "how much wider than configured the balance gates are under cache pressure (1 with cachePressureGates off)",
-            value=state["cache_pressure"]["gate_factor"],
+            value=state.gate_factor,
         )
-        yield GaugeMetricFamily("kvroute_prefix_homes", "prompt heads with a home backend", value=state["prefix_homes"])
+        yield GaugeMetricFamily("kvroute_prefix_homes", "prompt heads with a home backend", value=state.prefix_homes)
         reserved = GaugeMetricFamily("kvroute_backend_reserved_blocks", "prefill blocks reserved", labels=["backend"])
         active = GaugeMetricFamily("kvroute_backend_active_requests", "requests in flight", labels=["backend"])
-        for backend, load in state["load"].items():
-            reserved.add_metric([backend], load["reserved_blocks"])
-            active.add_metric([backend], load["active"])
+        for backend, load in state.load.items():
+            reserved.add_metric([backend], load.reserved_blocks)
+            active.add_metric([backend], load.active)
         yield reserved
         yield active
         trust = GaugeMetricFamily(
@@ -67,7 +67,7 @@ class _RouterCollector(Collector):
             "share of the cached prefix kvroute predicts there that the engine's own counters confirm (at most 1)",
             labels=["backend"],
         )
-        for backend in state["load"]:
+        for backend in state.load:
             trust.add_metric([backend], self._router.trust.of(backend))
         yield trust
         healthy = GaugeMetricFamily("kvroute_backend_healthy", "1 if the backend is routable", labels=["backend"])
