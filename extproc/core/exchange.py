@@ -129,4 +129,3 @@ class RouterState:
     def as_json(self) -> dict[str, Any]:
         """For /debug/state."""
         return asdict(self)
-

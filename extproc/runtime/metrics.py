@@ -35,9 +35,7 @@ class _RouterCollector(Collector):
             "kvroute_rerouted", "responses served by another backend than the first choice", value=stats.rerouted
         )
         state = self._router.state()
-        yield GaugeMetricFamily(
-            "kvroute_index_entries", "(block, backend) locations held", value=state.index_entries
-        )
+        yield GaugeMetricFamily("kvroute_index_entries", "(block, backend) locations held", value=state.index_entries)
         yield GaugeMetricFamily("kvroute_sessions", "session bindings held", value=state.sessions)
         yield GaugeMetricFamily(
             "kvroute_bytes_per_token",
