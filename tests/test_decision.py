@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from extproc.core.decision import Label, decide, overloaded
+from extproc.core.decision import DecisionInputs, Label, overloaded
 from extproc.core.load import LoadTracker
+from extproc.core.pipeline import decide
 from extproc.core.settings import Settings
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -40,7 +41,7 @@ def run(matched: dict[str, int] | None = None, total: int = 20, **kw: Any):
         "now": 0.0,
     }
     args.update(kw)
-    return decide(**args)
+    return decide(DecisionInputs(**args))
 
 
 def test_no_candidates():

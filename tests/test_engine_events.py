@@ -273,7 +273,7 @@ def test_approximate_mode_holds_a_streamed_prefill_until_the_engines_progress_co
     unheard.end()
     routing.engine_events(A, [BlockStored((1,), None, tuple(range(16)), 16, ())])  # A reports progress
     streamed = send(True, "b")
-    held = streamed.decision.reservation.blocks
+    held = streamed.reservation.blocks
     assert held >= 4 and routing.loads.snapshot()[A] == (held, 1)  # headers came before the prefill
     tokens_per_block = 512 / routing.bytes_per_token.value
     routing.engine_events(A, [BlockStored((2, 3), None, tuple(range(32)), 16, ())])

@@ -48,7 +48,7 @@ def test_a_streamed_prefill_is_held_until_the_engines_events_report_it_stored():
                         start = ResponseStart(backend, known=True, status=response.status, from_upstream=True)
                         router.response_started(exchange, start, 0.0)  # headers: before the prefill
                         reserved = router.loads.snapshot()[backend][0]
-                        assert reserved == (exchange.decision.reservation.blocks if hold else 0)
+                        assert reserved == (exchange.reservation.blocks if hold else 0)
                         if hold:  # the engine's events drain it while the request still runs
                             await until(lambda: router.loads.snapshot()[backend] == (0, 1))
                         await response.read()

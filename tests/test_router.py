@@ -49,7 +49,7 @@ def serve(router: Router, request: PromptRequest, now: float, backends: list[Bac
     """A whole successful request through the lifecycle: begin, response started (learn), end."""
     exchange = router.begin(request, backends, now)
     decision = exchange.decision
-    assert decision.reservation is not None and decision.backend is not None
+    assert exchange.reservation is not None and decision.backend is not None
     assert router.response_started(exchange, ok(decision.backend), now).learned
     assert exchange.end()
     return decision
@@ -237,9 +237,9 @@ def test_removed_backend_is_never_chosen_again():
     assert router.state().index_entries_by_backend.get(home) is None
     rest = [b for b in FLEET if b.address != home]
     for i in range(200):
-        decision = router.begin(chat([], "s" if i % 2 else f"x{i}", f"q{i}"), rest, 20 + i).decision
-        assert decision.backend != home and decision.second != home
-        decision.reservation.finish()
+        exchange = router.begin(chat([], "s" if i % 2 else f"x{i}", f"q{i}"), rest, 20 + i)
+        assert exchange.decision.backend != home and exchange.decision.second != home
+        exchange.end()
 
 
 def test_binding_dropped_when_backend_stops_serving_the_model():
@@ -254,8 +254,9 @@ def test_binding_dropped_when_backend_stops_serving_the_model():
 def test_no_candidates_when_nobody_serves_the_model():
     router = make_router()
     fleet = [Backend(A, frozenset({"other"})), Backend(B, healthy=False)]
-    decision = router.begin(chat([], None), fleet, 0).decision
-    assert (decision.label, decision.backend, decision.reservation) == (Label.NO_CANDIDATES, None, None)
+    exchange = router.begin(chat([], None), fleet, 0)
+    decision = exchange.decision
+    assert (decision.label, decision.backend, exchange.reservation) == (Label.NO_CANDIDATES, None, None)
 
 
 def test_explanation_lists_every_candidate_with_its_terms():
@@ -304,19 +305,20 @@ def test_decision_path_never_raises_on_any_body(value):
         request = parse_request(orjson.dumps(value))
     except InvalidRequest:
         return
-    decision = router.begin(request, FLEET, 0).decision
-    assert decision.backend in {A, B, C, D}
-    decision.reservation.finish()
+    exchange = router.begin(request, FLEET, 0)
+    decision = exchange.decision
+    assert decision.backend in {A, B, C, D} and exchange.reservation is not None
+    exchange.end()
     router.learn(request, decision.backend, 0)
 
 
 def test_fallback_goes_least_loaded_and_reserves():
     router = make_router()
     held = [*occupy(router, A, 1), *occupy(router, C, 1), *occupy(router, D, 1)]
-    decision = router.begin_unreadable([*FLEET[:3], Backend(D, healthy=False)], 0).decision
-    assert (decision.label, decision.backend) == (Label.FALLBACK, B)
+    exchange = router.begin_unreadable([*FLEET[:3], Backend(D, healthy=False)], 0)
+    assert (exchange.decision.label, exchange.decision.backend) == (Label.FALLBACK, B)
     assert router.loads.snapshot()[B] == (0, 1)
-    decision.reservation.finish()
+    exchange.end()
     for r in held:
         r.finish()
     assert router.begin_unreadable([Backend(A, healthy=False)], 0).decision.label == Label.NO_CANDIDATES

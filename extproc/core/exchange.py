@@ -13,6 +13,7 @@ from typing import Any
 from extproc.core.calibration import BytesPerToken
 from extproc.core.decision import Decision, Label
 from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored
+from extproc.core.load import Reservation
 from extproc.core.request import PromptRequest
 
 
@@ -50,17 +51,19 @@ class Outcome:
 class Exchange:
     """One routed request from decision to end: the handle an adapter keeps per request."""
 
-    __slots__ = ("_ended", "_ratio", "decision", "outcome", "predicted_blocks", "request")
+    __slots__ = ("_ended", "_ratio", "decision", "outcome", "predicted_blocks", "request", "reservation")
 
     def __init__(
         self,
         request: PromptRequest | None,
         decision: Decision,
+        reservation: Reservation | None = None,
         predicted_blocks: int = 0,
         ratio: BytesPerToken | None = None,
     ) -> None:
         self.request = request
         self.decision = decision
+        self.reservation = reservation  # the load it puts on its backend until released (load.py)
         self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
         self._ratio = ratio  # told the request's size when it ends, beside the engine's token count
@@ -75,8 +78,8 @@ class Exchange:
         if self._ended:
             return False
         self._ended = True
-        if self.decision.reservation is not None:
-            self.decision.reservation.finish()
+        if self.reservation is not None:
+            self.reservation.finish()
         if self._ratio is not None and self.request is not None and self.outcome is not None:
             self._ratio.ended(self.outcome.served, self.request.cbr_bytes)
         return True

@@ -11,18 +11,20 @@ the HTTP lease API) only translate their protocol into these calls.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from extproc.core.backends import Backend
 from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
-from extproc.core.decision import Decision, Label, decide
+from extproc.core.decision import Decision, DecisionInputs, Label
 from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
 from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
 from extproc.core.homes import PrefixHomes
 from extproc.core.index import LocationIndex
 from extproc.core.load import LoadTracker
 from extproc.core.modes import ApproximateMode, IndexMode, PreciseMode, Shared
+from extproc.core.pipeline import Pipeline, assemble
 from extproc.core.pressure import CachePressure
 from extproc.core.replicas import ReplicaLink
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
@@ -44,6 +46,7 @@ class Router:
         "homes",
         "loads",
         "mode",
+        "pipeline",
         "pressure",
         "replicas",
         "sessions",
@@ -66,6 +69,7 @@ class Router:
         self.trust = PredictionTrust()  # approximate mode: how far each backend's picture holds, per its engine
         self._shared = Shared(self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens)
         self.mode: IndexMode = ApproximateMode(settings, self._shared)
+        self.pipeline: Pipeline = assemble()  # the decision's stages (pipeline.py)
         self._starts: dict[str, float] = {}
         self._turn = 0
 
@@ -147,25 +151,25 @@ class Router:
         churn = {backend: self.churn.rate(backend, now) for backend in candidates}
         bootstrap = not request.followup or not chain
         self._turn += 1
-        decision = decide(
-            candidates,
-            matched,
-            churn,
-            len(chain),
-            self.loads,
-            session_backend,
-            bootstrap,
-            self.settings,
-            self._turn,
-            now,
-            home,
-            *self._pressure_terms(),
+        gate_factor, home_ties = self._pressure_terms()
+        inputs = DecisionInputs(
+            candidates=candidates,
+            matched=matched,
+            picture=picture,
+            churn=churn,
+            total_blocks=len(chain),
+            loads=self.loads,
+            settings=self.settings,
+            now=now,
+            turn=self._turn,
+            session_backend=session_backend,
+            session_blocks=session_blocks,
+            bootstrap=bootstrap,
+            home=home,
+            gate_factor=gate_factor,
+            home_ties=home_ties,
         )
-        if decision.backend is not None:
-            decision.picture_blocks = picture.get(decision.backend, 0)
-        if session_backend is not None and session_blocks:
-            decision.returning = (session_blocks, picture.get(session_backend, 0))
-        return decision
+        return self.pipeline.decide(inputs)
 
     def begin(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Exchange:
         """Choose a backend among the healthy ones serving the request's model and reserve the
@@ -175,15 +179,15 @@ class Router:
         request.cbr = b""  # the chain is all the exchange needs from here: hold no copy of the body
         request.tokens = None
         predicted = decision.matched_blocks
+        reservation = None
         if decision.returning is not None:
             self.pressure.returned(*decision.returning)
         if decision.backend is not None:
             self._place_home(request, decision)
             reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
-            decision.reservation = reservation
             predicted = self.mode.routed(request, decision, reservation, now)
         self.stats.decisions[decision.label] += 1
-        return Exchange(request, decision, predicted, self.bytes_per_token)
+        return Exchange(request, decision, reservation, predicted, self.bytes_per_token)
 
     def _pressure_terms(self) -> tuple[float, bool]:
         """What cache pressure does to decisions now: the balance gates' factor, and whether a
@@ -206,7 +210,16 @@ class Router:
         """The decision with nothing known of the prompt: least loaded healthy backend, ties rotated."""
         self._turn += 1
         candidates = [b.address for b in backends if b.healthy]
-        return decide(candidates, {}, {}, 0, self.loads, None, False, self.settings, self._turn, now)
+        inputs = DecisionInputs(
+            candidates=candidates,
+            matched={},
+            total_blocks=0,
+            loads=self.loads,
+            settings=self.settings,
+            now=now,
+            turn=self._turn,
+        )
+        return self.pipeline.decide(inputs)
 
     def least_loaded(self, backends: Sequence[Backend], now: float) -> str | None:
         """An address for a request kvroute does not route by its prompt (another path, a GET):
@@ -216,11 +229,12 @@ class Router:
     def begin_unreadable(self, backends: Sequence[Backend], now: float) -> Exchange:
         """A request whose body could not be read: least loaded healthy backend, reserved."""
         decision = self._by_load(backends, now)
+        reservation = None
         if decision.backend is not None:
-            decision.label = Label.FALLBACK
-            decision.reservation = self.loads.reserve(decision.backend, 0)
+            decision = replace(decision, label=Label.FALLBACK)
+            reservation = self.loads.reserve(decision.backend, 0)
         self.stats.decisions[decision.label] += 1
-        return Exchange(None, decision)
+        return Exchange(None, decision, reservation)
 
     def response_started(self, exchange: Exchange, start: ResponseStart, now: float) -> Outcome:
         """The response began. A 2xx sent by a known backend teaches the index (and binds the
@@ -231,7 +245,7 @@ class Router:
         if exchange.outcome is not None:
             return exchange.outcome
         decision = exchange.decision
-        reservation = decision.reservation
+        reservation = exchange.reservation
         request = exchange.request
         success = 200 <= start.status < 300
         if reservation is not None:

@@ -1,0 +1,109 @@
+"""The decision pipeline: inputs → each candidate's cost, term by term → admission → the pick
+rules in order → the cheapest. Assembled here, once: a new rule is a unit in rules.py (or a
+module of its own) and a line in `assemble`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from extproc.core import rules
+from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
+from extproc.core.rules import Admission, CostTerm, PickRule, Standing
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """The stages of a decision, in order."""
+
+    terms: Sequence[CostTerm]
+    admission: Sequence[Admission]
+    rules: Sequence[PickRule]
+
+    def decide(self, inputs: DecisionInputs) -> Decision:
+        """Choose among the candidates. NO_CANDIDATES with none; SHED when admission leaves none."""
+        total = inputs.total_blocks
+        returning = _returning(inputs)
+        if not inputs.candidates:
+            return Decision(Label.NO_CANDIDATES, None, None, 0, total, inputs.bootstrap, [], returning=returning)
+        costs = self._costs(inputs)
+        room = costs
+        for admit in self.admission:
+            room = admit(inputs, room)
+        if not room:
+            return Decision(Label.SHED, None, None, 0, total, inputs.bootstrap, costs, returning=returning)
+        ranked = sorted(room, key=lambda c: c.cost)
+        session = next((c for c in room if c.backend == inputs.session_backend), None)
+        session_full = session is None and any(c.backend == inputs.session_backend for c in costs)
+        least = min(c.load for c in room)
+        best_prefix = max(c.matched for c in costs)
+        standing = Standing(inputs, costs, room, ranked, least, best_prefix, session, session_full)
+        for rule in self.rules:
+            picked = rule(standing)
+            if picked is not None:
+                break
+        else:
+            picked = rules.cheapest(standing)
+        chosen, label = picked
+        second = next((c.backend for c in ranked if c is not chosen), None)
+        backend = chosen.backend
+        return Decision(
+            label,
+            backend,
+            second,
+            chosen.matched,
+            total,
+            inputs.bootstrap,
+            costs,
+            picture_blocks=inputs.held(backend),
+            returning=returning,
+        )
+
+    def _costs(self, inputs: DecisionInputs) -> list[CandidateCost]:
+        churn = inputs.churn
+        busiest = max(churn.values(), default=0.0) or 1.0
+        active_cost = inputs.settings.active_request_cost
+        now = inputs.now
+        costs: list[CandidateCost] = []
+        for backend in inputs.candidates:
+            load = inputs.loads.get(backend)
+            held = inputs.matched.get(backend, 0)
+            candidate = CandidateCost(
+                backend,
+                held,
+                inputs.total_blocks - held,
+                load.reserved_blocks,
+                load.requests(now),
+                load.cost(active_cost, now),
+                churn.get(backend, 0.0) / busiest,
+                0.0,
+            )
+            candidate.cost = sum(term(inputs, candidate) for term in self.terms)
+            costs.append(candidate)
+        return costs
+
+
+def _returning(inputs: DecisionInputs) -> tuple[int, int] | None:
+    """A returning conversation: what its last prompt put on its backend, what the picture shows."""
+    backend = inputs.session_backend
+    if backend is None or not inputs.session_blocks:
+        return None
+    return inputs.session_blocks, inputs.held(backend)
+
+
+def assemble() -> Pipeline:
+    """kvroute's decision, stage by stage."""
+    return Pipeline(
+        terms=(rules.prefill_cost, rules.load_cost),
+        admission=(rules.backend_limit,),
+        rules=(rules.session_binding, rules.prefix_stickiness, rules.prefix_home),
+    )
+
+
+DEFAULT = assemble()
+
+
+def decide(inputs: DecisionInputs) -> Decision:
+    """The default pipeline's decision."""
+    return DEFAULT.decide(inputs)

@@ -1,0 +1,143 @@
+"""The decision's rules, each a small unit the pipeline (pipeline.py) runs in its stage.
+
+Cost terms, summed per candidate, in blocks of prefill:
+    prefill: novel_b * (1 + eviction_cost_weight * churn_b)
+    load:    w * (reserved_b + active_request_cost * active_b)
+where novel_b is the part of the prompt b has not cached, churn_b how fast b's cache has been
+turning over lately relative to the busiest candidate (0 to 1: new blocks there evict useful
+ones sooner), active_b the backend's in-flight requests (kvroute's own, or the engine's running +
+waiting count when that is higher and fresh), and w is 1 for follow-ups and
+`new_session_load_weight` for bootstrap requests (placing one places its whole conversation).
+So a cached prefix wins until its backend is busier than the prefill it saves, and new prompts
+spread the fleet's cache evenly instead of overfilling one backend.
+
+Admission: a backend at `max_backend_requests` takes no more; with none left the request is shed.
+
+Pick rules, in order, each winning outright unless its backend is past both balance gates
+(widened under cache pressure): a session's binding, and that of a backend already holding at
+least `prefix_stick_ratio` of the prompt. Moving such a request would not only recompute its
+prefix but copy the conversation into a second cache, which under cache pressure evicts someone
+else's. Where several backends hold as much of it, the prompt head's home (homes.py) is that
+backend while the caches hold what returning conversations need (`home_ties`): otherwise one copy
+made while the home was busy would draw half of the head's new conversations into a second cache
+for good. Where caches are starved that copy spreads them, which pays more, so the cheaper holder
+is taken. A head no cache shows any more goes to its home. Otherwise the cheapest candidate wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from extproc.core.decision import CandidateCost, DecisionInputs, Label, overloaded
+
+
+@dataclass(slots=True)
+class Standing:
+    """The candidates as the pick rules see them: costed and admitted, with what several rules
+    read computed once."""
+
+    inputs: DecisionInputs
+    costs: list[CandidateCost]  # every candidate
+    room: list[CandidateCost]  # the admitted ones
+    ranked: list[CandidateCost]  # the admitted ones, cheapest first
+    least: float  # the lowest load among the admitted
+    best_prefix: int  # the most blocks any candidate holds
+    session: CandidateCost | None  # the session's backend, if admitted
+    session_full: bool  # the session's backend is a candidate but was not admitted
+
+    @property
+    def unbound(self) -> bool:
+        """No session holds the request anywhere."""
+        return self.session is None and not self.session_full
+
+    def within_gates(self, candidate: CandidateCost) -> bool:
+        inputs = self.inputs
+        return not overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
+
+
+class CostTerm(Protocol):
+    """One term of a candidate's cost, in blocks of prefill."""
+
+    def __call__(self, inputs: DecisionInputs, candidate: CandidateCost) -> float: ...
+
+
+class Admission(Protocol):
+    """Which candidates may take the request now."""
+
+    def __call__(self, inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]: ...
+
+
+class PickRule(Protocol):
+    """A candidate that wins outright, and why; None: the next rule decides."""
+
+    def __call__(self, standing: Standing) -> tuple[CandidateCost, Label] | None: ...
+
+
+def prefill_cost(inputs: DecisionInputs, candidate: CandidateCost) -> float:
+    """The prefill it would compute, dearer where the cache turns over fast."""
+    return candidate.novel * (1 + inputs.settings.eviction_cost_weight * candidate.churn)
+
+
+def load_cost(inputs: DecisionInputs, candidate: CandidateCost) -> float:
+    """The work already waiting there; a new conversation's weighs more (it places every turn)."""
+    weight = inputs.settings.new_session_load_weight if inputs.bootstrap else 1.0
+    return weight * candidate.load
+
+
+def backend_limit(inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]:
+    """A backend with `max_backend_requests` in flight takes no more (0: no limit)."""
+    limit = inputs.settings.max_backend_requests
+    return [c for c in candidates if c.active < limit] if limit else candidates
+
+
+def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
+    """A conversation stays where its context is (sessions.py)."""
+    session = standing.session
+    if session is not None and standing.within_gates(session):
+        return session, Label.SESSION_MATCH
+    return None
+
+
+def prefix_stickiness(standing: Standing) -> tuple[CandidateCost, Label] | None:
+    """A backend holding most of the prompt keeps it; among equal holders, the head's home."""
+    inputs = standing.inputs
+    if not standing.unbound or inputs.total_blocks <= 0:
+        return None
+    holder = max(standing.room, key=lambda c: c.matched)
+    homed = _homed(standing)
+    if inputs.home_ties and homed is not None and homed.matched >= holder.matched:
+        holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
+    if holder.matched >= inputs.settings.prefix_stick_ratio * inputs.total_blocks and standing.within_gates(holder):
+        return holder, Label.PREFIX_MATCH
+    return None
+
+
+def prefix_home(standing: Standing) -> tuple[CandidateCost, Label] | None:
+    """A head no cache shows any more goes where it was first placed (homes.py)."""
+    if not standing.unbound or standing.best_prefix != 0:
+        return None
+    homed = _homed(standing)
+    if homed is not None and standing.within_gates(homed):
+        return homed, Label.PREFIX_HOME
+    return None
+
+
+def _homed(standing: Standing) -> CandidateCost | None:
+    home = standing.inputs.home
+    return next((c for c in standing.room if c.backend == home), None) if home is not None else None
+
+
+def cheapest(standing: Standing) -> tuple[CandidateCost, Label]:
+    """No rule won: the lowest cost, ties rotated; the label says what it overrode."""
+    ranked = standing.ranked
+    tied = [c for c in ranked if c.cost <= ranked[0].cost]
+    chosen = tied[standing.inputs.turn % len(tied)]
+    session = standing.session
+    if standing.session_full or (session is not None and chosen is not session):
+        return chosen, Label.LOAD_OVERRIDE
+    if standing.best_prefix == 0:
+        return chosen, Label.LEAST_LOADED
+    if chosen.matched == standing.best_prefix:
+        return chosen, Label.PREFIX_MATCH
+    return chosen, Label.LOAD_OVERRIDE
