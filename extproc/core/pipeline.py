@@ -1,5 +1,5 @@
-"""The decision pipeline: inputs → each candidate's cost, term by term → admission → the pick
-rules in order → the cheapest. Assembled here, once: a new rule is a unit in rules.py (or a
+"""The decision pipeline: candidates → inputs → each candidate's cost, term by term → admission →
+the pick rules in order → the cheapest. Assembled here, once: a new rule is a unit in rules.py (or a
 module of its own) and a line in `assemble`.
 """
 
@@ -9,17 +9,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.core import rules
+from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
-from extproc.core.rules import Admission, CostTerm, PickRule, Standing
+from extproc.core.request import PromptRequest
+from extproc.core.rules import Admission, CandidateFilter, CostTerm, PickRule, Standing
 
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
     """The stages of a decision, in order."""
 
+    filters: Sequence[CandidateFilter]
     terms: Sequence[CostTerm]
     admission: Sequence[Admission]
     rules: Sequence[PickRule]
+
+    def candidates(self, request: PromptRequest, backends: Sequence[Backend]) -> list[str]:
+        """The addresses that may serve the request, in the pool's order."""
+        for keep in self.filters:
+            backends = keep(request, backends)
+        return [b.address for b in backends]
 
     def decide(self, inputs: DecisionInputs) -> Decision:
         """Choose among the candidates. NO_CANDIDATES with none; SHED when admission leaves none."""
@@ -95,6 +104,7 @@ def _returning(inputs: DecisionInputs) -> tuple[int, int] | None:
 def assemble() -> Pipeline:
     """kvroute's decision, stage by stage."""
     return Pipeline(
+        filters=(rules.serving_the_model,),
         terms=(rules.prefill_cost, rules.load_cost),
         admission=(rules.backend_limit,),
         rules=(rules.session_binding, rules.prefix_stickiness, rules.prefix_home),

@@ -137,7 +137,7 @@ class Router:
 
     def query(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Decision:
         """Dry run: the decision `begin` would make now, with no reservation and not counted."""
-        candidates = [b.address for b in backends if b.serves(request.model)]
+        candidates = self.pipeline.candidates(request, backends)
         chain = self.chain_of(request)
         session_backend, session_blocks = None, 0
         if request.session_key is not None:

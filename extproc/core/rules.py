@@ -11,6 +11,9 @@ waiting count when that is higher and fresh), and w is 1 for follow-ups and
 So a cached prefix wins until its backend is busier than the prefill it saves, and new prompts
 spread the fleet's cache evenly instead of overfilling one backend.
 
+Candidates: healthy backends serving the request's model (the gateway's subset hint has already
+narrowed the pool: the adapter answers its protocol's error when the hint leaves none).
+
 Admission: a backend at `max_backend_requests` takes no more; with none left the request is shed.
 
 Pick rules, in order, each winning outright unless its backend is past both balance gates
@@ -26,10 +29,13 @@ is taken. A head no cache shows any more goes to its home. Otherwise the cheapes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, DecisionInputs, Label, overloaded
+from extproc.core.request import PromptRequest
 
 
 @dataclass(slots=True)
@@ -56,6 +62,12 @@ class Standing:
         return not overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
 
 
+class CandidateFilter(Protocol):
+    """Which of the offered backends may serve the request at all."""
+
+    def __call__(self, request: PromptRequest, backends: Sequence[Backend]) -> Sequence[Backend]: ...
+
+
 class CostTerm(Protocol):
     """One term of a candidate's cost, in blocks of prefill."""
 
@@ -72,6 +84,11 @@ class PickRule(Protocol):
     """A candidate that wins outright, and why; None: the next rule decides."""
 
     def __call__(self, standing: Standing) -> tuple[CandidateCost, Label] | None: ...
+
+
+def serving_the_model(request: PromptRequest, backends: Sequence[Backend]) -> Sequence[Backend]:
+    """Healthy backends that serve the request's model (all models, if a backend has not said)."""
+    return [b for b in backends if b.serves(request.model)]
 
 
 def prefill_cost(inputs: DecisionInputs, candidate: CandidateCost) -> float:
