@@ -29,10 +29,10 @@ test-fast: $(STAMP)
 
 # Regenerate what is derived from the settings' declarations (tests fail when these are stale).
 crd: $(STAMP)
-	$(BIN)/python -m controller.crd
+	$(BIN)/python -m tools.crd
 
 docs: $(STAMP)
-	$(BIN)/python -m extproc.runtime.config > docs/settings.md
+	$(BIN)/python -m tools.settings_doc > docs/settings.md
 
 bench: $(STAMP)
 	$(BIN)/kvroute-dev bench core

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from controller.crd import MODELS_KEY, StatusBackend, routing_changes
+from extproc.core.policy import MODELS_KEY, StatusBackend, routing_changes
 
 
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:

@@ -20,9 +20,10 @@ import kopf
 from aiohttp import web
 from kubernetes_asyncio import client, config
 
-from controller import crd, logic
+from controller import logic
 from controller.late_crds import Insights, follow_late_crd
 from controller.reconciler import Reconciler
+from extproc.core import policy as contract
 
 log = logging.getLogger(__name__)
 REGISTRY = kopf.OperatorRegistry()
@@ -31,10 +32,10 @@ REGISTRY = kopf.OperatorRegistry()
 async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
     async with client.ApiClient() as api:
         await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-            crd.GROUP,
-            crd.VERSION,
+            contract.GROUP,
+            contract.VERSION,
             namespace,
-            crd.PLURAL,
+            contract.PLURAL,
             name,
             {"status": status},
             _content_type="application/merge-patch+json",
@@ -97,7 +98,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.reconciler_task = asyncio.create_task(memo.reconciler.run())
     memo.late_crd_tasks = [
         asyncio.create_task(follow_late_crd(memo.insights, settings, REGISTRY, group, plural))
-        for group, plural in ((crd.GROUP, crd.PLURAL), (crd.POOL_GROUP, crd.POOL_PLURAL))
+        for group, plural in ((contract.GROUP, contract.PLURAL), (contract.POOL_GROUP, contract.POOL_PLURAL))
     ]
     memo.health = web.AppRunner(_health_app(memo.reconciler), access_log=None)
     await memo.health.setup()
@@ -118,7 +119,7 @@ def pods_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, di
     return {namespace: logic.pod_summary(body)}
 
 
-@kopf.index(crd.GROUP, crd.VERSION, crd.PLURAL, registry=REGISTRY)
+@kopf.index(contract.GROUP, contract.VERSION, contract.PLURAL, registry=REGISTRY)
 def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     return {
         namespace: {
@@ -130,14 +131,14 @@ def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) 
     }
 
 
-@kopf.index(crd.POOL_GROUP, crd.POOL_VERSION, crd.POOL_PLURAL, registry=REGISTRY)
+@kopf.index(contract.POOL_GROUP, contract.POOL_VERSION, contract.POOL_PLURAL, registry=REGISTRY)
 def pools_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     return {namespace: logic.pool_summary(body)}
 
 
 @kopf.on.event("", "v1", "pods", registry=REGISTRY)
-@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL, registry=REGISTRY)
-@kopf.on.event(crd.POOL_GROUP, crd.POOL_VERSION, crd.POOL_PLURAL, registry=REGISTRY)
+@kopf.on.event(contract.GROUP, contract.VERSION, contract.PLURAL, registry=REGISTRY)
+@kopf.on.event(contract.POOL_GROUP, contract.POOL_VERSION, contract.POOL_PLURAL, registry=REGISTRY)
 def changed(
     namespace: str,
     memo: kopf.Memo,

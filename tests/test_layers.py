@@ -1,8 +1,10 @@
 """The code's layers import only downwards, and each command loads only what it runs.
 
-core <- runtime <- adapters (envoy, admin, kube, vllm, replicas) <- service <- cli; controller beside them, sharing
-the CRD contract (controller/crd.py); bench and the developer tools use the product, never the
-other way round.
+core <- runtime <- adapters (envoy, admin, kube, vllm, replicas) <- service <- cli; the operator
+(controller) beside the adapters, sharing the KVRoutingPolicy contract with the follower through
+the core (extproc/core/policy.py), so dependencies between the two point one way: controller ->
+extproc, never back (the CLI on top starts either). bench and the generators (tools) use the
+product, never the other way round.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ ALLOWED = {
     "extproc.runtime": {"extproc.core"},
     "extproc.envoy": {"extproc.core", "extproc.runtime"},
     "extproc.admin": {"extproc.core", "extproc.runtime"},
-    "extproc.kube": {"extproc.core", "extproc.runtime", "controller.crd"},
+    "extproc.kube": {"extproc.core", "extproc.runtime"},
     "extproc.vllm": {"extproc.core", "extproc.runtime"},
     "extproc.replicas": {"extproc.core", "extproc.runtime"},
     "extproc.service": {
@@ -37,10 +39,9 @@ ALLOWED = {
         "extproc.replicas",
     },
     "extproc.cli": {"extproc.core", "extproc.runtime", "extproc.envoy", "extproc.service", "controller.operator"},
-    "controller.crd": {"extproc.core"},
-    "controller": {"controller.crd"},
+    "controller": {"extproc.core"},
 }
-PROJECT = ("extproc", "controller", "bench", "protos", "tests")
+PROJECT = ("extproc", "controller", "bench", "protos", "tests", "tools")
 
 
 def _module(path: Path) -> str:
@@ -94,6 +95,15 @@ def test_the_core_uses_only_the_standard_library_and_pure_libraries(path: Path):
         if top in ("extproc", "__future__"):
             continue
         assert top in sys.stdlib_module_names or top in CORE_THIRD_PARTY, f"{path.name} imports {name}"
+
+
+def test_controller_and_extproc_depend_one_way():
+    """The operator uses the ext_proc's core (the policy contract, settings); no ext_proc module
+    but the CLI on top, which starts the operator, imports the operator's code."""
+    for path in PRODUCT_FILES:
+        module = _module(path)
+        if module.startswith("extproc") and module != "extproc.cli":
+            assert not any(_within(name, "controller") for name in _imports(path)), module
 
 
 def test_the_layer_rule_catches_an_upward_import():

@@ -14,8 +14,8 @@ from aiohttp import web
 from kubernetes_asyncio import client
 
 from controller import logic
-from controller.crd import routing_changes
 from extproc.core.backends import Backend
+from extproc.core.policy import routing_changes
 from extproc.core.request import parse_request
 from extproc.core.router import Router
 from extproc.core.settings import Settings

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import crd
-from controller.crd import CRD_FILES
 from extproc.cli import parser
+from extproc.core import policy
 from extproc.core.settings import Settings
 from extproc.runtime import config
-from extproc.runtime.config import settings_reference
+from tools import crd
+from tools.crd import CRD_FILES
+from tools.settings_doc import settings_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def test_default_key_is_random_per_process():
 
 def test_settings_reference_is_generated_from_the_declarations():
     committed = (ROOT / "docs" / "settings.md").read_text()
-    assert committed == settings_reference(), "stale: python -m extproc.runtime.config > docs/settings.md"
+    assert committed == settings_reference(), "stale: python -m tools.settings_doc > docs/settings.md"
 
 
 def test_every_setting_has_a_flag_and_an_environment_variable():
@@ -68,7 +69,7 @@ def test_every_setting_has_a_flag_and_an_environment_variable():
 
 def test_crd_files_are_generated_and_identical():
     for path in CRD_FILES:
-        assert path.read_text() == crd.render(), f"{path} is stale: python -m controller.crd"
+        assert path.read_text() == crd.render(), f"{path} is stale: python -m tools.crd"
     kopf = ROOT / "manifests" / "kopf-peering-crd.yaml"
     assert (ROOT / "charts" / "kvroute" / "crds" / "clusterkopfpeerings.yaml").read_text() == kopf.read_text()
 
@@ -104,7 +105,7 @@ def test_every_policy_field_reaches_its_setting(key):
         "tokenizerPath": "/models/tokenizer",
     }
     value = values.get(key, 8)
-    changes, unknown = crd.routing_changes({key: value})
+    changes, unknown = policy.routing_changes({key: value})
     assert not unknown
     settings = dataclasses.replace(Settings(), **changes)
     name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
@@ -119,8 +120,8 @@ def test_every_policy_field_reaches_its_setting(key):
 
 
 def test_hash_key_is_never_read_from_a_policy():
-    assert crd.routing_changes({"hashKey": "00" * 16}) == ({}, ["hashKey"])
-    assert crd.routing_changes({"capacityBlocks": "auto"})[0] == {"capacity_auto": True}
+    assert policy.routing_changes({"hashKey": "00" * 16}) == ({}, ["hashKey"])
+    assert policy.routing_changes({"capacityBlocks": "auto"})[0] == {"capacity_auto": True}
 
 
 def test_text_settings_refuse_other_types_and_unlisted_choices():

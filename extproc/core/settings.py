@@ -1,8 +1,9 @@
 """Routing settings, each declared once: name, type, default, bounds, help and policy field.
 
 Everything else is derived from these declarations: validation here, the config file /
-environment / flag layer (extproc/runtime/config.py) and docs/settings.md, the KVRoutingPolicy `spec.routing` fields
-the follower accepts and the CRD schema for them (controller/crd.py).
+environment / flag layer (extproc/runtime/config.py), the KVRoutingPolicy `spec.routing` fields
+operator and follower accept (policy.py), and the generated docs/settings.md and CRD schema
+(tools/).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from typing import Any
 
 from kubernetes_asyncio import client, config, watch
 
-from controller.crd import GROUP, PLURAL, VERSION, ready_backends, routing_changes
 from extproc.core.backends import Backend, parse_address
+from extproc.core.policy import GROUP, PLURAL, VERSION, ready_backends, routing_changes
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.policy_state import PolicyState

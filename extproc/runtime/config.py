@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import yaml
 
 from extproc.core.backends import Backend, parse_address
-from extproc.core.settings import Bounds, Settings
+from extproc.core.settings import Settings
 
 
 def _key(default: Any, text: str) -> Any:
@@ -84,8 +83,8 @@ class ExtProcConfig:
 
 
 _PROCESS_KEYS = {f.name: f.type for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")}
-_DEFAULTS = {f.name: f.default for f in fields(ExtProcConfig) if f.name in _PROCESS_KEYS}
-_PROCESS_HELP = {f.name: f.metadata["help"] for f in fields(ExtProcConfig) if f.name != "routing"}
+DEFAULTS = {f.name: f.default for f in fields(ExtProcConfig) if f.name in _PROCESS_KEYS}
+PROCESS_HELP = {f.name: f.metadata["help"] for f in fields(ExtProcConfig) if f.name != "routing"}
 _ROUTING_KEYS = {f.name for f in fields(Settings)}
 
 
@@ -139,14 +138,14 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for every key; unset flags leave lower layers alone."""
     parser.add_argument("--config", help="YAML config file (also KVROUTE_CONFIG)")
-    parser.add_argument("--backend", action="append", dest="backends", help=_PROCESS_HELP["backends"])
+    parser.add_argument("--backend", action="append", dest="backends", help=PROCESS_HELP["backends"])
     for key, kind in _PROCESS_KEYS.items():
         parser.add_argument(
             "--" + key.replace("_", "-"),
             dest=key,
             type=_CASTS[kind],
             default=None,
-            help=f"{_PROCESS_HELP[key]} (default: {_default_text(_DEFAULTS[key])})",
+            help=f"{PROCESS_HELP[key]} (default: {default_text(DEFAULTS[key])})",
         )
     for f in fields(Settings):
         parser.add_argument(
@@ -192,63 +191,10 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
     return ExtProcConfig(backends=backends, routing=routing, **values)
 
 
-def _bounds_text(bounds: Bounds | None) -> str:
-    if bounds is None:
-        return ""
-    parts = []
-    if bounds.minimum is not None:
-        parts.append(f"{'>' if bounds.exclusive_minimum else '>='} {bounds.minimum}")
-    if bounds.maximum is not None:
-        parts.append(f"<= {bounds.maximum}")
-    if bounds.multiple_of is not None:
-        parts.append(f"multiple of {bounds.multiple_of}")
-    return ", ".join(parts)
-
-
-def _default_text(value: Any) -> str:
+def default_text(value: Any) -> str:
     if isinstance(value, tuple):
         return ", ".join(value) or "none"
     return "none" if value == "" else str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def settings_reference() -> str:
-    """docs/settings.md, rendered from the declarations (a test fails if the file differs)."""
-    lines = [
-        "# Settings reference",
-        "",
-        "Generated from `extproc/core/settings.py` and `extproc/runtime/config.py` by",
-        "`python -m extproc.runtime.config > docs/settings.md`; tests/test_settings.py fails if it is stale.",
-        "",
-        "Layers, lowest first: defaults, a YAML file (`--config` or `KVROUTE_CONFIG`), `KVROUTE_*`",
-        "environment, flags. A KVRoutingPolicy's `spec.routing` is laid over the routing settings live.",
-        "",
-        "## Process",
-        "",
-        "| key (YAML) | environment | flag | default | what |",
-        "|---|---|---|---|---|",
-    ]
-    for name, text in _PROCESS_HELP.items():
-        flag = "--backend" if name == "backends" else "--" + name.replace("_", "-")
-        default = "none" if name == "backends" else _default_text(_DEFAULTS[name])
-        lines.append(f"| `{name}` | `KVROUTE_{name.upper()}` | `{flag}` | {default} | {text} |")
-    lines += [
-        "",
-        "## Routing (`routing:` in YAML)",
-        "",
-        "| setting | environment / flag | policy `spec.routing` | default | bounds | what |",
-        "|---|---|---|---|---|---|",
-    ]
-    for f in fields(Settings):
-        default = "random per process" if f.name == "hash_key" else _default_text(f.default)
-        policy = f"`{f.metadata['policy']}`" if f.metadata["policy"] else "not in policies"
-        env_flag = f"`KVROUTE_{f.name.upper()}` / `--{f.name.replace('_', '-')}`"
-        row = f"| `{f.name}` | {env_flag} | {policy} | {default} | {_bounds_text(f.metadata['bounds'])} |"
-        lines.append(f"{row} {f.metadata['help']} |")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.stdout.write(settings_reference())
 
 
 def read_token(path: str) -> str:

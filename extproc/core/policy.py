@@ -1,0 +1,72 @@
+"""The KVRoutingPolicy contract at run time, one leaf for the operator (writer) and the
+ext_proc's follower (reader): API coordinates, the `status.backends` entry shape, and
+`spec.routing` -> routing settings, derived from the settings' declarations (settings.py).
+The CRD that enforces it is generated from this and the declarations by `tools/crd.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+from extproc.core.settings import Settings
+
+GROUP = "kvroute.io"
+VERSION = "v1alpha1"
+PLURAL = "kvroutingpolicies"
+KIND = "KVRoutingPolicy"
+POOL_GROUP, POOL_VERSION, POOL_PLURAL = (
+    "inference.networking.k8s.io",
+    "v1",
+    "inferencepools",
+)  # Gateway API Inference Extension
+MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
+AUTO = "auto"  # capacityBlocks: size each backend from its own metrics (capacity_auto)
+
+
+class StatusBackend(TypedDict):
+    """One selected pod in `status.backends`; the follower routes to the ready ones."""
+
+    pod: str
+    ip: str
+    port: int
+    ready: bool
+    models: list[str]
+
+
+def ready_backends(status: Mapping[str, Any] | None) -> list[tuple[str, str, list[str]]]:
+    """(ip, port, models) of every ready backend the operator published."""
+    out = []
+    for item in (status or {}).get("backends") or []:
+        if item.get("ready") and item.get("ip") and item.get("port"):
+            out.append((str(item["ip"]), str(item["port"]), list(item.get("models") or ())))
+    return out
+
+
+def policy_fields() -> dict[str, dataclasses.Field[Any]]:
+    """`spec.routing` key -> the routing setting it sets."""
+    return {f.metadata["policy"]: f for f in dataclasses.fields(Settings) if f.metadata["policy"]}
+
+
+def routing_changes(routing: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """`spec.routing` -> (Settings field changes, unknown keys). Values are validated when the
+    changes are applied to Settings; unknown keys are returned so callers can report them."""
+    known = policy_fields()
+    changes: dict[str, Any] = {}
+    unknown = []
+    for key, value in (routing or {}).items():
+        f = known.get(key)
+        if f is None:
+            unknown.append(key)
+        elif f.name == "capacity_blocks":
+            changes["capacity_auto"] = value == AUTO
+            if value != AUTO:
+                changes["capacity_blocks"] = int(value)
+        elif f.name == "session_headers":
+            changes["session_headers"] = tuple(str(h).lower() for h in value)
+        elif f.name == "tenant_header":
+            changes["tenant_header"] = str(value).lower()
+        else:
+            changes[f.name] = value
+    return changes, sorted(unknown)

@@ -1,0 +1,1 @@
+"""Developer tools on top of the product: generators of files derived from its declarations."""
