@@ -129,3 +129,51 @@ def test_text_settings_refuse_other_types_and_unlisted_choices():
         Settings(tokenizer_path=8)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="index_mode must be one of approximate, precise"):
         Settings(index_mode="exact")
+
+
+def _sample(f: dataclasses.Field) -> tuple[object, str]:
+    """A non-default value of the setting as YAML gives it, and as text (environment, flags)."""
+    special = {
+        "hash_key": ("ab" * 16, "ab" * 16),
+        "session_headers": (["X-Conversation", "x-session-id"], "X-Conversation,x-session-id"),
+        "tenant_header": ("X-Tenant", "X-Tenant"),
+        "index_mode": ("precise", "precise"),
+        "tokenizer_path": ("/models/tokenizer", "/models/tokenizer"),
+    }
+    if f.name in special:
+        return special[f.name]
+    kind = f.metadata["kind"]
+    if kind is bool:
+        return (not f.default, str(not f.default).lower())
+    value = f.default + 8 if kind is int else f.default + 0.5
+    return value, str(value)
+
+
+@pytest.mark.parametrize("f", fields(Settings), ids=lambda f: f.name)
+def test_every_setting_means_the_same_from_every_source(f, tmp_path):
+    """YAML, environment, flags and (where it has a field) a policy give the same value, normalised
+    by its declaration (header names lower-cased wherever they come from)."""
+    value, text = _sample(f)
+    expected = getattr(Settings(**{f.name: value}), f.name)
+    assert expected != getattr(Settings(hash_key=bytes(16)), f.name) or f.name == "hash_key"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"routing": {f.name: value}}))
+    from_yaml = config.load(parser().parse_args(["extproc", "--config", str(path)]), environ={}).routing
+    from_env = config.load(None, environ={f"KVROUTE_{f.name.upper()}": text}).routing
+    flag = "--" + f.name.replace("_", "-")
+    from_flag = config.load(parser().parse_args(["extproc", flag, text]), environ={}).routing
+    assert getattr(from_yaml, f.name) == getattr(from_env, f.name) == getattr(from_flag, f.name) == expected
+    if f.metadata["policy"] and not f.metadata["secret"]:
+        changes, unknown = policy.routing_changes({f.metadata["policy"]: value})
+        assert not unknown and getattr(dataclasses.replace(Settings(), **changes), f.name) == expected
+    else:
+        assert f.name in ("hash_key", "capacity_auto")  # the secret key, and what capacityBlocks "auto" sets
+
+
+def test_header_settings_refuse_what_is_no_header_name():
+    with pytest.raises(ValueError, match="tenant_header must be HTTP header names"):
+        Settings(tenant_header="x tenant")
+    with pytest.raises(ValueError, match="session_headers must be a non-empty list"):
+        Settings(session_headers=())
+    with pytest.raises(ValueError, match="session_headers must be a non-empty list"):
+        Settings(session_headers="x-session-id")  # type: ignore[arg-type]

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from extproc.core.policy import AUTO, GROUP, KIND, MODELS_KEY, PLURAL, VERSION, policy_fields
+from extproc.core.policy import GROUP, KIND, MODELS_KEY, PLURAL, VERSION, policy_fields
+from extproc.core.settings import AUTO, HEADER_NAME
 
-HEADER_NAME = "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILES = (ROOT / "manifests" / "crd.yaml", ROOT / "charts" / "kvroute" / "crds" / "kvroutingpolicies.yaml")
 
@@ -23,17 +23,20 @@ CRD_FILES = (ROOT / "manifests" / "crd.yaml", ROOT / "charts" / "kvroute" / "crd
 def _property(f: dataclasses.Field[Any]) -> dict[str, Any]:
     """The OpenAPI schema of one routing setting, from its declaration."""
     schema: dict[str, Any] = {"description": f.metadata["help"]}
-    if f.name == "session_headers":
-        return {**schema, "type": "array", "items": {"type": "string", "pattern": HEADER_NAME}}
-    if f.type == "bool":
+    special = f.metadata["schema"]
+    if special == "headers":
+        return {**schema, "type": "array", "items": {"type": "string", "pattern": f"^{HEADER_NAME}$"}}
+    if special == "header":  # a header name, or empty
+        return {**schema, "type": "string", "pattern": f"^{HEADER_NAME.removesuffix('+')}*$"}
+    if special == "path":
+        return {**schema, "type": "string", "maxLength": 4096}
+    if f.metadata["kind"] is bool:
         return {**schema, "type": "boolean"}
     if f.metadata["choices"]:
         return {**schema, "type": "string", "enum": list(f.metadata["choices"])}
-    if f.name.endswith("_path"):
-        return {**schema, "type": "string", "maxLength": 4096}
-    if f.type == "str":  # a header name, or empty
-        return {**schema, "type": "string", "pattern": HEADER_NAME.replace("]+$", "]*$")}
-    kind = "integer" if f.type == "int" else "number"
+    if f.metadata["kind"] is str:
+        return {**schema, "type": "string"}
+    kind = "integer" if f.metadata["kind"] is int else "number"
     bounds = f.metadata["bounds"]
     number: dict[str, Any] = {"type": kind}
     if bounds is not None:
@@ -46,7 +49,7 @@ def _property(f: dataclasses.Field[Any]) -> dict[str, Any]:
             number["maximum"] = cast(bounds.maximum)
         if bounds.multiple_of is not None:
             number["multipleOf"] = bounds.multiple_of
-    if f.name == "capacity_blocks":  # a number or "auto"; a structural schema says so in CEL
+    if special == "blocks_or_auto":  # a number or "auto"; a structural schema says so in CEL
         rule = f'type(self) == string ? self == "{AUTO}" : self >= {int(bounds.minimum)}'
         message = f'must be a number of blocks (at least {int(bounds.minimum)}) or "{AUTO}"'
         return {

@@ -5,7 +5,7 @@ if the committed file differs."""
 from __future__ import annotations
 
 import sys
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from extproc.core.settings import Bounds, Settings
 from extproc.runtime.config import DEFAULTS, PROCESS_HELP, default_text
@@ -52,7 +52,7 @@ def settings_reference() -> str:
         "|---|---|---|---|---|---|",
     ]
     for f in fields(Settings):
-        default = "random per process" if f.name == "hash_key" else default_text(f.default)
+        default = "random per process" if f.default is MISSING else default_text(f.default)
         policy = f"`{f.metadata['policy']}`" if f.metadata["policy"] else "not in policies"
         env_flag = f"`KVROUTE_{f.name.upper()}` / `--{f.name.replace('_', '-')}`"
         row = f"| `{f.name}` | {env_flag} | {policy} | {default} | {bounds_text(f.metadata['bounds'])} |"

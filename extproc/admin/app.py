@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import orjson
@@ -127,7 +128,7 @@ class Admin:
                     {"address": b.address, "healthy": b.healthy, "models": sorted(b.models)}
                     for b in self._pool.backends
                 ],
-                "settings": {name: getattr(settings, name) for name in settings.help() if name != "hash_key"},
+                "settings": {f.name: getattr(settings, f.name) for f in fields(settings) if not f.metadata["secret"]},
                 "open_leases": len(self.leases),
                 "policy": None
                 if self._policy is None

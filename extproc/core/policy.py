@@ -22,7 +22,6 @@ POOL_GROUP, POOL_VERSION, POOL_PLURAL = (
     "inferencepools",
 )  # Gateway API Inference Extension
 MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
-AUTO = "auto"  # capacityBlocks: size each backend from its own metrics (capacity_auto)
 
 
 class StatusBackend(TypedDict):
@@ -45,13 +44,18 @@ def ready_backends(status: Mapping[str, Any] | None) -> list[tuple[str, str, lis
 
 
 def policy_fields() -> dict[str, dataclasses.Field[Any]]:
-    """`spec.routing` key -> the routing setting it sets."""
-    return {f.metadata["policy"]: f for f in dataclasses.fields(Settings) if f.metadata["policy"]}
+    """`spec.routing` key -> the routing setting it sets (never a secret one)."""
+    return {
+        f.metadata["policy"]: f
+        for f in dataclasses.fields(Settings)
+        if f.metadata["policy"] and not f.metadata["secret"]
+    }
 
 
 def routing_changes(routing: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
-    """`spec.routing` -> (Settings field changes, unknown keys). Values are validated when the
-    changes are applied to Settings; unknown keys are returned so callers can report them."""
+    """`spec.routing` -> (Settings field changes, unknown keys). Values are normalised and validated
+    when the changes are applied to Settings, as from any other source; unknown keys are returned
+    so callers can report them."""
     known = policy_fields()
     changes: dict[str, Any] = {}
     unknown = []
@@ -59,14 +63,8 @@ def routing_changes(routing: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
         f = known.get(key)
         if f is None:
             unknown.append(key)
-        elif f.name == "capacity_blocks":
-            changes["capacity_auto"] = value == AUTO
-            if value != AUTO:
-                changes["capacity_blocks"] = int(value)
-        elif f.name == "session_headers":
-            changes["session_headers"] = tuple(str(h).lower() for h in value)
-        elif f.name == "tenant_header":
-            changes["tenant_header"] = str(value).lower()
+        elif f.metadata["policy_value"] is not None:
+            changes.update(f.metadata["policy_value"](value))
         else:
             changes[f.name] = value
     return changes, sorted(unknown)

@@ -10,7 +10,8 @@ import orjson
 
 from extproc.core import cbr
 from extproc.core.errors import InvalidRequest
-from extproc.core.sessions import DEFAULT_SESSION_HEADERS, derive_session_key
+from extproc.core.sessions import derive_session_key
+from extproc.core.settings import SESSION_HEADERS
 
 _EMPTY: Mapping[str, str] = {}
 
@@ -43,7 +44,7 @@ class PromptRequest:
 def parse_request(
     body: bytes | str | Mapping[str, Any],
     headers: Mapping[str, str] = _EMPTY,
-    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS,
+    session_headers: tuple[str, ...] = SESSION_HEADERS,
     tenant_header: str = "",
     tokenizer: PromptTokenizer | None = None,
 ) -> PromptRequest:

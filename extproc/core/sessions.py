@@ -14,7 +14,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-DEFAULT_SESSION_HEADERS = ("x-session-id",)
+from extproc.core.settings import SESSION_HEADERS
+
 USER_HEADER = "x-user-id"
 MAX_ID_CHARS = 512
 
@@ -31,7 +32,7 @@ def _text(value: Any) -> str | None:
 def derive_session_key(
     headers: Mapping[str, str],
     body: Mapping[str, Any],
-    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS,
+    session_headers: tuple[str, ...] = SESSION_HEADERS,
     tenant_header: str = "",
 ) -> str | None:
     """The session a request belongs to, by precedence: conversation ids, then user ids; scoped

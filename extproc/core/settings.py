@@ -9,6 +9,8 @@ operator and follower accept (policy.py), and the generated docs/settings.md and
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -36,6 +38,56 @@ class Bounds:
 
 POSITIVE = Bounds(minimum=0, exclusive_minimum=True)
 NON_NEGATIVE = Bounds(minimum=0)
+SESSION_HEADERS = ("x-session-id",)  # the default conversation header (Envoy forwards it: envoy/bootstrap.py)
+HEADER_NAME = "[A-Za-z0-9!#$%&'*+.^_`|~-]+"  # an HTTP header name (RFC 9110 token)
+AUTO = "auto"  # capacityBlocks in a policy: size each backend from its own metrics (capacity_auto)
+
+
+def parse_flag(text: str) -> bool:
+    """A boolean from text (environment, flags)."""
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list from text."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _header(name: object, setting: str) -> str:
+    if not isinstance(name, str) or not re.fullmatch(HEADER_NAME, name):
+        raise ValueError(f"{setting} must be HTTP header names, got {name!r}")
+    return name.lower()  # HTTP/2 and Envoy carry header names in lower case
+
+
+def _header_names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"session_headers must be a non-empty list of header names, got {value!r}")
+    return tuple(_header(name, "session_headers") for name in value)
+
+
+def _tenant_header(value: Any) -> str:
+    return "" if value == "" else _header(value, "tenant_header")
+
+
+def _hex_key(value: Any) -> Any:
+    return bytes.fromhex(value) if isinstance(value, str) else value
+
+
+def _blocks_or_auto(value: Any) -> dict[str, Any]:
+    """capacityBlocks: a number of blocks, or "auto"."""
+    if value == AUTO:
+        return {"capacity_auto": True}
+    return {"capacity_auto": False, "capacity_blocks": int(value)}
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {bool: parse_flag, int: int, float: float, str: str, tuple: parse_names}
+
+
+def text_parser(kind: type) -> Callable[[str], Any]:
+    """How a value of this type is read from text (environment, flags)."""
+    return _PARSERS[kind]
 
 
 def _setting(
@@ -44,14 +96,39 @@ def _setting(
     bounds: Bounds | None = None,
     policy: str | None = None,
     choices: tuple[str, ...] = (),
-    **kw: Any,
+    *,
+    normalize: Callable[[Any], Any] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    policy_value: Callable[[Any], dict[str, Any]] | None = None,
+    schema: str | None = None,
+    secret: bool = False,
 ) -> Any:
-    """One declared setting. `policy` names its KVRoutingPolicy spec.routing field, if exposed;
-    `choices` lists the values a text setting may take (none: free text)."""
-    metadata = {"help": text, "bounds": bounds, "policy": policy, "choices": choices}
+    """One declared setting and every rule that applies to it, whatever its source:
+    - `policy`: its KVRoutingPolicy spec.routing field, if exposed; `policy_value`: how a policy's
+      value becomes settings (default: this setting, as given);
+    - `choices`: the values a text setting may take (none: free text);
+    - `normalize`: the canonical form of a value from any source (YAML, environment, flags, a
+      policy), applied on construction; raises ValueError on a value it cannot take;
+    - `parse`: text (environment, flags) -> value (default: by the default's type);
+    - `schema`: the policy schema's kind where the type does not say it ("header", "headers",
+      "path", "blocks_or_auto"; tools/crd.py);
+    - `secret`: never shown (/debug/state) nor read from a policy."""
+    sample = default() if callable(default) else default
+    metadata = {
+        "help": text,
+        "bounds": bounds,
+        "policy": policy,
+        "choices": choices,
+        "normalize": normalize,
+        "kind": type(sample),
+        "parse": parse or text_parser(type(sample)),
+        "policy_value": policy_value,
+        "schema": schema,
+        "secret": secret,
+    }
     if callable(default):
-        return field(default_factory=default, metadata=metadata, **kw)
-    return field(default=default, metadata=metadata, **kw)
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +145,9 @@ class Settings:
         lambda: os.urandom(16),
         "16-byte SipHash key (hex in files and flags); set it explicitly so replicas agree, keep it secret "
         "so hashes can't be forged. Never read from a policy.",
+        normalize=_hex_key,
+        parse=str,
+        secret=True,
     )
     location_ttl_s: float = _setting(
         600.0,
@@ -81,6 +161,8 @@ class Settings:
         'or "auto" (capacity_auto).',
         Bounds(minimum=1),
         "capacityBlocks",
+        policy_value=_blocks_or_auto,
+        schema="blocks_or_auto",
     )
     session_ttl_s: float = _setting(
         3600.0, "Seconds a session binding lives after its last use.", POSITIVE, "sessionTTLSeconds"
@@ -116,15 +198,19 @@ class Settings:
         60.0, "Half-life of the recent-turnover count behind eviction_cost_weight.", POSITIVE, "churnHalfLifeSeconds"
     )
     session_headers: tuple[str, ...] = _setting(
-        ("x-session-id",),
+        SESSION_HEADERS,
         "Request headers naming a conversation, tried in order before the body's session ids.",
         policy="sessionHeaders",
+        normalize=_header_names,
+        schema="headers",
     )
     tenant_header: str = _setting(
         "",
         "Request header naming the tenant (set by the gateway, not the client); session ids are scoped by it. "
         "Empty: one tenant.",
         policy="tenantHeader",
+        normalize=_tenant_header,
+        schema="header",
     )
     decision_headers: bool = _setting(
         False,
@@ -144,6 +230,7 @@ class Settings:
         "Precise mode: a directory with the served model's tokenizer.json and tokenizer_config.json (chat "
         "template); nothing is downloaded. If it cannot be loaded, routing stays approximate and says why.",
         policy="tokenizerPath",
+        schema="path",
     )
     capacity_auto: bool = _setting(
         True, "Size each backend's capacity from its vllm:cache_config_info (capacity_blocks until known)."
@@ -178,20 +265,19 @@ class Settings:
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            normalize = f.metadata["normalize"]
+            if normalize is not None:
+                object.__setattr__(self, f.name, normalize(getattr(self, f.name)))
+            value = getattr(self, f.name)
             bounds = f.metadata["bounds"]
             if bounds is not None:
-                bounds.check(f.name, getattr(self, f.name))
-        if len(self.hash_key) != 16:
-            raise ValueError("hash_key must be exactly 16 bytes")
-        if not all(isinstance(h, str) and h for h in self.session_headers):
-            raise ValueError("session_headers must be non-empty header names")
-        for f in fields(self):
-            if f.type == "str" and not isinstance(getattr(self, f.name), str):
+                bounds.check(f.name, value)
+            if f.metadata["kind"] is str and not isinstance(value, str):
                 raise ValueError(f"{f.name} must be text")
-            if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
+            if f.metadata["choices"] and value not in f.metadata["choices"]:
                 raise ValueError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}")
-        if self.tenant_header != self.tenant_header.lower():
-            raise ValueError("tenant_header must be a lower-case header name")
+        if not isinstance(self.hash_key, bytes) or len(self.hash_key) != 16:
+            raise ValueError("hash_key must be exactly 16 bytes")
 
     @classmethod
     def help(cls) -> dict[str, str]:
@@ -205,10 +291,4 @@ class Settings:
         unknown = set(values) - known
         if unknown:
             raise ValueError(f"unknown settings: {sorted(unknown)}")
-        values = dict(values)
-        key = values.get("hash_key")
-        if isinstance(key, str):
-            values["hash_key"] = bytes.fromhex(key)
-        if "session_headers" in values:
-            values["session_headers"] = tuple(str(h).lower() for h in values["session_headers"])
         return cls(**values)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from extproc.core.settings import SESSION_HEADERS
 from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE
 
 BODY_LIMIT = 32 * 1024 * 1024
@@ -29,7 +30,7 @@ RUNTIME = {"envoy.reloadable_features.ext_proc_graceful_grpc_close": True}
 # The headers kvroute reads (request and response); nothing else (Authorization, cookies) reaches
 # the ext_proc.
 # Add configured session or tenant headers with `--forward-header`.
-FORWARD_HEADERS = (":method", ":path", ":status", "x-request-id", "x-session-id", "x-user-id")
+FORWARD_HEADERS = (":method", ":path", ":status", "x-request-id", *SESSION_HEADERS, "x-user-id")
 _TYPES = "type.googleapis.com/envoy."
 
 # Body modes: how the ext_proc filter sends bodies (full duplex streams both ways, and needs trailers).

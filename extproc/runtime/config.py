@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from extproc.core.backends import Backend, parse_address
-from extproc.core.settings import Settings
+from extproc.core.settings import Settings, text_parser
 
 
 def _key(default: Any, text: str) -> Any:
@@ -82,23 +82,13 @@ class ExtProcConfig:
     routing: Settings = field(default_factory=Settings)
 
 
-_PROCESS_KEYS = {f.name: f.type for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")}
+# process key -> how it is read from text, by the type of its default
+_PROCESS_KEYS = {
+    f.name: text_parser(type(f.default)) for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")
+}
 DEFAULTS = {f.name: f.default for f in fields(ExtProcConfig) if f.name in _PROCESS_KEYS}
 PROCESS_HELP = {f.name: f.metadata["help"] for f in fields(ExtProcConfig) if f.name != "routing"}
 _ROUTING_KEYS = {f.name for f in fields(Settings)}
-
-
-def _flag(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1", "yes")
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name.strip().lower() for name in text.split(",") if name.strip())
-
-
-_CASTS = {"int": int, "float": float, "str": str, "bytes": str, "bool": _flag, "tuple[str, ...]": _names}
 
 
 def parse_backend(item: str | Mapping[str, Any]) -> Backend:
@@ -120,13 +110,12 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         elif key in _ROUTING_KEYS:
             values.setdefault("routing", {})[key] = _cast_routing(key, raw)
         else:
-            values[key] = _CASTS[_PROCESS_KEYS[key]](raw)
+            values[key] = _PROCESS_KEYS[key](raw)
     return values
 
 
 def _cast_routing(key: str, raw: str) -> Any:
-    kind = next(f.type for f in fields(Settings) if f.name == key)
-    return _CASTS[kind](raw)
+    return next(f.metadata["parse"] for f in fields(Settings) if f.name == key)(raw)
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,17 +128,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for every key; unset flags leave lower layers alone."""
     parser.add_argument("--config", help="YAML config file (also KVROUTE_CONFIG)")
     parser.add_argument("--backend", action="append", dest="backends", help=PROCESS_HELP["backends"])
-    for key, kind in _PROCESS_KEYS.items():
+    for key, parse in _PROCESS_KEYS.items():
         parser.add_argument(
             "--" + key.replace("_", "-"),
             dest=key,
-            type=_CASTS[kind],
+            type=parse,
             default=None,
             help=f"{PROCESS_HELP[key]} (default: {default_text(DEFAULTS[key])})",
         )
     for f in fields(Settings):
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest="routing_" + f.name, type=_CASTS[f.type], help=f.metadata["help"]
+            "--" + f.name.replace("_", "-"), dest="routing_" + f.name, type=f.metadata["parse"], help=f.metadata["help"]
         )
 
 
