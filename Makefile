@@ -19,6 +19,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest

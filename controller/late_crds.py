@@ -20,6 +20,8 @@ import kopf
 from kopf._cogs.structs.references import Insights
 from kopf._core.reactor.observation import process_discovered_resource_event
 
+__all__ = ["Insights", "follow_late_crd", "followed"]
+
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 10.0

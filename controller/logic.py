@@ -97,7 +97,8 @@ def _port(target_port: int | str, pod: Mapping[str, Any]) -> int | None:
         return target_port
     if target_port.isdigit():
         return int(target_port)
-    return pod["ports"].get(target_port)
+    port: int | None = pod["ports"].get(target_port)
+    return port
 
 
 def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
@@ -109,7 +110,7 @@ def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
 def backends(spec: Mapping[str, Any], to: Target, pods: Iterable[Mapping[str, Any]]) -> tuple[list[StatusBackend], int]:
     """The backends of every selected pod, one per target port (sorted by pod, then port), and how
     many selected pods lack a named port."""
-    out = []
+    out: list[StatusBackend] = []
     portless = 0
     for pod in pods:
         if not selector_matches(to.selector, pod["labels"]):

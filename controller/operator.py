@@ -38,7 +38,7 @@ async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> No
             contract.PLURAL,
             name,
             {"status": status},
-            _content_type="application/merge-patch+json",
+            _content_type="application/merge-patch+json",  # type: ignore[call-arg]  # taken by its **kwargs
         )
 
 
@@ -60,7 +60,7 @@ async def _client_configuration() -> client.Configuration:
     """In-cluster credentials, or the local kubeconfig when run outside a cluster."""
     configuration = client.Configuration()
     try:
-        config.load_incluster_config(client_configuration=configuration)
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]  # untyped library
     except config.ConfigException:
         await config.load_kube_config(client_configuration=configuration)
     return configuration
@@ -72,10 +72,10 @@ async def login(**_: Any) -> kopf.ConnectionInfo:
     kubernetes-asyncio); kopf calls this again when they stop working (a rotated token)."""
     configuration = await _client_configuration()
     if configuration.refresh_api_key_hook is not None:
-        configuration.refresh_api_key_hook(configuration)
+        configuration.refresh_api_key_hook(configuration)  # type: ignore[operator]  # untyped library: a callable
     token = configuration.api_key.get("BearerToken") or configuration.api_key.get("authorization") or ""
     return kopf.ConnectionInfo(
-        server=configuration.host,
+        server=configuration.host or "",
         ca_path=configuration.ssl_ca_cert,
         insecure=not configuration.verify_ssl,
         scheme="Bearer" if token else None,
@@ -115,14 +115,14 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index("", "v1", "pods", registry=REGISTRY)
-def pods_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
-    return {namespace: logic.pod_summary(body)}
+def pods_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    return {namespace or "": logic.pod_summary(body)}  # pods are namespaced: kopf always names one
 
 
 @kopf.index(contract.GROUP, contract.VERSION, contract.PLURAL, registry=REGISTRY)
-def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+def policies_by_namespace(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     return {
-        namespace: {
+        namespace or "": {
             "name": name,
             "metadata": {"generation": body.metadata.get("generation", 0)},
             "spec": dict(body.spec),
@@ -132,23 +132,25 @@ def policies_by_namespace(namespace: str, name: str, body: kopf.Body, **_: Any) 
 
 
 @kopf.index(contract.POOL_GROUP, contract.POOL_VERSION, contract.POOL_PLURAL, registry=REGISTRY)
-def pools_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
-    return {namespace: logic.pool_summary(body)}
+def pools_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    return {namespace or "": logic.pool_summary(body)}
 
 
+# kopf passes its indices as keywords that its handler protocol does not list, so mypy cannot
+# match this function to it
 @kopf.on.event("", "v1", "pods", registry=REGISTRY)
 @kopf.on.event(contract.GROUP, contract.VERSION, contract.PLURAL, registry=REGISTRY)
-@kopf.on.event(contract.POOL_GROUP, contract.POOL_VERSION, contract.POOL_PLURAL, registry=REGISTRY)
+@kopf.on.event(contract.POOL_GROUP, contract.POOL_VERSION, contract.POOL_PLURAL, registry=REGISTRY)  # type: ignore[arg-type]
 def changed(
-    namespace: str,
+    namespace: str | None,
     memo: kopf.Memo,
-    pods_by_namespace: kopf.Index,
-    policies_by_namespace: kopf.Index,
-    pools_by_namespace: kopf.Index,
+    pods_by_namespace: kopf.Index[str, dict[str, Any]],
+    policies_by_namespace: kopf.Index[str, dict[str, Any]],
+    pools_by_namespace: kopf.Index[str, dict[str, Any]],
     **_: Any,
 ) -> None:
     """Any pod, policy or InferencePool event: settle that namespace's policies soon."""
-    memo.reconciler.touch(namespace, pods_by_namespace, policies_by_namespace, pools_by_namespace)
+    memo.reconciler.touch(namespace or "", pods_by_namespace, policies_by_namespace, pools_by_namespace)
 
 
 def main(health_host: str = "0.0.0.0", health_port: int = 8080) -> None:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 
 from extproc.envoy.bootstrap import BACKEND_CLUSTERS, BODY_MODES, DESTINATION_SOURCES, EnvoyLayout
 from extproc.runtime import config
 
-_LAYOUT = {f.name: f.default for f in fields(EnvoyLayout)}  # `kvroute envoy-config`'s defaults are the layout's
+_LAYOUT = EnvoyLayout()  # `kvroute envoy-config`'s defaults are the layout's
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,24 +28,24 @@ def parser() -> argparse.ArgumentParser:
     controller.add_argument("--health-port", type=int, default=8080, help="port of /healthz and /readyz")
 
     envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")
-    envoy.add_argument("--listen-port", type=int, default=_LAYOUT["listen_port"])
-    envoy.add_argument("--listen-host", default=_LAYOUT["listen_host"])
-    envoy.add_argument("--admin-port", type=int, default=_LAYOUT["admin_port"])
-    envoy.add_argument("--extproc-host", default=_LAYOUT["extproc_host"])
+    envoy.add_argument("--listen-port", type=int, default=_LAYOUT.listen_port)
+    envoy.add_argument("--listen-host", default=_LAYOUT.listen_host)
+    envoy.add_argument("--admin-port", type=int, default=_LAYOUT.admin_port)
+    envoy.add_argument("--extproc-host", default=_LAYOUT.extproc_host)
     envoy.add_argument(
         "--extproc-port",
         type=int,
         action="append",
-        help=f"ext_proc gRPC port (repeatable: replicas; default {_LAYOUT['extproc_ports'][0]})",
+        help=f"ext_proc gRPC port (repeatable: replicas; default {_LAYOUT.extproc_ports[0]})",
     )
     envoy.add_argument("--backend", action="append", default=[], help="ip:port of a vLLM server (repeatable)")
     envoy.add_argument(
-        "--backend-dns", default=_LAYOUT["backend_dns"], help="NAME:PORT of a headless Service of the vLLM pods"
+        "--backend-dns", default=_LAYOUT.backend_dns, help="NAME:PORT of a headless Service of the vLLM pods"
     )
     envoy.add_argument(
-        "--admin-host", default=_LAYOUT["admin_host"], help="Envoy admin address (0.0.0.0 for kubelet probes)"
+        "--admin-host", default=_LAYOUT.admin_host, help="Envoy admin address (0.0.0.0 for kubelet probes)"
     )
-    envoy.add_argument("--message-timeout-ms", type=int, default=_LAYOUT["message_timeout_ms"])
+    envoy.add_argument("--message-timeout-ms", type=int, default=_LAYOUT.message_timeout_ms)
     envoy.add_argument("--no-ext-proc", action="store_true", help="plain round robin, for comparisons")
     envoy.add_argument(
         "--fail-closed",
@@ -56,26 +55,26 @@ def parser() -> argparse.ArgumentParser:
     envoy.add_argument(
         "--backend-cluster",
         choices=BACKEND_CLUSTERS,
-        default=_LAYOUT["backend_cluster"],
+        default=_LAYOUT.backend_cluster,
         help="original_dst: connect to the one address kvroute names (override_host: run the ext_proc with "
         "--destination-fallback true, so Envoy can retry a second one)",
     )
     envoy.add_argument("--extproc-tls", action="store_true", help="connect to the ext_proc with TLS (not verified)")
     envoy.add_argument(
         "--extproc-mtls-dir",
-        default=_LAYOUT["extproc_mtls_dir"],
+        default=_LAYOUT.extproc_mtls_dir,
         help="mutual TLS to the ext_proc: folder with ca.crt, client.crt, client.key (`kvroute tls-certs`)",
     )
     envoy.add_argument(
         "--body-mode",
         choices=tuple(BODY_MODES),
-        default=_LAYOUT["body_mode"],
+        default=_LAYOUT.body_mode,
         help="how Envoy sends bodies to the ext_proc (full_duplex: as endpoint-picker gateways do)",
     )
     envoy.add_argument(
         "--destination-from",
         choices=tuple(DESTINATION_SOURCES),
-        default=_LAYOUT["destination_from"],
+        default=_LAYOUT.destination_from,
         help="where Envoy reads kvroute's choice: the destination header or `envoy.lb` dynamic metadata",
     )
     envoy.add_argument(
@@ -95,10 +94,10 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
+def envoy_layout(args: argparse.Namespace) -> EnvoyLayout:
     """The Envoy layout `kvroute envoy-config` flags describe."""
     from extproc.core.backends import parse_address
-    from extproc.envoy.bootstrap import FORWARD_HEADERS, EnvoyLayout
+    from extproc.envoy.bootstrap import FORWARD_HEADERS
     from extproc.runtime.config import read_token
 
     return EnvoyLayout(
@@ -107,7 +106,7 @@ def envoy_layout(args: argparse.Namespace):  # -> EnvoyLayout, imported lazily
         admin_port=args.admin_port,
         admin_host=args.admin_host,
         extproc_host=args.extproc_host,
-        extproc_ports=tuple(args.extproc_port or _LAYOUT["extproc_ports"]),
+        extproc_ports=tuple(args.extproc_port or _LAYOUT.extproc_ports),
         backends=[parse_address(b) for b in args.backend],
         backend_dns=args.backend_dns,
         message_timeout_ms=args.message_timeout_ms,

@@ -70,7 +70,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             ("grpc.max_concurrent_streams", config.max_streams),
         ],
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(
+    pb_grpc.add_ExternalProcessorServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
         Processor(
             router, pool, metrics, max_stream_age_s=config.max_stream_age_s, fallback=config.destination_fallback
         ),

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.core.errors import InvalidRequest
@@ -79,7 +80,7 @@ class Admin:
         expected = f"Bearer {token}".encode()
 
         @web.middleware
-        async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+        async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 self._metrics.errors.labels("unauthorized").inc()

@@ -103,7 +103,7 @@ class _Full(Exception):
     """The budget is spent: stop encoding."""
 
 
-class _Out(list):
+class _Out(list[bytes]):
     """The records so far, counted against the budget."""
 
     __slots__ = ("size",)
@@ -160,7 +160,7 @@ def _header(body: Mapping[str, Any], kind: bytes) -> bytes:
 
 def _media(part: Mapping[str, Any], where: str) -> bytes:
     """A media part by URL, or by a digest of inline data (it can be megabytes)."""
-    ptype = part["type"]
+    ptype = str(part["type"])
     inner = part.get(ptype)
     url = inner.get("url") if isinstance(inner, Mapping) else inner
     if isinstance(url, str):

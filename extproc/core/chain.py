@@ -74,7 +74,8 @@ class TokenHasher:
         hasher.update(len(extra).to_bytes(4, "little"))
         hasher.update(extra)
         hasher.update(data)
-        return hasher.intdigest() & HASH_MASK
+        digest: int = hasher.intdigest()
+        return digest & HASH_MASK
 
     def chain(
         self, tokens: Sequence[int], block_size: int, extras: Sequence[bytes] = (), parent: int = ROOT_KEY

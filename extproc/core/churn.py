@@ -22,7 +22,7 @@ class ChurnMeter:
 
     def rate(self, backend: str, now: float) -> float:
         value, since = self._counts.get(backend, (0.0, now))
-        return value * 0.5 ** (max(0.0, now - since) / self.half_life_s)
+        return float(value * 0.5 ** (max(0.0, now - since) / self.half_life_s))
 
     def remove_backend(self, backend: str) -> None:
         self._counts.pop(backend, None)

@@ -58,8 +58,12 @@ class IndexMode(Protocol):
 
     name: ClassVar[str]  # as /debug/state and the metrics say it
     precise: ClassVar[bool]  # fed by the engines' events: adapters subscribe and tokenize for it
-    index: LocationIndex
     tokenizer: PromptTokenizer | None  # requests are tokenized for this mode's chains (None: not)
+
+    @property
+    def index(self) -> LocationIndex:
+        """The picture of every backend's cache."""
+        ...
 
     def chain_of(self, request: PromptRequest) -> list[int]:
         """The request's block chain, made once and kept on the request."""
@@ -71,7 +75,7 @@ class IndexMode(Protocol):
 
     def picture(
         self, chain: Sequence[int], candidates: Sequence[str], home: str | None, now: float
-    ) -> tuple[dict[str, int], dict[str, int], str | None]:
+    ) -> tuple[dict[str, int], Mapping[str, int], str | None]:
         """Leading blocks each candidate holds as the picture shows them, as decisions should weigh
         them, and the prompt head's home if decisions may follow it."""
         ...
@@ -167,7 +171,7 @@ class ApproximateMode:
 
     def picture(
         self, chain: Sequence[int], candidates: Sequence[str], home: str | None, now: float
-    ) -> tuple[dict[str, int], dict[str, int], str | None]:
+    ) -> tuple[dict[str, int], Mapping[str, int], str | None]:
         picture = self.index.lookup(chain, candidates, now)
         if not self.settings.prediction_trust:
             return picture, picture, home
@@ -277,7 +281,7 @@ class PreciseMode:
 
     def picture(
         self, chain: Sequence[int], candidates: Sequence[str], home: str | None, now: float
-    ) -> tuple[dict[str, int], dict[str, int], str | None]:
+    ) -> tuple[dict[str, int], Mapping[str, int], str | None]:
         picture = self.index.lookup(chain, candidates, now)
         return picture, picture, home
 

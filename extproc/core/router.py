@@ -17,7 +17,7 @@ from typing import Any
 from extproc.core.backends import Backend
 from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
-from extproc.core.decision import Decision, DecisionInputs, Label
+from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
 from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
 from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
 from extproc.core.homes import PrefixHomes
@@ -183,7 +183,7 @@ class Router:
         if decision.returning is not None:
             self.pressure.returned(*decision.returning)
         if decision.backend is not None:
-            self._place_home(request, decision)
+            self._place_home(request, decision.backend, decision.candidates)
             reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
             predicted = self.mode.routed(request, decision, reservation, now)
         self.stats.decisions[decision.label] += 1
@@ -197,14 +197,14 @@ class Router:
             return 1.0, True
         return self.pressure.gate_factor(), self.pressure.home_ties()
 
-    def _place_home(self, request: PromptRequest, decision: Decision) -> None:
+    def _place_home(self, request: PromptRequest, backend: str, candidates: Sequence[CandidateCost]) -> None:
         """The first placement of a prompt head (or the first since its home left) becomes its home."""
         chain = self.chain_of(request)
         if not chain:
             return
         home = self.homes.get(chain[0])
-        if home is None or all(c.backend != home for c in decision.candidates):
-            self.homes.place(chain[0], decision.backend)
+        if home is None or all(c.backend != home for c in candidates):
+            self.homes.place(chain[0], backend)
 
     def _by_load(self, backends: Sequence[Backend], now: float) -> Decision:
         """The decision with nothing known of the prompt: least loaded healthy backend, ties rotated."""
@@ -231,8 +231,8 @@ class Router:
         decision = self._by_load(backends, now)
         reservation = None
         if decision.backend is not None:
-            decision = replace(decision, label=Label.FALLBACK)
             reservation = self.loads.reserve(decision.backend, 0)
+            decision = replace(decision, label=Label.FALLBACK)
         self.stats.decisions[decision.label] += 1
         return Exchange(None, decision, reservation)
 

@@ -16,11 +16,11 @@ import grpc
 _OPEN_PREFIX = "/grpc.health.v1.Health/"
 
 
-async def _refuse(_request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+async def _refuse(_request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "ext_proc requires the shared token")
 
 
-_REFUSE = grpc.stream_stream_rpc_method_handler(_refuse)
+_REFUSE: grpc.RpcMethodHandler[Any, Any] = grpc.stream_stream_rpc_method_handler(_refuse)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -34,9 +34,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        details = handler_call_details
         if details.method.startswith(_OPEN_PREFIX):
             return await continuation(details)
         given = next((value for key, value in details.invocation_metadata or () if key == "authorization"), "")

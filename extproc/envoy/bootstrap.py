@@ -213,7 +213,7 @@ def _backend_cluster(layout: EnvoyLayout) -> dict[str, Any]:
 
 
 # TLS to the ext_proc, HTTP/2 by ALPN; like gateways in front of a self-signed picker, no verification.
-_TLS_TO_EXTPROC = {
+_TLS_TO_EXTPROC: dict[str, Any] = {
     "name": "envoy.transport_sockets.tls",
     "typed_config": {
         "@type": _TYPES + "extensions.transport_sockets.tls.v3.UpstreamTlsContext",
@@ -271,7 +271,7 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
             "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
         },
     }
-    ext_proc = {
+    ext_proc: dict[str, Any] = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _TYPES + "extensions.filters.http.ext_proc.v3.ExternalProcessor",

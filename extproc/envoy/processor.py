@@ -141,10 +141,10 @@ def _response_ended(message: pb.ProcessingRequest) -> bool:
     memory for every reset stream (grpc/grpc#43360; `kvroute-dev bench cancelled-streams`)."""
     kind = message.WhichOneof("request")
     if kind == "response_headers":
-        return message.response_headers.end_of_stream
+        return bool(message.response_headers.end_of_stream)
     if kind == "response_body":
-        return message.response_body.end_of_stream
-    return kind == "response_trailers"
+        return bool(message.response_body.end_of_stream)
+    return bool(kind == "response_trailers")
 
 
 def _streamed(kind: str, chunk: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
@@ -224,10 +224,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._fallback = fallback
 
     async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = Stream()
-        context.add_done_callback(stream.close)
+        context.add_done_callback(stream.close)  # type: ignore[arg-type]  # the stub wants its own private class
         try:
             async with asyncio.timeout(self._max_stream_age_s):
                 async for reply in self._replies(request_iterator, stream):

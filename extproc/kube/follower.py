@@ -157,6 +157,6 @@ class PolicyFollower:
 async def load_kubernetes_config() -> None:
     """In-cluster credentials, or the local kubeconfig when run outside a cluster."""
     try:
-        config.load_incluster_config()
+        config.load_incluster_config()  # type: ignore[no-untyped-call]  # kubernetes-asyncio ships no types
     except config.ConfigException:
         await config.load_kube_config()

@@ -27,19 +27,23 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from redis.typing import KeyT, StreamIdT
 
 from extproc.core.load import PeerLoads
 from extproc.core.router import Router
 from extproc.runtime.config import read_token
 from extproc.runtime.pool import BackendPool
 
+# The client is made with decode_responses=False, so a stream's entries come as bytes (redis-py
+# types its replies as any reply).
+_Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger("kvroute.replicas")
 
 LEARNED, BOUND, LOAD = "l", "s", "L"
@@ -165,7 +169,7 @@ class RedisLink:
         await self._check_key()
         seconds, micros = await client.time()
         offset = self._clock() - (seconds + micros / 1e6)  # store clock -> this process's clock
-        last_load = await client.xrevrange(self._load_key, count=1)
+        last_load = cast(_Entries, await client.xrevrange(self._load_key, count=1))
         load_from = last_load[0][0] if last_load else b"0-0"
         events_from = await self._replay(offset)
         self.connected = True
@@ -200,7 +204,7 @@ class RedisLink:
         after = b"-"
         last = b"0-0"
         while True:
-            entries = await self._client.xrange(self._events_key, min=after, count=1000)
+            entries = cast(_Entries, await self._client.xrange(self._events_key, min=after, count=1000))
             for entry_id, fields in entries:
                 self._apply(entry_id, fields, offset)
                 last = entry_id
@@ -209,9 +213,9 @@ class RedisLink:
             after = b"(" + last
 
     async def _follow(self, events_from: bytes, load_from: bytes, offset: float) -> None:
-        ids = {self._events_key: events_from, self._load_key: load_from}
+        ids: dict[KeyT, StreamIdT] = {self._events_key: events_from, self._load_key: load_from}
         while not _cancelled():
-            replies = await self._client.xread(ids, count=1000, block=1000)
+            replies = cast(list[tuple[bytes, _Entries]], await self._client.xread(ids, count=1000, block=1000))
             for stream, entries in replies:
                 key = stream.decode() if isinstance(stream, bytes) else stream
                 for entry_id, fields in entries:

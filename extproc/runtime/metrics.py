@@ -28,7 +28,7 @@ class _RouterCollector(Collector):
         stats = self._router.stats
         decisions = CounterMetricFamily("kvroute_decisions", "routing decisions by label", labels=["decision"])
         for label, count in stats.decisions.items():
-            decisions.add_metric([label.value], count)
+            decisions.add_metric([label], count)
         yield decisions
         yield CounterMetricFamily("kvroute_learned", "successful responses that taught the index", value=stats.learned)
         yield CounterMetricFamily(
@@ -69,8 +69,8 @@ class _RouterCollector(Collector):
             trust.add_metric([backend], self._router.trust.of(backend))
         yield trust
         healthy = GaugeMetricFamily("kvroute_backend_healthy", "1 if the backend is routable", labels=["backend"])
-        for backend in self._pool.backends:
-            healthy.add_metric([backend.address], float(backend.healthy))
+        for member in self._pool.backends:
+            healthy.add_metric([member.address], float(member.healthy))
         yield healthy
         if self._policy is not None:
             yield GaugeMetricFamily(

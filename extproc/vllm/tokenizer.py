@@ -45,9 +45,8 @@ class TokenizerError(Exception):
 def _special_text(value: object) -> str | None:
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    content = value.get("content") if isinstance(value, Mapping) else None
+    return content if isinstance(content, str) else None
 
 
 def _raise(message: str) -> None:
