@@ -14,6 +14,7 @@ kopf's peering, which keeps all but one operator replica paused.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 
 import kopf
@@ -25,6 +26,12 @@ __all__ = ["Insights", "follow_late_crd", "followed"]
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 10.0
+KOPF_TESTED = "1.45.2"  # the kopf whose internals this calls; with another, no rescans (as without it)
+
+
+def supported() -> bool:
+    """The installed kopf is the one whose internal rescan this was written and tested against."""
+    return importlib.metadata.version("kopf") == KOPF_TESTED
 
 
 def followed(insights: Insights, group: str, plural: str) -> bool:
@@ -41,7 +48,15 @@ async def follow_late_crd(
     interval_s: float = INTERVAL_S,
 ) -> None:
     """Forever: every `interval_s` while kopf does not follow `plural` of `group`, rescan that
-    group's discovery as a CRD event would (a no-op while the CRD is not installed)."""
+    group's discovery as a CRD event would (a no-op while the CRD is not installed). With another
+    kopf than KOPF_TESTED it says so and returns: a late CRD then needs an operator restart."""
+    if not supported():
+        log.warning(
+            "kopf %s is not %s: not rescanning for late CRDs (restart the operator after installing one)",
+            importlib.metadata.version("kopf"),
+            KOPF_TESTED,
+        )
+        return
     while True:
         await asyncio.sleep(interval_s)
         if followed(insights, group, plural):

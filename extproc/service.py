@@ -96,51 +96,57 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         details=feeds.state if link is None else lambda: {**feeds.state(), "replicas": link.state()},
         warnings=feeds.warnings if link is None else lambda: feeds.warnings() + link.warnings(),
     )
-    runners = [web.AppRunner(admin.monitoring_app(), access_log=None)]
-    await runners[0].setup()
-    await web.TCPSite(runners[0], config.admin_host, config.admin_port).start()
-    if config.control_port:
-        runners.append(web.AppRunner(admin.control_app(read_token(config.control_token_file)), access_log=None))
-        await runners[1].setup()
-        await web.TCPSite(runners[1], config.control_host, config.control_port).start()
-    await server.start()
-    # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.
-    processor_service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
-    for service in ("", "liveness", "readiness", processor_service):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    admin.serving = True
-    tasks = [
-        asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),
-        asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
-    ]
-    if config.engine_scrape_interval_s > 0:
-        tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s)))
-    if subscriber is not None:
-        tasks.append(asyncio.create_task(subscriber.run()))
-    if follower is not None:
-        tasks.append(asyncio.create_task(follower.run()))
-    if link is not None:
-        tasks.append(asyncio.create_task(link.run()))
-    log.info(
-        "ext_proc on %s:%d, admin on http://%s:%d, %d backends",
-        config.grpc_host,
-        config.grpc_port,
-        config.admin_host,
-        config.admin_port,
-        len(config.backends),
-    )
-    try:
+    async with contextlib.AsyncExitStack() as cleanup:  # torn down in reverse, each step whatever failed before
+        monitoring = web.AppRunner(admin.monitoring_app(), access_log=None)
+        await monitoring.setup()
+        cleanup.push_async_callback(monitoring.cleanup)
+        await web.TCPSite(monitoring, config.admin_host, config.admin_port).start()
+        if config.control_port:
+            control = web.AppRunner(admin.control_app(read_token(config.control_token_file)), access_log=None)
+            await control.setup()
+            cleanup.push_async_callback(control.cleanup)
+            await web.TCPSite(control, config.control_host, config.control_port).start()
+        await server.start()
+        cleanup.push_async_callback(server.stop, 2)
+        # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.
+        processor_service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+        for service in ("", "liveness", "readiness", processor_service):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        admin.serving = True
+        tasks = [
+            asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),
+            asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
+        ]
+        if config.engine_scrape_interval_s > 0:
+            tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s)))
+        if subscriber is not None:
+            tasks.append(asyncio.create_task(subscriber.run()))
+        if follower is not None:
+            tasks.append(asyncio.create_task(follower.run()))
+        if link is not None:
+            tasks.append(asyncio.create_task(link.run()))
+        cleanup.push_async_callback(stop_tasks, tasks)
+        cleanup.push_async_callback(health_servicer.enter_graceful_shutdown)
+        cleanup.callback(setattr, admin, "serving", False)
+        log.info(
+            "ext_proc on %s:%d, admin on http://%s:%d, %d backends",
+            config.grpc_host,
+            config.grpc_port,
+            config.admin_host,
+            config.admin_port,
+            len(config.backends),
+        )
         await stop.wait()
-    finally:
-        admin.serving = False
-        await health_servicer.enter_graceful_shutdown()
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await server.stop(grace=2)
-        for runner in runners:
-            await runner.cleanup()
+
+
+async def stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the background tasks and wait for them; one that had already failed is logged, and
+    never keeps the rest of the shutdown from running."""
+    for task in tasks:
+        task.cancel()
+    for task, result in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+        if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+            log.error("background task %s had failed: %r", task.get_coro(), result)
 
 
 def main(config: ExtProcConfig) -> None:

@@ -9,10 +9,9 @@ bytes kvroute sends each backend against the prompt tokens the engine reports
 (`vllm:request_prompt_tokens_sum`, counted when requests finish: windows between samples do not
 line up exactly with what was sent, but their sums do); traffic kvroute did not send only adds
 tokens, so it errs low. A window spans several requests and the sums start from a prior at the
-default ratio: the engine may count requests whose end kvroute has not seen yet, and a first
-window of a few requests setting the ratio alone is the likely cause of a vLLM-CPU run that
-predicted 7,000-12,000 cached tokens for 3,500-4,300-token prompts (and none for others, their
-blocks trimmed from an index sized by the same ratio). With several replicas, each also counts
+default ratio: the engine may count requests whose end kvroute has not seen yet, so a first
+window of a few requests must not set the ratio alone (what that did: docs/benchmarks.md,
+"Bytes per token: a prior"). With several replicas, each also counts
 the bytes its siblings sent (`add`, from their published totals `sent`): the engine's counter
 sees every replica's requests.
 """

@@ -8,9 +8,9 @@ the work it means to spread. The share of a returning conversation's last prompt
 picture no longer shows on its backend measures this directly, whatever the workload appends per
 turn; the balance gates that let a conversation or a prompt head leave its backend widen with it,
 by (1 - lost)^-POWER: nothing lost, the configured gates; a quarter lost, about four times as wide.
-The widening has to hold while it works (once gates widen, less is lost): with a square instead
-of the fifth power, the starved benchmark settled at a quarter lost and 1.8 times the gates,
-which kept copying contexts (docs/benchmarks.md, "Cache pressure").
+The widening has to hold while it works (once gates widen, less is lost), hence a steep power: a
+gentler one settles where the gates stay narrow enough to keep copying contexts
+(docs/benchmarks.md, "Cache pressure").
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ POWER = 5.0  # 5 % lost: 1.3 times the gates; 25 %: 4.2; 42 %: 15
 MAX_GATE_FACTOR = 16.0  # the gates never widen past this: a backend far busier than the rest still sheds
 # A head's home keeps it among equal holders only while returning conversations lose less than
 # this share: where caches hold what they need, a second copy only wastes room; where they are
-# starved, the copy spreads the head's new conversations over two caches, which paid more on
-# vLLM-CPU (docs/benchmarks.md, "The home among several holders").
+# starved, the copy spreads the head's new conversations over two caches, which pays more
+# (docs/benchmarks.md, "The home among several holders").
 HOME_TIES_MAX_LOST = 0.2
 
 
