@@ -335,7 +335,7 @@ def duplex(message: pb.ProcessingRequest) -> pb.ProcessingRequest:
 def run_stream(processor: Processor, messages: list[pb.ProcessingRequest]) -> list[list[pb.ProcessingResponse]]:
     """Replies to each message of one full-duplex stream, in order."""
     stream = Stream()
-    stream.duplex = stream.response_duplex = True
+    stream.request_duplex = stream.response_duplex = True
 
     async def replies() -> list[list[pb.ProcessingResponse]]:
         return [await processor._duplex(m, stream) for m in messages]
@@ -405,7 +405,7 @@ def test_full_duplex_failure_at_the_trailers_hands_back_body_and_answers_the_tra
     held headers reply, the body, and a trailers reply (without which it would wait)."""
     _, _, metrics, processor = parts
 
-    processor._routed = broken  # any internal failure while deciding
+    processor._routing_reply = broken  # any internal failure while deciding
     chunk = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     messages = [
         duplex(request_headers()),
@@ -422,7 +422,7 @@ def test_full_duplex_failure_at_the_trailers_hands_back_body_and_answers_the_tra
 def test_full_duplex_failure_at_the_body_end_hands_back_the_whole_body_once(parts):
     _, _, _, processor = parts
 
-    processor._routed = broken
+    processor._routing_reply = broken
     whole = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "z" * 1000}]})
     messages = [
         duplex(request_headers()),

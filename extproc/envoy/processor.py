@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from enum import Enum
 from typing import Any
 
 import grpc
@@ -30,7 +31,8 @@ from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, ResponseStart
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
-from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from extproc.envoy import messages as msg
+from extproc.envoy.headers import DESTINATION_HEADER
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
@@ -44,156 +46,55 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 256 * 1024
 OFFLOAD_BYTES_PRECISE = 16 * 1024
 LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-_OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-
-# Replies without per-request content are built once.
-_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_STRIP_HEADERS = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER]))
-    )
-)
-_PASS_THROUGH = pb.ProcessingMode(request_body_mode=pb.ProcessingMode.NONE, response_header_mode=pb.ProcessingMode.SKIP)
-_CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
-_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-# The picker protocol's answer when the gateway's subset hint leaves no backend to choose.
-_NO_CANDIDATE = pb.ProcessingResponse(
-    immediate_response=pb.ImmediateResponse(
-        status=pb.HttpStatus(code=503),
-        body=b"no backend in the gateway's subset",
-        details="kvroute_no_subset_candidate",
-    )
-)
-MAX_SUBSET = 4096  # endpoints read from one subset hint
-DUPLEX = pb.ProcessingMode.FULL_DUPLEX_STREAMED
-CHUNK_BYTES = 62_000  # body handed back to Envoy in chunks no larger than this (the reference picker's)
 HELD_BYTES = 64 * 1024 * 1024  # a full-duplex body beyond this is routed unread and passed on as it comes
-# The empty reply to each kind of message: Envoy expects the reply to match what it sent.
-_CONTINUE = {
-    "request_headers": _CONTINUE_HEADERS,
-    "request_body": _CONTINUE_BODY,
-    "response_headers": _CONTINUE_RESPONSE_HEADERS,
-    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
-    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
-    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+
+
+class Phase(Enum):
+    """Where one request's stream stands. Each stream decides once: request headers, then (for an
+    LLM request) its body, then the decision; in full-duplex mode the body is held meanwhile."""
+
+    HEADERS = "headers"  # nothing seen yet
+    BODY = "body"  # an LLM request's headers seen: its body decides
+    HOLDING = "holding"  # full duplex: the body's chunks (and the headers' reply) held until it ends
+    PASSED = "passed"  # not an LLM request: passed through with a least-loaded destination, body unread
+    DECIDED = "decided"  # routed, shed, refused (subset), or let through unrouted after a failure
+
+
+# The phases each phase may move to (full duplex: the headers' reply waits in HOLDING).
+NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.HEADERS: frozenset({Phase.BODY, Phase.PASSED, Phase.DECIDED}),
+    Phase.BODY: frozenset({Phase.HOLDING, Phase.DECIDED}),
+    Phase.HOLDING: frozenset({Phase.DECIDED}),
+    Phase.PASSED: frozenset({Phase.DECIDED}),  # only by failing open
+    Phase.DECIDED: frozenset({Phase.DECIDED}),
 }
 
-
-def _header(key: str, value: str) -> pb.HeaderValueOption:
-    """Envoy reads raw_value; a mutation that sets only `value` produces an empty header."""
-    return pb.HeaderValueOption(header=pb.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
-
-
-# Every candidate at max_backend_requests: the picker protocol's answer to shed load.
-_SHED = pb.ProcessingResponse(
-    immediate_response=pb.ImmediateResponse(
-        status=pb.HttpStatus(code=429),
-        headers=pb.HeaderMutation(set_headers=[_header("retry-after", "1")]),
-        body=b"every backend is at its request limit",
-        details="kvroute_shed",
-    )
-)
-
-
-def _headers(message: pb.HttpHeaders) -> dict[str, str]:
-    return {h.key: h.raw_value.decode("latin-1") for h in message.headers.headers}
-
-
-def _served(message: pb.ProcessingRequest) -> str | None:
-    """The endpoint that served, as a gateway reports it in `envoy.lb` dynamic metadata."""
-    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
-    value = None if namespace is None else namespace.fields.get(SERVED_KEY)
-    return value.string_value if value is not None and value.string_value else None
-
-
-def _subset(message: pb.ProcessingRequest) -> frozenset[str] | None:
-    """The endpoints a gateway allows for this request (`envoy.lb.subset_hint`), or None: no hint.
-    A list of `ip:port` strings, or one comma-separated string; bounded."""
-    hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
-    value = None if hint is None else hint.fields.get(SUBSET_KEY)
-    if value is None:
-        return None
-    if value.HasField("list_value"):
-        items = [v.string_value for v in value.list_value.values[:MAX_SUBSET]]
-    else:
-        items = value.string_value.split(",")[:MAX_SUBSET]
-    return frozenset(item.strip() for item in items if item.strip())
-
-
-def _destination(target: str) -> pb.HeaderMutation:
-    """The destination header, overwriting whatever a client sent."""
-    return pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, target)])
-
-
-def _with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.ProcessingResponse:
-    """The destination also as `envoy.lb` dynamic metadata, same key and value as the header."""
-    if target:
-        lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value
-        lb.fields[DESTINATION_HEADER].string_value = target
-    return response
-
-
-def _response_ended(message: pb.ProcessingRequest) -> bool:
-    """Whether this message ends the response (its headers without a body, its last body chunk,
-    or its trailers): nothing more will come on the stream. The processor then ends the stream
-    itself; left to an Envoy without the graceful-close runtime key (bootstrap.RUNTIME; gateways'
-    Envoys by default), it ends with a reset, and grpcio's aio server keeps about 120 bytes of C
-    memory for every reset stream (grpc/grpc#43360; `kvroute-dev bench cancelled-streams`)."""
-    kind = message.WhichOneof("request")
-    if kind == "response_headers":
-        return bool(message.response_headers.end_of_stream)
-    if kind == "response_body":
-        return bool(message.response_body.end_of_stream)
-    return bool(kind == "response_trailers")
-
-
-def _streamed(kind: str, chunk: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
-    """A body chunk handed back to Envoy unchanged (full-duplex mode)."""
-    body = pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
-    reply = pb.ProcessingResponse()
-    getattr(reply, kind).response.body_mutation.streamed_response.CopyFrom(body)
-    return reply
-
-
-def _chunks(kind: str, body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
-    """A held body handed back in CHUNK_BYTES pieces; the last carries the end of stream."""
-    pieces = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
-    return [_streamed(kind, piece, end_of_stream and i == len(pieces) - 1) for i, piece in enumerate(pieces)]
-
-
-def _attribute(message: pb.ProcessingRequest, name: str) -> str | None:
-    for struct in message.attributes.values():
-        value = struct.fields.get(name)
-        if value is not None:
-            return value.string_value
-    return None
+# A body as routing reads it, or why it cannot be read.
+Parsed = PromptRequest | InvalidRequest
 
 
 class Stream:
-    """One HTTP request's state across its gRPC stream: its headers, then the core's exchange."""
+    """One HTTP request's state across its gRPC stream: its phase, its headers, the core's exchange."""
 
-    __slots__ = (
-        "duplex",
-        "exchange",
-        "headers",
-        "held",
-        "held_bytes",
-        "prepared",
-        "response_duplex",
-        "routed",
-        "subset",
-    )
+    __slots__ = ("exchange", "headers", "held", "held_bytes", "phase", "request_duplex", "response_duplex", "subset")
 
     def __init__(self) -> None:
+        self.phase = Phase.HEADERS
         self.headers: dict[str, str] = {}
         self.exchange: Exchange | None = None
         self.subset: frozenset[str] | None = None  # the gateway's subset hint, if it sent one
-        self.prepared: PromptRequest | InvalidRequest | None = None  # a large body, parsed off the loop
-        self.routed = False
-        self.duplex = False  # request body FULL_DUPLEX_STREAMED: kvroute hands the body back
-        self.response_duplex = False  # the same for the response body
-        self.held: list[bytes] | None = None  # full duplex: body chunks held until the decision
+        # How bodies come, from the stream's first message: FULL_DUPLEX_STREAMED, kvroute hands
+        # them back to Envoy (the request's after its decision, the response's as they come).
+        self.request_duplex = False
+        self.response_duplex = False
+        self.held: list[bytes] | None = None  # HOLDING: the body's chunks so far (kept until handed back)
         self.held_bytes = 0
+
+    def advance(self, phase: Phase) -> None:
+        """Move to `phase`; raises RuntimeError on a move the protocol's order does not allow."""
+        if phase not in NEXT[self.phase]:
+            raise RuntimeError(f"ext_proc stream cannot go from {self.phase.value} to {phase.value}")
+        self.phase = phase
 
     def close(self, _context: Any = None) -> None:
         """The stream ended, however it ended (completion, error, client abort, Envoy timeout)."""
@@ -243,23 +144,26 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
             if message.HasField("protocol_config"):  # the stream's first message says how bodies come
-                stream.duplex = message.protocol_config.request_body_mode == DUPLEX
-                stream.response_duplex = message.protocol_config.response_body_mode == DUPLEX
-            if stream.duplex:
+                stream.request_duplex = message.protocol_config.request_body_mode == msg.DUPLEX
+                stream.response_duplex = message.protocol_config.response_body_mode == msg.DUPLEX
+            if stream.request_duplex:
                 for reply in await self._duplex(message, stream):
                     yield reply
-                if stream.response_duplex and _response_ended(message):
-                    return  # end the stream first: see _response_ended
+                if stream.response_duplex and msg.response_ended(message):
+                    return  # end the stream first: see messages.response_ended
                 continue
-            if not stream.routed and stream.headers and message.WhichOneof("request") == "request_body":
-                await self._prepare_large(message.request_body.body, stream)  # (a copy: read once)
-            yield self.handle(message, stream)
+            parsed = None
+            if stream.phase is Phase.BODY and message.WhichOneof("request") == "request_body":
+                parsed = await self._read_large(message.request_body.body, stream)  # (a copy: read once)
+            yield self.handle(message, stream, parsed)
 
-    async def _prepare_large(self, body: bytes, stream: Stream) -> None:
+    async def _read_large(self, body: bytes, stream: Stream) -> Parsed | None:
         """Parsing and hashing a large body takes milliseconds to seconds: do it off the event
-        loop, so health answers and other requests do not wait behind it; `_route` takes it up."""
+        loop, so health answers and other requests do not wait behind it. None: a small body,
+        read where it is decided."""
         if len(body) > (OFFLOAD_BYTES_PRECISE if self._router.precise else OFFLOAD_BYTES):
-            stream.prepared = await asyncio.to_thread(self._prepare, body, stream.headers)
+            return await asyncio.to_thread(self._read, body, stream.headers)
+        return None
 
     async def _duplex(self, message: pb.ProcessingRequest, stream: Stream) -> list[pb.ProcessingResponse]:
         """Full-duplex replies: none while the body is held, the held headers reply and the body
@@ -268,32 +172,32 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         kind = message.WhichOneof("request")
         try:
             if kind == "request_headers":
-                stream.subset = _subset(message)
+                stream.subset = msg.subset(message)
                 reply = self._on_request_headers(message.request_headers, stream)
                 if reply.HasField("mode_override"):  # not an LLM request: pass it through as it comes
                     reply.ClearField("mode_override")  # (a fresh reply; body modes cannot change in full duplex)
                     reply.request_headers.response.clear_route_cache = True
-                    stream.routed = True
                     return [reply]
-                if stream.routed:  # routed from its headers alone (no body), or a repeated message
-                    return [reply if reply.HasField("immediate_response") else self._cleared(reply)]
-                stream.held = []  # an LLM request: the reply waits for the body
+                if stream.phase is not Phase.BODY:  # decided from its headers alone (no body), or repeated
+                    return [reply if reply.HasField("immediate_response") else msg.cleared(reply)]
+                stream.advance(Phase.HOLDING)  # an LLM request: the reply waits for the body
+                stream.held = []
                 return []
             if kind == "request_body":
                 return await self._duplex_body(message.request_body, stream)
-            if kind == "request_trailers" and stream.held is not None:  # the body ended with trailers
-                return [*await self._release(stream, end_of_stream=False), _CONTINUE[kind]]
+            if kind == "request_trailers" and stream.phase is Phase.HOLDING:  # the body ended with trailers
+                return [*await self._release(stream, end_of_stream=False), msg.CONTINUE[kind]]
             if kind == "response_body" and stream.response_duplex:
-                return [_streamed(kind, message.response_body.body, message.response_body.end_of_stream)]
+                return [msg.streamed(kind, message.response_body.body, message.response_body.end_of_stream)]
             return [self.handle(message, stream)]
         except Exception:
             log.exception("ext_proc failed on %s in full-duplex mode; the request continues unrouted", kind)
             self._metrics.errors.labels("internal").inc()
-            return self._unrouted(message, stream, kind)
+            return self._fail_open(message, stream, kind)
 
     async def _duplex_body(self, message: pb.HttpBody, stream: Stream) -> list[pb.ProcessingResponse]:
-        if stream.held is None:  # not held (passed through, or already routed): hand it straight back
-            return [_streamed("request_body", message.body, message.end_of_stream)]
+        if stream.phase is not Phase.HOLDING or stream.held is None:  # passed through, or decided: hand it back
+            return [msg.streamed("request_body", message.body, message.end_of_stream)]
         stream.held.append(message.body)
         stream.held_bytes += len(message.body)
         if stream.held_bytes > HELD_BYTES:  # too big to read: route unread, then pass the rest on
@@ -306,59 +210,51 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     async def _release(self, stream: Stream, end_of_stream: bool, read: bool = True) -> list[pb.ProcessingResponse]:
         """Decide on the held body, then send the held headers reply and the body back."""
         body = b"".join(stream.held or ())
-        if read:
-            await self._prepare_large(body, stream)
-        decided = self._routed(stream, body if read else None, "request_headers")
+        parsed = await self._read_large(body, stream) if read else None
+        decided = self._routing_reply(stream, body if read else None, "request_headers", parsed)
         stream.held, stream.held_bytes = None, 0  # only now: a failure above hands the held body back
         if decided.HasField("immediate_response"):
             return [decided]
-        return [self._cleared(decided), *_chunks("request_body", body, end_of_stream)]
+        return [msg.cleared(decided), *msg.chunks("request_body", body, end_of_stream)]
 
-    @staticmethod
-    def _cleared(reply: pb.ProcessingResponse) -> pb.ProcessingResponse:
-        """A copy of a request-headers reply that makes Envoy match the route again with the new
-        header (replies may be shared constants)."""
-        cleared = pb.ProcessingResponse()
-        cleared.CopyFrom(reply)
-        cleared.request_headers.response.clear_route_cache = True
-        return cleared
-
-    def _unrouted(self, message: pb.ProcessingRequest, stream: Stream, kind: str) -> list[pb.ProcessingResponse]:
+    def _fail_open(self, message: pb.ProcessingRequest, stream: Stream, kind: str) -> list[pb.ProcessingResponse]:
         """After a failure in full duplex: release whatever is held, unrouted, so the request goes on."""
-        stream.routed = True
+        stream.phase = Phase.DECIDED  # from any phase: the request goes on, never decided again
         if stream.held is not None:
             body = b"".join(stream.held)
             stream.held = None
             end = kind == "request_body" and message.request_body.end_of_stream
-            trailers = [_CONTINUE[kind]] if kind == "request_trailers" else []  # Envoy waits for it
-            return [_CONTINUE_HEADERS, *_chunks("request_body", body, end), *trailers]
+            trailers = [msg.CONTINUE[kind]] if kind == "request_trailers" else []  # Envoy waits for it
+            return [msg.CONTINUE_HEADERS, *msg.chunks("request_body", body, end), *trailers]
         if kind == "request_body" or (kind == "response_body" and stream.response_duplex):
             part = getattr(message, kind)
-            return [_streamed(kind, part.body, part.end_of_stream)]
-        return [_CONTINUE[kind]]
+            return [msg.streamed(kind, part.body, part.end_of_stream)]
+        return [msg.CONTINUE[kind]]
 
-    def handle(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
+    def handle(
+        self, message: pb.ProcessingRequest, stream: Stream, parsed: Parsed | None = None
+    ) -> pb.ProcessingResponse:
         """One reply per message, of the message's own kind; a failure here never stops the
-        request, it only skips routing."""
+        request, it only skips routing. `parsed`: the body, already read off the event loop."""
         kind = message.WhichOneof("request")
         try:
             if kind == "request_headers":
-                stream.subset = _subset(message)
+                stream.subset = msg.subset(message)
                 return self._on_request_headers(message.request_headers, stream)
             if kind == "request_body":
-                return self._on_request_body(message.request_body, stream)
+                return self._on_request_body(message.request_body, stream, parsed)
             if kind == "response_headers":
                 return self._on_response_headers(message, stream)
         except Exception:
             log.exception("ext_proc failed on %s; the request continues unrouted", kind)
             self._metrics.errors.labels("internal").inc()
-        return _CONTINUE[kind]
+        return msg.CONTINUE[kind]
 
     def _on_request_headers(self, message: pb.HttpHeaders, stream: Stream) -> pb.ProcessingResponse:
-        if stream.routed:  # one stream decides once: a repeated message changes nothing
+        if stream.phase is not Phase.HEADERS:  # one stream decides once: a repeated message changes nothing
             self._metrics.errors.labels("repeated_message").inc()
-            return _CONTINUE_HEADERS
-        headers = stream.headers = _headers(message)
+            return msg.CONTINUE_HEADERS
+        headers = stream.headers = msg.headers(message)
         spoofed = DESTINATION_HEADER in headers
         if spoofed:
             self._metrics.errors.labels("client_destination_header").inc()
@@ -367,21 +263,23 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return self._passed_through(stream, spoofed)
         if message.end_of_stream:
             self._metrics.errors.labels("empty_body").inc()
-            return self._routed(stream, None, "request_headers")
-        return _STRIP_HEADERS if spoofed else _CONTINUE_HEADERS
+            return self._routing_reply(stream, None, "request_headers")
+        stream.advance(Phase.BODY)
+        return msg.STRIP_HEADERS if spoofed else msg.CONTINUE_HEADERS
 
     def _passed_through(self, stream: Stream, spoofed: bool) -> pb.ProcessingResponse:
         """Another path or method: its body is not read and nothing is learned from it, but it
         still gets a destination (the least loaded backend): gateways whose cluster connects only
         where the picker says would otherwise have nowhere to send it."""
+        stream.advance(Phase.PASSED)
         target = self._router.least_loaded(self._candidates(stream), self._clock())
         response = pb.ProcessingResponse()
         if target is None:
-            response.CopyFrom(_STRIP_HEADERS if spoofed else _CONTINUE_HEADERS)
+            response.CopyFrom(msg.STRIP_HEADERS if spoofed else msg.CONTINUE_HEADERS)
         else:
-            response.request_headers.response.header_mutation.CopyFrom(_destination(target))
-            _with_destination(response, target)
-        response.mode_override.CopyFrom(_PASS_THROUGH)
+            response.request_headers.response.header_mutation.CopyFrom(msg.destination(target))
+            msg.with_destination(response, target)
+        response.mode_override.CopyFrom(msg.PASS_THROUGH)
         return response
 
     def _candidates(self, stream: Stream) -> list[Backend]:
@@ -390,49 +288,48 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return self._pool.backends
         return [b for b in self._pool.backends if b.address in stream.subset]
 
-    def _on_request_body(self, message: pb.HttpBody, stream: Stream) -> pb.ProcessingResponse:
-        if stream.routed or not stream.headers:
-            return _CONTINUE_BODY
-        body = message.body if stream.prepared is None else b""  # already parsed off the loop: no second copy
-        return self._routed(stream, body, "request_body")
+    def _on_request_body(self, message: pb.HttpBody, stream: Stream, parsed: Parsed | None) -> pb.ProcessingResponse:
+        if stream.phase is not Phase.BODY:  # passed through, decided, or no headers before it
+            return msg.CONTINUE_BODY
+        return self._routing_reply(stream, message.body, "request_body", parsed)
 
-    def _routed(self, stream: Stream, body: bytes | None, kind: str) -> pb.ProcessingResponse:
-        """The routing reply to a request_headers or request_body message: the destination as a
-        header mutation and as metadata, or a 503 when the gateway's subset leaves no backend."""
+    def _routing_reply(
+        self, stream: Stream, body: bytes | None, kind: str, parsed: Parsed | None = None
+    ) -> pb.ProcessingResponse:
+        """The reply to the request_headers or request_body message that decides: the destination
+        as a header mutation and as metadata, a 429 when shed, or a 503 when the gateway's subset
+        leaves no backend."""
+        stream.advance(Phase.DECIDED)
         backends = self._candidates(stream)
         if stream.subset is not None and not backends:
-            stream.routed = True
             self._metrics.errors.labels("no_subset_candidate").inc()
-            return _NO_CANDIDATE
-        common, target = self._route(stream, body, backends)
+            return msg.NO_CANDIDATE
+        common, target = self._decide(stream, body, backends, parsed)
         if stream.exchange is not None and stream.exchange.decision.label is Label.SHED:
-            return _SHED
+            return msg.SHED
         reply = pb.ProcessingResponse()
         getattr(reply, kind).response.CopyFrom(common)
-        return _with_destination(reply, target)
+        return msg.with_destination(reply, target)
 
-    def _route(
-        self, stream: Stream, body: bytes | None, backends: list[Backend]
+    def _decide(
+        self, stream: Stream, body: bytes | None, backends: list[Backend], parsed: Parsed | None
     ) -> tuple[pb.CommonResponse, str | None]:
-        """Body -> exchange among `backends` -> destination header (and the destination, for the
-        metadata). A missing or unreadable body goes least loaded (fail-open), counted once under
-        its own kind."""
-        stream.routed = True
+        """Body (or what was read of it) -> exchange among `backends` -> destination header (and
+        the destination, for the metadata). A missing or unreadable body goes least loaded
+        (fail-open), counted once under its own kind."""
         started = time.perf_counter()
         exchange = None
         if body is not None:
-            try:
-                prepared = stream.prepared if stream.prepared is not None else self._prepare(body, stream.headers)
-                stream.prepared = None
-                if isinstance(prepared, InvalidRequest):
-                    raise prepared
-                if prepared.truncated:
-                    self._metrics.errors.labels("prompt_budget").inc()
-                exchange = self._router.begin(prepared, backends, self._clock())
-            except InvalidRequest as exc:
-                request_id = stream.headers.get("x-request-id")
-                log.info("unroutable body (%s), request %s routed least loaded", exc, request_id)
+            read = parsed if parsed is not None else self._read(body, stream.headers)
+            if isinstance(read, InvalidRequest):
+                log.info(
+                    "unroutable body (%s), request %s routed least loaded", read, stream.headers.get("x-request-id")
+                )
                 self._metrics.errors.labels("invalid_request").inc()
+            else:
+                if read.truncated:
+                    self._metrics.errors.labels("prompt_budget").inc()
+                exchange = self._router.begin(read, backends, self._clock())
         if exchange is None:
             exchange = self._router.begin_unreadable(backends, self._clock())
         stream.exchange = exchange
@@ -442,11 +339,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])), None
         second = decision.second if self._fallback else None
         target = decision.backend if second is None else f"{decision.backend},{second}"
-        return pb.CommonResponse(header_mutation=_destination(target)), target
+        return pb.CommonResponse(header_mutation=msg.destination(target)), target
 
-    def _prepare(self, body: bytes, headers: dict[str, str]) -> PromptRequest | InvalidRequest:
-        """Parse, tokenize (precise mode) and hash a body; may run in a worker thread (the router's
-        parse and chain touch no shared state but the tokenizer's own locked cache)."""
+    def _read(self, body: bytes, headers: dict[str, str]) -> Parsed:
+        """Parse, tokenize (precise mode) and hash a body, or say why it cannot be routed by it; may
+        run in a worker thread (the router's parse and chain touch no shared state but the
+        tokenizer's own locked cache)."""
         try:
             request = self._router.parse(body, headers)
         except InvalidRequest as exc:
@@ -457,10 +355,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     def _on_response_headers(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
         """Translate Envoy's view of the response start for the core, and its answer back."""
         if stream.exchange is None:
-            return _CONTINUE_RESPONSE_HEADERS
-        status = _headers(message.response_headers).get(":status", "")
-        details = _attribute(message, "response.code_details") or ""
-        upstream = _served(message) or _attribute(message, "upstream.address") or ""
+            return msg.CONTINUE_RESPONSE_HEADERS
+        status = msg.headers(message.response_headers).get(":status", "")
+        details = msg.attribute(message, "response.code_details") or ""
+        upstream = msg.served(message) or msg.attribute(message, "upstream.address") or ""
         known = self._pool.canonical(upstream)
         start = ResponseStart(
             upstream=known or upstream,
@@ -483,8 +381,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             status,
         )
         if not outcome.headers:
-            return _CONTINUE_RESPONSE_HEADERS
-        mutation = pb.HeaderMutation(set_headers=[_header(key, value) for key, value in outcome.headers])
+            return msg.CONTINUE_RESPONSE_HEADERS
+        mutation = pb.HeaderMutation(set_headers=[msg.header(key, value) for key, value in outcome.headers])
         return pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
         )

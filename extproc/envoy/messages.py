@@ -1,0 +1,144 @@
+"""Envoy ext_proc messages, read and built: pure protobuf helpers, no state and no routing.
+
+Readers take what the processor needs out of a `ProcessingRequest` (headers, the gateway's subset
+hint and served endpoint, attributes, whether the response ends); builders make the replies
+(continue, the destination as a header and as `envoy.lb` metadata, body chunks handed back in
+full-duplex mode, the picker protocol's 429 and 503). Replies without per-request content are
+built once: copy one before changing it.
+"""
+
+from __future__ import annotations
+
+from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from extproc.envoy.proto import ext_proc_pb2 as pb
+
+MAX_SUBSET = 4096  # endpoints read from one subset hint
+DUPLEX = pb.ProcessingMode.FULL_DUPLEX_STREAMED
+CHUNK_BYTES = 62_000  # body handed back to Envoy in chunks no larger than this (the reference picker's)
+_OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+STRIP_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER]))
+    )
+)
+PASS_THROUGH = pb.ProcessingMode(request_body_mode=pb.ProcessingMode.NONE, response_header_mode=pb.ProcessingMode.SKIP)
+CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+# The picker protocol's answer when the gateway's subset hint leaves no backend to choose.
+NO_CANDIDATE = pb.ProcessingResponse(
+    immediate_response=pb.ImmediateResponse(
+        status=pb.HttpStatus(code=503),
+        body=b"no backend in the gateway's subset",
+        details="kvroute_no_subset_candidate",
+    )
+)
+# The empty reply to each kind of message: Envoy expects the reply to match what it sent.
+CONTINUE = {
+    "request_headers": CONTINUE_HEADERS,
+    "request_body": CONTINUE_BODY,
+    "response_headers": CONTINUE_RESPONSE_HEADERS,
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+
+
+def header(key: str, value: str) -> pb.HeaderValueOption:
+    """Envoy reads raw_value; a mutation that sets only `value` produces an empty header."""
+    return pb.HeaderValueOption(header=pb.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+# Every candidate at max_backend_requests: the picker protocol's answer to shed load.
+SHED = pb.ProcessingResponse(
+    immediate_response=pb.ImmediateResponse(
+        status=pb.HttpStatus(code=429),
+        headers=pb.HeaderMutation(set_headers=[header("retry-after", "1")]),
+        body=b"every backend is at its request limit",
+        details="kvroute_shed",
+    )
+)
+
+
+def headers(message: pb.HttpHeaders) -> dict[str, str]:
+    return {h.key: h.raw_value.decode("latin-1") for h in message.headers.headers}
+
+
+def served(message: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served, as a gateway reports it in `envoy.lb` dynamic metadata."""
+    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    value = None if namespace is None else namespace.fields.get(SERVED_KEY)
+    return value.string_value if value is not None and value.string_value else None
+
+
+def subset(message: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The endpoints a gateway allows for this request (`envoy.lb.subset_hint`), or None: no hint.
+    A list of `ip:port` strings, or one comma-separated string; bounded."""
+    hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    value = None if hint is None else hint.fields.get(SUBSET_KEY)
+    if value is None:
+        return None
+    if value.HasField("list_value"):
+        items = [v.string_value for v in value.list_value.values[:MAX_SUBSET]]
+    else:
+        items = value.string_value.split(",")[:MAX_SUBSET]
+    return frozenset(item.strip() for item in items if item.strip())
+
+
+def attribute(message: pb.ProcessingRequest, name: str) -> str | None:
+    for struct in message.attributes.values():
+        value = struct.fields.get(name)
+        if value is not None:
+            return str(value.string_value)
+    return None
+
+
+def response_ended(message: pb.ProcessingRequest) -> bool:
+    """Whether this message ends the response (its headers without a body, its last body chunk,
+    or its trailers): nothing more will come on the stream. The processor then ends the stream
+    itself; left to an Envoy without the graceful-close runtime key (bootstrap.RUNTIME; gateways'
+    Envoys by default), it ends with a reset, and grpcio's aio server keeps about 120 bytes of C
+    memory for every reset stream (grpc/grpc#43360; `kvroute-dev bench cancelled-streams`)."""
+    kind = message.WhichOneof("request")
+    if kind == "response_headers":
+        return bool(message.response_headers.end_of_stream)
+    if kind == "response_body":
+        return bool(message.response_body.end_of_stream)
+    return bool(kind == "response_trailers")
+
+
+def destination(target: str) -> pb.HeaderMutation:
+    """The destination header, overwriting whatever a client sent."""
+    return pb.HeaderMutation(set_headers=[header(DESTINATION_HEADER, target)])
+
+
+def with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.ProcessingResponse:
+    """The destination also as `envoy.lb` dynamic metadata, same key and value as the header."""
+    if target:
+        lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value
+        lb.fields[DESTINATION_HEADER].string_value = target
+    return response
+
+
+def cleared(reply: pb.ProcessingResponse) -> pb.ProcessingResponse:
+    """A copy of a request-headers reply that makes Envoy match the route again with the new
+    header (replies may be shared constants)."""
+    copy = pb.ProcessingResponse()
+    copy.CopyFrom(reply)
+    copy.request_headers.response.clear_route_cache = True
+    return copy
+
+
+def streamed(kind: str, chunk: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
+    """A body chunk handed back to Envoy unchanged (full-duplex mode)."""
+    body = pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
+    reply = pb.ProcessingResponse()
+    getattr(reply, kind).response.body_mutation.streamed_response.CopyFrom(body)
+    return reply
+
+
+def chunks(kind: str, body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """A held body handed back in CHUNK_BYTES pieces; the last carries the end of stream."""
+    pieces = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
+    return [streamed(kind, piece, end_of_stream and i == len(pieces) - 1) for i, piece in enumerate(pieces)]
