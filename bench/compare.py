@@ -19,10 +19,10 @@ from typing import Any
 from bench import peers, report
 from bench.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
 from bench.other_traffic import OtherTraffic
+from bench.processes import cpu_seconds
 from bench.prompts import PromptBuilder
 from bench.replay import Pacing, replay
 from bench.sim import DEFAULT_TOKENIZER
-from bench.stack import cpu_seconds
 from bench.trace import BLOCK_TOKENS, TraceRequest, read, working_set_blocks
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import orjson
 
 from bench import oracle, sim
+from bench.processes import free_port, spawn, stop, wait_http
 from bench.prompts import PromptBuilder
-from bench.stack import dev_command, free_port, spawn, stop, wait_http
+from bench.stack import dev_command
 from bench.trace import TraceRequest
 from bench.venvs import cache_root, vllm_venv
 

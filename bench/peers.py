@@ -17,8 +17,9 @@ from typing import Any
 
 import orjson
 
+from bench.processes import free_port, spawn, stop, wait_http
 from bench.replay import UPSTREAM_HEADER
-from bench.stack import Stack, free_port, spawn, stop, wait_http
+from bench.stack import Stack
 from bench.store import PASSWORD, RedisServer
 from bench.venvs import peers_venv
 

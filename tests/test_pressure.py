@@ -1,11 +1,10 @@
-"""Cache pressure and prefix homes: the two memories that keep a starved fleet from copying contexts."""
+"""Cache pressure: how much of their context returning conversations find evicted, and what it
+widens (the balance gates) or turns off (a home's pull among equal holders)."""
 
 from __future__ import annotations
 
 import pytest
 
-from extproc.core import homes
-from extproc.core.homes import PrefixHomes
 from extproc.core.pressure import MAX_GATE_FACTOR, CachePressure
 
 
@@ -48,15 +47,3 @@ def test_a_running_mean_recovers_when_contexts_survive_again():
     for _ in range(100):
         pressure.returned(100, 100)
     assert pressure.lost < 0.01
-
-
-def test_homes_are_bounded_least_recently_used_first_out(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(homes, "CAPACITY", 3)
-    table = PrefixHomes()
-    for head in range(3):
-        table.place(head, "A")
-    assert table.get(0) == "A"  # used: now the most recent
-    table.place(3, "B")
-    assert len(table) == 3 and table.get(1) is None and table.get(0) == "A"
-    table.remove_backend("A")
-    assert len(table) == 1 and table.get(3) == "B"

@@ -1,0 +1,127 @@
+"""controller/logic.py: a policy's desired status from pods and pools, as plain functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller import logic
+from tests.controller_objects import T0, T1, pools, status, summaries
+from tests.k8s_objects import inference_pool, pod, policy, pool_policy
+
+
+def test_ready_pods_become_backends_with_named_ports():
+    result = status(policy(), pod("b", "10.1.0.2"), pod("a", "10.1.0.1"))
+    assert result["backends"] == [
+        {"pod": "a", "ip": "10.1.0.1", "port": 8000, "ready": True, "models": []},
+        {"pod": "b", "ip": "10.1.0.2", "port": 8000, "ready": True, "models": []},
+    ]
+    assert result["readyBackends"] == 2
+    assert [(c["type"], c["status"], c["reason"]) for c in result["conditions"]] == [
+        ("Ready", "True", "Reconciled"),
+        ("BackendsAvailable", "True", "ReadyPods"),
+        ("RoutingAccepted", "True", "Accepted"),
+    ]
+
+
+def test_a_policy_on_an_inference_pool_routes_to_each_pod_ip_times_each_target_port():
+    pods = summaries(pod("b", "10.1.0.2"), pod("a", "10.1.0.1"), pod("x", "10.1.0.9", labels={"app": "other"}))
+    pool = inference_pool("chat", ports=(8001, 8000), labels={"app": "vllm"})
+    result = logic.desired_status(
+        pool_policy("chat"), pods, T0, pools(pool, inference_pool("other", labels={"app": "other"}))
+    )
+    assert [(b["pod"], b["ip"], b["port"]) for b in result["backends"]] == [
+        ("a", "10.1.0.1", 8000),
+        ("a", "10.1.0.1", 8001),
+        ("b", "10.1.0.2", 8000),
+        ("b", "10.1.0.2", 8001),
+    ]
+    assert result["readyBackends"] == 4 and result["conditions"][0]["status"] == "True"
+
+
+def test_a_missing_or_portless_pool_routes_nowhere_and_says_why():
+    pods = summaries(pod("a", "10.1.0.1"))
+    missing = logic.desired_status(pool_policy("chat"), pods, T0, pools(inference_pool("other")))
+    assert missing["backends"] == [] and missing["conditions"][1]["reason"] == "PoolNotFound"
+    assert "'chat'" in missing["conditions"][1]["message"]
+    portless = logic.desired_status(pool_policy("chat"), pods, T0, pools(inference_pool("chat", ports=())))
+    assert portless["backends"] == [] and portless["conditions"][1]["reason"] == "PoolHasNoPorts"
+    # the pool's selector, not the policy's leftovers, decides: a pool selecting nothing gives nothing
+    elsewhere = logic.desired_status(pool_policy("chat"), pods, T0, pools(inference_pool("chat", labels={"app": "x"})))
+    assert elsewhere["conditions"][1]["reason"] == "NoMatchingPods"
+
+
+def test_unknown_routing_fields_are_reported_in_a_condition():
+    result = status(policy(routing={"blocksize": 256, "prefixStickRatio": 0.7}), pod("a", "10.1.0.1"))
+    accepted = next(c for c in result["conditions"] if c["type"] == "RoutingAccepted")
+    assert (accepted["status"], accepted["reason"]) == ("False", "UnknownFields")
+    assert "blocksize" in accepted["message"] and "prefixStickRatio" not in accepted["message"]
+
+
+@pytest.mark.parametrize(
+    "unready",
+    [pod("a", ready=False), pod("a", terminating=True), pod("a", ip="")],
+    ids=["not-ready", "terminating", "no-ip"],
+)
+def test_unready_terminating_or_ipless_pods_are_listed_but_not_ready(unready):
+    result = status(policy(), unready)
+    assert result["backends"][0]["ready"] is False
+    assert result["readyBackends"] == 0
+    assert result["conditions"][1]["reason"] == "NoReadyPods"
+    assert result["conditions"][0]["status"] == "False"
+
+
+def test_selector_semantics():
+    labels = {"app": "vllm", "tier": "gpu", "zone": "a"}
+    assert logic.selector_matches({"matchLabels": {"app": "vllm"}}, labels)
+    assert not logic.selector_matches({"matchLabels": {"app": "other"}}, labels)
+    assert logic.selector_matches({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu"]}]}, labels)
+    assert not logic.selector_matches(
+        {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["a"]}]}, labels
+    )
+    assert logic.selector_matches({"matchExpressions": [{"key": "zone", "operator": "Exists"}]}, labels)
+    assert not logic.selector_matches({"matchExpressions": [{"key": "zone", "operator": "DoesNotExist"}]}, labels)
+    assert not logic.selector_matches({}, labels)  # an empty selector selects nothing
+
+
+def test_label_change_moves_a_pod_in_and_out_of_the_selector():
+    selected = policy(selector={"matchLabels": {"app": "vllm", "pool": "blue"}})
+    assert status(selected, pod("a", labels={"pool": "green"}))["backends"] == []
+    assert status(selected, pod("a", labels={"pool": "blue"}))["readyBackends"] == 1
+
+
+def test_ip_change_and_readiness_flip_change_the_status():
+    before = status(policy(), pod("a", "10.1.0.1"))
+    moved = status(policy(), pod("a", "10.1.0.9"))
+    flipped = status(policy(), pod("a", "10.1.0.1", ready=False))
+    assert logic.status_differs(before, moved)
+    assert logic.status_differs(before, flipped)
+    assert not logic.status_differs(before, status(policy(), pod("a", "10.1.0.1"), now=T1))
+
+
+def test_numeric_port_unknown_port_name_and_no_matching_pods():
+    assert status(policy(targetPort=9000), pod("a"))["backends"][0]["port"] == 9000
+    assert status(policy(targetPort="9001"), pod("a"))["backends"][0]["port"] == 9001
+    missing = status(policy(targetPort="grpc"), pod("a"))
+    assert missing["backends"] == [] and missing["conditions"][1]["reason"] == "PortNotFound"
+    nobody = status(policy(), pod("x", labels={"app": "other"}))
+    assert nobody["conditions"][1]["reason"] == "NoMatchingPods"
+
+
+def test_models_from_spec_label_or_annotation():
+    labelled = pod("a", labels={logic.MODELS_KEY: "llama"})
+    annotated = pod("b", annotations={logic.MODELS_KEY: "qwen, llama"})
+    result = status(policy(), labelled, annotated)
+    assert [b["models"] for b in result["backends"]] == [["llama"], ["llama", "qwen"]]
+    assert status(policy(models=["m1"]), labelled)["backends"][0]["models"] == ["m1"]
+
+
+def test_transition_time_is_kept_while_the_condition_holds():
+    first = status(policy(), pod("a"))
+    later = logic.desired_status({**policy(), "status": first}, summaries(pod("a"), pod("b", "10.1.0.2")), T1)
+    assert later["conditions"][0]["lastTransitionTime"] == T0
+    down = logic.desired_status({**policy(), "status": later}, summaries(pod("a", ready=False)), T1)
+    assert down["conditions"][0]["lastTransitionTime"] == T1
+
+
+def test_observed_generation_follows_the_policy():
+    assert status(policy(generation=7), pod("a"))["observedGeneration"] == 7

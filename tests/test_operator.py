@@ -1,0 +1,73 @@
+"""controller/operator.py: what its kopf layer registers and feeds the reconciler."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kopf
+
+import controller.operator as operator
+from controller import logic
+from controller.late_crds import Insights
+from tests.k8s_objects import inference_pool, pod, policy
+
+
+def test_kopf_layer_registers_indexes_events_and_lifecycle():
+    registry = operator.REGISTRY
+    indexes = {
+        h.id: (h.selector.group, h.selector.version, h.selector.any_name) for h in registry._indexing.get_all_handlers()
+    }
+    assert indexes == {
+        "pods_by_namespace": ("", "v1", "pods"),
+        "policies_by_namespace": ("kvroute.io", "v1alpha1", "kvroutingpolicies"),
+        "pools_by_namespace": ("inference.networking.k8s.io", "v1", "inferencepools"),
+    }
+    watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
+    assert watched == {
+        ("", "pods"),
+        ("kvroute.io", "kvroutingpolicies"),
+        ("inference.networking.k8s.io", "inferencepools"),
+    }
+    assert not registry._changing.get_all_handlers()  # nothing that would write finalizers or annotations
+    assert not registry._spawning.get_all_handlers()
+    activities = {h.activity.value for h in registry._activities.get_all_handlers()}
+    assert activities == {"startup", "cleanup", "authentication"}
+
+
+def test_kopf_handlers_feed_the_reconciler():
+    body = kopf.Body(pod("a"))
+    assert operator.pods_by_namespace(namespace="llm", body=body) == {"llm": logic.pod_summary(pod("a"))}
+    indexed = operator.policies_by_namespace(namespace="llm", name="default", body=kopf.Body(policy(generation=3)))
+    assert indexed["llm"]["metadata"] == {"generation": 3} and indexed["llm"]["spec"]["targetPort"] == "http"
+    touched: list[str] = []
+
+    class Recorder:
+        def touch(self, namespace: str, pods: Any, policies: Any, pools: Any) -> None:
+            touched.append(namespace)
+
+    memo = kopf.Memo(reconciler=Recorder())
+    operator.changed(namespace="llm", memo=memo, pods_by_namespace={}, policies_by_namespace={}, pools_by_namespace={})
+    pool = operator.pools_by_namespace(namespace="llm", body=kopf.Body(inference_pool("p", (8000, 8001))))
+    assert pool == {"llm": {"name": "p", "selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [8000, 8001]}}
+    assert touched == ["llm"]
+
+
+def test_startup_configures_kopf_quietly(monkeypatch):
+    settings = kopf.OperatorSettings()
+
+    async def local() -> Any:
+        return operator.client.Configuration(host="https://127.0.0.1:1")
+
+    monkeypatch.setattr(operator, "_client_configuration", local)
+    memo = kopf.Memo(health_host="127.0.0.1", health_port=0, insights=Insights())
+
+    async def scenario() -> None:
+        await operator.start(settings=settings, memo=memo)
+        assert len(memo.late_crd_tasks) == 2 and not any(task.done() for task in memo.late_crd_tasks)
+        await operator.stop(memo=memo)
+        assert all(task.cancelled() for task in memo.late_crd_tasks)
+
+    asyncio.run(scenario())
+    assert settings.posting.enabled is False and settings.scanning.disabled is False  # a later pool CRD is seen
+    assert settings.peering.mandatory is True and settings.peering.priority > 0

@@ -1,0 +1,98 @@
+"""controller/reconciler.py: bursts collapsed, only changes written, failures reported and retried."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from controller.reconciler import Reconciler
+from tests.controller_objects import T0, pools, record, summaries
+from tests.k8s_objects import inference_pool, pod, policy, pool_policy
+
+
+def test_reconciler_collapses_bursts_and_writes_only_changes():
+    patches: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def patch(namespace: str, name: str, new: dict[str, Any]) -> None:
+        patches.append((namespace, name, new))
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0.05, clock=lambda: T0)
+        task = asyncio.create_task(reconciler.run())
+        pods = {"llm": summaries(pod("a"))}
+        policies = {
+            "llm": [record("llm", policy("p1")), record("llm", policy("p2", selector={"matchLabels": {"x": "y"}}))]
+        }
+        for _ in range(50):  # a burst of events
+            reconciler.touch("llm", pods, policies, {})
+        await asyncio.sleep(0.3)
+        assert len(patches) == 2 and {p[1] for p in patches} == {"p1", "p2"}
+        # the patched statuses come back through the index: nothing more to write
+        policies["llm"] = [{**r, "status": p[2]} for r, p in zip(policies["llm"], patches, strict=True)]
+        reconciler.touch("llm", pods, policies, {})
+        await asyncio.sleep(0.2)
+        assert len(patches) == 2
+        pods["llm"] = summaries(pod("a"), pod("b", "10.1.0.2"))
+        reconciler.touch("llm", pods, policies, {})
+        await asyncio.sleep(0.2)
+        assert [p[1] for p in patches[2:]] == ["p1"]
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_reconciler_reports_and_retries_failed_patches():
+    calls: list[str] = []
+
+    async def flaky(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        calls.append(name)
+        if len(calls) == 1:
+            raise ConnectionError("API server unreachable")
+
+    async def scenario() -> None:
+        reconciler = Reconciler(flaky, debounce_s=0)
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy())]}, {})
+        await reconciler.settle(["llm"])
+        assert reconciler.last_error and "unreachable" in reconciler.last_error
+        await reconciler.settle(["llm"])
+        assert reconciler.last_error is None and reconciler.patches == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_malformed_policy_does_not_stop_the_others():
+    patched: list[str] = []
+
+    async def patch(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        patched.append(name)
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0)
+        broken = record("llm", policy("broken"))
+        del broken["spec"]["targetPort"]  # the CRD forbids it; a reconciler must survive it anyway
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy("good")), broken]}, {})
+        await reconciler.settle(["llm"])
+        assert patched == ["good"] and reconciler.errors == 1 and "broken" in reconciler.last_error
+
+    asyncio.run(scenario())
+
+
+def test_the_reconciler_settles_pool_policies_when_their_pool_appears():
+    patched: list[dict[str, Any]] = []
+
+    async def patch(_namespace: str, _name: str, new: dict[str, Any]) -> None:
+        patched.append(new)
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0)
+        pods = {"llm": summaries(pod("a"))}
+        reconciler.touch("llm", pods, {"llm": [record("llm", pool_policy("chat"))]}, {})
+        await reconciler.settle(["llm"])
+        reconciler.touch(
+            "llm", pods, {"llm": [record("llm", pool_policy("chat"))]}, {"llm": pools(inference_pool("chat"))}
+        )
+        await reconciler.settle(["llm"])
+
+    asyncio.run(scenario())
+    assert [p["readyBackends"] for p in patched] == [0, 1]
+    assert patched[0]["conditions"][1]["reason"] == "PoolNotFound"
