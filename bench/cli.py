@@ -29,21 +29,26 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute-dev", description="kvroute's simulator, local stack and benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    sim.add_arguments(commands.add_parser("sim", help="serve simulated vLLM backends"))
+    simulator = commands.add_parser("sim", help="serve simulated vLLM backends")
+    sim.add_arguments(simulator)
+    simulator.set_defaults(run=_sim)
 
     up = commands.add_parser("up", help="start Envoy + ext_proc + backends, print a curl, stop on Ctrl-C")
     up.add_argument("--port", type=int, default=8080, help="Envoy's listening port (default: 8080)")
     up.add_argument("--backend", action="append", default=[], help="URL or ip:port of a real vLLM server")
     up.add_argument("--sims", type=int, default=4, help="simulated backends when no --backend is given")
+    up.set_defaults(run=_up)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     core = bench.add_parser("core", help="decision CPU time and memory per index entry (JSON lines)")
     core.add_argument("--block-size", type=int, default=512, help="bytes per block (default: 512)")
     core.add_argument("--quick", action="store_true", help="a few iterations per case, for smoke runs")
     core.add_argument("--precise", action="store_true", help="precise mode: tokenizer, event-fed index")
+    core.set_defaults(run=_core)
     compare = bench.add_parser("compare", help="one trace through kvroute and its peers, side by side")
     _trace_arguments(compare)
     _fleet_arguments(compare)
+    compare.set_defaults(run=_compare)
     sweep = bench.add_parser("sweep", help="the same trace at several offered loads: TTFT and hit rate curves, goodput")
     _trace_arguments(sweep)
     _fleet_arguments(sweep)
@@ -52,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         "--load", choices=("concurrency", "speedup"), default="concurrency", help="what --loads are (default: clients)"
     )
     sweep.add_argument("--slo-p90-ms", type=float, required=True, help="TTFT p90 SLO for goodput")
+    sweep.set_defaults(run=_sweep)
     replay = bench.add_parser("replay", help="send a trace through one router and measure it")
     _trace_arguments(replay)
     replay.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8080")
@@ -60,34 +66,43 @@ def _parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--model", default="sim-model")
     replay.add_argument("--out", type=Path, help="write the summary and per-request records here as JSON")
+    replay.set_defaults(run=_replay)
     skew = bench.add_parser("skew-trace", help="write a skewed multi-session workload (Mooncake JSONL)")
     skew.add_argument("--out", required=True, type=Path)
     skew.add_argument("--seed", type=int, default=0)
     skew.add_argument("--shape", choices=tuple(SHAPES), default="skewed")
+    skew.set_defaults(run=_skew_trace)
     losses = bench.add_parser("losses", help="where each router of a compare run lost cache reuse (JSON)")
     losses.add_argument("--results", required=True, type=Path, help="a `bench compare` output folder")
     losses.add_argument("--trace", required=True, type=Path, help="the trace that run replayed")
     losses.add_argument("--reference", help="a router of that run to compare the others with, request by request")
+    losses.set_defaults(run=_losses)
     decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
     decisions.add_argument("--out", type=Path, help="write one line per decision here")
     decisions.add_argument("--mode", choices=("approximate", "precise"), default="approximate", help="index mode")
+    decisions.set_defaults(run=_decisions)
     soak = bench.add_parser("soak", help="never-repeating prompts: does the ext_proc's memory plateau? (JSON)")
     soak.add_argument("--requests", type=int, default=200_000)
     soak.add_argument("--concurrency", type=int, default=32)
     soak.add_argument("--extproc-env", action="append", default=[], help="NAME=VALUE for the ext_proc (repeatable)")
     soak.add_argument("--body-mode", choices=tuple(BODY_MODES), default="buffered")
-    bench.add_parser("stall", help="event-loop stall from one 16 MiB body of tiny parts (JSON line)")
+    soak.set_defaults(run=_soak)
+    stall = bench.add_parser("stall", help="event-loop stall from one 16 MiB body of tiny parts (JSON line)")
+    stall.set_defaults(run=_stall)
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     latency.add_argument("--body-mode", choices=tuple(BODY_MODES), default="buffered")
+    latency.set_defaults(run=_latency)
     cancelled = bench.add_parser(
         "cancelled-streams", help="a bare grpc.aio server's RSS per half-closed vs cancelled stream (JSON)"
     )
     cancelled.add_argument("--streams", type=int, default=100_000)
+    cancelled.set_defaults(run=_cancelled_streams)
     lag = bench.add_parser("replica-lag", help="time until a sibling replica sees news, cost of telling (JSON)")
     lag.add_argument("--samples", type=int, default=200)
+    lag.set_defaults(run=_replica_lag)
     return parser
 
 
@@ -229,66 +244,85 @@ def _replay(args: argparse.Namespace) -> None:
         args.out.write_bytes(orjson.dumps({**summary, "records": records}))
 
 
+def _sim(args: argparse.Namespace) -> None:
+    from bench import sim
+
+    sim.main(args.port, sim.config_from_args(args), args.host)
+
+
+def _core(args: argparse.Namespace) -> None:
+    from bench import core
+
+    core.main(args.block_size, args.quick, args.precise)
+
+
+def _compare(args: argparse.Namespace) -> None:
+    from bench import compare, report
+
+    print(report.table(compare.run(_compare_options(args))))
+
+
+def _sweep(args: argparse.Namespace) -> None:
+    from bench import sweep
+
+    options = sweep.options_from(_compare_options(args), args.loads, args.load == "concurrency", args.slo_p90_ms)
+    print(sweep.table(sweep.run(options)))
+
+
+def _skew_trace(args: argparse.Namespace) -> None:
+    from bench import skew
+
+    skew.write(args.out, skew.SHAPES[args.shape], seed=args.seed)
+
+
+def _losses(args: argparse.Namespace) -> None:
+    from bench import losses
+
+    print(orjson.dumps(losses.report(args.results, args.trace, args.reference), option=orjson.OPT_INDENT_2).decode())
+
+
+def _decisions(args: argparse.Namespace) -> None:
+    from bench import decisions
+
+    print(orjson.dumps(decisions.run(args.trace, args.limit, args.out, args.mode)).decode())
+
+
+def _soak(args: argparse.Namespace) -> None:
+    from bench import soak
+
+    soak.main(args.requests, args.concurrency, dict(item.split("=", 1) for item in args.extproc_env), args.body_mode)
+
+
+def _stall(_args: argparse.Namespace) -> None:
+    from bench import stall
+
+    stall.main()
+
+
+def _latency(args: argparse.Namespace) -> None:
+    from bench import latency
+
+    latency.main(args.requests, args.body_mode)
+
+
+def _cancelled_streams(args: argparse.Namespace) -> None:
+    from bench import cancelled_streams
+
+    cancelled_streams.main(args.streams)
+
+
+def _replica_lag(args: argparse.Namespace) -> None:
+    from bench import replica_lag
+
+    print(orjson.dumps(replica_lag.run(args.samples)).decode())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    """Every command is its parser's `run(args)`: one shape, each importing only what it runs."""
     args = _parser().parse_args(argv)
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so every stack and fleet stops its children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.command == "sim":
-        from bench import sim
-
-        sim.main(args.port, sim.config_from_args(args), args.host)
-    elif args.command == "up":
-        _up(args)
-    elif args.command == "bench" and args.bench == "core":
-        from bench import core
-
-        core.main(args.block_size, args.quick, args.precise)
-    elif args.command == "bench" and args.bench == "compare":
-        from bench import compare, report
-
-        print(report.table(compare.run(_compare_options(args))))
-    elif args.command == "bench" and args.bench == "sweep":
-        from bench import sweep
-
-        options = sweep.options_from(_compare_options(args), args.loads, args.load == "concurrency", args.slo_p90_ms)
-        print(sweep.table(sweep.run(options)))
-    elif args.command == "bench" and args.bench == "replay":
-        _replay(args)
-    elif args.command == "bench" and args.bench == "skew-trace":
-        from bench import skew
-
-        skew.write(args.out, skew.SHAPES[args.shape], seed=args.seed)
-    elif args.command == "bench" and args.bench == "losses":
-        from bench import losses
-
-        figures = losses.report(args.results, args.trace, args.reference)
-        print(orjson.dumps(figures, option=orjson.OPT_INDENT_2).decode())
-    elif args.command == "bench" and args.bench == "decisions":
-        from bench import decisions
-
-        print(orjson.dumps(decisions.run(args.trace, args.limit, args.out, args.mode)).decode())
-    elif args.command == "bench" and args.bench == "soak":
-        from bench import soak
-
-        soak.main(
-            args.requests, args.concurrency, dict(item.split("=", 1) for item in args.extproc_env), args.body_mode
-        )
-    elif args.command == "bench" and args.bench == "stall":
-        from bench import stall
-
-        stall.main()
-    elif args.command == "bench" and args.bench == "latency":
-        from bench import latency
-
-        latency.main(args.requests, args.body_mode)
-    elif args.command == "bench" and args.bench == "cancelled-streams":
-        from bench import cancelled_streams
-
-        cancelled_streams.main(args.streams)
-    elif args.command == "bench" and args.bench == "replica-lag":
-        from bench import replica_lag
-
-        print(orjson.dumps(replica_lag.run(args.samples)).decode())
+    args.run(args)
 
 
 if __name__ == "__main__":
