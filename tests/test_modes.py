@@ -6,7 +6,7 @@ from extproc.core.backends import Backend
 from extproc.core.engine import BlockStored
 from extproc.core.exchange import ResponseStart
 from extproc.core.modes import ApproximateMode, PreciseMode
-from extproc.core.request import parse_request
+from extproc.core.request import PromptRequest, parse_request
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -35,3 +35,23 @@ def test_siblings_learning_applies_in_approximate_mode_only():
     router.use_precise(tokenizer=None)  # type: ignore[arg-type]
     router.peer_learned([11, 12], A, 0.0)
     assert router.index.entries_by_backend() == {}  # every replica follows the engines' own events
+
+
+def test_a_mode_of_its_own_goes_in_without_touching_the_router():
+    class Recording(ApproximateMode):
+        """An approximate picture that also counts what it was taught (a stand-in third mode)."""
+
+        name = "recording"
+        taught = 0
+
+        def learn(self, request: PromptRequest, backend: str, now: float) -> tuple[int, list[int] | None]:
+            Recording.taught += 1
+            return super().learn(request, backend, now)
+
+    router = Router(Settings(hash_key=b"test-key-16bytes"))
+    router.use(Recording)
+    exchange = router.begin(parse_request(STREAMED, {}), [Backend(A)], 0.0)
+    assert router.response_started(exchange, ResponseStart(A, known=True, status=200, from_upstream=True), 0.0).learned
+    assert router.state().index == "recording" and Recording.taught == 1
+    router.use_approximate()  # back: another class than the approximate one
+    assert type(router.mode) is ApproximateMode

@@ -10,7 +10,7 @@ the HTTP lease API) only translate their protocol into these calls.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -83,19 +83,21 @@ class Router:
         """Routing on token keys fed by engine events (else on learned text prefixes)."""
         return self.mode.precise
 
+    def use(self, make: Callable[[Settings, Shared], IndexMode]) -> None:
+        """Switch to the index mode `make` builds (any IndexMode: a third one needs no change
+        here); what was learned before no longer applies."""
+        self._drop_all()
+        self.mode.leave()
+        self.mode = make(self.settings, self._shared)
+
     def use_precise(self, tokenizer: PromptTokenizer) -> None:
-        """Switch to precise mode with this tokenizer; what was learned before no longer applies."""
-        self._switch(PreciseMode(self.settings, self._shared, tokenizer))
+        """Switch to precise mode with this tokenizer."""
+        self.use(lambda settings, shared: PreciseMode(settings, shared, tokenizer))
 
     def use_approximate(self) -> None:
         """Switch to (or stay in) approximate mode."""
-        if self.mode.precise:
-            self._switch(ApproximateMode(self.settings, self._shared))
-
-    def _switch(self, mode: IndexMode) -> None:
-        self._drop_all()
-        self.mode.leave()
-        self.mode = mode
+        if type(self.mode) is not ApproximateMode:
+            self.use(ApproximateMode)
 
     def _drop_all(self) -> None:
         for backend in list(self.index.entries_by_backend()):
