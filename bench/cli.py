@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from bench.replay import ORDERS, Pacing
+from bench.harness.replay import ORDERS, Pacing
 from extproc.envoy.bootstrap import BODY_MODES
 
 if TYPE_CHECKING:
-    from bench.compare import CompareOptions
+    from bench.experiments.compare import CompareOptions
 
 
 def _parser() -> argparse.ArgumentParser:
-    from bench import sim
-    from bench.skew import SHAPES
+    from bench.simulator import sim
+    from bench.workloads.skew import SHAPES
 
     parser = argparse.ArgumentParser(prog="kvroute-dev", description="kvroute's simulator, local stack and benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -124,8 +124,8 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.fleets import ENGINE_SCHEDULING
-    from bench.peers import ROUTERS
+    from bench.harness.fleets import ENGINE_SCHEDULING
+    from bench.harness.peers import ROUTERS
 
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
     parser.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
@@ -169,9 +169,9 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _compare_options(args: argparse.Namespace) -> CompareOptions:
-    from bench.compare import CompareOptions
-    from bench.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS, VLLM_CPU_SIM_TOKENIZER
-    from bench.sim import DEFAULT_TOKENIZER
+    from bench.experiments.compare import CompareOptions
+    from bench.harness.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS, VLLM_CPU_SIM_TOKENIZER
+    from bench.simulator.sim import DEFAULT_TOKENIZER
 
     return CompareOptions(
         trace=args.trace,
@@ -206,7 +206,7 @@ def _served_model(backend: str) -> str:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from bench.stack import Stack
+    from bench.harness.stack import Stack
     from extproc.core.backends import parse_address
 
     backends = [parse_address(b.removeprefix("http://").rstrip("/")) for b in args.backend]
@@ -231,8 +231,9 @@ def _up(args: argparse.Namespace) -> None:
 def _replay(args: argparse.Namespace) -> None:
     import asyncio
 
-    from bench import fleets, replay, trace
-    from bench.prompts import PromptBuilder
+    from bench.harness import fleets, replay
+    from bench.workloads import trace
+    from bench.workloads.prompts import PromptBuilder
 
     requests = trace.read(args.trace, args.limit, args.max_input_tokens)
     cpt = fleets.chars_per_token(args.backend[0], args.model) if args.backend else 4.0
@@ -245,74 +246,75 @@ def _replay(args: argparse.Namespace) -> None:
 
 
 def _sim(args: argparse.Namespace) -> None:
-    from bench import sim
+    from bench.simulator import sim
 
     sim.main(args.port, sim.config_from_args(args), args.host)
 
 
 def _core(args: argparse.Namespace) -> None:
-    from bench import core
+    from bench.experiments import core
 
     core.main(args.block_size, args.quick, args.precise)
 
 
 def _compare(args: argparse.Namespace) -> None:
-    from bench import compare, report
+    from bench.experiments import compare
+    from bench.harness import report
 
     print(report.table(compare.run(_compare_options(args))))
 
 
 def _sweep(args: argparse.Namespace) -> None:
-    from bench import sweep
+    from bench.experiments import sweep
 
     options = sweep.options_from(_compare_options(args), args.loads, args.load == "concurrency", args.slo_p90_ms)
     print(sweep.table(sweep.run(options)))
 
 
 def _skew_trace(args: argparse.Namespace) -> None:
-    from bench import skew
+    from bench.workloads import skew
 
     skew.write(args.out, skew.SHAPES[args.shape], seed=args.seed)
 
 
 def _losses(args: argparse.Namespace) -> None:
-    from bench import losses
+    from bench.experiments import losses
 
     print(orjson.dumps(losses.report(args.results, args.trace, args.reference), option=orjson.OPT_INDENT_2).decode())
 
 
 def _decisions(args: argparse.Namespace) -> None:
-    from bench import decisions
+    from bench.experiments import decisions
 
     print(orjson.dumps(decisions.run(args.trace, args.limit, args.out, args.mode)).decode())
 
 
 def _soak(args: argparse.Namespace) -> None:
-    from bench import soak
+    from bench.experiments import soak
 
     soak.main(args.requests, args.concurrency, dict(item.split("=", 1) for item in args.extproc_env), args.body_mode)
 
 
 def _stall(_args: argparse.Namespace) -> None:
-    from bench import stall
+    from bench.experiments import stall
 
     stall.main()
 
 
 def _latency(args: argparse.Namespace) -> None:
-    from bench import latency
+    from bench.experiments import latency
 
     latency.main(args.requests, args.body_mode)
 
 
 def _cancelled_streams(args: argparse.Namespace) -> None:
-    from bench import cancelled_streams
+    from bench.experiments import cancelled_streams
 
     cancelled_streams.main(args.streams)
 
 
 def _replica_lag(args: argparse.Namespace) -> None:
-    from bench import replica_lag
+    from bench.experiments import replica_lag
 
     print(orjson.dumps(replica_lag.run(args.samples)).decode())
 

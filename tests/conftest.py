@@ -28,8 +28,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def redis_server(tmp_path):
-    """A real Redis server on loopback for one test (bench/redis/install puts it in the cache)."""
-    from bench.store import RedisServer
+    """A real Redis server on loopback for one test (bench/harness/redis/install puts it in the cache)."""
+    from bench.harness.store import RedisServer
 
     server = RedisServer(tmp_path).start()
     try:

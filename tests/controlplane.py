@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from bench.processes import free_port, spawn, stop, wait_http
+from bench.harness.processes import free_port, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tests" / "k8s" / "controlplane" / "build"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import cancelled_streams
+from bench.experiments import cancelled_streams
 
 pytestmark = pytest.mark.bench
 

@@ -1,6 +1,6 @@
 """`kvroute-dev bench compare` smoke run: every router over simulated backends, numbers consistent.
 
-Installs vllm-router and sglang-router from PyPI on first use (bench/venvs.py: outside the clone).
+Installs vllm-router and sglang-router from PyPI on first use (bench/harness/venvs.py: outside the clone).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench import peers
-from bench.compare import CompareOptions, run
-from bench.peers import ROUTERS
-from bench.processes import free_port, spawn, stop, wait_http
-from bench.replay import Pacing
-from bench.stack import dev_command
+from bench.experiments.compare import CompareOptions, run
+from bench.harness import peers
+from bench.harness.peers import ROUTERS
+from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.replay import Pacing
+from bench.harness.stack import dev_command
 from extproc.core.decision import Label
 
 pytestmark = [pytest.mark.peers, pytest.mark.envoy]
@@ -121,8 +121,8 @@ def test_real_agent_sessions_through_kvroute_and_sglang_router_with_their_losses
     """The real-agent configuration in small: sessions with their ids, closed loop, prompts capped.
     `bench losses` reads both routers' records as the trace's sessions: every request a turn, one
     first turn per session, and kvroute's turns placed on named backends."""
-    from bench.losses import report
-    from bench.trace import chains, read
+    from bench.experiments.losses import report
+    from bench.workloads.trace import chains, read
 
     results = run(
         CompareOptions(
@@ -155,7 +155,7 @@ def test_real_agent_sessions_through_kvroute_and_sglang_router_with_their_losses
 
 
 def test_goodput_is_the_highest_load_within_the_slo_without_errors():
-    from bench.sweep import goodput
+    from bench.experiments.sweep import goodput
 
     points = {
         1.0: {"errors": 0, "ttft_p90_ms": 100.0},
@@ -168,7 +168,7 @@ def test_goodput_is_the_highest_load_within_the_slo_without_errors():
 
 
 def test_a_closed_loop_sweep_refuses_more_clients_than_the_trace_has_sessions():
-    from bench.sweep import check_concurrencies
+    from bench.experiments.sweep import check_concurrencies
 
     check_concurrencies((16.0, 248.0), sessions=248)  # every client can hold a session
     with pytest.raises(ValueError, match="320 is more than the trace's 248 sessions"):
@@ -176,8 +176,8 @@ def test_a_closed_loop_sweep_refuses_more_clients_than_the_trace_has_sessions():
 
 
 def test_sweep_runs_every_router_at_every_load(tmp_path):
-    from bench import skew
-    from bench.sweep import options_from, run
+    from bench.experiments.sweep import options_from, run
+    from bench.workloads import skew
 
     trace = tmp_path / "skew.jsonl"
     skew.write(trace)  # generated here: the test needs no shared trace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from bench.cli import main
-from bench.core import Case, run_case
+from bench.experiments.core import Case, run_case
 
 
 def test_run_case_reports_every_field():
@@ -17,7 +17,7 @@ def test_run_case_reports_every_field():
 
 
 def test_cli_prints_json_lines(capsys, monkeypatch):
-    monkeypatch.setattr("bench.core.cases", lambda quick: [Case(8_000, 1_000, 3)])
+    monkeypatch.setattr("bench.experiments.core.cases", lambda quick: [Case(8_000, 1_000, 3)])
     main(["bench", "core", "--quick"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and orjson.loads(lines[0])["body_bytes"] > 7_000

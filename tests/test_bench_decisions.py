@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import decisions
+from bench.experiments import decisions
 
 AGENTS = Path(__file__).resolve().parent / "data" / "agents" / "agent-tune-head.jsonl"
 DIGESTS = {

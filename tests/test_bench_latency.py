@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import latency
+from bench.experiments import latency
 
 pytestmark = [pytest.mark.envoy, pytest.mark.bench]
 

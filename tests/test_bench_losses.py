@@ -1,11 +1,11 @@
-"""bench/losses.py: where a router's reuse was lost, read from per-request records."""
+"""bench/experiments/losses.py: where a router's reuse was lost, read from per-request records."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.losses import against, summary, turns
-from bench.trace import TraceRequest
+from bench.experiments.losses import against, summary, turns
+from bench.workloads.trace import TraceRequest
 
 
 def request(index: int, session: str, ids: tuple[int, ...]) -> TraceRequest:

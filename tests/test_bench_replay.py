@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench import oracle, sim
-from bench.prompts import PromptBuilder
-from bench.replay import METRICS, Record, summarize
-from bench.trace import TraceRequest, chains, read, truncate, working_set_blocks
+from bench.harness import oracle
+from bench.harness.replay import METRICS, Record, summarize
+from bench.simulator import sim
+from bench.workloads.prompts import PromptBuilder
+from bench.workloads.trace import TraceRequest, chains, read, truncate, working_set_blocks
 from extproc.core.request import parse_request
 
 TRACES = Path(__file__).resolve().parent / "data" / "mooncake"
@@ -90,7 +91,7 @@ def test_truncate_keeps_whole_leading_blocks():
 
 
 def test_skew_trace_has_heavy_sessions_in_order(tmp_path):
-    from bench import skew
+    from bench.workloads import skew
 
     path = tmp_path / "skew.jsonl"
     skew.write(path)
@@ -108,7 +109,7 @@ def test_skew_trace_has_heavy_sessions_in_order(tmp_path):
 
 
 def test_agentic_trace_shares_eight_system_prompts_among_120_sessions(tmp_path):
-    from bench import skew
+    from bench.workloads import skew
 
     path = tmp_path / "agentic.jsonl"
     skew.write(path, skew.SHAPES["agentic"])
@@ -169,7 +170,7 @@ def test_arrival_order_sends_the_earliest_ready_turn_and_keeps_sessions_in_order
     arrival, a session never has two turns in flight, and a turn waits for its session's last."""
     import asyncio
 
-    from bench.replay import _arrival_order
+    from bench.harness.replay import _arrival_order
 
     turns = [
         TraceRequest(0, 0.0, 10, 1, (1,), "a"),

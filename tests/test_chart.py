@@ -438,7 +438,7 @@ def test_picker_mode_installs_on_a_live_api_server_with_the_gateway_crds(picker_
 def test_the_charts_generated_certificates_carry_a_real_mutual_tls_stream(helm, tmp_path):
     """Helm's genCA/genSignedCert output, as the chart stores it, is what the ext_proc serves with
     and what Envoy presents and trusts: a request through a real Envoy is routed by kvroute."""
-    from bench.stack import Stack
+    from bench.harness.stack import Stack
     from tests.e2e import post
 
     named = {(d["kind"], d["metadata"]["name"]): d for d in template(helm, tmp_path)}

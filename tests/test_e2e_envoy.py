@@ -17,7 +17,7 @@ import grpc
 import orjson
 import pytest
 
-from bench.stack import PICKER_GATEWAY, Stack, layout_for
+from bench.harness.stack import PICKER_GATEWAY, Stack, layout_for
 from bench.workload import text
 from tests.e2e import LONG_PROMPT_SIM, eventually, get, metric, post
 

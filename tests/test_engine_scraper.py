@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from bench.sim import SimConfig, serve
+from bench.simulator.sim import SimConfig, serve
 from extproc.core.backends import Backend
 from extproc.core.router import Router
 from extproc.core.settings import Settings

@@ -10,7 +10,7 @@ import random
 import orjson
 import pytest
 
-from bench.stack import Stack, layout_for
+from bench.harness.stack import Stack, layout_for
 from bench.workload import text
 from tests.e2e import LONG_PROMPT_SIM, post
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bench.stack import Stack, layout_for
+from bench.harness.stack import Stack, layout_for
 from bench.workload import text
 from tests.e2e import post
 

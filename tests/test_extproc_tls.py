@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.stack import Stack
+from bench.harness.stack import Stack
 from extproc.envoy.tls import issue_mutual, self_signed, server_credentials
 from extproc.runtime import config
 from tests.e2e import post

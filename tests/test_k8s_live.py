@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.processes import free_port, spawn, stop, wait_http
-from bench.stack import PICKER_GATEWAY, Stack, dev_command, kvroute_command
-from bench.tiny_model import tokenizer_files
+from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.stack import PICKER_GATEWAY, Stack, dev_command, kvroute_command
+from bench.harness.tiny_model import tokenizer_files
 from tests.controlplane import ROOT, ControlPlane
 from tests.e2e import eventually, get, post
 

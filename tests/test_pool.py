@@ -7,7 +7,7 @@ import contextlib
 
 from aiohttp import web
 
-from bench.sim import SimConfig, serve
+from bench.simulator.sim import SimConfig, serve
 from extproc.core.backends import Backend
 from extproc.runtime.pool import SLOW_FACTOR, BackendPool
 

@@ -10,7 +10,7 @@ import contextlib
 import aiohttp
 import orjson
 
-from bench.sim import SimConfig, serve
+from bench.simulator.sim import SimConfig, serve
 from extproc.core.backends import Backend
 from extproc.core.exchange import ResponseStart
 from extproc.core.request import parse_request

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 from redis.asyncio import Redis
 
-from bench.store import PASSWORD, RedisServer
+from bench.harness.store import PASSWORD, RedisServer
 from extproc.core.calibration import DEFAULT_BYTES_PER_TOKEN, PRIOR_TOKENS
 from extproc.core.decision import Label
 from extproc.core.router import Router

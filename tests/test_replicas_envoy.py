@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 import pytest
 
-from bench.stack import Stack
-from bench.store import PASSWORD, RedisServer
+from bench.harness.stack import Stack
+from bench.harness.store import PASSWORD, RedisServer
 from bench.workload import text
 from tests.e2e import eventually, get, metric, post
 

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.sim import SimConfig, add_arguments, config_from_args, serve, tokenize, tokenize_words
+from bench.simulator.sim import SimConfig, add_arguments, config_from_args, serve, tokenize, tokenize_words
 
 MODEL = '{model_name="sim-model"}'
 FAST = SimConfig(block_size=16, token_s=0.0, step_s=0.0)
@@ -524,7 +524,7 @@ def test_command_line_flags_build_the_config():
 
 def test_main_serves_until_sigterm():
     async def main() -> None:
-        command = ["-m", "bench.sim", "--port", "0", "--port", "0", "--step-s", "0"]
+        command = ["-m", "bench.simulator.sim", "--port", "0", "--port", "0", "--step-s", "0"]
         root = Path(__file__).resolve().parent.parent
         process = await asyncio.create_subprocess_exec(sys.executable, *command, cwd=root, stdout=subprocess.PIPE)
         try:
@@ -545,7 +545,7 @@ def test_main_serves_until_sigterm():
 
 
 def test_block_pool_pins_running_blocks_and_evicts_finished_prompts_tail_first():
-    from bench.sim_engine import BlockPool
+    from bench.simulator.sim_engine import BlockPool
 
     pool = BlockPool(6)
     pool.acquire([1, 2, 3], 1)  # a running prompt: three full blocks and its partial last one
@@ -579,7 +579,7 @@ def test_a_request_waits_for_blocks_while_others_pin_the_cache():
 
 
 def test_the_words_tokenizer_gives_tokens_of_varying_length_as_a_real_tokenizer_does():
-    from bench.prompts import PromptBuilder
+    from bench.workloads.prompts import PromptBuilder
 
     assert len(tokenize_words(" the quick brown")) == 5  # " the", " quic", "k", " brow", "n"
     same = tokenize_words(" quick quick")
@@ -597,7 +597,7 @@ def test_the_words_tokenizer_gives_tokens_of_varying_length_as_a_real_tokenizer_
 
 
 def test_a_failing_engine_step_answers_500_or_an_error_event_and_the_next_request_is_served(monkeypatch):
-    from bench.sim_engine import Engine
+    from bench.simulator.sim_engine import Engine
 
     plan = Engine.plan_step
     failures = [1, 1]  # the next two steps raise: one per request below

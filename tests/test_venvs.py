@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import venvs
+from bench.harness import venvs
 
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 

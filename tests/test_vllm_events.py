@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.fleets import VLLM_BLOCK_TOKENS, VllmFleet
-from bench.fleets import post as engine_post
-from bench.stack import Stack
+from bench.harness.fleets import VLLM_BLOCK_TOKENS, VllmFleet
+from bench.harness.fleets import post as engine_post
+from bench.harness.stack import Stack
 from bench.workload import text
 from extproc.vllm.tokenizer import ChatTokenizer
 from tests.e2e import post

@@ -2,12 +2,12 @@
 
 It models what routing policies are judged on: vLLM's prefix cache of fixed-size token blocks
 (cache hits shorten prefill), its scheduler's steps (a token budget per step, chunked prefill beside
-decode, a bounded running batch, a FIFO waiting queue, preemption; `bench/sim_engine.py`), and
+decode, a bounded running batch, a FIFO waiting queue, preemption; `bench/simulator/sim_engine.py`), and
 vLLM's metric names. It renders and tokenizes with
 its own simple, deterministic rules and knows nothing of the router's hashing, so a router earns
 cache hits only by really sending a prompt back to the backend that holds its prefix.
 
-    python -m bench.sim --port 8001 --port 8002
+    python -m bench.simulator.sim --port 8001 --port 8002
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import choose_encoder
 
-from bench.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
-from bench.sim_events import EventPublisher
+from bench.simulator.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
+from bench.simulator.sim_events import EventPublisher
 
 MAX_MODEL_LEN = 131_072
 """Reported by /tokenize and /v1/models but not enforced: benchmarks send multi-MB prompts."""
@@ -708,7 +708,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.splitlines()[0])
+    _parser = argparse.ArgumentParser(prog="python -m bench.simulator.sim", description=__doc__.splitlines()[0])
     add_arguments(_parser)
     _args = _parser.parse_args()
     try:

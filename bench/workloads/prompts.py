@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from bench.trace import BLOCK_TOKENS, TraceRequest
 from bench.workload import text as words
+from bench.workloads.trace import BLOCK_TOKENS, TraceRequest
 
 
 class PromptBuilder:

@@ -16,9 +16,17 @@ from typing import Any
 import matplotlib
 import orjson
 
-from bench.compare import CompareOptions, describe, load_requests, prompt_builder, run_router, runnable, start_fleet
-from bench.replay import Pacing
-from bench.trace import chains
+from bench.experiments.compare import (
+    CompareOptions,
+    describe,
+    load_requests,
+    prompt_builder,
+    run_router,
+    runnable,
+    start_fleet,
+)
+from bench.harness.replay import Pacing
+from bench.workloads.trace import chains
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

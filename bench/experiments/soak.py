@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.processes import rss_bytes
-from bench.stack import Stack, layout_for
+from bench.harness.processes import rss_bytes
+from bench.harness.stack import Stack, layout_for
 from extproc.core.sessions import SessionTable
 
 BACKENDS = 4

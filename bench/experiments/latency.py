@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.processes import cpu_seconds
-from bench.stack import Stack, layout_for
+from bench.harness.processes import cpu_seconds
+from bench.harness.stack import Stack, layout_for
 from bench.workload import conversation
 
 FAST_SIM = ["--token-s", "0", "--step-s", "0", "--default-max-tokens", "1"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from bench.trace import BLOCK_TOKENS, TraceRequest, read
+from bench.workloads.trace import BLOCK_TOKENS, TraceRequest, read
 
 THRESHOLD_TOKENS = 256  # a difference of two vLLM-CPU blocks counts as a win or a loss
 POORLY_CACHED = 0.1  # a follow-up that found less than this share of its prompt cached

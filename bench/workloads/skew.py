@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from bench.trace import BLOCK_TOKENS
+from bench.workloads.trace import BLOCK_TOKENS
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 
-from bench.stack import Stack
+from bench.harness.stack import Stack
 
 
 def _request(url: str, method: str, path: str, body: bytes | None = None) -> int:

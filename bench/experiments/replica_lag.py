@@ -19,7 +19,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from bench.store import PASSWORD, RedisServer
+from bench.harness.store import PASSWORD, RedisServer
 from bench.workload import conversation
 from extproc.core.backends import Backend
 from extproc.core.exchange import ResponseStart

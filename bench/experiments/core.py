@@ -108,7 +108,7 @@ def run_precise(body_bytes: int, iterations: int, block_tokens: int = 128) -> di
     import tempfile
     from pathlib import Path
 
-    from bench.tiny_model import tokenizer_files
+    from bench.harness.tiny_model import tokenizer_files
     from extproc.vllm.tokenizer import ChatTokenizer
 
     with tempfile.TemporaryDirectory() as directory:

@@ -1,7 +1,7 @@
 """The routers kvroute is compared with, each started over the same backends.
 
 vllm-router and sglang-router are installed from PyPI into a virtualenv of their own
-(bench/venvs.py, outside the clone), pinned, by the benchmark itself. Both default their
+(bench/harness/venvs.py, outside the clone), pinned, by the benchmark itself. Both default their
 metrics port to 29000, so each gets its own; both pick the least-loaded worker on a cache miss.
 vllm-router's cache_aware renders every request on every worker (`/v1/chat/completions/render`,
 which vLLM serves only with --enable-scale-out), which shows in its TTFT.
@@ -17,11 +17,11 @@ from typing import Any
 
 import orjson
 
-from bench.processes import free_port, spawn, stop, wait_http
-from bench.replay import UPSTREAM_HEADER
-from bench.stack import Stack
-from bench.store import PASSWORD, RedisServer
-from bench.venvs import peers_venv
+from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.replay import UPSTREAM_HEADER
+from bench.harness.stack import Stack
+from bench.harness.store import PASSWORD, RedisServer
+from bench.harness.venvs import peers_venv
 
 ROUTERS = (
     "kvroute",

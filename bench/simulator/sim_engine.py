@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.sim_events import EventPublisher
+from bench.simulator.sim_events import EventPublisher
 
 log = logging.getLogger(__name__)
 

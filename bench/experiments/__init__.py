@@ -1,0 +1,1 @@
+"""The benchmarks and experiments (`kvroute-dev bench ...`), one module each."""
