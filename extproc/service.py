@@ -23,7 +23,7 @@ from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.feeds import EngineCollector, EngineFeeds
-from extproc.vllm.index_mode import IndexMode
+from extproc.vllm.index_mode import IndexModeSwitch
 from extproc.vllm.scraper import EngineScraper
 from extproc.vllm.subscriber import EventSubscriber
 
@@ -34,7 +34,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set."""
     router = Router(config.routing)
     pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after)
-    index_mode = IndexMode(router)
+    index_mode = IndexModeSwitch(router)
     index_mode.apply(config.routing)
     follower = None
     if config.policy:  # the Kubernetes client is loaded only by processes that follow a policy

@@ -11,10 +11,11 @@ import pytest
 
 from extproc.core.decision import DecisionInputs, Label, overloaded
 from extproc.core.load import LoadTracker
-from extproc.core.pipeline import decide
+from extproc.core.pipeline import assemble
 from extproc.core.settings import Settings
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+PIPELINE = assemble()
 SETTINGS = Settings(hash_key=bytes(16))  # gates: abs 32, rel 1.5; active request = 4 blocks; stick at 0.5
 
 
@@ -41,7 +42,7 @@ def run(matched: dict[str, int] | None = None, total: int = 20, **kw: Any):
         "now": 0.0,
     }
     args.update(kw)
-    return decide(DecisionInputs(**args))
+    return PIPELINE.decide(DecisionInputs(**args))
 
 
 def test_no_candidates():

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.core.churn import ChurnMeter
-from extproc.core.index import BoundedIndex, LocalIndex
+from extproc.core.index import LocalIndex
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -135,7 +135,6 @@ def test_learn_reports_new_blocks_and_churn_decays():
 
 def test_local_index_fits_both_index_protocols():
     index = LocalIndex(ttl_s=1, capacity_blocks=1)
-    assert isinstance(index, BoundedIndex)
     assert all(callable(getattr(index, name)) for name in ("lookup", "learn", "remove_backend", "entries_by_backend"))
 
 

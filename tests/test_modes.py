@@ -55,3 +55,16 @@ def test_a_mode_of_its_own_goes_in_without_touching_the_router():
     assert router.state().index == "recording" and Recording.taught == 1
     router.use_approximate()  # back: another class than the approximate one
     assert type(router.mode) is ApproximateMode
+
+
+def test_precise_mode_releases_the_prefill_it_holds_when_another_mode_takes_over():
+    router = Router(Settings(hash_key=b"test-key-16bytes"))
+    router.use_precise(tokenizer=None)  # type: ignore[arg-type]  # tokens are set by hand below
+    router.index.block_size = 4  # type: ignore[attr-defined]  # as the engines' first sample says
+    request = parse_request(STREAMED, {})
+    request.tokens = list(range(12))
+    exchange = router.begin(request, [Backend(A)], 0.0)
+    assert router.loads.snapshot()[A][0] == 3  # held until the engine stores the prompt's last block
+    router.use_precise(tokenizer=None)  # type: ignore[arg-type]  # (a new tokenizer path: a new picture)
+    assert router.loads.snapshot()[A] == (0, 1)  # the new picture would never release it
+    assert exchange.end()

@@ -173,7 +173,8 @@ def test_every_setting_means_the_same_from_every_source(f, tmp_path):
 def test_header_settings_refuse_what_is_no_header_name():
     with pytest.raises(ValueError, match="tenant_header must be HTTP header names"):
         Settings(tenant_header="x tenant")
-    with pytest.raises(ValueError, match="session_headers must be a non-empty list"):
-        Settings(session_headers=())
-    with pytest.raises(ValueError, match="session_headers must be a non-empty list"):
+    with pytest.raises(ValueError, match="session_headers must be a list of header names"):
         Settings(session_headers="x-session-id")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="session_headers must be HTTP header names"):
+        Settings(session_headers=(":authority",))
+    assert Settings(session_headers=()).session_headers == ()  # only the body names conversations

@@ -16,7 +16,7 @@ from extproc.core.backends import Backend
 from extproc.core.engine import BlockStored
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.vllm.index_mode import IndexMode
+from extproc.vllm.index_mode import IndexModeSwitch
 from extproc.vllm.tokenizer import ChatTokenizer, TokenizerError
 
 A = "10.0.0.1:8000"
@@ -88,7 +88,7 @@ def test_the_piece_cache_is_bounded(model_dir: Path):
 
 def test_a_missing_tokenizer_keeps_routing_approximate_and_says_why(tmp_path: Path, model_dir: Path):
     router = Router(Settings())
-    mode = IndexMode(router)
+    mode = IndexModeSwitch(router)
     with pytest.raises(TokenizerError):
         ChatTokenizer(tmp_path)
     mode.apply(Settings(index_mode="precise", tokenizer_path=str(tmp_path)))

@@ -1,9 +1,9 @@
 """Location index: which backend holds which block of which prefix, and since when.
 
 Behind the small `LocationIndex` interface so a precise or shared index can replace the
-in-process one; capacity is a separate, optional interface (`BoundedIndex`) and cache turnover is
-measured outside the index (churn.py). The in-process index keeps one LRU map per backend
-(block hash -> last seen): a backend's KV cache is finite and evicts, so must our picture of it.
+in-process one; cache turnover is measured outside the index (churn.py). The in-process index
+keeps one LRU map per backend (block hash -> last seen): a backend's KV cache is finite and
+evicts, so must our picture of it.
 A lookup walks the chain on each candidate only until the first miss, so its cost depends on
 the chain and the number of candidates, never on the index size.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 
 class LocationIndex(Protocol):
@@ -38,19 +38,6 @@ class LocationIndex(Protocol):
 
     def entries_by_backend(self) -> dict[str, int]:
         """Locations held per backend (its size)."""
-        ...
-
-
-@runtime_checkable
-class BoundedIndex(Protocol):
-    """An index that models each backend's finite cache itself (LocalIndex): the router sizes it."""
-
-    def configure(self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int]) -> None:
-        """Apply new limits live: TTL, default capacity and per-backend capacities."""
-        ...
-
-    def set_capacity(self, backend: str, blocks: int) -> None:
-        """Size one backend's capacity from what it reports about its KV cache."""
         ...
 
 

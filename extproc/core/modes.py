@@ -12,7 +12,7 @@ until its engine confirms them, its prefill held until the engine stores its las
 routing and siblings' teach it nothing.
 
 `Router` keeps the request lifecycle, sessions and membership, and asks its mode for the rest.
-A third mode is a third class here and a line where the router picks it.
+A third mode is a class implementing `IndexMode`, put in with `Router.use`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Shared:
     bytes_per_token: BytesPerToken
     stats: Stats
     kv_tokens: Mapping[str, int]  # each backend's KV cache in tokens, as it last reported
+    # Backends whose KV events report what they store (approximate mode holds a streamed
+    # request's prefill until that progress covers it); known across mode switches.
+    progressing: set[str]
 
 
 class IndexMode(Protocol):
@@ -114,14 +117,6 @@ class IndexMode(Protocol):
         """Whether the backend's picture is no longer known when its event stream breaks so."""
         ...
 
-    def stop_progress(self, backend: str) -> None:
-        """The backend's events can no longer be followed: release what waits for them."""
-        ...
-
-    def remove_backend(self, backend: str) -> None:
-        """The backend left: drop what the mode keeps for it besides the index."""
-        ...
-
     def reconfigure(self, settings: Settings, rehash: bool) -> None:
         """New settings; `rehash`: a new block size or key, so every chain changes (the router has
         already emptied the index)."""
@@ -138,6 +133,7 @@ class ApproximateMode:
     name: ClassVar[str] = "approximate"
     precise: ClassVar[bool] = False
     __slots__ = ("_progressing", "_shared", "_sized_at", "hasher", "index", "settings", "tokenizer")
+    _progressing: set[str]
 
     def __init__(self, settings: Settings, shared: Shared) -> None:
         self.settings = settings
@@ -145,9 +141,7 @@ class ApproximateMode:
         self.hasher = BlockHasher(settings.block_size, settings.hash_key)
         self.index = LocalIndex(settings.location_ttl_s, settings.capacity_blocks)
         self.tokenizer: PromptTokenizer | None = None
-        # backends whose KV events report what they store, so a streamed request's prefill is held
-        # until the engine's progress covers it
-        self._progressing: set[str] = set()
+        self._progressing = shared.progressing
         self._sized_at = shared.bytes_per_token.value  # the ratio the pictures were last sized with
         self._size()
 
@@ -223,14 +217,6 @@ class ApproximateMode:
     def resets_on_lost_events(self, reason: Reset) -> bool:
         return reason is Reset.SEQUENCE_RESTART  # a new publisher: the engine restarted
 
-    def stop_progress(self, backend: str) -> None:
-        if backend in self._progressing:
-            self._progressing.discard(backend)
-            self._shared.loads.get(backend).release_awaiting()
-
-    def remove_backend(self, backend: str) -> None:
-        self._progressing.discard(backend)
-
     def reconfigure(self, settings: Settings, rehash: bool) -> None:
         self.settings = settings
         if rehash:
@@ -239,9 +225,9 @@ class ApproximateMode:
 
     def leave(self) -> None:
         """Another mode takes over: streamed prefill held for progress is released now, as no
-        other mode drains it."""
-        for backend in list(self._progressing):
-            self.stop_progress(backend)
+        other mode drains it (which backends report progress stays known)."""
+        for backend in self._progressing:
+            self._shared.loads.get(backend).release_awaiting()
 
 
 class PreciseMode:
@@ -341,19 +327,18 @@ class PreciseMode:
     def resets_on_lost_events(self, reason: Reset) -> bool:
         return True  # the picture was the events: without them it is unknown
 
-    def stop_progress(self, backend: str) -> None:
-        """Prefill is released by stored blocks or by the request's end, never by progress."""
-
-    def remove_backend(self, backend: str) -> None:
-        """Its index entries are all this mode keeps for a backend."""
-
     def reconfigure(self, settings: Settings, rehash: bool) -> None:
         if rehash:
             self.hasher = TokenHasher(settings.hash_key)
             self.index = PreciseIndex(self.hasher, PRECISE_MAX_BLOCKS)
 
     def leave(self) -> None:
-        """Nothing held outlives this mode but reservations, which their requests' ends release."""
+        """Another mode takes over: prefill held until the engine stores a prompt's last block is
+        released now, as the next mode's picture will not look for it."""
+        for held in self._prefilling.values():
+            for reservation in held:
+                reservation.release_prefill()
+        self._prefilling.clear()
 
 
 def _extra_keys(lora: str | None, salt: str | None, blocks: int) -> list[bytes]:

@@ -47,7 +47,7 @@ class Pipeline:
         session_full = session is None and any(c.backend == inputs.session_backend for c in costs)
         least = min(c.load for c in room)
         best_prefix = max(c.matched for c in costs)
-        standing = Standing(inputs, costs, room, ranked, least, best_prefix, session, session_full)
+        standing = Standing(inputs, room, ranked, least, best_prefix, session, session_full)
         for rule in self.rules:
             picked = rule(standing)
             if picked is not None:
@@ -109,11 +109,3 @@ def assemble() -> Pipeline:
         admission=(rules.backend_limit,),
         rules=(rules.session_binding, rules.prefix_stickiness, rules.prefix_home),
     )
-
-
-DEFAULT = assemble()
-
-
-def decide(inputs: DecisionInputs) -> Decision:
-    """The default pipeline's decision."""
-    return DEFAULT.decide(inputs)

@@ -67,7 +67,9 @@ class Router:
         self._kv_tokens: dict[str, int] = {}
         self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
         self.trust = PredictionTrust()  # approximate mode: how far each backend's picture holds, per its engine
-        self._shared = Shared(self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens)
+        self._shared = Shared(
+            self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens, set()
+        )
         self.mode: IndexMode = ApproximateMode(settings, self._shared)
         self.pipeline: Pipeline = assemble()  # the decision's stages (pipeline.py)
         self._starts: dict[str, float] = {}
@@ -105,7 +107,7 @@ class Router:
             self.churn.remove_backend(backend)
 
     def reconfigure(self, settings: Settings) -> None:
-        """Apply new settings live, keeping the index it was given. A new block size or key makes
+        """Apply new settings live, keeping what the index holds. A new block size or key makes
         every known chain meaningless, so the index is emptied; sessions and reservations stay."""
         rehash = (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key)
         if rehash:
@@ -307,7 +309,7 @@ class Router:
     def remove_backend(self, backend: str) -> None:
         """A backend left: drop its locations, turnover, session bindings and load at once."""
         self.reset_backend(backend, None)
-        self.mode.remove_backend(backend)
+        self._shared.progressing.discard(backend)
         self.loads.remove_backend(backend)
         self.homes.remove_backend(backend)
         self._starts.pop(backend, None)
@@ -370,9 +372,17 @@ class Router:
         """The backend's event stream broke (a gap that could not be replayed, a new publisher).
         In precise mode its picture is no longer known and is dropped; approximate mode never
         used those events for locations, so a new publisher (a restart) resets it as well."""
-        self.mode.stop_progress(backend)
+        self._stop_progress(backend)
         if self.mode.resets_on_lost_events(reason):
             self.reset_backend(backend, reason)
+
+    def _stop_progress(self, backend: str) -> None:
+        """The backend's progress can no longer be followed: its held prefill is released now and
+        its streamed requests release at response start until its events flow again."""
+        progressing = self._shared.progressing
+        if backend in progressing:
+            progressing.discard(backend)
+            self.loads.get(backend).release_awaiting()
 
     def state(self) -> RouterState:
         """Sizes and load, for metrics and /debug/state."""

@@ -44,7 +44,6 @@ class Standing:
     read computed once."""
 
     inputs: DecisionInputs
-    costs: list[CandidateCost]  # every candidate
     room: list[CandidateCost]  # the admitted ones
     ranked: list[CandidateCost]  # the admitted ones, cheapest first
     least: float  # the lowest load among the admitted

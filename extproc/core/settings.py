@@ -62,8 +62,9 @@ def _header(name: object, setting: str) -> str:
 
 
 def _header_names(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"session_headers must be a non-empty list of header names, got {value!r}")
+    """A list of header names (empty: only the body names conversations)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"session_headers must be a list of header names, got {value!r}")
     return tuple(_header(name, "session_headers") for name in value)
 
 
@@ -102,6 +103,7 @@ def _setting(
     policy_value: Callable[[Any], dict[str, Any]] | None = None,
     schema: str | None = None,
     secret: bool = False,
+    kind: type | None = None,
 ) -> Any:
     """One declared setting and every rule that applies to it, whatever its source:
     - `policy`: its KVRoutingPolicy spec.routing field, if exposed; `policy_value`: how a policy's
@@ -112,16 +114,17 @@ def _setting(
     - `parse`: text (environment, flags) -> value (default: by the default's type);
     - `schema`: the policy schema's kind where the type does not say it ("header", "headers",
       "path", "blocks_or_auto"; tools/crd.py);
-    - `secret`: never shown (/debug/state) nor read from a policy."""
-    sample = default() if callable(default) else default
+    - `secret`: never shown (/debug/state) nor read from a policy;
+    - `kind`: the value's type, where the default is made per process (a factory)."""
+    kind = kind or type(default)
     metadata = {
         "help": text,
         "bounds": bounds,
         "policy": policy,
         "choices": choices,
         "normalize": normalize,
-        "kind": type(sample),
-        "parse": parse or text_parser(type(sample)),
+        "kind": kind,
+        "parse": parse or text_parser(kind),
         "policy_value": policy_value,
         "schema": schema,
         "secret": secret,
@@ -148,6 +151,7 @@ class Settings:
         normalize=_hex_key,
         parse=str,
         secret=True,
+        kind=bytes,
     )
     location_ttl_s: float = _setting(
         600.0,

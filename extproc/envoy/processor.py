@@ -65,8 +65,8 @@ NEXT: dict[Phase, frozenset[Phase]] = {
     Phase.HEADERS: frozenset({Phase.BODY, Phase.PASSED, Phase.DECIDED}),
     Phase.BODY: frozenset({Phase.HOLDING, Phase.DECIDED}),
     Phase.HOLDING: frozenset({Phase.DECIDED}),
-    Phase.PASSED: frozenset({Phase.DECIDED}),  # only by failing open
-    Phase.DECIDED: frozenset({Phase.DECIDED}),
+    Phase.PASSED: frozenset(),
+    Phase.DECIDED: frozenset(),
 }
 
 # A body as routing reads it, or why it cannot be read.
@@ -178,6 +178,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     reply.ClearField("mode_override")  # (a fresh reply; body modes cannot change in full duplex)
                     reply.request_headers.response.clear_route_cache = True
                     return [reply]
+                if stream.phase is Phase.HOLDING:  # repeated while the body is held: the held reply answers
+                    return []
                 if stream.phase is not Phase.BODY:  # decided from its headers alone (no body), or repeated
                     return [reply if reply.HasField("immediate_response") else msg.cleared(reply)]
                 stream.advance(Phase.HOLDING)  # an LLM request: the reply waits for the body

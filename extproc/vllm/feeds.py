@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from extproc.core.router import Router
-from extproc.vllm.index_mode import IndexMode
+from extproc.vllm.index_mode import IndexModeSwitch
 from extproc.vllm.scraper import EngineScraper
 from extproc.vllm.subscriber import EventSubscriber
 
@@ -22,7 +22,7 @@ class EngineFeeds:
     """The router's links to its engines."""
 
     router: Router
-    index_mode: IndexMode
+    index_mode: IndexModeSwitch
     scraper: EngineScraper
     subscriber: EventSubscriber | None
 

@@ -13,7 +13,7 @@ from extproc.vllm.tokenizer import ChatTokenizer, TokenizerError
 log = logging.getLogger(__name__)
 
 
-class IndexMode:
+class IndexModeSwitch:
     """The router's current index mode and why."""
 
     def __init__(self, router: Router) -> None:
