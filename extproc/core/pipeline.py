@@ -88,7 +88,10 @@ class Pipeline:
                 churn.get(backend, 0.0) / busiest,
                 0.0,
             )
-            candidate.cost = sum(term(inputs, candidate) for term in self.terms)
+            cost = 0.0
+            for term in self.terms:
+                cost += term(inputs, candidate)
+            candidate.cost = cost
             costs.append(candidate)
         return costs
 

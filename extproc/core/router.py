@@ -11,7 +11,6 @@ the HTTP lease API) only translate their protocol into these calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from extproc.core.backends import Backend
@@ -236,7 +235,7 @@ class Router:
         reservation = None
         if decision.backend is not None:
             reservation = self.loads.reserve(decision.backend, 0)
-            decision = replace(decision, label=Label.FALLBACK)
+            decision = decision._replace(label=Label.FALLBACK)
         self.stats.decisions[decision.label] += 1
         return Exchange(None, decision, reservation)
 
