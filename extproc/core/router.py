@@ -383,22 +383,21 @@ class Router:
             progressing.discard(backend)
             self.loads.get(backend).release_awaiting()
 
+    def _backend_state(self, backend: str, reserved: int, active: int) -> BackendState:
+        load = self.loads.get(backend)
+        return BackendState(
+            reserved, active, load.peer_reserved, load.peer_active, load.engine_requests, load.engine_kv_usage
+        )
+
     def state(self) -> RouterState:
         """Sizes and load, for metrics and /debug/state."""
         by_backend = self.index.entries_by_backend()
-        loads = self.loads
         return RouterState(
             index=self.mode.name,
             index_entries=sum(by_backend.values()),
             index_entries_by_backend=by_backend,
             sessions=len(self.sessions),
-            load={
-                backend: BackendState(
-                    reserved, active, load.peer_reserved, load.peer_active, load.engine_requests, load.engine_kv_usage
-                )
-                for backend, (reserved, active) in loads.snapshot().items()
-                for load in (loads.get(backend),)
-            },
+            load={backend: self._backend_state(backend, r, a) for backend, (r, a) in self.loads.snapshot().items()},
             resets={str(reason): count for reason, count in self.stats.resets.items()},
             bytes_per_token=round(self.bytes_per_token.value, 3),
             prediction_trust={b: round(t, 3) for b, t in self.trust.values.items()},
