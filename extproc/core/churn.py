@@ -7,6 +7,8 @@ learn, so it works with any index.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class ChurnMeter:
     """Decayed count of new blocks per backend, with a configurable half-life."""
@@ -23,6 +25,16 @@ class ChurnMeter:
     def rate(self, backend: str, now: float) -> float:
         value, since = self._counts.get(backend, (0.0, now))
         return float(value * 0.5 ** (max(0.0, now - since) / self.half_life_s))
+
+    def rates(self, backends: Iterable[str], now: float) -> dict[str, float]:
+        """`rate` of each backend, at once (one per candidate per decision)."""
+        counts = self._counts
+        half_life = self.half_life_s
+        rates: dict[str, float] = {}
+        for backend in backends:
+            count = counts.get(backend)
+            rates[backend] = 0.0 if count is None else float(count[0] * 0.5 ** (max(0.0, now - count[1]) / half_life))
+        return rates
 
     def remove_backend(self, backend: str) -> None:
         self._counts.pop(backend, None)

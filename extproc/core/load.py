@@ -97,9 +97,10 @@ class BackendLoad:
             return max(routed, self.engine_requests)
         return routed
 
-    def cost(self, active_request_cost: float, now: float) -> float:
-        """Load in blocks of prefill: queued prefill plus the worth of each in-flight request."""
-        return self.reserved_blocks + self.peer_reserved + active_request_cost * self.requests(now)
+    def cost(self, active_request_cost: float, requests: int) -> float:
+        """Load in blocks of prefill: queued prefill plus the worth of each of its `requests` in
+        flight (`requests(now)`, which the caller has already read)."""
+        return self.reserved_blocks + self.peer_reserved + active_request_cost * requests
 
 
 class Reservation:

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from extproc.core import rules
 from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
 from extproc.core.request import PromptRequest
 from extproc.core.rules import Admission, CandidateFilter, CostTerm, PickRule, Standing
+
+_COST = attrgetter("cost")
+_MATCHED = attrgetter("matched")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +46,17 @@ class Pipeline:
             room = admit(inputs, room)
         if not room:
             return Decision(Label.SHED, None, None, 0, total, inputs.bootstrap, costs, returning=returning)
-        ranked = sorted(room, key=lambda c: c.cost)
-        session = next((c for c in room if c.backend == inputs.session_backend), None)
-        session_full = session is None and any(c.backend == inputs.session_backend for c in costs)
-        least = min(c.load for c in room)
-        best_prefix = max(c.matched for c in costs)
+        ranked = sorted(room, key=_COST)
+        bound = inputs.session_backend
+        session = None
+        least = room[0].load
+        for candidate in room:  # one pass: the session's backend among the admitted, the lowest load
+            if candidate.backend == bound:
+                session = candidate
+            if candidate.load < least:
+                least = candidate.load
+        session_full = session is None and bound is not None and any(c.backend == bound for c in costs)
+        best_prefix = max(map(_MATCHED, costs))
         standing = Standing(inputs, room, ranked, least, best_prefix, session, session_full)
         for rule in self.rules:
             picked = rule(standing)
@@ -58,15 +68,7 @@ class Pipeline:
         second = next((c.backend for c in ranked if c is not chosen), None)
         backend = chosen.backend
         return Decision(
-            label,
-            backend,
-            second,
-            chosen.matched,
-            total,
-            inputs.bootstrap,
-            costs,
-            picture_blocks=inputs.held(backend),
-            returning=returning,
+            label, backend, second, chosen.matched, total, inputs.bootstrap, costs, inputs.held(backend), returning
         )
 
     def _costs(self, inputs: DecisionInputs) -> list[CandidateCost]:
@@ -74,25 +76,28 @@ class Pipeline:
         busiest = max(churn.values(), default=0.0) or 1.0
         active_cost = inputs.settings.active_request_cost
         now = inputs.now
+        total = inputs.total_blocks
+        matched = inputs.matched
+        load_of = inputs.loads.get
         costs: list[CandidateCost] = []
         for backend in inputs.candidates:
-            load = inputs.loads.get(backend)
-            held = inputs.matched.get(backend, 0)
-            candidate = CandidateCost(
-                backend,
-                held,
-                inputs.total_blocks - held,
-                load.reserved_blocks,
-                load.requests(now),
-                load.cost(active_cost, now),
-                churn.get(backend, 0.0) / busiest,
-                0.0,
+            load = load_of(backend)
+            active = load.requests(now)
+            held = matched.get(backend, 0)
+            costs.append(
+                CandidateCost(
+                    backend,
+                    held,
+                    total - held,
+                    load.reserved_blocks,
+                    active,
+                    load.cost(active_cost, active),
+                    churn.get(backend, 0.0) / busiest,
+                    0.0,
+                )
             )
-            cost = 0.0
-            for term in self.terms:
-                cost += term(inputs, candidate)
-            candidate.cost = cost
-            costs.append(candidate)
+        for term in self.terms:
+            term(inputs, costs)
         return costs
 
 

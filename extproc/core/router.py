@@ -151,7 +151,7 @@ class Router:
                 session_backend, session_blocks = binding
         home = self.homes.get(chain[0]) if chain else None
         picture, matched, home = self.mode.picture(chain, candidates, home, now)
-        churn = {backend: self.churn.rate(backend, now) for backend in candidates}
+        churn = self.churn.rates(candidates, now)
         bootstrap = not request.followup or not chain
         self._turn += 1
         gate_factor, home_ties = self._pressure_terms()

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, DecisionInputs, Label, overloaded
 from extproc.core.request import PromptRequest
+
+_MATCHED = attrgetter("matched")
 
 
 @dataclass(slots=True)
@@ -68,9 +71,10 @@ class CandidateFilter(Protocol):
 
 
 class CostTerm(Protocol):
-    """One term of a candidate's cost, in blocks of prefill."""
+    """One term of the candidates' costs, in blocks of prefill: adds its share to each one's
+    `cost`. Called once per decision over all candidates, so a term reads its settings once."""
 
-    def __call__(self, inputs: DecisionInputs, candidate: CandidateCost) -> float: ...
+    def __call__(self, inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None: ...
 
 
 class Admission(Protocol):
@@ -90,15 +94,18 @@ def serving_the_model(request: PromptRequest, backends: Sequence[Backend]) -> Se
     return [b for b in backends if b.serves(request.model)]
 
 
-def prefill_cost(inputs: DecisionInputs, candidate: CandidateCost) -> float:
-    """The prefill it would compute, dearer where the cache turns over fast."""
-    return candidate.novel * (1 + inputs.settings.eviction_cost_weight * candidate.churn)
+def prefill_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
+    """The prefill each would compute, dearer where the cache turns over fast."""
+    weight = inputs.settings.eviction_cost_weight
+    for candidate in candidates:
+        candidate.cost += candidate.novel * (1 + weight * candidate.churn)
 
 
-def load_cost(inputs: DecisionInputs, candidate: CandidateCost) -> float:
+def load_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
     """The work already waiting there; a new conversation's weighs more (it places every turn)."""
     weight = inputs.settings.new_session_load_weight if inputs.bootstrap else 1.0
-    return weight * candidate.load
+    for candidate in candidates:
+        candidate.cost += weight * candidate.load
 
 
 def backend_limit(inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]:
@@ -120,7 +127,7 @@ def prefix_stickiness(standing: Standing) -> tuple[CandidateCost, Label] | None:
     inputs = standing.inputs
     if not standing.unbound or inputs.total_blocks <= 0:
         return None
-    holder = max(standing.room, key=lambda c: c.matched)
+    holder = max(standing.room, key=_MATCHED)
     homed = _homed(standing)
     if inputs.home_ties and homed is not None and homed.matched >= holder.matched:
         holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
