@@ -1,0 +1,244 @@
+"""Flow control's queue: which held request runs next once a backend has room, and which are
+refused instead of held.
+
+When no candidate can take a request now, the adapter holds it here instead of sending it to wait
+inside an engine, where nothing can reorder it. Dispatch order:
+
+- strict priority between bands (an `InferenceObjective`'s priority; below zero is sheddable);
+- within a band, fair share between flows by the cost they were served (uncached prompt tokens
+  plus expected output, divided by the flow's weight): the backlogged flow that has attained the
+  least goes next. A flow that comes back after idling starts level with the least-served
+  backlogged flow, so idling banks no credit;
+- within a flow, earliest deadline first: a request's TTFT objective, else its band's TTL (so
+  requests without an objective go in arrival order, and an objective only moves a request ahead
+  of those that would expire before it).
+
+Bounds: each band holds at most `max_requests` and `max_bytes`; past its TTL a held request
+expires (the adapter answers 429; `ended` lists them). The queue as a whole holds at most `max_total`; when full, a
+request evicts the newest held request of the lowest sheddable band below its own priority, or is
+refused. At most `max_flows` distinct flows are tracked per band; later ones share one overflow
+flow, so a flood of distinct flow ids can neither grow memory nor starve the flows already known.
+Pure: the caller supplies the clock and does the waiting.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+OVERFLOW_FLOW = "other"  # the flow of every flow id beyond `max_flows` in a band
+COMPACT_AT = 64  # requests that left the queue, kept in its lists until they reach a head, before a sweep
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimits:
+    """How much the queue may hold, and for how long."""
+
+    max_requests: int = 1024  # held per band
+    max_bytes: int = 256 << 20  # request bodies held per band
+    max_total: int = 4096  # held in all bands together
+    ttl_s: float = 30.0  # longest a request is held before it is answered 429
+    max_flows: int = 256  # distinct flows tracked per band
+
+
+class State(StrEnum):
+    """Where a held request is."""
+
+    WAITING = "waiting"
+    DISPATCHED = "dispatched"
+    CANCELLED = "cancelled"  # the client left
+    EXPIRED = "expired"  # held past its band's TTL
+    EVICTED = "evicted"  # made room for a request of higher priority
+
+
+class Refusal(StrEnum):
+    """Why a request was not held: the adapter answers 429."""
+
+    BAND_FULL = "band_full"
+    QUEUE_FULL = "queue_full"
+
+
+class Held:
+    """One request waiting for room. The adapter keeps it to cancel it or to learn its fate."""
+
+    __slots__ = ("arrived", "band", "cost", "deadline", "flow", "seq", "size", "state")
+
+    def __init__(self, band: int, flow: str, cost: float, size: int, arrived: float, deadline: float, seq: int):
+        self.band = band
+        self.flow = flow
+        self.cost = cost
+        self.size = size
+        self.arrived = arrived
+        self.deadline = deadline
+        self.seq = seq
+        self.state = State.WAITING
+
+    def __lt__(self, other: Held) -> bool:
+        return (self.deadline, self.seq) < (other.deadline, other.seq)
+
+
+class _Flow:
+    __slots__ = ("attained", "waiting", "weight")
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.attained = 0.0  # cost served, over the weight
+        self.waiting: list[Held] = []  # a heap by (deadline, seq); cancelled entries are skipped lazily
+
+    def head(self) -> Held | None:
+        waiting = self.waiting
+        while waiting and waiting[0].state is not State.WAITING:
+            heapq.heappop(waiting)
+        return waiting[0] if waiting else None
+
+
+class _Band:
+    __slots__ = ("arrivals", "bytes", "flows", "held")
+
+    def __init__(self) -> None:
+        self.flows: OrderedDict[str, _Flow] = OrderedDict()  # least recently used first
+        self.arrivals: deque[Held] = deque()  # in arrival order, for expiry and eviction
+        self.held = 0
+        self.bytes = 0
+
+    def backlogged(self) -> Iterator[tuple[str, _Flow]]:
+        return ((name, flow) for name, flow in self.flows.items() if flow.head() is not None)
+
+
+class FlowQueue:
+    """Held requests in bands of priority and flows within them."""
+
+    def __init__(self, limits: QueueLimits, weights: Mapping[str, float] | None = None) -> None:
+        self.limits = limits
+        self.weights = dict(weights or {})  # flow -> weight (default 1)
+        self._bands: dict[int, _Band] = {}
+        self._order: list[int] = []  # band priorities, highest first
+        self._seq = itertools.count()
+        self._total = 0
+        self._evicted: list[Held] = []
+
+    def __len__(self) -> int:
+        return self._total
+
+    def hold(
+        self, priority: int, flow: str, cost: float, size: int, now: float, ttft_s: float | None = None
+    ) -> Held | Refusal:
+        """Hold a request of this band and flow, costing `cost` tokens and `size` body bytes; or
+        say why not. `ttft_s`: its TTFT objective, which orders it within its flow."""
+        limits = self.limits
+        band = self._band(priority)
+        if band.held >= limits.max_requests or band.bytes + size > limits.max_bytes:
+            return Refusal.BAND_FULL
+        if self._total >= limits.max_total and not self._evict_below(priority):
+            return Refusal.QUEUE_FULL
+        deadline = now + (limits.ttl_s if ttft_s is None else min(ttft_s, limits.ttl_s))
+        held = Held(priority, self._flow_name(band, flow), cost, size, now, deadline, next(self._seq))
+        state = self._flow(band, held.flow)
+        if state.head() is None:  # back from idle: level with the least served of those waiting
+            least = min((f.attained for _, f in band.backlogged()), default=state.attained)
+            state.attained = max(state.attained, least)
+        heapq.heappush(state.waiting, held)
+        band.arrivals.append(held)
+        band.held += 1
+        band.bytes += size
+        self._total += 1
+        return held
+
+    def pop(self) -> Held | None:
+        """The request to dispatch next (strict priority, then the least served flow, then the
+        earliest deadline), charged to its flow; None when nothing waits."""
+        for priority in self._order:
+            band = self._bands[priority]
+            if not band.held:
+                continue
+            name, flow = min(band.backlogged(), key=lambda item: item[1].attained)
+            held = heapq.heappop(flow.waiting)
+            band.flows.move_to_end(name)
+            flow.attained += held.cost / flow.weight
+            self._leave(held, State.DISPATCHED)
+            return held
+        return None
+
+    def cancel(self, held: Held) -> bool:
+        """The client left: its slot is free at once. True if it was still waiting."""
+        if held.state is not State.WAITING:
+            return False
+        self._leave(held, State.CANCELLED)
+        return True
+
+    def ended(self, now: float) -> list[Held]:
+        """Requests that left the queue undispatched since the last call: held past their band's
+        TTL (expired, now) or evicted for a request of higher priority. Answer each 429."""
+        ended, self._evicted = self._evicted, []
+        cutoff = now - self.limits.ttl_s
+        for band in self._bands.values():
+            arrivals = band.arrivals
+            while arrivals and (arrivals[0].state is not State.WAITING or arrivals[0].arrived <= cutoff):
+                held = arrivals.popleft()
+                if held.state is State.WAITING:
+                    self._leave(held, State.EXPIRED)
+                    ended.append(held)
+        return ended
+
+    def waiting(self) -> dict[int, dict[str, int]]:
+        """Held requests per band and flow, for metrics and /debug/state."""
+        counts: dict[int, dict[str, int]] = {}
+        for priority in self._order:
+            band = self._bands[priority]
+            flows = {name: sum(1 for h in flow.waiting if h.state is State.WAITING) for name, flow in band.backlogged()}
+            if flows:
+                counts[priority] = flows
+        return counts
+
+    def _band(self, priority: int) -> _Band:
+        band = self._bands.get(priority)
+        if band is None:
+            band = self._bands[priority] = _Band()
+            self._order = sorted(self._bands, reverse=True)
+        return band
+
+    def _flow_name(self, band: _Band, flow: str) -> str:
+        if flow in band.flows or len(band.flows) < self.limits.max_flows:
+            return flow
+        idle = next((name for name, f in band.flows.items() if name != OVERFLOW_FLOW and f.head() is None), None)
+        if idle is None:
+            return OVERFLOW_FLOW
+        del band.flows[idle]  # forget the least recently served idle flow: its credit was levelled anyway
+        return flow
+
+    def _flow(self, band: _Band, name: str) -> _Flow:
+        flow = band.flows.get(name)
+        if flow is None:
+            flow = band.flows[name] = _Flow(self.weights.get(name, 1.0))
+        return flow
+
+    def _evict_below(self, priority: int) -> bool:
+        """Make room for a request of `priority`: the newest waiting request of the lowest
+        sheddable band below it goes. False when there is none."""
+        for low in reversed(self._order):
+            if low >= priority or low >= 0:
+                return False
+            band = self._bands[low]
+            victim = next((h for h in reversed(band.arrivals) if h.state is State.WAITING), None)
+            if victim is not None:
+                self._leave(victim, State.EVICTED)
+                self._evicted.append(victim)
+                return True
+        return False
+
+    def _leave(self, held: Held, state: State) -> None:
+        held.state = state
+        band = self._bands[held.band]
+        band.held -= 1
+        band.bytes -= held.size
+        self._total -= 1
+        if len(band.arrivals) > COMPACT_AT + 2 * band.held:  # requests that left, behind a waiting head
+            band.arrivals = deque(h for h in band.arrivals if h.state is State.WAITING)
+            for flow in band.flows.values():
+                if len(flow.waiting) > COMPACT_AT:
+                    flow.waiting = [h for h in flow.waiting if h.state is State.WAITING]
+                    heapq.heapify(flow.waiting)

@@ -1,0 +1,196 @@
+"""The flow-control queue (extproc/core/flow.py): order, fair shares, bounds, expiry, eviction."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.core.flow import OVERFLOW_FLOW, FlowQueue, Held, QueueLimits, Refusal, State
+
+
+def _held(result: Held | Refusal) -> Held:
+    assert isinstance(result, Held), result
+    return result
+
+
+def _drain(queue: FlowQueue) -> list[Held]:
+    out = []
+    while (held := queue.pop()) is not None:
+        out.append(held)
+    return out
+
+
+def test_a_higher_band_goes_first_whatever_arrived_before():
+    queue = FlowQueue(QueueLimits())
+    low = _held(queue.hold(0, "a", 10, 100, now=0))
+    sheddable = _held(queue.hold(-1, "a", 10, 100, now=0))
+    critical = _held(queue.hold(5, "b", 10, 100, now=1))
+    assert _drain(queue) == [critical, low, sheddable]
+    assert all(h.state is State.DISPATCHED for h in (low, sheddable, critical))
+    assert len(queue) == 0
+
+
+def test_backlogged_flows_share_by_the_tokens_they_cost_not_by_requests():
+    queue = FlowQueue(QueueLimits())
+    for i in range(200):
+        queue.hold(0, "big", 1_000, 10, now=i)  # ten times the cost per request
+        queue.hold(0, "small", 100, 10, now=i)
+    served: Counter[str] = Counter()
+    for _ in range(110):
+        held = queue.pop()
+        assert held is not None
+        served[held.flow] += held.cost
+    assert abs(served["big"] - served["small"]) <= 1_000  # level within one request's cost
+
+
+def test_weights_two_to_one():
+    queue = FlowQueue(QueueLimits(), weights={"gold": 2.0})
+    for i in range(300):
+        queue.hold(0, "gold", 100, 10, now=i)
+        queue.hold(0, "bronze", 100, 10, now=i)
+    served = Counter(h.flow for h in (queue.pop() for _ in range(300)) if h is not None)
+    assert served["gold"] == 2 * served["bronze"]
+
+
+def test_a_flow_back_from_idle_banks_no_credit():
+    queue = FlowQueue(QueueLimits())
+    for i in range(50):  # "a" alone for a while: it attains 5,000
+        queue.hold(0, "a", 100, 10, now=i)
+    for _ in range(50):
+        queue.pop()
+    for i in range(10):
+        queue.hold(0, "a", 100, 10, now=100 + i)
+        queue.hold(0, "b", 100, 10, now=100 + i)  # "b" never ran, but its idle time is not owed to it
+    flows = [h.flow for h in _drain(queue)]
+    assert flows[:6].count("a") >= 2  # they alternate from the start instead of "b" running ten in a row
+
+
+def test_within_a_flow_an_earlier_deadline_goes_first_and_the_rest_in_arrival_order():
+    queue = FlowQueue(QueueLimits(ttl_s=30))
+    first = _held(queue.hold(0, "a", 1, 1, now=0))
+    second = _held(queue.hold(0, "a", 1, 1, now=1))
+    urgent = _held(queue.hold(0, "a", 1, 1, now=2, ttft_s=1.0))  # due at 3, before the others' 30 and 31
+    late = _held(queue.hold(0, "a", 1, 1, now=3, ttft_s=100.0))  # an objective beyond the TTL: the TTL's
+    after = _held(queue.hold(0, "a", 1, 1, now=4))
+    assert _drain(queue) == [urgent, first, second, late, after]
+
+
+def test_held_past_the_ttl_is_ended_once_and_frees_its_place():
+    queue = FlowQueue(QueueLimits(ttl_s=10, max_requests=2))
+    old = _held(queue.hold(0, "a", 1, 1, now=0))
+    young = _held(queue.hold(0, "a", 1, 1, now=5))
+    assert queue.hold(0, "a", 1, 1, now=6) is Refusal.BAND_FULL
+    assert queue.ended(now=9.9) == []
+    assert queue.ended(now=10) == [old]
+    assert old.state is State.EXPIRED and young.state is State.WAITING
+    assert queue.ended(now=10) == []
+    assert isinstance(queue.hold(0, "a", 1, 1, now=10), Held)
+    assert queue.pop() is young
+
+
+def test_band_bounds_in_requests_and_bytes():
+    queue = FlowQueue(QueueLimits(max_requests=3, max_bytes=1_000))
+    assert isinstance(queue.hold(0, "a", 1, 600, now=0), Held)
+    assert queue.hold(0, "a", 1, 500, now=0) is Refusal.BAND_FULL  # bytes
+    assert isinstance(queue.hold(0, "a", 1, 400, now=0), Held)
+    assert isinstance(queue.hold(1, "a", 1, 900, now=0), Held)  # another band has its own bounds
+    assert isinstance(queue.hold(0, "b", 1, 0, now=0), Held)
+    assert queue.hold(0, "c", 1, 0, now=0) is Refusal.BAND_FULL  # requests
+
+
+def test_a_full_queue_sheds_the_newest_sheddable_request_first():
+    queue = FlowQueue(QueueLimits(max_total=3))
+    older = _held(queue.hold(-2, "a", 1, 1, now=0))
+    newest = _held(queue.hold(-2, "a", 1, 1, now=1))
+    kept = _held(queue.hold(-1, "a", 1, 1, now=2))
+    critical = _held(queue.hold(0, "a", 1, 1, now=3))
+    assert newest.state is State.EVICTED and older.state is State.WAITING
+    assert queue.ended(now=3) == [newest]
+    assert queue.hold(-2, "a", 1, 1, now=4) is Refusal.QUEUE_FULL  # nothing below a sheddable band's own
+    assert isinstance(queue.hold(0, "b", 1, 1, now=4), Held)  # evicts the older -2 one
+    assert older.state is State.EVICTED
+    assert isinstance(queue.hold(1, "b", 1, 1, now=4), Held)  # then the -1 one
+    assert queue.hold(2, "b", 1, 1, now=4) is Refusal.QUEUE_FULL  # only non-sheddable ones are left
+    assert kept.state is State.EVICTED and critical.state is State.WAITING
+
+
+def test_a_client_that_leaves_frees_its_slot_at_once_and_is_never_dispatched():
+    queue = FlowQueue(QueueLimits(max_requests=1))
+    gone = _held(queue.hold(0, "a", 1, 1, now=0))
+    assert queue.hold(0, "a", 1, 1, now=0) is Refusal.BAND_FULL
+    assert queue.cancel(gone) and not queue.cancel(gone)
+    assert len(queue) == 0
+    stays = _held(queue.hold(0, "a", 1, 1, now=0))
+    assert _drain(queue) == [stays]
+    assert gone.state is State.CANCELLED
+    assert not queue.cancel(stays)  # already dispatched
+
+
+def test_a_flood_of_distinct_flow_ids_is_bounded_and_cannot_starve_a_known_flow():
+    queue = FlowQueue(QueueLimits(max_flows=4, max_requests=100_000, max_total=100_000))
+    for i in range(20):
+        queue.hold(0, "default", 100, 1, now=i)
+    for i in range(5_000):
+        queue.hold(0, f"flood-{i}", 100, 1, now=i)
+    flows = [h.flow for h in (queue.pop() for _ in range(40)) if h is not None]
+    assert flows.count("default") >= 8  # one of at most five flows: a fifth of the dispatches
+    assert set(flows) <= {"default", OVERFLOW_FLOW, "flood-0", "flood-1", "flood-2"}
+    assert len(queue.waiting()[0]) <= 5
+
+
+def test_idle_flows_are_forgotten_when_new_ones_arrive():
+    queue = FlowQueue(QueueLimits(max_flows=2))
+    for i in range(10):
+        queue.hold(0, f"tenant-{i}", 1, 1, now=i)
+        queue.pop()
+    held = _held(queue.hold(0, "new", 1, 1, now=20))
+    assert held.flow == "new"  # an idle flow made room: new ones are not lumped together needlessly
+
+
+def test_cancel_churn_keeps_the_queue_small():
+    queue = FlowQueue(QueueLimits())
+    first = _held(queue.hold(0, "a", 1, 1, now=0))  # a long-waiting head
+    for i in range(10_000):
+        queue.cancel(_held(queue.hold(0, "a", 1, 1, now=1 + i * 1e-4)))
+    band = queue._bands[0]
+    assert len(band.arrivals) < 200 and len(band.flows["a"].waiting) < 200
+    assert _drain(queue) == [first]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["hold", "pop", "cancel", "tick"]),
+            st.integers(-2, 2),
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.integers(1, 500),
+        ),
+        max_size=120,
+    )
+)
+def test_every_request_is_held_dispatched_or_ended_exactly_once(steps):
+    queue = FlowQueue(QueueLimits(max_requests=6, max_bytes=2_000, max_total=10, ttl_s=5, max_flows=2))
+    now = 0.0
+    everyone: list[Held] = []
+    popped: list[Held] = []
+    ended: list[Held] = []
+    for action, priority, flow, size in steps:
+        now += 0.5
+        if action == "hold":
+            result = queue.hold(priority, flow, size, size, now)
+            if isinstance(result, Held):
+                everyone.append(result)
+        elif action == "pop" and (held := queue.pop()) is not None:
+            assert all(h.band <= held.band for h in everyone if h.state is State.WAITING)  # strict priority
+            popped.append(held)
+        elif action == "cancel" and everyone:
+            queue.cancel(everyone[size % len(everyone)])
+        ended += queue.ended(now)
+        assert len(queue) == sum(h.state is State.WAITING for h in everyone)
+    assert len(set(map(id, popped))) == len(popped)
+    assert all(h.state is State.DISPATCHED for h in popped)
+    assert all(h.state in (State.EXPIRED, State.EVICTED) for h in ended)
+    assert not set(map(id, popped)) & set(map(id, ended))
