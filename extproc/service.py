@@ -30,6 +30,14 @@ from extproc.vllm.subscriber import EventSubscriber
 log = logging.getLogger("kvroute")
 
 
+# Gateways ping the ext_proc's connection to notice a dead processor (kvroute's own Envoy every
+# 10 s). gRPC servers by default count a ping that arrives while they have sent nothing for five
+# minutes as a strike and after two answer GOAWAY (too_many_pings), cutting every stream on the
+# connection: each request waiting that long for its backend's response lost its response phase.
+# A ping costs next to nothing: the gateway's are accepted at any rate, with calls in flight or not.
+KEEPALIVE_TOLERANCE = (("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1))
+
+
 async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set."""
     router = Router(config.routing)
@@ -68,6 +76,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.max_concurrent_streams", config.max_streams),
+            *KEEPALIVE_TOLERANCE,
         ],
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped

@@ -413,3 +413,25 @@ def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed
             lambda: post(stack.url, chat([*history, {"role": "user", "content": "after"}]))[0] == 200,
             message="served again once the streams ended",
         )
+
+
+def _ping_every_second(bootstrap: dict) -> None:
+    """Envoy's keepalive pings to the ext_proc every second instead of every ten."""
+    for cluster in bootstrap["static_resources"]["clusters"]:
+        for options in cluster.get("typed_extension_protocol_options", {}).values():
+            keepalive = options.get("explicit_http_config", {}).get("http2_protocol_options", {})
+            if "connection_keepalive" in keepalive:
+                keepalive["connection_keepalive"] = {"interval": "1s", "timeout": "1s"}
+
+
+def test_a_request_that_waits_long_for_its_backend_keeps_its_ext_proc_stream(tmp_path: Path):
+    """Envoy pings the ext_proc's connection (keepalive). A gRPC server by default counts a ping
+    that comes while it has sent nothing for five minutes as a strike, and after two sends GOAWAY
+    (too_many_pings), which cuts every stream on the connection: a request whose backend is slow to
+    answer lost its response phase (no learning, no decision headers, its load released early)."""
+    sims = ("--step-s", "0.1")  # 50 output tokens: the response starts after some five seconds
+    with Stack(tmp_path, sims=1, sim_args=sims, envoy_edit=_ping_every_second) as stack:
+        status, headers, _ = post(stack.url, chat([{"role": "user", "content": "slow"}], max_tokens=50))
+        assert status == 200
+        assert headers.get("x-kvroute-decision") == "least_loaded"
+        assert envoy_stat(stack, "cluster.kvroute_extproc.upstream_cx_destroy_remote_with_active_rq") == 0
