@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 
 import grpc
 from aiohttp import web
@@ -14,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.admin.app import Admin
 from extproc.core.router import Router
+from extproc.core.saturation import has_room
 from extproc.envoy.auth import TokenInterceptor
 from extproc.envoy.processor import Processor
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -22,6 +24,7 @@ from extproc.envoy.tls import server_credentials
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
 from extproc.vllm.feeds import EngineCollector, EngineFeeds
 from extproc.vllm.index_mode import IndexModeSwitch
 from extproc.vllm.scraper import EngineScraper
@@ -79,9 +82,23 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             *KEEPALIVE_TOLERANCE,
         ],
     )
+    clock = time.monotonic
+    room = WaitingRoom(
+        lambda: router.settings,
+        lambda backends: has_room(router.loads, [b.address for b in backends if b.healthy], router.settings, clock()),
+        lambda: pool.backends,
+        WaitingRoomMetrics(metrics.registry),
+        clock,
+    )
     pb_grpc.add_ExternalProcessorServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
         Processor(
-            router, pool, metrics, max_stream_age_s=config.max_stream_age_s, fallback=config.destination_fallback
+            router,
+            pool,
+            metrics,
+            clock=clock,
+            max_stream_age_s=config.max_stream_age_s,
+            fallback=config.destination_fallback,
+            waiting_room=room,
         ),
         server,
     )
@@ -117,6 +134,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             await web.TCPSite(control, config.control_host, config.control_port).start()
         await server.start()
         cleanup.push_async_callback(server.stop, 2)
+        cleanup.callback(room.drain)  # before the server stops: what is held is answered, not cut
         # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.
         processor_service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
         for service in ("", "liveness", "readiness", processor_service):
@@ -125,6 +143,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         tasks = [
             asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),
             asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
+            asyncio.create_task(room.run()),
         ]
         if config.engine_scrape_interval_s > 0:
             tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s)))

@@ -392,7 +392,11 @@ def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed
     (with retry-after), counted as `shed`; once the streams end, requests are served again."""
     sim_args = ["--step-s", "0.05"]
     with Stack(
-        tmp_path, sims=2, sim_args=sim_args, extproc_args=["--max-backend-requests", "1"], **LAYOUTS[layout]
+        tmp_path,
+        sims=2,
+        sim_args=sim_args,
+        extproc_args=["--max-backend-requests", "1", "--flow-control", "false"],  # shed at once, not held
+        **LAYOUTS[layout],
     ) as stack:
         history = [{"role": "system", "content": text(RNG, 3000)}]
         held, served = [], []
@@ -435,3 +439,47 @@ def test_a_request_that_waits_long_for_its_backend_keeps_its_ext_proc_stream(tmp
         assert status == 200
         assert headers.get("x-kvroute-decision") == "least_loaded"
         assert envoy_stat(stack, "cluster.kvroute_extproc.upstream_cx_destroy_remote_with_active_rq") == 0
+
+
+def _queue(stack: Stack, what: str) -> float:
+    return metric(stack.admin_url, f"kvroute_queue_{what}")
+
+
+@pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
+def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_one(tmp_path: Path, layout: str):
+    """One backend taking one request at a time (max_backend_requests 1), flow control on (the
+    default): a second request is held, not shed, and routed once the first ends; a held client
+    that leaves frees its place at once; one held past the queue's TTL gets a 429 saying so."""
+    args = ["--max-backend-requests", "1", "--queue-ttl-s", "2"]
+    with Stack(tmp_path, sims=1, extproc_args=args, **LAYOUTS[layout]) as stack:
+        held_count = 'requests{priority="0"}'
+        first, _ = open_stream(stack, [{"role": "user", "content": "first"}])
+        answers: list[tuple] = []
+        second = threading.Thread(
+            target=lambda: answers.append(post(stack.url, chat([{"role": "user", "content": "2"}])))
+        )
+        second.start()
+        eventually(lambda: _queue(stack, held_count) == 1, message="the second request held")
+        assert second.is_alive()
+        leave(first)
+        second.join(30)
+        status, headers, _ = answers[0]
+        assert status == 200 and headers["x-kvroute-backend"] == stack.backends[0]
+        assert _queue(stack, 'outcomes_total{outcome="dispatched",priority="0"}') == 1
+
+        blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
+        try:
+            leaving = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+            leaving.request("POST", "/v1/chat/completions", orjson.dumps(chat([{"role": "user", "content": "3"}])))
+            eventually(lambda: _queue(stack, held_count) == 1, message="the third request held")
+            leave(leaving)
+            eventually(lambda: _queue(stack, held_count) == 0, message="its place freed when its client left")
+            assert _queue(stack, 'outcomes_total{outcome="cancelled",priority="0"}') == 1
+            status, headers, body = post(stack.url, chat([{"role": "user", "content": "4"}]))
+            assert status == 429 and headers["x-kvroute-queue"] == "expired" and headers["retry-after"] == "1", body
+            assert _queue(stack, 'outcomes_total{outcome="expired",priority="0"}') == 1
+        finally:
+            leave(blocker)
+        status, _, _ = post(stack.url, chat([{"role": "user", "content": "5"}]))
+        assert status == 200
+        assert _queue(stack, held_count) == 0

@@ -62,9 +62,16 @@ def test_every_setting_has_a_flag_and_an_environment_variable():
     flags = parser().parse_args(["extproc"])
     for f in fields(Settings):
         assert hasattr(flags, "routing_" + f.name)
-    environ = {"KVROUTE_" + f.name.upper(): "8" for f in fields(Settings) if f.type in ("int", "float")}
+    numbers = {f.name: _number(f) for f in fields(Settings) if f.type in ("int", "float")}
+    environ = {"KVROUTE_" + name.upper(): str(value) for name, value in numbers.items()}
     loaded = config.load(None, environ).routing
-    assert all(getattr(loaded, f.name) == 8 for f in fields(Settings) if f.type in ("int", "float"))
+    assert all(getattr(loaded, name) == value for name, value in numbers.items())
+
+
+def _number(f: dataclasses.Field) -> float:
+    """A value other than the default that the setting's bounds allow: 8, or half the maximum."""
+    bounds = f.metadata["bounds"]
+    return 8 if bounds is None or bounds.maximum is None or bounds.maximum >= 8 else bounds.maximum / 2
 
 
 def test_crd_files_are_generated_and_identical():
@@ -104,11 +111,12 @@ def test_every_policy_field_reaches_its_setting(key):
         "index": "precise",
         "tokenizerPath": "/models/tokenizer",
     }
-    value = values.get(key, 8)
+    name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
+    number = _number(next(f for f in fields(Settings) if f.name == name))
+    value = values.get(key, number)
     changes, unknown = policy.routing_changes({key: value})
     assert not unknown
     settings = dataclasses.replace(Settings(), **changes)
-    name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
     expected = {
         "session_headers": ("x-conversation",),
         "capacity_blocks": 77,
@@ -116,7 +124,7 @@ def test_every_policy_field_reaches_its_setting(key):
         "index_mode": "precise",
         "tokenizer_path": "/models/tokenizer",
     }
-    assert getattr(settings, name) == expected.get(name, 8)
+    assert getattr(settings, name) == expected.get(name, number)
 
 
 def test_hash_key_is_never_read_from_a_policy():
@@ -146,6 +154,9 @@ def _sample(f: dataclasses.Field) -> tuple[object, str]:
     if kind is bool:
         return (not f.default, str(not f.default).lower())
     value = f.default + 8 if kind is int else f.default + 0.5
+    maximum = f.metadata["bounds"].maximum if f.metadata["bounds"] else None
+    if maximum is not None and value > maximum:
+        value = (f.default + maximum) / 2
     return value, str(value)
 
 

@@ -184,6 +184,13 @@ class FlowQueue:
                     ended.append(held)
         return ended
 
+    def evict_all(self) -> list[Held]:
+        """Everything held leaves, evicted (a graceful stop: answer each 429)."""
+        evicted = [h for band in self._bands.values() for h in band.arrivals if h.state is State.WAITING]
+        for held in evicted:
+            self._leave(held, State.EVICTED)
+        return evicted
+
     def waiting(self) -> dict[int, dict[str, int]]:
         """Held requests per band and flow, for metrics and /debug/state."""
         counts: dict[int, dict[str, int]] = {}

@@ -34,6 +34,7 @@ class BackendLoad:
         "engine_at",
         "engine_kv_usage",
         "engine_requests",
+        "engine_running",
         "peer_active",
         "peer_reserved",
         "reserved_blocks",
@@ -46,6 +47,7 @@ class BackendLoad:
         self.peer_reserved = 0  # the other replicas' reservations on this backend, as last published
         self.peer_active = 0
         self.engine_requests = 0  # running + waiting at the engine's last sample
+        self.engine_running = 0  # running at the engine's last sample
         self.engine_kv_usage = 0.0  # share of its KV blocks that running requests pin (for operators)
         self.engine_at = float("-inf")
         self.awaiting: deque[Reservation] = deque()  # prefill drained by engine progress, oldest first
@@ -84,7 +86,8 @@ class BackendLoad:
 
     def report(self, running: int, waiting: int, kv_usage: float, now: float) -> None:
         """The engine's own counts, from its /metrics."""
-        self.engine_requests = max(0, running) + max(0, waiting)
+        self.engine_running = max(0, running)
+        self.engine_requests = self.engine_running + max(0, waiting)
         self.engine_kv_usage = kv_usage
         self.engine_at = now
 
@@ -96,6 +99,17 @@ class BackendLoad:
         if now - self.engine_at <= ENGINE_SAMPLE_MAX_AGE_S:
             return max(routed, self.engine_requests)
         return routed
+
+    def engine_fresh(self, now: float) -> bool:
+        """The engine's last sample still says something about its load."""
+        return now - self.engine_at <= ENGINE_SAMPLE_MAX_AGE_S
+
+    def waiting(self, now: float) -> int | None:
+        """Requests waiting at the engine now: in flight beyond what it ran at its last sample, so
+        what kvroute sent since counts at once (None: no fresh sample)."""
+        if not self.engine_fresh(now):
+            return None
+        return max(0, self.requests(now) - self.engine_running)
 
     def cost(self, active_request_cost: float, requests: int) -> float:
         """Load in blocks of prefill: queued prefill plus the worth of each of its `requests` in

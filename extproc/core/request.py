@@ -39,6 +39,15 @@ class PromptRequest:
     cache_salt: str | None = None  # vLLM keys the first block by it: prompts with another salt never share
     cbr_bytes: int = 0  # the CBR's length, kept when the router drops the CBR itself
     stream: bool = False  # the response is streamed: it starts before the prefill is done
+    output_tokens: int | None = None  # the most it may generate (max_completion_tokens, max_tokens)
+
+
+def _output_limit(body: Mapping[str, Any]) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
 
 
 def parse_request(
@@ -72,6 +81,7 @@ def parse_request(
     request = PromptRequest(model, encoded, followup, session, truncated=truncated)
     request.cache_salt = salt if isinstance(salt, str) and salt else None
     request.stream = parsed.get("stream") is True
+    request.output_tokens = _output_limit(parsed)
     if tokenizer is not None:
         request.tokens = tokenizer.tokens(parsed)
     return request

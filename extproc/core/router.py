@@ -174,6 +174,17 @@ class Router:
         )
         return self.pipeline.decide(inputs)
 
+    def cost_tokens(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> float:
+        """What the request will cost where its prompt is best cached now: uncached prompt tokens
+        plus the output it may generate (`default_output_tokens` when it sets no limit), flow
+        control's measure of a flow's share. Nothing is counted or changed."""
+        chain = self.chain_of(request)
+        candidates = self.pipeline.candidates(request, backends)
+        matched = self.mode.picture(chain, candidates, None, now)[1]
+        uncached = (len(chain) - max(matched.values(), default=0)) * self.block_tokens()
+        output = self.settings.default_output_tokens if request.output_tokens is None else request.output_tokens
+        return uncached + output
+
     def begin(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Exchange:
         """Choose a backend among the healthy ones serving the request's model and reserve the
         load it adds; the returned exchange must be ended (`end`) however the request ends."""

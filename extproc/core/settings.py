@@ -267,6 +267,59 @@ class Settings:
         "maxBackendRequests",
     )
 
+    flow_control: bool = _setting(
+        True,
+        "Hold a request while every candidate is saturated (saturation_waiting, saturation_kv_usage, "
+        "max_backend_requests) and dispatch held ones by priority, fair share between flows and deadline "
+        "as backends free up, instead of queueing them inside an engine. Off: sent at once, or shed at "
+        "max_backend_requests.",
+        policy="flowControl",
+    )
+    saturation_waiting: int = _setting(
+        5,
+        "Requests waiting at a backend's engine (in flight beyond what it ran at its last sample) at which "
+        "it is saturated.",
+        Bounds(minimum=1),
+        "saturationWaitingRequests",
+    )
+    saturation_kv_usage: float = _setting(
+        0.8,
+        "Share of a backend's KV cache that running requests pin (vllm:kv_cache_usage_perc) at which it is saturated.",
+        Bounds(minimum=0, exclusive_minimum=True, maximum=1),
+        "saturationKVUsage",
+    )
+    queue_max_requests: int = _setting(
+        1024,
+        "Requests flow control holds at most, in all priority bands together; when full, the newest "
+        "sheddable request (priority below 0) below the newcomer's priority makes room, else the newcomer "
+        "gets 429.",
+        Bounds(minimum=1),
+        "queueMaxRequests",
+    )
+    queue_max_bytes: int = _setting(
+        256 << 20, "Request body bytes held at most per priority band.", Bounds(minimum=1), "queueMaxBytes"
+    )
+    queue_ttl_s: float = _setting(
+        30.0,
+        "Seconds a request is held at most before it is answered 429; a gateway's ext_proc message timeout "
+        "must be longer.",
+        POSITIVE,
+        "queueTTLSeconds",
+    )
+    default_output_tokens: int = _setting(
+        256,
+        "Output tokens a request that sets no max_tokens is expected to generate, in its flow's share.",
+        NON_NEGATIVE,
+        "defaultOutputTokens",
+    )
+    queue_max_flows: int = _setting(
+        256,
+        "Flows (fairness ids) tracked per priority band; requests of further ids share one overflow flow, "
+        "so a flood of ids can neither grow memory nor starve known flows.",
+        Bounds(minimum=1),
+        "queueMaxFlows",
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             normalize = f.metadata["normalize"]

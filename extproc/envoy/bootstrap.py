@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from extproc.core.settings import SESSION_HEADERS
+from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
+from extproc.core.settings import SESSION_HEADERS, Settings
 from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE
 
 BODY_LIMIT = 32 * 1024 * 1024
@@ -30,7 +31,21 @@ RUNTIME = {"envoy.reloadable_features.ext_proc_graceful_grpc_close": True}
 # The headers kvroute reads (request and response); nothing else (Authorization, cookies) reaches
 # the ext_proc.
 # Add configured session or tenant headers with `--forward-header`.
-FORWARD_HEADERS = (":method", ":path", ":status", "x-request-id", *SESSION_HEADERS, "x-user-id")
+FORWARD_HEADERS = (
+    ":method",
+    ":path",
+    ":status",
+    "x-request-id",
+    *SESSION_HEADERS,
+    "x-user-id",
+    *OBJECTIVE_HEADERS,
+    *FAIRNESS_HEADERS,
+    *TTFT_HEADERS,
+)
+# Envoy's wait for each ext_proc reply: longer than flow control holds a request (queue_ttl_s), so
+# a held request is answered by kvroute (dispatched, or 429 at its TTL), never let through
+# unrouted by Envoy's timer.
+MESSAGE_TIMEOUT_MS = int((Settings().queue_ttl_s + 5) * 1000)
 _TYPES = "type.googleapis.com/envoy."
 
 # Body modes: how the ext_proc filter sends bodies (full duplex streams both ways, and needs trailers).
@@ -86,7 +101,7 @@ class EnvoyLayout:
     extproc_ports: Sequence[int] = (9002,)  # one per replica on the host; a DNS name resolves to each replica
     backends: Sequence[str] = ()
     backend_dns: str = ""
-    message_timeout_ms: int = 2000
+    message_timeout_ms: int = MESSAGE_TIMEOUT_MS
     ext_proc: bool = True
     extproc_token: str = ""  # sent as `authorization: Bearer` gRPC metadata; the ext_proc checks it
     forward_headers: Sequence[str] = FORWARD_HEADERS

@@ -61,6 +61,37 @@ SHED = pb.ProcessingResponse(
 )
 
 
+def _queue_refusal(reason: str, text: bytes) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=pb.HttpStatus(code=429),
+            headers=pb.HeaderMutation(
+                set_headers=[
+                    header("retry-after", "1"),
+                    header("x-kvroute-decision", "shed"),
+                    header("x-kvroute-queue", reason),
+                ]
+            ),
+            body=text,
+            details=f"kvroute_queue_{reason}",
+        )
+    )
+
+
+# Flow control did not run a request: why, as a 429 the client may retry.
+QUEUE_REFUSED: dict[str, pb.ProcessingResponse] = {
+    "expired": _queue_refusal("expired", b"held past the queue's time limit while every backend was saturated"),
+    "evicted": _queue_refusal("evicted", b"made room for a request of higher priority, or the router is stopping"),
+    "band_full": _queue_refusal("band_full", b"every backend is saturated and this priority's queue is full"),
+    "queue_full": _queue_refusal("queue_full", b"every backend is saturated and the queue is full"),
+}
+
+
+def queue_refused(reason: str) -> pb.ProcessingResponse:
+    """The 429 for a request flow control refused, expired or evicted (`Refusal`, `State` values)."""
+    return QUEUE_REFUSED.get(reason, QUEUE_REFUSED["queue_full"])
+
+
 def headers(message: pb.HttpHeaders) -> dict[str, str]:
     return {h.key: h.raw_value.decode("latin-1") for h in message.headers.headers}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from enum import Enum
 from typing import Any
 
@@ -29,6 +29,8 @@ from extproc.core.backends import Backend
 from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.flow import State
+from extproc.core.objectives import classify
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
 from extproc.envoy import messages as msg
@@ -37,6 +39,7 @@ from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.waiting_room import WaitingRoom
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,17 @@ Parsed = PromptRequest | InvalidRequest
 class Stream:
     """One HTTP request's state across its gRPC stream: its phase, its headers, the core's exchange."""
 
-    __slots__ = ("exchange", "headers", "held", "held_bytes", "phase", "request_duplex", "response_duplex", "subset")
+    __slots__ = (
+        "dispatched",
+        "exchange",
+        "headers",
+        "held",
+        "held_bytes",
+        "phase",
+        "request_duplex",
+        "response_duplex",
+        "subset",
+    )
 
     def __init__(self) -> None:
         self.phase = Phase.HEADERS
@@ -89,6 +102,7 @@ class Stream:
         self.response_duplex = False
         self.held: list[bytes] | None = None  # HOLDING: the body's chunks so far (kept until handed back)
         self.held_bytes = 0
+        self.dispatched = False  # held by flow control, its turn came, its backend not yet reserved
 
     def advance(self, phase: Phase) -> None:
         """Move to `phase`; raises RuntimeError on a move the protocol's order does not allow."""
@@ -113,16 +127,21 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         clock: Callable[[], float] = time.monotonic,
         max_stream_age_s: float = 3600.0,
         fallback: bool = False,
+        waiting_room: WaitingRoom | None = None,
+        priorities: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         """`fallback`: name the second choice after a comma (kvroute's own override_host Envoy
         retries it); off, as by default, for gateways whose ORIGINAL_DST cluster takes the
-        destination as one address."""
+        destination as one address. `waiting_room`: flow control (none: every request is
+        decided at once); `priorities`: each defined objective's priority."""
         self._router = router
         self._pool = pool
         self._metrics = metrics
         self._clock = clock
         self._max_stream_age_s = max_stream_age_s
         self._fallback = fallback
+        self._room = waiting_room
+        self._priorities = priorities
 
     async def Process(
         self,
@@ -130,14 +149,22 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = Stream()
-        context.add_done_callback(stream.close)  # type: ignore[arg-type]  # the stub wants its own private class
+        context.add_done_callback(lambda _: self._closed(stream))  # type: ignore[arg-type]  # the stub wants its own private class
         try:
             async with asyncio.timeout(self._max_stream_age_s):
                 async for reply in self._replies(request_iterator, stream):
                     yield reply
         except TimeoutError:  # a stream never closed must not hold its reservation forever
             self._metrics.errors.labels("stream_age_limit").inc()
-            stream.close()
+            self._closed(stream)
+
+    def _closed(self, stream: Stream) -> None:
+        """The stream ended, however it ended: release what it holds, and give its room to the
+        next held request."""
+        stream.close()
+        self._dispatched(stream)
+        if self._room is not None:
+            self._room.pump()
 
     async def _replies(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], stream: Stream
@@ -154,8 +181,15 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 continue
             parsed = None
             if stream.phase is Phase.BODY and message.WhichOneof("request") == "request_body":
-                parsed = await self._read_large(message.request_body.body, stream)  # (a copy: read once)
-            yield self.handle(message, stream, parsed)
+                body = message.request_body.body  # (a copy: read once)
+                parsed = await self._read_large(body, stream)
+                parsed, refused = await self._wait_turn(body, stream, parsed)
+                if refused is not None:
+                    yield refused
+                    continue
+            reply = self.handle(message, stream, parsed)
+            self._dispatched(stream)
+            yield reply
 
     async def _read_large(self, body: bytes, stream: Stream) -> Parsed | None:
         """Parsing and hashing a large body takes milliseconds to seconds: do it off the event
@@ -213,11 +247,49 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """Decide on the held body, then send the held headers reply and the body back."""
         body = b"".join(stream.held or ())
         parsed = await self._read_large(body, stream) if read else None
+        parsed, refused = await self._wait_turn(body if read else None, stream, parsed)
+        if refused is not None:
+            stream.held, stream.held_bytes = None, 0
+            return [refused]
         decided = self._routing_reply(stream, body if read else None, "request_headers", parsed)
+        self._dispatched(stream)
         stream.held, stream.held_bytes = None, 0  # only now: a failure above hands the held body back
         if decided.HasField("immediate_response"):
             return [decided]
         return [msg.cleared(decided), *msg.chunks("request_body", body, end_of_stream)]
+
+    async def _wait_turn(
+        self, body: bytes | None, stream: Stream, parsed: Parsed | None
+    ) -> tuple[Parsed | None, pb.ProcessingResponse | None]:
+        """Flow control: while every candidate is saturated, hold the request until its turn
+        (the decision is made then, on the state then). Returns the body as read, so it is read
+        once, and the 429 to answer if it was refused, expired or evicted instead."""
+        room = self._room
+        backends = self._candidates(stream)
+        if room is None or not backends or room.goes_now(backends):
+            return parsed, None
+        settings = self._router.settings
+        if parsed is None and body is not None:
+            parsed = self._read(body, stream.headers)
+        if isinstance(parsed, PromptRequest):
+            cost = self._router.cost_tokens(parsed, backends, self._clock())
+        else:
+            cost = settings.default_output_tokens
+        request_class = classify(stream.headers, self._priorities(), settings.tenant_header)
+        if not request_class.known:
+            self._metrics.errors.labels("unknown_objective").inc()
+        verdict = await room.wait(request_class, cost, len(body or b""))
+        if verdict is State.DISPATCHED:
+            stream.dispatched = True
+            return parsed, None
+        stream.advance(Phase.DECIDED)
+        return parsed, msg.queue_refused(verdict)
+
+    def _dispatched(self, stream: Stream) -> None:
+        """A request held by flow control has reserved its backend: the next one's turn."""
+        if stream.dispatched and self._room is not None:
+            stream.dispatched = False
+            self._room.started()
 
     def _fail_open(self, message: pb.ProcessingRequest, stream: Stream, kind: str) -> list[pb.ProcessingResponse]:
         """After a failure in full duplex: release whatever is held, unrouted, so the request goes on."""

@@ -1,0 +1,179 @@
+"""Flow control on the event loop: a request that finds every backend saturated waits here, and
+the adapter answers Envoy only when its turn comes (as the endpoint picker does).
+
+The queue's order and bounds are the core's (`extproc/core/flow.py`), saturation too
+(`extproc/core/saturation.py`); this module only turns them into waiting coroutines. A request
+goes at once when nothing is held and some backend has room; otherwise it joins the queue, so a
+newcomer never overtakes a held request. One held request is dispatched at a time: it reserves its
+backend (`started`) before the next is weighed, so a freed slot is never given twice. A tick
+expires requests held past their TTL and catches room that opened without a release (an engine
+sample, a backend added). The routing decision is made when a request is dispatched, on the
+state then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.core.backends import Backend
+from extproc.core.flow import FlowQueue, Held, QueueLimits, Refusal, State
+from extproc.core.objectives import RequestClass
+from extproc.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05  # how often held requests are looked at without a release
+STALLED_S = 1.0  # a dispatched request that has not reserved its backend by then no longer blocks the next
+
+
+class WaitingRoomMetrics:
+    """Flow control's metrics, by priority band (flow labels are left to a bounded scheme)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.held = Gauge("kvroute_queue_requests", "Requests held by flow control", ["priority"], registry=registry)
+        self.outcomes = Counter(
+            "kvroute_queue_outcomes",
+            "Requests that met flow control, by how they left it: now (never held), dispatched, "
+            "expired, evicted, cancelled, band_full, queue_full",
+            ["priority", "outcome"],
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "kvroute_queue_wait_seconds",
+            "Time held before dispatch",
+            ["priority"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+
+
+class WaitingRoom:
+    """Holds requests while the fleet is saturated."""
+
+    def __init__(
+        self,
+        settings: Callable[[], Settings],
+        room: Callable[[Sequence[Backend]], bool],
+        backends: Callable[[], Sequence[Backend]],
+        metrics: WaitingRoomMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        """`room(candidates)`: whether one of them can take a request now; `backends`: the pool's."""
+        self._settings = settings
+        self._room = room
+        self._backends = backends
+        self._metrics = metrics
+        self._clock = clock
+        self._limits = self._limits_of(settings())
+        self._queue = FlowQueue(self._limits)
+        self._waiting: dict[Held, asyncio.Future[State]] = {}
+        self._dispatching: float | None = None  # when the request dispatched last began to reserve its backend
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @staticmethod
+    def _limits_of(settings: Settings) -> QueueLimits:
+        return QueueLimits(
+            max_requests=settings.queue_max_requests,
+            max_bytes=settings.queue_max_bytes,
+            max_total=settings.queue_max_requests,
+            ttl_s=settings.queue_ttl_s,
+            max_flows=settings.queue_max_flows,
+        )
+
+    def goes_now(self, candidates: Sequence[Backend]) -> bool:
+        """The request need not wait: flow control is off, or nothing is held and one of its
+        candidates has room. Otherwise `wait` for its turn."""
+        if not self._settings().flow_control:
+            return True
+        if not len(self._queue) and self._dispatching is None and self._room(candidates):
+            self._metrics.outcomes.labels("any", "now").inc()
+            return True
+        return False
+
+    async def wait(self, request_class: RequestClass, cost: float, size: int) -> Refusal | State:
+        """Hold the request until its turn: DISPATCHED (call `started` once it has reserved its
+        backend); EXPIRED or EVICTED, or a Refusal: answer 429. A cancelled caller (the client
+        left) frees its place at once."""
+        self._reconfigure(self._settings())
+        priority = str(request_class.priority)
+        now = self._clock()
+        held = self._queue.hold(request_class.priority, request_class.flow, cost, size, now, request_class.ttft_s)
+        self._ended(now)
+        if isinstance(held, Refusal):
+            self._metrics.outcomes.labels(priority, held.value).inc()
+            return held
+        future: asyncio.Future[State] = asyncio.get_running_loop().create_future()
+        self._waiting[held] = future
+        self._metrics.held.labels(priority).inc()
+        self.pump()
+        try:
+            state = await future
+        except asyncio.CancelledError:
+            if self._queue.cancel(held):
+                self._metrics.held.labels(priority).dec()
+                self._metrics.outcomes.labels(priority, State.CANCELLED.value).inc()
+            elif held.state is State.DISPATCHED:
+                self.started()  # its turn came as it left: the next one's turn now
+            raise
+        finally:
+            self._waiting.pop(held, None)
+        if state is State.DISPATCHED:
+            self._metrics.wait_seconds.labels(priority).observe(self._clock() - held.arrived)
+        return state
+
+    def started(self) -> None:
+        """The dispatched request reserved its backend (or gave up): weigh the next one."""
+        self._dispatching = None
+        self.pump()
+
+    def pump(self) -> None:
+        """Dispatch the next held request if some backend has room now."""
+        if self._dispatching is not None or not len(self._queue) or not self._room(self._backends()):
+            return
+        held = self._queue.pop()
+        if held is None:
+            return
+        self._dispatching = self._clock()
+        self._finish(held)
+
+    def _ended(self, now: float) -> None:
+        for held in self._queue.ended(now):
+            self._finish(held)
+
+    def _finish(self, held: Held) -> None:
+        priority = str(held.band)
+        self._metrics.held.labels(priority).dec()
+        self._metrics.outcomes.labels(priority, held.state.value).inc()
+        future = self._waiting.get(held)
+        if future is not None and not future.done():
+            future.set_result(held.state)
+        elif held.state is State.DISPATCHED:  # nobody waits for it any more
+            self._dispatching = None
+
+    def _reconfigure(self, settings: Settings) -> None:
+        limits = self._limits_of(settings)
+        if limits != self._limits:  # a policy changed them: they apply to what arrives from now on
+            self._limits = self._queue.limits = limits
+
+    async def run(self) -> None:
+        """Expire held requests past their TTL and dispatch into room that opened on its own."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            if len(self._queue):
+                now = self._clock()
+                if self._dispatching is not None and now - self._dispatching > STALLED_S:
+                    log.warning("a dispatched request never reserved its backend; dispatching the next")
+                    self._dispatching = None
+                self._ended(now)
+                self.pump()
+
+    def drain(self) -> None:
+        """A graceful stop: answer everything held (429) rather than leave it to a cut stream."""
+        for held in self._queue.evict_all():
+            self._finish(held)
