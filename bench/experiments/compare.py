@@ -10,6 +10,7 @@ router's run starts with every backend's prefix cache reset. Belady's MIN bound
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from bench.simulator.sim import DEFAULT_TOKENIZER
 from bench.workloads.other_traffic import OtherTraffic
 from bench.workloads.prompts import PromptBuilder
 from bench.workloads.trace import BLOCK_TOKENS, TraceRequest, read, working_set_blocks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,9 @@ def run_router(
             summary["other_traffic"] = {"served": other.served, "failed": other.failed}
         # On a shared machine the router's CPU is taken from the engines beside it.
         summary["router_cpu_s"] = round(cpu_seconds(router.pids()) - cpu_before, 2)
+        summary["exited"] = router.exited()
+        if summary["exited"]:
+            log.error("%s: %s exited during the run: its figures are void", name, ", ".join(summary["exited"]))
     finally:
         router.stop()
     records = summary.pop("records")

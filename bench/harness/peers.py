@@ -51,6 +51,11 @@ class RunningRouter:
             processes.append(self.store.process)
         return [p.pid for p in processes]
 
+    def exited(self) -> list[str]:
+        """The router's processes that have exited (a crash while it ran makes its results void)."""
+        named = [*((p.args[0], p) for p in self.processes), *(self.stack.processes.items() if self.stack else ())]
+        return [f"{name} (exit {p.returncode})" for name, p in named if p.poll() is not None]
+
     def stop(self) -> None:
         if self.stack is not None:
             self.stack.stop()

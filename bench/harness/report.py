@@ -46,6 +46,9 @@ def table(results: dict[str, Any]) -> str:
     ]
     for name, row in results["routers"].items():
         lines.append(f"| {name} | " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + " |")
+    void = [f"{name}: {', '.join(row['exited'])}" for name, row in results["routers"].items() if row.get("exited")]
+    if void:
+        lines += ["", "VOID (a process of the router exited during its run): " + "; ".join(void)]
     return "\n".join(lines)
 
 
