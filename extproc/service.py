@@ -48,12 +48,15 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     index_mode = IndexModeSwitch(router)
     index_mode.apply(config.routing)
     follower = None
+    objectives = None
     if config.policy:  # the Kubernetes client is loaded only by processes that follow a policy
         from extproc.kube.follower import PolicyFollower, load_kubernetes_config
+        from extproc.kube.objectives import ObjectiveWatcher
 
         namespace, name = config.policy.split("/")
         await load_kubernetes_config()
         follower = PolicyFollower(namespace, name, config.routing, router, pool, index_mode.apply)
+        objectives = ObjectiveWatcher(namespace, lambda: follower.pool if follower is not None else None)
     policy = follower.state if follower is not None else None
     scraper = EngineScraper(router, pool)
     subscriber = EventSubscriber(router, pool) if config.kv_events else None
@@ -99,6 +102,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             max_stream_age_s=config.max_stream_age_s,
             fallback=config.destination_fallback,
             waiting_room=room,
+            priorities=dict if objectives is None else objectives.priorities,
         ),
         server,
     )
@@ -151,6 +155,8 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             tasks.append(asyncio.create_task(subscriber.run()))
         if follower is not None:
             tasks.append(asyncio.create_task(follower.run()))
+        if objectives is not None:
+            tasks.append(asyncio.create_task(objectives.run()))
         if link is not None:
             tasks.append(asyncio.create_task(link.run()))
         cleanup.push_async_callback(stop_tasks, tasks)

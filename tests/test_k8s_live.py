@@ -8,6 +8,8 @@ port). Requests go through a real Envoy to the ext_proc, which follows the polic
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -17,12 +19,14 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes_asyncio import client, config
 
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import PICKER_GATEWAY, Stack, dev_command, kvroute_command
 from bench.harness.tiny_model import tokenizer_files
+from extproc.kube.objectives import ObjectiveWatcher
 from tests.controlplane import ROOT, ControlPlane
-from tests.e2e import eventually, get, post
+from tests.e2e import eventually, get, post, until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.envoy]
 
@@ -425,3 +429,108 @@ def test_a_policy_on_an_inference_pool_follows_the_pool(cluster: Cluster):
     cp.kubectl("delete", "inferencepool", "chat", "-n", NS)
     eventually(lambda: cluster.ready("pooled") == set() and reason() == "PoolNotFound", timeout_s=30, message="gone")
     cp.kubectl("delete", "kvrp", "pooled", "-n", NS)
+
+
+# The current InferenceObjective API (llm-d.ai/v1alpha2) as this test needs it: its names and the
+# spec fields kvroute reads (llm-d's own CRD is not served by any registry reachable here).
+CURRENT_OBJECTIVE_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "inferenceobjectives.llm-d.ai"},
+    "spec": {
+        "group": "llm-d.ai",
+        "names": {"kind": "InferenceObjective", "plural": "inferenceobjectives", "singular": "inferenceobjective"},
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1alpha2",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["poolRef"],
+                                "properties": {
+                                    "priority": {"type": "integer", "format": "int32"},
+                                    "poolRef": {
+                                        "type": "object",
+                                        "required": ["name"],
+                                        "properties": {"name": {"type": "string"}, "group": {"type": "string"}},
+                                    },
+                                },
+                            }
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def _objective(api_version: str, name: str, pool: str, priority: int | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"poolRef": {"name": pool}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {
+        "apiVersion": api_version,
+        "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": spec,
+    }
+
+
+def test_inference_objectives_give_their_priorities_read_with_the_extprocs_own_rights(cluster: Cluster):
+    """The deprecated API where only it is installed, the current one once it is (and then only
+    the objectives of the policy's pool); edits and deletions follow live; the chart's Role for the
+    ext_proc is enough."""
+    cp = cluster.cp
+    legacy = "inference.networking.x-k8s.io/v1alpha2"
+    kubeconfig = cp.kubeconfig_for(SYSTEM, f"{RELEASE}-extproc")
+    cp.install_crds("inference-objectives-legacy")
+    try:
+        cp.apply([_objective(legacy, "batch", "pool-a", -5), _objective(legacy, "plain", "pool-a")])
+
+        async def follow(pool: str | None, expected: dict[str, int]) -> ObjectiveWatcher:
+            configuration = client.Configuration()
+            await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+            watcher = ObjectiveWatcher(NS, lambda: pool)
+            task = asyncio.create_task(watcher.run(configuration))
+            try:
+                await until(lambda: watcher.priorities() == expected, timeout_s=30, message=f"priorities {expected}")
+                if pool is None:  # edits and deletions, live
+                    await asyncio.to_thread(cp.apply, [_objective(legacy, "plain", "pool-a", 7)])
+                    await until(lambda: watcher.priorities().get("plain") == 7, timeout_s=30, message="an edit")
+                    await asyncio.to_thread(
+                        cp.kubectl, "delete", "inferenceobjectives.inference.networking.x-k8s.io", "batch", "-n", NS
+                    )
+                    await until(lambda: "batch" not in watcher.priorities(), timeout_s=30, message="a deletion")
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            return watcher
+
+        watcher = asyncio.run(follow(None, {"batch": -5, "plain": 0}))  # unset: the default, 0
+        assert watcher.api == ("inference.networking.x-k8s.io", "v1alpha2")
+        cp.apply([CURRENT_OBJECTIVE_CRD])
+        cp.kubectl("wait", "--for=condition=Established", "crd/inferenceobjectives.llm-d.ai", "--timeout=60s")
+        cp.apply(
+            [
+                _objective("llm-d.ai/v1alpha2", "interactive", "pool-b", 3),
+                _objective("llm-d.ai/v1alpha2", "other", "pool-c", 9),
+            ]
+        )
+        watcher = asyncio.run(follow("pool-b", {"interactive": 3}))
+        assert watcher.api == ("llm-d.ai", "v1alpha2")
+    finally:
+        cp.kubectl(
+            "delete",
+            "crd",
+            "inferenceobjectives.inference.networking.x-k8s.io",
+            "inferenceobjectives.llm-d.ai",
+            "--ignore-not-found",
+        )

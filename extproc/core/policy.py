@@ -21,6 +21,10 @@ POOL_GROUP, POOL_VERSION, POOL_PLURAL = (
     "v1",
     "inferencepools",
 )  # Gateway API Inference Extension
+# InferenceObjective (llm-d; a request names one in x-llm-d-inference-objective): the current API
+# first, then the deprecated one, read only where the current one is not installed (as llm-d does).
+OBJECTIVE_APIS = (("llm-d.ai", "v1alpha2"), ("inference.networking.x-k8s.io", "v1alpha2"))
+OBJECTIVE_PLURAL = "inferenceobjectives"
 MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
 
 
@@ -41,6 +45,22 @@ def ready_backends(status: Mapping[str, Any] | None) -> list[tuple[str, str, lis
         if item.get("ready") and item.get("ip") and item.get("port"):
             out.append((str(item["ip"]), str(item["port"]), list(item.get("models") or ())))
     return out
+
+
+def objective_terms(objective: Mapping[str, Any]) -> tuple[str | None, int] | None:
+    """An InferenceObjective's pool (its `poolRef` name) and priority (unset: 0; below 0:
+    sheddable); None when malformed."""
+    spec = objective.get("spec")
+    if not isinstance(spec, Mapping):
+        return None
+    pool_ref = spec.get("poolRef")
+    pool = pool_ref.get("name") if isinstance(pool_ref, Mapping) else None
+    priority = spec.get("priority")
+    if priority is None:
+        priority = 0
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+        return None
+    return (pool if isinstance(pool, str) else None), priority
 
 
 def policy_fields() -> dict[str, dataclasses.Field[Any]]:

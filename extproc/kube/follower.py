@@ -58,6 +58,7 @@ class PolicyFollower:
         self._configuration: client.Configuration | None = None
         self._reports: set[asyncio.Task[None]] = set()
         self.state = PolicyState(f"{namespace}/{name}")
+        self.pool: str | None = None  # the InferencePool the policy names (spec.poolRef), if any
 
     def apply(self, event_type: str, policy: Mapping[str, Any]) -> None:
         """Apply one watch event (ADDED, MODIFIED, DELETED) for the followed policy."""
@@ -65,6 +66,8 @@ class PolicyFollower:
             log.warning("policy %s/%s was deleted: no backends to route to", self.namespace, self.name)
             self._pool.replace([])
             return
+        pool_ref = (policy.get("spec") or {}).get("poolRef")
+        self.pool = pool_ref.get("name") if isinstance(pool_ref, Mapping) and pool_ref.get("name") else None
         try:
             changes, unknown = routing_changes((policy.get("spec") or {}).get("routing"))
             settings = dataclasses.replace(self._base, **changes)
