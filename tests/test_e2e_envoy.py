@@ -465,6 +465,7 @@ def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_o
         second.join(30)
         status, headers, _ = answers[0]
         assert status == 200 and headers["x-kvroute-backend"] == stack.backends[0]
+        assert headers["x-kvroute-decision"] == "queued,least_loaded"
         assert _queue(stack, 'outcomes_total{outcome="dispatched",priority="0"}') == 1
 
         blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])

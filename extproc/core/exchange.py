@@ -51,7 +51,7 @@ class Outcome:
 class Exchange:
     """One routed request from decision to end: the handle an adapter keeps per request."""
 
-    __slots__ = ("_ended", "_ratio", "decision", "outcome", "predicted_blocks", "request", "reservation")
+    __slots__ = ("_ended", "_ratio", "decision", "outcome", "predicted_blocks", "queued", "request", "reservation")
 
     def __init__(
         self,
@@ -66,6 +66,7 @@ class Exchange:
         self.reservation = reservation  # the load it puts on its backend until released (load.py)
         self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
+        self.queued = False  # flow control held it before it was decided
         self._ratio = ratio  # told the request's size when it ends, beside the engine's token count
         self._ended = False
 

@@ -281,7 +281,7 @@ class Router:
             else:  # rerouted: what the decision knew about the backend that served
                 matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
             headers = (
-                ("x-kvroute-decision", decision.label.value),
+                ("x-kvroute-decision", f"queued,{decision.label.value}" if exchange.queued else decision.label.value),
                 ("x-kvroute-backend", backend),
                 ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
                 ("x-kvroute-cached-tokens", str(round(matched * self.block_tokens()))),

@@ -289,6 +289,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """A request held by flow control has reserved its backend: the next one's turn."""
         if stream.dispatched and self._room is not None:
             stream.dispatched = False
+            if stream.exchange is not None:
+                stream.exchange.queued = True  # its decision header says so
             self._room.started()
 
     def _fail_open(self, message: pb.ProcessingRequest, stream: Stream, kind: str) -> list[pb.ProcessingResponse]:
