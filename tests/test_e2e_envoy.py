@@ -471,11 +471,15 @@ def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_o
         blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
         try:
             leaving = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
-            leaving.request("POST", "/v1/chat/completions", orjson.dumps(chat([{"role": "user", "content": "3"}])))
+            tenant = {"x-llm-d-inference-fairness-id": "secret-tenant"}
+            body = orjson.dumps(chat([{"role": "user", "content": "3"}]))
+            leaving.request("POST", "/v1/chat/completions", body, tenant)
             eventually(lambda: _queue(stack, held_count) == 1, message="the third request held")
             leave(leaving)
             eventually(lambda: _queue(stack, held_count) == 0, message="its place freed when its client left")
             assert _queue(stack, 'outcomes_total{outcome="cancelled",priority="0"}') == 1
+            assert _queue(stack, 'flow_outcomes_total{flow="other",outcome="cancelled"}') == 1  # never its name
+            assert b"secret-tenant" not in get(stack.admin_url, "/metrics")[2]
             status, headers, body = post(stack.url, chat([{"role": "user", "content": "4"}]))
             assert status == 429 and headers["x-kvroute-queue"] == "expired" and headers["retry-after"] == "1", body
             assert _queue(stack, 'outcomes_total{outcome="expired",priority="0"}') == 1

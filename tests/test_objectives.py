@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.objectives import DEFAULT_FLOW, MAX_FLOW_ID, classify
+from extproc.core.objectives import DEFAULT_FLOW, classify
+from extproc.core.settings import MAX_FLOW_ID
 
 PRIORITIES = {"critical": 10, "batch": -1}
 

@@ -110,6 +110,7 @@ def test_every_policy_field_reaches_its_setting(key):
         "tenantHeader": "X-Tenant",
         "index": "precise",
         "tokenizerPath": "/models/tokenizer",
+        "queueMetricFlows": ["team-a"],
     }
     name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
     number = _number(next(f for f in fields(Settings) if f.name == name))
@@ -123,6 +124,7 @@ def test_every_policy_field_reaches_its_setting(key):
         "tenant_header": "x-tenant",
         "index_mode": "precise",
         "tokenizer_path": "/models/tokenizer",
+        "queue_metric_flows": ("team-a",),
     }
     assert getattr(settings, name) == expected.get(name, number)
 
@@ -147,6 +149,7 @@ def _sample(f: dataclasses.Field) -> tuple[object, str]:
         "tenant_header": ("X-Tenant", "X-Tenant"),
         "index_mode": ("precise", "precise"),
         "tokenizer_path": ("/models/tokenizer", "/models/tokenizer"),
+        "queue_metric_flows": (["team-a", "team-b"], "team-a,team-b"),
     }
     if f.name in special:
         return special[f.name]

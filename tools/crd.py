@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from extproc.core.policy import GROUP, KIND, MODELS_KEY, PLURAL, VERSION, policy_fields
-from extproc.core.settings import AUTO, HEADER_NAME
+from extproc.core.settings import AUTO, HEADER_NAME, MAX_FLOW_ID, MAX_METRIC_FLOWS
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILES = (ROOT / "manifests" / "crd.yaml", ROOT / "charts" / "kvroute" / "crds" / "kvroutingpolicies.yaml")
@@ -26,6 +26,9 @@ def _property(f: dataclasses.Field[Any]) -> dict[str, Any]:
     special = f.metadata["schema"]
     if special == "headers":
         return {**schema, "type": "array", "items": {"type": "string", "pattern": f"^{HEADER_NAME}$"}}
+    if special == "names":  # a short list of short names
+        items = {"type": "string", "maxLength": MAX_FLOW_ID}
+        return {**schema, "type": "array", "maxItems": MAX_METRIC_FLOWS, "items": items}
     if special == "header":  # a header name, or empty
         return {**schema, "type": "string", "pattern": f"^{HEADER_NAME.removesuffix('+')}*$"}
     if special == "path":

@@ -15,11 +15,12 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from extproc.core.settings import MAX_FLOW_ID
+
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 DEFAULT_FLOW = "default-flow"  # llm-d's name for requests that name no flow
-MAX_FLOW_ID = 128
 MAX_TTFT_MS = 86_400_000.0
 
 

@@ -68,6 +68,19 @@ def _header_names(value: Any) -> tuple[str, ...]:
     return tuple(_header(name, "session_headers") for name in value)
 
 
+MAX_METRIC_FLOWS = 32  # flows named in metric labels at most (queue_metric_flows)
+MAX_FLOW_ID = 128  # a longer flow id is replaced by a digest of it (objectives.py)
+
+
+def _flow_names(value: Any) -> tuple[str, ...]:
+    """Flow ids to name in metrics: a short list of short names."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"queue_metric_flows must be a list of flow ids, got {value!r}")
+    if len(value) > MAX_METRIC_FLOWS or not all(isinstance(v, str) and 0 < len(v) <= MAX_FLOW_ID for v in value):
+        raise ValueError(f"queue_metric_flows: at most {MAX_METRIC_FLOWS} flow ids of 1-{MAX_FLOW_ID} characters")
+    return tuple(value)
+
+
 def _tenant_header(value: Any) -> str:
     return "" if value == "" else _header(value, "tenant_header")
 
@@ -305,6 +318,14 @@ class Settings:
         "must be longer.",
         POSITIVE,
         "queueTTLSeconds",
+    )
+    queue_metric_flows: tuple[str, ...] = _setting(
+        (),
+        "Flow ids (fairness ids or tenants) that flow control's metrics name; every other flow is counted as "
+        "'other', so clients cannot add series or read other tenants' names on the monitoring port.",
+        policy="queueMetricFlows",
+        normalize=_flow_names,
+        schema="names",
     )
     default_output_tokens: int = _setting(
         256,

@@ -27,6 +27,7 @@ from extproc.core.settings import Settings
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # how often held requests are looked at without a release
+OTHER_FLOWS = "other"  # the metric label of every flow queue_metric_flows does not name
 STALLED_S = 1.0  # a dispatched request that has not reserved its backend by then no longer blocks the next
 
 
@@ -40,6 +41,20 @@ class WaitingRoomMetrics:
             "Requests that met flow control, by how they left it: now (never held), dispatched, "
             "expired, evicted, cancelled, band_full, queue_full",
             ["priority", "outcome"],
+            registry=registry,
+        )
+        self.flow_outcomes = Counter(
+            "kvroute_queue_flow_outcomes",
+            "Requests flow control held, by flow (only the flows queue_metric_flows names; the rest as "
+            "'other') and how they left it",
+            ["flow", "outcome"],
+            registry=registry,
+        )
+        self.flow_cost = Counter(
+            "kvroute_queue_flow_cost_tokens",
+            "Cost (uncached prompt tokens plus expected output) of the held requests dispatched, by flow: "
+            "each flow's share of what was served while the fleet was saturated",
+            ["flow"],
             registry=registry,
         )
         self.wait_seconds = Histogram(
@@ -107,6 +122,7 @@ class WaitingRoom:
         self._ended(now)
         if isinstance(held, Refusal):
             self._metrics.outcomes.labels(priority, held.value).inc()
+            self._metrics.flow_outcomes.labels(self._flow_label(request_class.flow), held.value).inc()
             return held
         future: asyncio.Future[State] = asyncio.get_running_loop().create_future()
         self._waiting[held] = future
@@ -117,7 +133,7 @@ class WaitingRoom:
         except asyncio.CancelledError:
             if self._queue.cancel(held):
                 self._metrics.held.labels(priority).dec()
-                self._metrics.outcomes.labels(priority, State.CANCELLED.value).inc()
+                self._count(held, State.CANCELLED.value)
             elif held.state is State.DISPATCHED:
                 self.started()  # its turn came as it left: the next one's turn now
             raise
@@ -146,10 +162,19 @@ class WaitingRoom:
         for held in self._queue.ended(now):
             self._finish(held)
 
+    def _flow_label(self, flow: str) -> str:
+        return flow if flow in self._settings().queue_metric_flows else OTHER_FLOWS
+
+    def _count(self, held: Held, outcome: str) -> None:
+        flow = self._flow_label(held.flow)
+        self._metrics.outcomes.labels(str(held.band), outcome).inc()
+        self._metrics.flow_outcomes.labels(flow, outcome).inc()
+        if outcome == State.DISPATCHED.value:
+            self._metrics.flow_cost.labels(flow).inc(held.cost)
+
     def _finish(self, held: Held) -> None:
-        priority = str(held.band)
-        self._metrics.held.labels(priority).dec()
-        self._metrics.outcomes.labels(priority, held.state.value).inc()
+        self._metrics.held.labels(str(held.band)).dec()
+        self._count(held, held.state.value)
         future = self._waiting.get(held)
         if future is not None and not future.done():
             future.set_result(held.state)
