@@ -63,12 +63,20 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     feeds = EngineFeeds(router, index_mode, scraper, subscriber)
     metrics = Metrics(router, pool, policy)
     metrics.registry.register(EngineCollector(feeds))
+    clock = time.monotonic
+    room = WaitingRoom(
+        lambda: router.settings,
+        lambda backends: has_room(router.loads, [b.address for b in backends if b.healthy], router.settings, clock()),
+        lambda: pool.backends,
+        WaitingRoomMetrics(metrics.registry),
+        clock,
+    )
     link = None
     if config.replica_store:  # siblings share learning, sessions and load through the store
         from extproc.replicas.redis_link import ReplicaCollector, connect
 
         group = config.replica_group or f"kvroute:{config.policy or 'default'}"
-        link = connect(router, pool, config.replica_store, config.replica_store_password_file, group)
+        link = connect(router, pool, config.replica_store, config.replica_store_password_file, group, room.queue)
         router.replicas = link
         metrics.registry.register(ReplicaCollector(link))
     limit = config.max_message_bytes
@@ -84,14 +92,6 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             ("grpc.max_concurrent_streams", config.max_streams),
             *KEEPALIVE_TOLERANCE,
         ],
-    )
-    clock = time.monotonic
-    room = WaitingRoom(
-        lambda: router.settings,
-        lambda backends: has_room(router.loads, [b.address for b in backends if b.healthy], router.settings, clock()),
-        lambda: pool.backends,
-        WaitingRoomMetrics(metrics.registry),
-        clock,
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
         Processor(

@@ -194,3 +194,32 @@ def test_every_request_is_held_dispatched_or_ended_exactly_once(steps):
     assert all(h.state is State.DISPATCHED for h in popped)
     assert all(h.state in (State.EXPIRED, State.EVICTED) for h in ended)
     assert not set(map(id, popped)) & set(map(id, ended))
+
+
+def test_a_flow_the_siblings_served_waits_for_the_others_here():
+    queue = FlowQueue(QueueLimits())
+    for i in range(6):
+        queue.hold(0, "a", 100, 1, now=i)
+        queue.hold(0, "b", 100, 1, now=i)
+    queue.set_peers({0: {"a": 300.0}}, held=0)  # other replicas served "a" three requests' worth
+    flows = [h.flow for h in (queue.pop() for _ in range(6)) if h is not None]
+    assert flows[:3] == ["b", "b", "b"] and sorted(flows[3:]) == ["a", "a", "b"]
+    own, held = queue.shares()
+    assert own == {0: {"a": 200.0, "b": 400.0}} and held == 6
+
+
+def test_a_flow_back_from_idle_is_levelled_with_the_fleet_not_just_this_replica():
+    queue = FlowQueue(QueueLimits())
+    queue.hold(0, "a", 100, 1, now=0)
+    queue.set_peers({0: {"a": 1_000.0, "b": 400.0}}, held=0)
+    queue.hold(0, "b", 100, 1, now=1)  # levelled to "a"'s fleet total: 1,000, of which 400 elsewhere
+    assert queue._bands[0].flows["b"].attained == 600.0
+
+
+def test_the_queue_bound_counts_what_the_siblings_hold():
+    queue = FlowQueue(QueueLimits(max_total=4))
+    queue.set_peers({}, held=3)
+    assert isinstance(queue.hold(0, "a", 1, 1, now=0), Held)
+    assert queue.hold(0, "a", 1, 1, now=0) is Refusal.QUEUE_FULL
+    queue.set_peers({}, held=0)  # the siblings' store went away: this replica's own bound again
+    assert isinstance(queue.hold(0, "a", 1, 1, now=0), Held)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -17,6 +18,7 @@ from redis.asyncio import Redis
 from bench.harness.store import PASSWORD, RedisServer
 from extproc.core.calibration import DEFAULT_BYTES_PER_TOKEN, PRIOR_TOKENS
 from extproc.core.decision import Label
+from extproc.core.flow import FlowQueue, Held, QueueLimits, Refusal
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.replicas.redis_link import RedisLink
@@ -30,11 +32,15 @@ GROUP = "kvroute:test"
 class Replica:
     """One router, its pool and its link, running."""
 
-    def __init__(self, server: RedisServer, key: bytes = KEY, **link: Any) -> None:
+    def __init__(self, server: RedisServer, key: bytes = KEY, group: str = GROUP, **link: Any) -> None:
         self.router = Router(Settings(hash_key=key))
         self.pool = BackendPool(FLEET, self.router.remove_backend, 2)
         client = Redis.from_url(server.url, password=PASSWORD, socket_timeout=5.0, socket_connect_timeout=1.0)
-        self.link = RedisLink(self.router, self.pool, client, GROUP, heartbeat_s=0.2, peer_max_age_s=0.6, **link)
+        self.group = group
+        self.queue = FlowQueue(QueueLimits(max_total=10))
+        self.link = RedisLink(
+            self.router, self.pool, client, group, heartbeat_s=0.2, peer_max_age_s=0.6, flows=self.queue, **link
+        )
         self.router.replicas = self.link
         self.task = asyncio.create_task(self.link.run())
 
@@ -70,7 +76,8 @@ async def until(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 
 
 @contextlib.asynccontextmanager
 async def replicas(server: RedisServer, count: int, **link: Any) -> AsyncIterator[list[Replica]]:
-    group = [Replica(server, **link) for _ in range(count)]
+    name = f"{GROUP}:{secrets.token_hex(4)}"  # each test's replicas alone: no stream left by another test
+    group = [Replica(server, group=name, **link) for _ in range(count)]
     try:
         await until(lambda: all(r.link.connected for r in group))
         yield group
@@ -120,7 +127,8 @@ async def test_a_prefix_learned_through_one_replica_is_found_through_another(red
         await until(lambda: second.router.query(request, second.pool.backends, now()).matched_blocks > 0)
         decision = second.router.query(request, second.pool.backends, now())
         assert (decision.label, decision.backend) == (Label.PREFIX_MATCH, backend)
-        assert first.link.counts["sent"] == 1 and second.link.counts["applied"] == 1  # the chain (no session)
+        await until(lambda: first.link.counts["sent"] == 1)  # counted once the store answered its write
+        assert second.link.counts["applied"] == 1  # the chain (no session)
 
 
 @in_loop
@@ -155,14 +163,15 @@ async def test_bytes_per_token_counts_every_replicas_requests(redis_server):
 @in_loop
 async def test_a_replica_that_dies_stops_counting_and_one_that_starts_replays(redis_server):
     async with replicas(redis_server, 1) as (survivor,):
-        dying = Replica(redis_server)
+        dying = Replica(redis_server, group=survivor.group)
         await until(lambda: dying.link.connected)
         backend = dying.serve(chat([], "s1", "hello"), now())
         dying.router.loads.reserve(A, 3)  # never released: the replica crashes with it
         await until(lambda: survivor.router.loads.get(A).peer_active == 1)
+        await until(lambda: dying.link.counts["sent"] >= 2)  # its chain and session reached the store
         await dying.stop(clean=False)
         await until(lambda: survivor.router.loads.get(A).peer_active == 0)  # its heartbeats stopped
-        late = Replica(redis_server)  # starts after the fact: replays the stream
+        late = Replica(redis_server, group=survivor.group)  # starts after the fact: replays the stream
         try:
             await until(lambda: late.link.connected)
             assert late.router.sessions.get("session:s1", now()) == backend
@@ -189,8 +198,8 @@ async def test_routing_goes_on_while_the_store_is_away_and_sharing_resumes(redis
 
 @in_loop
 async def test_replicas_with_another_hash_key_do_not_share(redis_server):
-    async with replicas(redis_server, 1):
-        stranger = Replica(redis_server, key=b"another-key-16by")
+    async with replicas(redis_server, 1) as (member,):
+        stranger = Replica(redis_server, key=b"another-key-16by", group=member.group)
         try:
             await until(lambda: stranger.link.counts["store_errors"] > 0)
             assert not stranger.link.connected and "hash_key" in stranger.link.warnings()[0]
@@ -209,10 +218,11 @@ async def test_malformed_and_foreign_entries_are_skipped(redis_server):
             msgpack.packb(("x", "other", A, 1)),
             msgpack.packb(("l", "other", "10.9.9.9:8000", [1, 2, 3])),  # not a backend of this pool
             msgpack.packb(("L", "other", "", {A: "bad"})),
+            msgpack.packb(("F", "other", "", ([(0, {"x" * 500: 1.0})], 0))),  # a flow id no replica sends
         ]
         for message in junk:
-            await client.xadd(f"{GROUP}:events", {"m": message})
-        await until(lambda: replica.link.counts["bad"] >= 5)
+            await client.xadd(f"{replica.group}:events", {"m": message})
+        await until(lambda: replica.link.counts["bad"] >= 6)
         assert replica.router.index.entries_by_backend().get("10.9.9.9:8000") is None
         assert replica.link.counts["applied"] == 0
         await client.aclose()
@@ -226,7 +236,27 @@ async def test_stream_is_capped(redis_server, size):
             group[turn % size].serve(chat([], f"cap-{turn}", f"q{turn}"), now())
         await until(lambda: group[0].link.counts["sent"] >= 600 // size)
         client = Redis.from_url(redis_server.url, password=PASSWORD)
-        length = await client.xlen(f"{GROUP}:events")
-        ttl = await client.pttl(f"{GROUP}:events")
+        length = await client.xlen(f"{group[0].group}:events")
+        ttl = await client.pttl(f"{group[0].group}:events")
         await client.aclose()
         assert length < 300 and 0 < ttl <= 3600_000  # approximate trimming keeps about max_events
+
+
+@in_loop
+async def test_flow_controls_fairness_and_bound_hold_for_the_fleet(redis_server):
+    async with replicas(redis_server, 2) as (first, second):
+        for i in range(4):
+            first.queue.hold(0, "a", 100, 1, now=i)
+        for _ in range(3):
+            first.queue.pop()  # "a" served 300 through the first replica; one still held there
+        second.queue.hold(0, "a", 100, 1, now=10)
+        second.queue.hold(0, "b", 100, 1, now=10)
+        await until(lambda: second.queue._peer_attained.get(0, {}).get("a") == 300.0)
+        assert second.queue.pop().flow == "b"  # "a" had its share elsewhere
+        await until(lambda: second.queue._peer_held == 1)
+        for i in range(8):
+            assert isinstance(second.queue.hold(0, "c", 1, 1, now=11 + i), Held)
+        assert second.queue.hold(0, "c", 1, 1, now=20) is Refusal.QUEUE_FULL  # 10 for the fleet, not each
+        await first.stop(clean=False)  # a sibling that dies: its share stops counting
+        await until(lambda: second.queue._peer_held == 0 and not second.queue._peer_attained)
+        assert isinstance(second.queue.hold(0, "c", 1, 1, now=21), Held)

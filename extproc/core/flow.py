@@ -18,6 +18,10 @@ expires (the adapter answers 429; `ended` lists them). The queue as a whole hold
 request evicts the newest held request of the lowest sheddable band below its own priority, or is
 refused. At most `max_flows` distinct flows are tracked per band; later ones share one overflow
 flow, so a flood of distinct flow ids can neither grow memory nor starve the flows already known.
+
+Fleet-wide: sibling replicas exchange each flow's attained cost and their held counts (`shares`,
+`set_peers`), so a flow's turn counts what every replica served it and `max_total` bounds what
+the fleet holds; without them each replica keeps its own share.
 Pure: the caller supplies the clock and does the waiting.
 """
 
@@ -120,6 +124,8 @@ class FlowQueue:
         self._seq = itertools.count()
         self._total = 0
         self._evicted: list[Held] = []
+        self._peer_attained: Mapping[int, Mapping[str, float]] = {}  # band -> flow -> siblings' attained
+        self._peer_held = 0  # requests the sibling replicas hold
 
     def __len__(self) -> int:
         return self._total
@@ -133,14 +139,16 @@ class FlowQueue:
         band = self._band(priority)
         if band.held >= limits.max_requests or band.bytes + size > limits.max_bytes:
             return Refusal.BAND_FULL
-        if self._total >= limits.max_total and not self._evict_below(priority):
+        if self._total + self._peer_held >= limits.max_total and not self._evict_below(priority):
             return Refusal.QUEUE_FULL
         deadline = now + (limits.ttl_s if ttft_s is None else min(ttft_s, limits.ttl_s))
         held = Held(priority, self._flow_name(band, flow), cost, size, now, deadline, next(self._seq))
         state = self._flow(band, held.flow)
         if state.head() is None:  # back from idle: level with the least served of those waiting
-            least = min((f.attained for _, f in band.backlogged()), default=state.attained)
-            state.attained = max(state.attained, least)
+            peers = self._peer_attained.get(priority, {})
+            least = min((f.attained + peers.get(n, 0.0) for n, f in band.backlogged()), default=None)
+            if least is not None:
+                state.attained = max(state.attained, least - peers.get(held.flow, 0.0))
         heapq.heappush(state.waiting, held)
         band.arrivals.append(held)
         band.held += 1
@@ -155,7 +163,8 @@ class FlowQueue:
             band = self._bands[priority]
             if not band.held:
                 continue
-            name, flow = min(band.backlogged(), key=lambda item: item[1].attained)
+            peers = self._peer_attained.get(priority, {})
+            name, flow = min(band.backlogged(), key=lambda item: item[1].attained + peers.get(item[0], 0.0))
             held = heapq.heappop(flow.waiting)
             band.flows.move_to_end(name)
             flow.attained += held.cost / flow.weight
@@ -183,6 +192,18 @@ class FlowQueue:
                     self._leave(held, State.EXPIRED)
                     ended.append(held)
         return ended
+
+    def shares(self) -> tuple[dict[int, dict[str, float]], int]:
+        """What the sibling replicas need to share this queue's fairness and bound: each band's
+        flows' attained cost (over their weights), and the requests held here."""
+        attained = {p: {n: f.attained for n, f in band.flows.items() if f.attained} for p, band in self._bands.items()}
+        return {p: flows for p, flows in attained.items() if flows}, self._total
+
+    def set_peers(self, attained: Mapping[int, Mapping[str, float]], held: int) -> None:
+        """The siblings' summed `shares`, replacing the last: a flow's turn then counts what every
+        replica served it, and the queue's bound what every replica holds (fleet-wide)."""
+        self._peer_attained = attained
+        self._peer_held = max(0, held)
 
     def evict_all(self) -> list[Held]:
         """Everything held leaves, evicted (a graceful stop: answer each 429)."""

@@ -26,8 +26,8 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import msgpack
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,10 +46,36 @@ from extproc.runtime.pool import BackendPool
 _Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger("kvroute.replicas")
 
-LEARNED, BOUND, LOAD = "l", "s", "L"
+LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
 MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes a block)
 DIGEST_BYTES = 16
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
+MAX_BANDS, MAX_FLOWS, MAX_FLOW_ID = 64, 1024, 128  # a sibling's flow shares beyond these are refused
+
+
+class FlowShares(Protocol):
+    """Flow control's queue as its siblings see it (extproc/core/flow.py FlowQueue)."""
+
+    def shares(self) -> tuple[dict[int, dict[str, float]], int]: ...
+
+    def set_peers(self, attained: Mapping[int, Mapping[str, float]], held: int) -> None: ...
+
+
+def _flow_shares(payload: Any) -> tuple[dict[int, dict[str, float]], int]:
+    """A sibling's (attained by band and flow, held) checked and bounded; ValueError otherwise."""
+    attained, held = payload
+    if not isinstance(held, int) or held < 0 or len(attained) > MAX_BANDS:
+        raise ValueError("flow shares")
+    out: dict[int, dict[str, float]] = {}
+    for band, flows in attained:
+        if type(band) is not int or len(flows) > MAX_FLOWS:
+            raise ValueError("flow shares")
+        out[band] = {}
+        for flow, value in flows.items():
+            if not isinstance(flow, str) or len(flow) > MAX_FLOW_ID or not 0 <= float(value) < 1e18:
+                raise ValueError("flow shares")
+            out[band][flow] = float(value)
+    return out, held
 
 
 def _cancelled() -> bool:
@@ -79,7 +105,9 @@ class RedisLink:
         heartbeat_s: float = 0.5,
         peer_max_age_s: float = 1.5,
         clock: Callable[[], float] = time.monotonic,
+        flows: FlowShares | None = None,
     ) -> None:
+        """`flows`: flow control's queue, whose fairness and bound the replicas then hold together."""
         self.replica = os.urandom(8).hex()
         self._router = router
         self._pool = pool
@@ -96,6 +124,9 @@ class RedisLink:
         self._wake = asyncio.Event()
         self._peers = PeerLoads(peer_max_age_s)
         self._peer_sent: dict[tuple[str, str], int] = {}  # (replica, backend) -> bytes it last reported
+        self._flows = flows
+        # replica -> (when heard, its attained cost by band and flow, its held requests)
+        self._peer_flows: dict[str, tuple[float, dict[int, dict[str, float]], int]] = {}
         self.connected = False
         self.problem = "connecting"  # why not connected, for /readyz
         self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors"), 0)
@@ -154,6 +185,9 @@ class RedisLink:
                     self._outbox.clear()
                     self._peers = PeerLoads(self._peers.max_age_s)  # their load is no longer known
                     self._router.loads.set_peers({})
+                    self._peer_flows.clear()
+                    if self._flows is not None:  # each replica keeps its own share until the store is back
+                        self._flows.set_peers({}, 0)
                     with contextlib.suppress(RedisError, OSError):
                         await self._client.connection_pool.disconnect()  # no stale connection outlives a loss
                     await asyncio.sleep(backoff)
@@ -235,14 +269,32 @@ class RedisLink:
                 self._router.bytes_per_token.add(backend, total - before)
 
     def _apply_peer_loads(self, now: float) -> None:
-        """The siblings heard from lately, summed per backend of this replica's pool, into its loads."""
+        """The siblings heard from lately, summed per backend of this replica's pool, into its loads
+        (and their flow shares into flow control's queue)."""
         totals = self._peers.totals(now)
         self._router.loads.set_peers({b: load for b, load in totals.items() if self._pool.is_known(b)})
+        if self._flows is None:
+            return
+        for replica in [r for r, (seen, _, _) in self._peer_flows.items() if now - seen > self._peers.max_age_s]:
+            del self._peer_flows[replica]
+        attained: dict[int, dict[str, float]] = {}
+        held = 0
+        for _, bands, count in self._peer_flows.values():
+            held += count
+            for band, flows in bands.items():
+                into = attained.setdefault(band, {})
+                for flow, value in flows.items():
+                    into[flow] = into.get(flow, 0.0) + value
+        self._flows.set_peers(attained, held)
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> None:
         try:
             kind, replica, backend, payload = msgpack.unpackb(fields[b"m"], use_list=False)
             if replica == self.replica:
+                return
+            if kind == FLOWS:
+                attained, held = _flow_shares(payload)
+                self._peer_flows[replica] = (self._clock(), attained, held)
                 return
             if kind == LOAD:
                 vector = {str(b): (int(r), int(a), int(s)) for b, (r, a, s) in payload.items()}
@@ -282,12 +334,15 @@ class RedisLink:
         heartbeat_s, so siblings know it is alive."""
         sent: dict[str, tuple[int, int, int]] | None = None
         sent_at = float("-inf")
+        flows_sent: tuple[dict[int, dict[str, float]], int] | None = None
         while not _cancelled():
             now = self._clock()
             vector = self._vector()
-            if vector != sent or now - sent_at >= self._heartbeat_s:
-                await self._add_load(vector)
-                sent, sent_at = vector, now
+            shares = self._flows.shares() if self._flows is not None else None
+            beat = now - sent_at >= self._heartbeat_s
+            if vector != sent or shares != flows_sent or beat:
+                await self._add_load(vector, shares)
+                sent, flows_sent, sent_at = vector, shares, now
                 self._apply_peer_loads(now)
             await asyncio.sleep(self._load_period_s)
 
@@ -299,10 +354,16 @@ class RedisLink:
         backends = {b.address for b in self._pool.backends} | loads.keys()
         return {b: (*loads.get(b, (0, 0)), sent.get(b, 0)) for b in backends}
 
-    async def _add_load(self, vector: dict[str, tuple[int, int, int]]) -> None:
+    async def _add_load(
+        self, vector: dict[str, tuple[int, int, int]], shares: tuple[dict[int, dict[str, float]], int] | None = None
+    ) -> None:
         message = msgpack.packb((LOAD, self.replica, "", vector))
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.xadd(self._load_key, {"m": message}, maxlen=1000, approximate=True)
+            if shares is not None:
+                attained, held = shares  # bands as pairs: msgpack map keys are text
+                flows = msgpack.packb((FLOWS, self.replica, "", (list(attained.items()), held)))
+                pipe.xadd(self._load_key, {"m": flows}, maxlen=1000, approximate=True)
             pipe.pexpire(self._load_key, self._ttl_ms)
             pipe.pexpire(self._key_check_key, self._ttl_ms)  # the group's key lives as long as a replica does
             await pipe.execute()
@@ -338,7 +399,9 @@ class ReplicaCollector(Collector):
         yield messages
 
 
-def connect(router: Router, pool: BackendPool, url: str, password_file: str, group: str) -> RedisLink:
+def connect(
+    router: Router, pool: BackendPool, url: str, password_file: str, group: str, flows: FlowShares | None = None
+) -> RedisLink:
     """A link to the store at `url` (redis:// or rediss:// for TLS), with the password from a file."""
     client = Redis.from_url(
         url,
@@ -347,4 +410,4 @@ def connect(router: Router, pool: BackendPool, url: str, password_file: str, gro
         socket_connect_timeout=2.0,
         health_check_interval=10,
     )
-    return RedisLink(router, pool, client, group, ttl_s=router.settings.session_ttl_s)
+    return RedisLink(router, pool, client, group, ttl_s=router.settings.session_ttl_s, flows=flows)

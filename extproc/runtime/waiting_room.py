@@ -91,6 +91,11 @@ class WaitingRoom:
     def __len__(self) -> int:
         return len(self._queue)
 
+    @property
+    def queue(self) -> FlowQueue:
+        """The queue itself: the replica link shares its fairness and bound with the siblings."""
+        return self._queue
+
     @staticmethod
     def _limits_of(settings: Settings) -> QueueLimits:
         return QueueLimits(
