@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -16,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc.admin.app import Admin
 from extproc.core.router import Router
 from extproc.core.saturation import has_room
+from extproc.core.settings import Settings
 from extproc.envoy.auth import TokenInterceptor
 from extproc.envoy.processor import Processor
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -30,6 +32,9 @@ from extproc.vllm.index_mode import IndexModeSwitch
 from extproc.vllm.scraper import EngineScraper
 from extproc.vllm.subscriber import EventSubscriber
 
+if TYPE_CHECKING:
+    from extproc.kube.objectives import ObjectiveWatcher
+
 log = logging.getLogger("kvroute")
 
 
@@ -39,6 +44,14 @@ log = logging.getLogger("kvroute")
 # connection: each request waiting that long for its backend's response lost its response phase.
 # A ping costs next to nothing: the gateway's are accepted at any rate, with calls in flight or not.
 KEEPALIVE_TOLERANCE = (("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1))
+
+
+def priorities(settings: Settings, objectives: ObjectiveWatcher | None) -> dict[str, int]:
+    """Each objective's priority: the policy's objectivePriorities, overridden by InferenceObjectives."""
+    merged = dict(settings.objective_priorities)
+    if objectives is not None:
+        merged.update(objectives.priorities())
+    return merged
 
 
 async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
@@ -102,7 +115,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             max_stream_age_s=config.max_stream_age_s,
             fallback=config.destination_fallback,
             waiting_room=room,
-            priorities=dict if objectives is None else objectives.priorities,
+            priorities=lambda: priorities(router.settings, objectives),
         ),
         server,
     )

@@ -111,6 +111,8 @@ def test_every_policy_field_reaches_its_setting(key):
         "index": "precise",
         "tokenizerPath": "/models/tokenizer",
         "queueMetricFlows": ["team-a"],
+        "flowWeights": {"team-a": 3},
+        "objectivePriorities": {"batch": -2},
     }
     name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
     number = _number(next(f for f in fields(Settings) if f.name == name))
@@ -125,6 +127,8 @@ def test_every_policy_field_reaches_its_setting(key):
         "index_mode": "precise",
         "tokenizer_path": "/models/tokenizer",
         "queue_metric_flows": ("team-a",),
+        "flow_weights": (("team-a", 3.0),),
+        "objective_priorities": (("batch", -2),),
     }
     assert getattr(settings, name) == expected.get(name, number)
 
@@ -150,6 +154,8 @@ def _sample(f: dataclasses.Field) -> tuple[object, str]:
         "index_mode": ("precise", "precise"),
         "tokenizer_path": ("/models/tokenizer", "/models/tokenizer"),
         "queue_metric_flows": (["team-a", "team-b"], "team-a,team-b"),
+        "flow_weights": ({"team-a": 2, "team-b": 0.5}, "team-a=2,team-b=0.5"),
+        "objective_priorities": ({"critical": 10, "batch": -1}, "critical=10, batch=-1"),
     }
     if f.name in special:
         return special[f.name]

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from extproc.core.policy import GROUP, KIND, MODELS_KEY, PLURAL, VERSION, policy_fields
-from extproc.core.settings import AUTO, HEADER_NAME, MAX_FLOW_ID, MAX_METRIC_FLOWS
+from extproc.core.settings import AUTO, HEADER_NAME, MAX_FLOW_ID, MAX_METRIC_FLOWS, MAX_PAIRS
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILES = (ROOT / "manifests" / "crd.yaml", ROOT / "charts" / "kvroute" / "crds" / "kvroutingpolicies.yaml")
@@ -29,6 +29,16 @@ def _property(f: dataclasses.Field[Any]) -> dict[str, Any]:
     if special == "names":  # a short list of short names
         items = {"type": "string", "maxLength": MAX_FLOW_ID}
         return {**schema, "type": "array", "maxItems": MAX_METRIC_FLOWS, "items": items}
+    if special in ("weights", "priorities"):  # name -> number
+        number = (
+            {"type": "number", "exclusiveMinimum": True, "minimum": 0}
+            if special == "weights"
+            else {
+                "type": "integer",
+                "format": "int32",
+            }
+        )
+        return {**schema, "type": "object", "maxProperties": MAX_PAIRS, "additionalProperties": number}
     if special == "header":  # a header name, or empty
         return {**schema, "type": "string", "pattern": f"^{HEADER_NAME.removesuffix('+')}*$"}
     if special == "path":

@@ -193,6 +193,13 @@ class FlowQueue:
                     ended.append(held)
         return ended
 
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """New weights (flow -> weight, others 1), for the flows known and those to come."""
+        self.weights = dict(weights)
+        for band in self._bands.values():
+            for name, flow in band.flows.items():
+                flow.weight = self.weights.get(name, 1.0)
+
     def shares(self) -> tuple[dict[int, dict[str, float]], int]:
         """What the sibling replicas need to share this queue's fairness and bound: each band's
         flows' attained cost (over their weights), and the requests held here."""

@@ -81,6 +81,58 @@ def _flow_names(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+MAX_PAIRS = 256  # entries of a name -> number setting (flow_weights, objective_priorities)
+
+
+def parse_pairs(text: str) -> tuple[tuple[str, str], ...]:
+    """`name=number,name=number` from text (environment, flags); the numbers are checked later."""
+    pairs = []
+    for item in parse_names(text):
+        name, equals, number = item.partition("=")
+        if not equals:
+            raise ValueError(f"expected name=number, got {item!r}")
+        pairs.append((name.strip(), number.strip()))
+    return tuple(pairs)
+
+
+def _pairs(
+    setting: str, cast: Callable[[Any], float], check: Callable[[float], bool], what: str
+) -> Callable[[Any], Any]:
+    """A name -> number setting, held as sorted (name, number) pairs so Settings stays hashable;
+    from a mapping (YAML, a policy) or pairs (text)."""
+
+    def normalize(value: Any) -> tuple[tuple[str, Any], ...]:
+        items: Any = list(value.items()) if isinstance(value, dict) else value
+        if isinstance(items, str) or not isinstance(items, (list, tuple)):
+            raise ValueError(f"{setting} must map names to numbers, got {value!r}")
+        out = {}
+        pair: Any
+        for pair in items:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"{setting} must map names to numbers, got {value!r}")
+            name, number = pair
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_FLOW_ID or isinstance(number, bool):
+                raise ValueError(f"{setting}: names of 1-{MAX_FLOW_ID} characters, got {name!r}")
+            try:
+                number = cast(number)
+            except (TypeError, ValueError):
+                raise ValueError(f"{setting}[{name}] must be {what}, got {number!r}") from None
+            if not check(number):
+                raise ValueError(f"{setting}[{name}] must be {what}, got {number!r}")
+            out[name] = number
+        if len(out) > MAX_PAIRS:
+            raise ValueError(f"{setting}: at most {MAX_PAIRS} entries")
+        return tuple(sorted(out.items()))
+
+    return normalize
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    return int(value)
+
+
 def _tenant_header(value: Any) -> str:
     return "" if value == "" else _header(value, "tenant_header")
 
@@ -326,6 +378,24 @@ class Settings:
         policy="queueMetricFlows",
         normalize=_flow_names,
         schema="names",
+    )
+    flow_weights: tuple[tuple[str, float], ...] = _setting(
+        (),
+        "Flow id -> weight of its fair share while flow control holds requests (others: 1); in a policy "
+        'a map, as text "team-a=2,team-b=0.5".',
+        policy="flowWeights",
+        normalize=_pairs("flow_weights", float, lambda w: 0 < w <= 1e6, "a weight above 0, at most 1e6"),
+        parse=parse_pairs,
+        schema="weights",
+    )
+    objective_priorities: tuple[tuple[str, int], ...] = _setting(
+        (),
+        "Objective name (x-llm-d-inference-objective) -> priority, for fleets without InferenceObjective "
+        "resources; an InferenceObjective of the same name wins. Below 0: sheddable.",
+        policy="objectivePriorities",
+        normalize=_pairs("objective_priorities", _int, lambda p: -(2**31) <= p < 2**31, "an int32"),
+        parse=parse_pairs,
+        schema="priorities",
     )
     default_output_tokens: int = _setting(
         256,

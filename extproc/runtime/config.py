@@ -182,7 +182,7 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
 
 def default_text(value: Any) -> str:
     if isinstance(value, tuple):
-        return ", ".join(value) or "none"
+        return ", ".join(v if isinstance(v, str) else "=".join(map(str, v)) for v in value) or "none"
     return "none" if value == "" else str(value).lower() if isinstance(value, bool) else str(value)
 
 

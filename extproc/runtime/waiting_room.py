@@ -84,7 +84,8 @@ class WaitingRoom:
         self._metrics = metrics
         self._clock = clock
         self._limits = self._limits_of(settings())
-        self._queue = FlowQueue(self._limits)
+        self._weights = settings().flow_weights
+        self._queue = FlowQueue(self._limits, dict(self._weights))
         self._waiting: dict[Held, asyncio.Future[State]] = {}
         self._dispatching: float | None = None  # when the request dispatched last began to reserve its backend
 
@@ -190,6 +191,9 @@ class WaitingRoom:
         limits = self._limits_of(settings)
         if limits != self._limits:  # a policy changed them: they apply to what arrives from now on
             self._limits = self._queue.limits = limits
+        if settings.flow_weights != self._weights:
+            self._weights = settings.flow_weights
+            self._queue.set_weights(dict(self._weights))
 
     async def run(self) -> None:
         """Expire held requests past their TTL and dispatch into room that opened on its own."""
