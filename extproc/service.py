@@ -136,7 +136,11 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         metrics,
         policy,
         lease_ttl_s=config.lease_ttl_s,
-        details=feeds.state if link is None else lambda: {**feeds.state(), "replicas": link.state()},
+        details=lambda: {
+            **feeds.state(),
+            "queue": room.state(),
+            **({} if link is None else {"replicas": link.state()}),
+        },
         warnings=feeds.warnings if link is None else lambda: feeds.warnings() + link.warnings(),
     )
     async with contextlib.AsyncExitStack() as cleanup:  # torn down in reverse, each step whatever failed before

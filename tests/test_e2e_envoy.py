@@ -461,6 +461,7 @@ def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_o
         second.start()
         eventually(lambda: _queue(stack, held_count) == 1, message="the second request held")
         assert second.is_alive()
+        assert stack.debug_state()["queue"] == {"held": 1, "bands": {"0": {"default-flow": 1}}}
         leave(first)
         second.join(30)
         status, headers, _ = answers[0]

@@ -107,6 +107,11 @@ class WaitingRoom:
             max_flows=settings.queue_max_flows,
         )
 
+    def state(self) -> dict[str, object]:
+        """For /debug/state (the control port, authenticated: flow names may show)."""
+        waiting = self._queue.waiting()
+        return {"held": len(self._queue), "bands": {str(band): flows for band, flows in waiting.items()}}
+
     def goes_now(self, candidates: Sequence[Backend]) -> bool:
         """The request need not wait: flow control is off, or nothing is held and one of its
         candidates has room. Otherwise `wait` for its turn."""
