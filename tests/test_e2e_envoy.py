@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import itertools
 import random
+import signal
 import ssl
 import threading
 from pathlib import Path
@@ -489,3 +490,29 @@ def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_o
         status, _, _ = post(stack.url, chat([{"role": "user", "content": "5"}]))
         assert status == 200
         assert _queue(stack, held_count) == 0
+
+
+@pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
+def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Path, layout: str):
+    """Shown, not yet what it should be: kvroute's own Envoy fails open, so a request held when
+    the ext_proc dies goes on unrouted (round robin) and skips the queue; a picker gateway failing
+    closed answers it with a 5xx."""
+    args = ["--max-backend-requests", "1"]
+    with Stack(tmp_path, sims=1, extproc_args=args, **LAYOUTS[layout]) as stack:
+        blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
+        try:
+            answers: list[tuple] = []
+            held = threading.Thread(
+                target=lambda: answers.append(post(stack.url, chat([{"role": "user", "content": "h"}])))
+            )
+            held.start()
+            eventually(lambda: _queue(stack, 'requests{priority="0"}') == 1, message="a request held")
+            stack.stop_process("extproc", signal.SIGKILL)
+            held.join(30)
+            status, headers, _ = answers[0]
+            if LAYOUTS[layout].get("fail_open", True):
+                assert status == 200 and "x-kvroute-decision" not in headers  # unrouted: it skipped the queue
+            else:
+                assert status >= 500
+        finally:
+            leave(blocker)
