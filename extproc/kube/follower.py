@@ -16,12 +16,13 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio import client, config
 
 from extproc.core.backends import Backend, parse_address
 from extproc.core.policy import GROUP, PLURAL, VERSION, ready_backends, routing_changes
 from extproc.core.router import Router
 from extproc.core.settings import Settings
+from extproc.kube.watching import follow
 from extproc.runtime.policy_state import PolicyState
 from extproc.runtime.pool import BackendPool
 
@@ -133,21 +134,15 @@ class PolicyFollower:
                     items = listing.get("items") or []
                     self.apply("ADDED" if items else "DELETED", items[0] if items else {})
                     self.state.connected, self.state.last_error = True, None
-                    async with watch.Watch().stream(
+                    args = (GROUP, VERSION, self.namespace, PLURAL)
+                    version_seen = listing["metadata"]["resourceVersion"]
+                    await follow(
                         objects.list_namespaced_custom_object,
-                        GROUP,
-                        VERSION,
-                        self.namespace,
-                        PLURAL,
+                        args,
+                        version_seen,
+                        self.apply,
                         field_selector=field_selector,
-                        resource_version=listing["metadata"]["resourceVersion"],
-                        timeout_seconds=300,
-                        _request_timeout=330,  # a watch that goes silent (a dead connection) is redone
-                    ) as stream:
-                        async for event in stream:
-                            if event["type"] == "ERROR":
-                                raise RuntimeError(f"watch error: {event['object']}")
-                            self.apply(event["type"], event["object"])
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server is away or the watch broke: relist later

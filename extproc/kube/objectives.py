@@ -15,10 +15,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubernetes_asyncio import client, watch
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from extproc.core.policy import OBJECTIVE_APIS, OBJECTIVE_PLURAL, objective_terms
+from extproc.kube.watching import follow
 
 log = logging.getLogger(__name__)
 
@@ -91,20 +92,9 @@ class ObjectiveWatcher:
                     for item in listing.get("items") or []:
                         self.apply("ADDED", item)
                     self.connected, self.last_error = True, None
-                    async with watch.Watch().stream(
-                        objects.list_namespaced_custom_object,
-                        group,
-                        version,
-                        self.namespace,
-                        OBJECTIVE_PLURAL,
-                        resource_version=listing["metadata"]["resourceVersion"],
-                        timeout_seconds=300,
-                        _request_timeout=330,
-                    ) as stream:
-                        async for event in stream:
-                            if event["type"] == "ERROR":
-                                raise RuntimeError(f"watch error: {event['object']}")
-                            self.apply(event["type"], event["object"])
+                    version_seen = listing["metadata"]["resourceVersion"]
+                    args = (group, version, self.namespace, OBJECTIVE_PLURAL)
+                    await follow(objects.list_namespaced_custom_object, args, version_seen, self.apply)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server is away or the watch broke: relist later
