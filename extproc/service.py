@@ -80,7 +80,6 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     room = WaitingRoom(
         lambda: router.settings,
         lambda backends: has_room(router.loads, [b.address for b in backends if b.healthy], router.settings, clock()),
-        lambda: pool.backends,
         WaitingRoomMetrics(metrics.registry),
         clock,
     )

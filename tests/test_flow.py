@@ -223,3 +223,35 @@ def test_the_queue_bound_counts_what_the_siblings_hold():
     assert queue.hold(0, "a", 1, 1, now=0) is Refusal.QUEUE_FULL
     queue.set_peers({}, held=0)  # the siblings' store went away: this replica's own bound again
     assert isinstance(queue.hold(0, "a", 1, 1, now=0), Held)
+
+
+def test_a_flow_back_after_the_queue_drained_banks_no_credit_either():
+    queue = FlowQueue(QueueLimits())
+    for i in range(50):  # "a" alone: it attains 5,000, then the queue drains
+        queue.hold(0, "a", 100, 10, now=i)
+    _drain(queue)
+    for i in range(10):  # this time the newcomer "b" arrives first, with nobody waiting
+        queue.hold(0, "b", 100, 10, now=100 + i)
+        queue.hold(0, "a", 100, 10, now=100 + i)
+    flows = [h.flow for h in _drain(queue)]
+    assert flows[:6].count("a") >= 2  # levelled with the last one dispatched: they alternate
+
+
+def test_a_request_that_cannot_run_now_is_passed_over_for_the_next_flows():
+    queue = FlowQueue(QueueLimits())
+    blocked = _held(queue.hold(0, "x", 1, 1, now=0))  # the least served, but its model has no room
+    other = _held(queue.hold(0, "y", 5, 1, now=1))
+    assert queue.pop(eligible=lambda h: h is not blocked) is other
+    assert queue.pop(eligible=lambda h: False) is None and blocked.state is State.WAITING
+    assert queue.pop() is blocked
+
+
+def test_the_siblings_are_told_what_was_served_not_the_levelling():
+    queue = FlowQueue(QueueLimits())
+    queue.set_peers({0: {"a": 10_000.0}}, held=0)
+    queue.hold(0, "a", 100, 1, now=0)
+    queue.hold(0, "b", 100, 1, now=0)  # levelled up to "a" locally
+    assert queue.shares() == ({}, 2)  # nothing served yet: no levelling goes out
+    popped = queue.pop(eligible=lambda h: h.flow == "b")
+    assert popped is not None
+    assert queue.shares() == ({0: {"b": 100.0}}, 1)  # "b"'s 10,000 of levelling stays here

@@ -9,7 +9,7 @@ from collections import Counter
 from prometheus_client import CollectorRegistry
 
 from extproc.core.backends import Backend
-from extproc.core.flow import Refusal, State
+from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import RequestClass
 from extproc.core.settings import Settings
 from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
@@ -30,7 +30,7 @@ class Fleet:
 
 
 def make(settings: Settings, fleet: Fleet) -> WaitingRoom:
-    return WaitingRoom(lambda: settings, fleet.room, lambda: BACKENDS, WaitingRoomMetrics(CollectorRegistry()), clock)
+    return WaitingRoom(lambda: settings, fleet.room, WaitingRoomMetrics(CollectorRegistry()), clock)
 
 
 def clock() -> float:
@@ -59,10 +59,11 @@ def test_held_requests_run_one_at_a_time_by_weight_as_slots_free():
 
         async def request(flow: str) -> None:
             assert not room.goes_now(BACKENDS)
-            assert await room.wait(klass(flow), 100, 10) is State.DISPATCHED
+            held = await room.wait(klass(flow), 100, 10, BACKENDS)
+            assert isinstance(held, Held) and held.state is State.DISPATCHED
             fleet.running += 1  # it reserved its backend
             order.append(flow)
-            room.started()
+            room.started(held)
 
         tasks = [asyncio.create_task(request(f)) for _ in range(6) for f in ("gold", "bronze")]
         await asyncio.sleep(0.01)
@@ -83,17 +84,19 @@ def test_a_cancelled_request_frees_its_place_and_a_stop_answers_everything_held(
     async def main() -> None:
         settings = Settings(hash_key=bytes(16), queue_max_requests=2)
         room = make(settings, Fleet(0))
-        first = asyncio.create_task(room.wait(klass("a"), 1, 1))
-        second = asyncio.create_task(room.wait(klass("a"), 1, 1))
+        first = asyncio.create_task(room.wait(klass("a"), 1, 1, BACKENDS))
+        second = asyncio.create_task(room.wait(klass("a"), 1, 1, BACKENDS))
         await asyncio.sleep(0.01)
-        assert await room.wait(klass("a"), 1, 1) is Refusal.BAND_FULL
+        assert await room.wait(klass("a"), 1, 1, BACKENDS) is Refusal.BAND_FULL
         first.cancel()
         await asyncio.sleep(0.01)
         assert len(room) == 1
-        third = asyncio.create_task(room.wait(klass("a"), 1, 1))
+        third = asyncio.create_task(room.wait(klass("a"), 1, 1, BACKENDS))
         await asyncio.sleep(0.01)
         room.drain()
-        assert await second is State.EVICTED and await third is State.EVICTED and len(room) == 0
+        evicted = [await second, await third]
+        assert all(isinstance(h, Held) and h.state is State.EVICTED for h in evicted) and len(room) == 0
+        assert await room.wait(klass("a"), 1, 1, BACKENDS) is Refusal.QUEUE_FULL  # stopping: none held now
 
     asyncio.run(main())
 
@@ -107,3 +110,39 @@ def test_objectives_priorities_come_from_the_policy_and_inference_objectives_win
 
     assert priorities(settings, None) == {"batch": -1, "chat": 5}
     assert priorities(settings, Watcher()) == {"batch": -1, "chat": 9}  # type: ignore[arg-type]
+
+
+def test_a_late_started_call_never_lets_two_requests_into_one_slot():
+    async def main() -> None:
+        fleet = Fleet(0)
+        room = make(Settings(hash_key=bytes(16)), fleet)
+        tasks = [asyncio.create_task(room.wait(klass(f), 1, 1, BACKENDS)) for f in "abc"]
+        await asyncio.sleep(0.01)
+        fleet.slots = 1
+        room.pump()
+        first = await asyncio.wait_for(asyncio.shield(tasks[0]), 1)
+        assert isinstance(first, Held) and first.state is State.DISPATCHED
+        fleet.running = 1  # it reserved its backend: the fleet is full again
+        room.started(first)
+        room.started(first)  # a second, late call for the same request changes nothing
+        await asyncio.sleep(0.01)
+        assert len(room) == 2 and not tasks[1].done() and not tasks[2].done()
+        fleet.running = 0
+        room.pump()
+        second = await asyncio.wait_for(tasks[1], 1)
+        assert isinstance(second, Held) and second.state is State.DISPATCHED
+        room.started(first)  # the first one again, while the second is being dispatched
+        await asyncio.sleep(0.01)
+        assert not tasks[2].done()  # still one at a time
+        room.drain()
+        await tasks[2]
+
+    asyncio.run(main())
+
+
+def test_requests_with_no_healthy_candidate_are_not_held():
+    async def main() -> None:
+        room = make(Settings(hash_key=bytes(16)), Fleet(0))
+        assert room.goes_now([Backend("10.0.0.9:8000", healthy=False)])  # the router answers at once
+
+    asyncio.run(main())

@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -86,11 +86,12 @@ class Held:
 
 
 class _Flow:
-    __slots__ = ("attained", "waiting", "weight")
+    __slots__ = ("attained", "served", "waiting", "weight")
 
     def __init__(self, weight: float) -> None:
         self.weight = weight
-        self.attained = 0.0  # cost served, over the weight
+        self.served = 0.0  # cost dispatched here, over the weight: what the siblings are told
+        self.attained = 0.0  # `served` plus the levelling it got coming back from idle (this replica's own)
         self.waiting: list[Held] = []  # a heap by (deadline, seq); cancelled entries are skipped lazily
 
     def head(self) -> Held | None:
@@ -101,13 +102,14 @@ class _Flow:
 
 
 class _Band:
-    __slots__ = ("arrivals", "bytes", "flows", "held")
+    __slots__ = ("arrivals", "bytes", "floor", "flows", "held")
 
     def __init__(self) -> None:
         self.flows: OrderedDict[str, _Flow] = OrderedDict()  # least recently used first
         self.arrivals: deque[Held] = deque()  # in arrival order, for expiry and eviction
         self.held = 0
         self.bytes = 0
+        self.floor = 0.0  # the score of the flow dispatched last: where one back from idle starts
 
     def backlogged(self) -> Iterator[tuple[str, _Flow]]:
         return ((name, flow) for name, flow in self.flows.items() if flow.head() is not None)
@@ -124,7 +126,7 @@ class FlowQueue:
         self._seq = itertools.count()
         self._total = 0
         self._evicted: list[Held] = []
-        self._peer_attained: Mapping[int, Mapping[str, float]] = {}  # band -> flow -> siblings' attained
+        self._peer_attained: Mapping[int, Mapping[str, float]] = {}  # band -> flow -> siblings' served
         self._peer_held = 0  # requests the sibling replicas hold
 
     def __len__(self) -> int:
@@ -144,11 +146,11 @@ class FlowQueue:
         deadline = now + (limits.ttl_s if ttft_s is None else min(ttft_s, limits.ttl_s))
         held = Held(priority, self._flow_name(band, flow), cost, size, now, deadline, next(self._seq))
         state = self._flow(band, held.flow)
-        if state.head() is None:  # back from idle: level with the least served of those waiting
+        if state.head() is None:  # back from idle: level with the least served of those waiting (or
+            # with the last one dispatched, when none waits), so idling banks no credit
             peers = self._peer_attained.get(priority, {})
-            least = min((f.attained + peers.get(n, 0.0) for n, f in band.backlogged()), default=None)
-            if least is not None:
-                state.attained = max(state.attained, least - peers.get(held.flow, 0.0))
+            least = min((f.attained + peers.get(n, 0.0) for n, f in band.backlogged()), default=band.floor)
+            state.attained = max(state.attained, least - peers.get(held.flow, 0.0))
         heapq.heappush(state.waiting, held)
         band.arrivals.append(held)
         band.held += 1
@@ -156,20 +158,28 @@ class FlowQueue:
         self._total += 1
         return held
 
-    def pop(self) -> Held | None:
+    def pop(self, eligible: Callable[[Held], bool] | None = None) -> Held | None:
         """The request to dispatch next (strict priority, then the least served flow, then the
-        earliest deadline), charged to its flow; None when nothing waits."""
+        earliest deadline), charged to its flow; None when nothing waits. `eligible`: whether a
+        request can run now (some of its own candidates have room); one that cannot is passed
+        over for the next flow's, so requests for a saturated model do not block another's."""
         for priority in self._order:
             band = self._bands[priority]
             if not band.held:
                 continue
             peers = self._peer_attained.get(priority, {})
-            name, flow = min(band.backlogged(), key=lambda item: item[1].attained + peers.get(item[0], 0.0))
-            held = heapq.heappop(flow.waiting)
-            band.flows.move_to_end(name)
-            flow.attained += held.cost / flow.weight
-            self._leave(held, State.DISPATCHED)
-            return held
+            ranked = sorted(band.backlogged(), key=lambda item: item[1].attained + peers.get(item[0], 0.0))
+            for name, flow in ranked:
+                head = flow.head()
+                if head is None or (eligible is not None and not eligible(head)):
+                    continue
+                held = heapq.heappop(flow.waiting)
+                band.flows.move_to_end(name)
+                band.floor = flow.attained + peers.get(name, 0.0)
+                flow.attained += held.cost / flow.weight
+                flow.served += held.cost / flow.weight
+                self._leave(held, State.DISPATCHED)
+                return held
         return None
 
     def cancel(self, held: Held) -> bool:
@@ -202,15 +212,16 @@ class FlowQueue:
 
     def shares(self) -> tuple[dict[int, dict[str, float]], int]:
         """What the sibling replicas need to share this queue's fairness and bound: each band's
-        flows' attained cost (over their weights), and the requests held here."""
-        attained = {p: {n: f.attained for n, f in band.flows.items() if f.attained} for p, band in self._bands.items()}
-        return {p: flows for p, flows in attained.items() if flows}, self._total
+        flows' cost served here (over their weights; the levelling stays local, or two replicas
+        would count it twice), and the requests held here."""
+        served = {p: {n: f.served for n, f in band.flows.items() if f.served} for p, band in self._bands.items()}
+        return {p: flows for p, flows in served.items() if flows}, self._total
 
     def set_peers(self, attained: Mapping[int, Mapping[str, float]], held: int) -> None:
         """The siblings' summed `shares`, replacing the last: a flow's turn then counts what every
         replica served it, and the queue's bound what every replica holds (fleet-wide)."""
         self._peer_attained = attained
-        self._peer_held = max(0, held)
+        self._peer_held = min(max(0, held), self.limits.max_total)
 
     def evict_all(self) -> list[Held]:
         """Everything held leaves, evicted (a graceful stop: answer each 429)."""

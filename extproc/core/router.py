@@ -28,7 +28,7 @@ from extproc.core.pressure import CachePressure
 from extproc.core.replicas import ReplicaLink
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
-from extproc.core.settings import Settings
+from extproc.core.settings import MAX_OUTPUT_COST, Settings
 from extproc.core.trust import PredictionTrust
 
 
@@ -183,7 +183,7 @@ class Router:
         matched = self.mode.picture(chain, candidates, None, now)[1]
         uncached = (len(chain) - max(matched.values(), default=0)) * self.block_tokens()
         output = self.settings.default_output_tokens if request.output_tokens is None else request.output_tokens
-        return uncached + output
+        return uncached + min(output, MAX_OUTPUT_COST)  # a client's max_tokens, bounded
 
     def begin(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Exchange:
         """Choose a backend among the healthy ones serving the request's model and reserve the

@@ -70,6 +70,8 @@ def _header_names(value: Any) -> tuple[str, ...]:
 
 MAX_METRIC_FLOWS = 32  # flows named in metric labels at most (queue_metric_flows)
 MAX_FLOW_ID = 128  # a longer flow id is replaced by a digest of it (objectives.py)
+MAX_QUEUE_FLOWS = 1024  # flows tracked per priority band at most (queue_max_flows; what replicas accept)
+MAX_OUTPUT_COST = 1 << 20  # output tokens a request's flow-control cost counts at most
 
 
 def _flow_names(value: Any) -> tuple[str, ...]:
@@ -407,7 +409,7 @@ class Settings:
         256,
         "Flows (fairness ids) tracked per priority band; requests of further ids share one overflow flow, "
         "so a flood of ids can neither grow memory nor starve known flows.",
-        Bounds(minimum=1),
+        Bounds(minimum=1, maximum=MAX_QUEUE_FLOWS),
         "queueMaxFlows",
     )
 

@@ -29,7 +29,7 @@ from extproc.core.backends import Backend
 from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, ResponseStart
-from extproc.core.flow import State
+from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import classify
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
@@ -102,7 +102,7 @@ class Stream:
         self.response_duplex = False
         self.held: list[bytes] | None = None  # HOLDING: the body's chunks so far (kept until handed back)
         self.held_bytes = 0
-        self.dispatched = False  # held by flow control, its turn came, its backend not yet reserved
+        self.dispatched: Held | None = None  # held by flow control, its turn came, its backend not yet reserved
 
     def advance(self, phase: Phase) -> None:
         """Move to `phase`; raises RuntimeError on a move the protocol's order does not allow."""
@@ -183,7 +183,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if stream.phase is Phase.BODY and message.WhichOneof("request") == "request_body":
                 body = message.request_body.body  # (a copy: read once)
                 parsed = await self._read_large(body, stream)
-                parsed, refused = await self._wait_turn(body, stream, parsed)
+                parsed, refused = await self._wait_turn(body, stream, parsed, len(body))
                 if refused is not None:
                     yield refused
                     continue
@@ -246,8 +246,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     async def _release(self, stream: Stream, end_of_stream: bool, read: bool = True) -> list[pb.ProcessingResponse]:
         """Decide on the held body, then send the held headers reply and the body back."""
         body = b"".join(stream.held or ())
+        stream.held = [body]  # one copy while it may wait (a failure still hands it back)
         parsed = await self._read_large(body, stream) if read else None
-        parsed, refused = await self._wait_turn(body if read else None, stream, parsed)
+        parsed, refused = await self._wait_turn(body if read else None, stream, parsed, stream.held_bytes)
         if refused is not None:
             stream.held, stream.held_bytes = None, 0
             return [refused]
@@ -259,43 +260,57 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return [msg.cleared(decided), *msg.chunks("request_body", body, end_of_stream)]
 
     async def _wait_turn(
-        self, body: bytes | None, stream: Stream, parsed: Parsed | None
+        self, body: bytes | None, stream: Stream, parsed: Parsed | None, size: int
     ) -> tuple[Parsed | None, pb.ProcessingResponse | None]:
         """Flow control: while every candidate is saturated, hold the request until its turn
         (the decision is made then, on the state then). Returns the body as read, so it is read
-        once, and the 429 to answer if it was refused, expired or evicted instead."""
+        once, and the 429 to answer if it was refused, expired or evicted instead. Whether it
+        may go at once is judged over the pool (the gateway's subset); once held, over the
+        backends serving its model."""
         room = self._room
         backends = self._candidates(stream)
-        if room is None or not backends or room.goes_now(backends):
+        if room is None or room.goes_now(backends):
             return parsed, None
-        settings = self._router.settings
-        if parsed is None and body is not None:
-            parsed = self._read(body, stream.headers)
-        if isinstance(parsed, PromptRequest):
-            cost = self._router.cost_tokens(parsed, backends, self._clock())
-        else:
-            cost = settings.default_output_tokens
-        request_class = classify(stream.headers, self._priorities(), settings.tenant_header)
+        try:
+            settings = self._router.settings
+            if parsed is None and body is not None:
+                parsed = self._read(body, stream.headers)
+            now = self._clock()
+            candidates = backends
+            if isinstance(parsed, PromptRequest):
+                cost = self._router.cost_tokens(parsed, backends, now)
+                serving = set(self._router.pipeline.candidates(parsed, backends))
+                candidates = [b for b in backends if b.address in serving]
+            else:
+                cost = settings.default_output_tokens
+            request_class = classify(stream.headers, self._priorities(), settings.tenant_header)
+        except Exception:  # flow control must never cost a request: it goes on as without it
+            log.exception("flow control could not weigh a request; it is decided at once")
+            self._metrics.errors.labels("internal").inc()
+            return parsed, None
         if not request_class.known:
             self._metrics.errors.labels("unknown_objective").inc()
-        verdict = await room.wait(request_class, cost, len(body or b""))
-        if verdict is State.DISPATCHED:
-            stream.dispatched = True
+        held = await room.wait(request_class, cost, size, candidates)
+        if isinstance(held, Held) and held.state is State.DISPATCHED:
+            stream.dispatched = held
             return parsed, None
         stream.advance(Phase.DECIDED)
-        return parsed, msg.queue_refused(verdict)
+        return parsed, msg.queue_refused(held.value if isinstance(held, Refusal) else held.state.value)
 
     def _dispatched(self, stream: Stream) -> None:
-        """A request held by flow control has reserved its backend: the next one's turn."""
-        if stream.dispatched and self._room is not None:
-            stream.dispatched = False
+        """A request held by flow control has reserved its backend (or failed to): the next
+        one's turn."""
+        held = stream.dispatched
+        if held is not None and self._room is not None:
+            stream.dispatched = None
             if stream.exchange is not None:
                 stream.exchange.queued = True  # its decision header says so
-            self._room.started()
+            self._room.started(held)
 
     def _fail_open(self, message: pb.ProcessingRequest, stream: Stream, kind: str) -> list[pb.ProcessingResponse]:
         """After a failure in full duplex: release whatever is held, unrouted, so the request goes on."""
         stream.phase = Phase.DECIDED  # from any phase: the request goes on, never decided again
+        self._dispatched(stream)  # a held request's turn ends here too
         if stream.held is not None:
             body = b"".join(stream.held)
             stream.held = None

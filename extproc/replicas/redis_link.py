@@ -38,6 +38,7 @@ from redis.typing import KeyT, StreamIdT
 
 from extproc.core.load import PeerLoads
 from extproc.core.router import Router
+from extproc.core.settings import MAX_FLOW_ID, MAX_QUEUE_FLOWS
 from extproc.runtime.config import read_token
 from extproc.runtime.pool import BackendPool
 
@@ -50,7 +51,8 @@ LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
 MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes a block)
 DIGEST_BYTES = 16
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
-MAX_BANDS, MAX_FLOWS, MAX_FLOW_ID = 64, 1024, 128  # a sibling's flow shares beyond these are refused
+MAX_BANDS = 64  # a sibling's flow shares with more bands, or more flows a band than any replica tracks, are refused
+FLOWS_PERIOD_S = 0.1  # flow shares are sent on change at most this often (they change with every dispatch)
 
 
 class FlowShares(Protocol):
@@ -68,7 +70,7 @@ def _flow_shares(payload: Any) -> tuple[dict[int, dict[str, float]], int]:
         raise ValueError("flow shares")
     out: dict[int, dict[str, float]] = {}
     for band, flows in attained:
-        if type(band) is not int or len(flows) > MAX_FLOWS:
+        if type(band) is not int or len(flows) > MAX_QUEUE_FLOWS:
             raise ValueError("flow shares")
         out[band] = {}
         for flow, value in flows.items():
@@ -335,14 +337,21 @@ class RedisLink:
         sent: dict[str, tuple[int, int, int]] | None = None
         sent_at = float("-inf")
         flows_sent: tuple[dict[int, dict[str, float]], int] | None = None
+        flows_at = float("-inf")
         while not _cancelled():
             now = self._clock()
             vector = self._vector()
-            shares = self._flows.shares() if self._flows is not None else None
             beat = now - sent_at >= self._heartbeat_s
-            if vector != sent or shares != flows_sent or beat:
+            shares = None
+            if self._flows is not None and (beat or now - flows_at >= FLOWS_PERIOD_S):
+                shares = self._flows.shares()
+                if shares == flows_sent and not beat:
+                    shares = None
+            if vector != sent or shares is not None or beat:
                 await self._add_load(vector, shares)
-                sent, flows_sent, sent_at = vector, shares, now
+                sent, sent_at = vector, now
+                if shares is not None:
+                    flows_sent, flows_at = shares, now
                 self._apply_peer_loads(now)
             await asyncio.sleep(self._load_period_s)
 

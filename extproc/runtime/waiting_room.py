@@ -73,21 +73,22 @@ class WaitingRoom:
         self,
         settings: Callable[[], Settings],
         room: Callable[[Sequence[Backend]], bool],
-        backends: Callable[[], Sequence[Backend]],
         metrics: WaitingRoomMetrics,
         clock: Callable[[], float],
     ) -> None:
-        """`room(candidates)`: whether one of them can take a request now; `backends`: the pool's."""
+        """`room(candidates)`: whether one of them can take a request now."""
         self._settings = settings
         self._room = room
-        self._backends = backends
         self._metrics = metrics
         self._clock = clock
         self._limits = self._limits_of(settings())
         self._weights = settings().flow_weights
         self._queue = FlowQueue(self._limits, dict(self._weights))
-        self._waiting: dict[Held, asyncio.Future[State]] = {}
-        self._dispatching: float | None = None  # when the request dispatched last began to reserve its backend
+        # each held request's wake-up and its own candidates (whose room its turn waits for)
+        self._waiting: dict[Held, tuple[asyncio.Future[State], Sequence[Backend]]] = {}
+        # the request dispatched last and when, until it has reserved its backend
+        self._dispatching: tuple[Held, float] | None = None
+        self._closing = False
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -113,21 +114,27 @@ class WaitingRoom:
         return {"held": len(self._queue), "bands": {str(band): flows for band, flows in waiting.items()}}
 
     def goes_now(self, candidates: Sequence[Backend]) -> bool:
-        """The request need not wait: flow control is off, or nothing is held and one of its
-        candidates has room. Otherwise `wait` for its turn."""
-        if not self._settings().flow_control:
+        """The request need not wait: flow control is off, none of its candidates is healthy
+        (the router answers that at once), or nothing is held and one of them has room.
+        Otherwise `wait` for its turn."""
+        if not self._settings().flow_control or not any(b.healthy for b in candidates):
             return True
         if not len(self._queue) and self._dispatching is None and self._room(candidates):
             self._metrics.outcomes.labels("any", "now").inc()
             return True
         return False
 
-    async def wait(self, request_class: RequestClass, cost: float, size: int) -> Refusal | State:
-        """Hold the request until its turn: DISPATCHED (call `started` once it has reserved its
-        backend); EXPIRED or EVICTED, or a Refusal: answer 429. A cancelled caller (the client
-        left) frees its place at once."""
-        self._reconfigure(self._settings())
+    async def wait(
+        self, request_class: RequestClass, cost: float, size: int, candidates: Sequence[Backend]
+    ) -> Held | Refusal:
+        """Hold the request until its turn, or refuse it. A returned Held that is DISPATCHED must
+        be passed to `started` once it has reserved its backend; EXPIRED or EVICTED, or a
+        Refusal: answer 429. A cancelled caller (the client left) frees its place at once."""
         priority = str(request_class.priority)
+        if self._closing:
+            self._metrics.outcomes.labels(priority, State.EVICTED.value).inc()
+            return Refusal.QUEUE_FULL
+        self._reconfigure(self._settings())
         now = self._clock()
         held = self._queue.hold(request_class.priority, request_class.flow, cost, size, now, request_class.ttft_s)
         self._ended(now)
@@ -136,37 +143,40 @@ class WaitingRoom:
             self._metrics.flow_outcomes.labels(self._flow_label(request_class.flow), held.value).inc()
             return held
         future: asyncio.Future[State] = asyncio.get_running_loop().create_future()
-        self._waiting[held] = future
+        self._waiting[held] = (future, candidates)
         self._metrics.held.labels(priority).inc()
         self.pump()
         try:
-            state = await future
+            await future
         except asyncio.CancelledError:
             if self._queue.cancel(held):
                 self._metrics.held.labels(priority).dec()
                 self._count(held, State.CANCELLED.value)
-            elif held.state is State.DISPATCHED:
-                self.started()  # its turn came as it left: the next one's turn now
+            else:
+                self.started(held)  # its turn came as it left: the next one's turn now
             raise
         finally:
             self._waiting.pop(held, None)
-        if state is State.DISPATCHED:
+        if held.state is State.DISPATCHED:
             self._metrics.wait_seconds.labels(priority).observe(self._clock() - held.arrived)
-        return state
+        return held
 
-    def started(self) -> None:
-        """The dispatched request reserved its backend (or gave up): weigh the next one."""
-        self._dispatching = None
-        self.pump()
+    def started(self, held: Held) -> None:
+        """This dispatched request reserved its backend (or gave up): weigh the next one. Only
+        the request being dispatched clears the way, so a late call can never let two run."""
+        if self._dispatching is not None and self._dispatching[0] is held:
+            self._dispatching = None
+            self.pump()
 
     def pump(self) -> None:
-        """Dispatch the next held request if some backend has room now."""
-        if self._dispatching is not None or not len(self._queue) or not self._room(self._backends()):
+        """Dispatch the next held request whose own candidates have room now."""
+        if self._dispatching is not None or not len(self._queue):
             return
-        held = self._queue.pop()
+        waiting = self._waiting
+        held = self._queue.pop(lambda h: h in waiting and self._room(waiting[h][1]))
         if held is None:
             return
-        self._dispatching = self._clock()
+        self._dispatching = (held, self._clock())
         self._finish(held)
 
     def _ended(self, now: float) -> None:
@@ -186,11 +196,11 @@ class WaitingRoom:
     def _finish(self, held: Held) -> None:
         self._metrics.held.labels(str(held.band)).dec()
         self._count(held, held.state.value)
-        future = self._waiting.get(held)
-        if future is not None and not future.done():
-            future.set_result(held.state)
+        waiter = self._waiting.get(held)
+        if waiter is not None and not waiter[0].done():
+            waiter[0].set_result(held.state)
         elif held.state is State.DISPATCHED:  # nobody waits for it any more
-            self._dispatching = None
+            self.started(held)
 
     def _reconfigure(self, settings: Settings) -> None:
         limits = self._limits_of(settings)
@@ -204,15 +214,24 @@ class WaitingRoom:
         """Expire held requests past their TTL and dispatch into room that opened on its own."""
         while True:
             await asyncio.sleep(TICK_S)
-            if len(self._queue):
-                now = self._clock()
-                if self._dispatching is not None and now - self._dispatching > STALLED_S:
-                    log.warning("a dispatched request never reserved its backend; dispatching the next")
-                    self._dispatching = None
-                self._ended(now)
-                self.pump()
+            try:
+                self._tick()
+            except Exception:  # one bad tick must not stop expiry for good
+                log.exception("flow control's tick failed")
+
+    def _tick(self) -> None:
+        if not len(self._queue):
+            return
+        now = self._clock()
+        if self._dispatching is not None and now - self._dispatching[1] > STALLED_S:
+            log.warning("a dispatched request never reserved its backend; dispatching the next")
+            self._dispatching = None
+        self._ended(now)
+        self.pump()
 
     def drain(self) -> None:
-        """A graceful stop: answer everything held (429) rather than leave it to a cut stream."""
+        """A graceful stop: answer everything held (429) rather than leave it to a cut stream, and
+        refuse what comes after."""
+        self._closing = True
         for held in self._queue.evict_all():
             self._finish(held)
