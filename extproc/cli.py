@@ -61,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
     )
     envoy.add_argument("--extproc-tls", action="store_true", help="connect to the ext_proc with TLS (not verified)")
     envoy.add_argument(
+        "--no-graceful-close",
+        action="store_true",
+        help="reset each ext_proc stream at its request's end instead of half-closing it (docs/envoy.md)",
+    )
+    envoy.add_argument(
         "--extproc-mtls-dir",
         default=_LAYOUT.extproc_mtls_dir,
         help="mutual TLS to the ext_proc: folder with ca.crt, client.crt, client.key (`kvroute tls-certs`)",
@@ -117,6 +122,7 @@ def envoy_layout(args: argparse.Namespace) -> EnvoyLayout:
         extproc_mtls_dir=args.extproc_mtls_dir,
         fail_open=not args.fail_closed,
         backend_cluster=args.backend_cluster,
+        graceful_close=not args.no_graceful_close,
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
         forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
     )

