@@ -131,8 +131,8 @@ class WaitingRoom:
         be passed to `started` once it has reserved its backend; EXPIRED or EVICTED, or a
         Refusal: answer 429. A cancelled caller (the client left) frees its place at once."""
         priority = str(request_class.priority)
-        if self._closing:
-            self._metrics.outcomes.labels(priority, State.EVICTED.value).inc()
+        if self._closing:  # stopping: counted as what it is answered
+            self._metrics.outcomes.labels(priority, Refusal.QUEUE_FULL.value).inc()
             return Refusal.QUEUE_FULL
         self._reconfigure(self._settings())
         now = self._clock()
