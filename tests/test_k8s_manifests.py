@@ -179,6 +179,11 @@ def test_no_role_is_wider_than_listed(cluster: ControlPlane):
     assert _granted(cluster, "kvroute-extproc", "llm") - baseline == {
         ("kvroutingpolicies.kvroute.io", "get"), ("kvroutingpolicies.kvroute.io", "list"),
         ("kvroutingpolicies.kvroute.io", "watch"), ("events.events.k8s.io", "create"),
+        ("inferenceobjectives.llm-d.ai", "get"), ("inferenceobjectives.llm-d.ai", "list"),
+        ("inferenceobjectives.llm-d.ai", "watch"),
+        ("inferenceobjectives.inference.networking.x-k8s.io", "get"),
+        ("inferenceobjectives.inference.networking.x-k8s.io", "list"),
+        ("inferenceobjectives.inference.networking.x-k8s.io", "watch"),
     }  # fmt: skip
 
 
