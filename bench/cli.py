@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     cancelled.add_argument("--streams", type=int, default=100_000)
     cancelled.set_defaults(run=_cancelled_streams)
+    flows = bench.add_parser("flows", help="flow control's load shapes (noisy neighbour, backlogged, priority)")
+    _flows_arguments(flows)
+    flows.set_defaults(run=_flows)
     lag = bench.add_parser("replica-lag", help="time until a sibling replica sees news, cost of telling (JSON)")
     lag.add_argument("--samples", type=int, default=200)
     lag.set_defaults(run=_replica_lag)
@@ -173,6 +176,63 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         help="router replicas: kvroute's ext_proc processes behind its Envoy (kvroute shares through a Redis, "
         "kvroute-unshared does not); a peer's independent processes behind an Envoy round robin",
     )
+
+
+def _flows_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.experiments.flows import SHAPES, FlowsOptions
+
+    defaults = FlowsOptions(shape=SHAPES[0], out=Path())
+    parser.add_argument("--shape", required=True, choices=SHAPES)
+    parser.add_argument("--out", required=True, type=Path, help="folder for results.json, records.jsonl, summary.md")
+    parser.add_argument("--backends", default="2", help="N simulated backends, or vllm-cpu:N real ones (default: 2)")
+    parser.add_argument("--routers", default=",".join(defaults.routers), help="comma-separated routers")
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens, help="each unique prompt's size")
+    parser.add_argument("--output-tokens", type=int, default=defaults.output_tokens)
+    parser.add_argument("--phase-seconds", type=float, default=defaults.phase_s, help="measured time per phase")
+    parser.add_argument("--warmup-seconds", type=float, default=defaults.warmup_s, help="unmeasured start of a phase")
+    parser.add_argument(
+        "--steady-rate", type=float, default=defaults.steady_rate, help="the steady (critical) flow's requests/s"
+    )
+    parser.add_argument(
+        "--flood-clients", type=int, default=defaults.flood_clients, help="the flooding (sheddable) flow's clients"
+    )
+    parser.add_argument("--flows", default="a:18,b:6", help="backlogged: flow:clients, comma-separated")
+    parser.add_argument("--weights", default="", help="backlogged: flow=weight, comma-separated (kvroute's)")
+    parser.add_argument("--capacity-blocks", type=int, default=defaults.capacity_blocks, help="KV blocks per backend")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag")
+    parser.add_argument("--envoy-reset-streams", action="store_true", help="as for `bench compare`")
+    parser.add_argument(
+        "--kvroute-arg", action="append", default=[], help="extra `kvroute extproc` flag for kvroute's routers"
+    )
+
+
+def _flows(args: argparse.Namespace) -> None:
+    from bench.experiments import flows
+
+    options = flows.FlowsOptions(
+        shape=args.shape,
+        out=args.out,
+        backends=int(args.backends.removeprefix("vllm-cpu:")),
+        vllm_cpu=args.backends.startswith("vllm-cpu:"),
+        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        phase_s=args.phase_seconds,
+        warmup_s=args.warmup_seconds,
+        steady_rate=args.steady_rate,
+        flood_clients=args.flood_clients,
+        flows=flows.parse_counts(args.flows),
+        weights=flows.parse_weights(args.weights),
+        capacity_blocks=args.capacity_blocks,
+        seed=args.seed,
+        sim_args=tuple(args.sim_arg),
+        envoy_graceful_close=not args.envoy_reset_streams,
+        extra_kvroute_args=tuple(args.kvroute_arg),
+    )
+    results = flows.run(options)
+    print((args.out / "summary.md").read_text())
+    print(orjson.dumps({n: r["verdict"] for n, r in results["routers"].items()}).decode())
 
 
 def _compare_options(args: argparse.Namespace) -> CompareOptions:

@@ -32,6 +32,8 @@ ROUTERS = (
     "vllm-router-round_robin",
     "sglang-router-cache_aware",
 )
+# kvroute as ROUTERS run it, with one change, for benchmarks that need the difference
+VARIANTS = {"kvroute-no-flow-control": ("--flow-control", "false")}
 
 
 @dataclass
@@ -95,24 +97,26 @@ def start(
     tokenizer_dir: Path | None = None,
     replicas: int = 1,
     graceful_close: bool = True,
+    extproc_args: Sequence[str] = (),
 ) -> RunningRouter:
-    """Start router `name` (one of ROUTERS) over `backends` (ip:port) and wait until it serves.
-    kvroute-precise needs the served model's tokenizer directory (real vLLM backends); kvroute's
-    routers run `replicas` ext_proc processes, the peers `replicas` independent processes behind an
-    Envoy round robin."""
+    """Start router `name` (one of ROUTERS or VARIANTS) over `backends` (ip:port) and wait until it
+    serves. kvroute-precise needs the served model's tokenizer directory (real vLLM backends);
+    kvroute's routers run `replicas` ext_proc processes with `extproc_args`, the peers `replicas`
+    independent processes behind an Envoy round robin."""
     workdir.mkdir(parents=True, exist_ok=True)
     if name == "kvroute-precise":
         if tokenizer_dir is None:
             raise ValueError("kvroute-precise needs real vLLM backends (their tokenizer and KV events)")
-        args = ("--index-mode", "precise", "--tokenizer-path", str(tokenizer_dir))
+        args = ("--index-mode", "precise", "--tokenizer-path", str(tokenizer_dir), *extproc_args)
         router = _kvroute(name, backends, workdir, args, replicas, graceful_close)
         assert router.stack is not None
         if router.stack.debug_state()["index_mode"] != "precise":
             router.stop()
             raise RuntimeError(f"kvroute did not start precise: {router.stack.debug_state()['index_mode']}")
         return router
-    if name in ("kvroute", "kvroute-unshared"):
-        return _kvroute(name, backends, workdir, (), replicas, graceful_close)
+    if name in ("kvroute", "kvroute-unshared", *VARIANTS):
+        args = (*VARIANTS.get(name, ()), *extproc_args)
+        return _kvroute(name, backends, workdir, args, replicas, graceful_close)
     if name == "envoy-round-robin":
         stack = Stack(workdir, backends=list(backends), ext_proc=False, envoy_edit=_name_upstream).start()
         return RunningRouter(name, stack.url, stack=stack)

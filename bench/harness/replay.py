@@ -69,6 +69,8 @@ class Record:
     sent_at: float = 0.0  # perf_counter when it was sent: the order the bound is computed on
     predicted_tokens: int | None = None  # kvroute's prediction of the cached tokens (x-kvroute-cached-tokens)
     decision: str | None = None  # why kvroute chose the backend (x-kvroute-decision)
+    output_tokens: int = 0  # tokens generated (usage)
+    retry_after_s: float | None = None  # a refusal's retry-after
 
 
 ORDERS = ("sessions", "arrival")  # how a closed loop's workers pick their next request (module docstring)
@@ -96,8 +98,15 @@ async def scrape(session: aiohttp.ClientSession, backends: Sequence[str]) -> dic
     return out
 
 
-async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest, body: dict[str, Any]) -> Record:
-    headers = {"content-type": "application/json"}
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    request: TraceRequest,
+    body: dict[str, Any],
+    extra_headers: dict[str, str] | None = None,
+) -> Record:
+    """One streamed chat request, measured; never raises for what the router or backend answers."""
+    headers = {"content-type": "application/json", **(extra_headers or {})}
     if request.session_id is not None:
         headers["x-session-id"] = request.session_id
     started = time.perf_counter()
@@ -110,7 +119,11 @@ async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest,
             decision = response.headers.get("x-kvroute-decision")
             if response.status != 200:
                 await response.read()
-                return Record(request.index, response.status, None, _ms(started), 0, 0, backend, "http status")
+                record = Record(request.index, response.status, None, _ms(started), 0, 0, backend, "http status")
+                record.decision = decision
+                retry = response.headers.get("retry-after", "")
+                record.retry_after_s = float(retry) if retry.isdigit() else None
+                return record
             async for line in response.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
@@ -132,6 +145,7 @@ async def _send(session: aiohttp.ClientSession, url: str, request: TraceRequest,
         backend,
         predicted_tokens=int(predicted) if predicted is not None and predicted.isdigit() else None,
         decision=decision,
+        output_tokens=int(usage.get("completion_tokens") or 0),
     )
 
 
@@ -167,7 +181,7 @@ async def replay(
                 if time.monotonic() >= deadline:
                     return
                 sent_at = time.perf_counter()
-                record = await _send(session, url, request, builder.body(request))
+                record = await send(session, url, request, builder.body(request))
                 record.sent_at = sent_at
                 records.append(record)
                 progress.update()
