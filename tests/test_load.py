@@ -42,20 +42,22 @@ def test_engine_progress_drains_the_oldest_waiting_prefill_first():
     first, second = loads.reserve("A", 5), loads.reserve("A", 4)
     load.await_progress(first)
     load.await_progress(second)
-    load.progress(3.5)
-    assert (first.pending, second.pending) == (2, 4) and loads.snapshot() == {"A": (6, 2)}
-    load.progress(2.5)  # the half block left over completes one more
+    done: list = []
+    load.progress(3.5, done)
+    assert (first.pending, second.pending) == (2, 4) and loads.snapshot() == {"A": (6, 2)} and done == []
+    load.progress(2.5, done)  # the half block left over completes one more
     assert (first.pending, second.pending) == (0, 3)
+    assert done == [first]  # its prefill was stored: the one completed is reported, once
     second.finish()
     assert loads.snapshot() == {"A": (0, 1)} and list(load.awaiting) == [second]
-    load.progress(1)  # the ended one is dropped, not credited
-    assert not load.awaiting and loads.snapshot() == {"A": (0, 1)}
+    load.progress(1, done)  # the ended one is dropped, not credited
+    assert not load.awaiting and loads.snapshot() == {"A": (0, 1)} and done == [first]
 
 
 def test_progress_beyond_what_waits_is_not_kept_for_later_requests():
     loads = LoadTracker()
     load = loads.get("A")
-    load.progress(50)  # decode blocks, or another client's requests
+    load.progress(50, [])  # decode blocks, or another client's requests
     late = loads.reserve("A", 4)
     load.await_progress(late)
     assert late.pending == 4 and loads.snapshot() == {"A": (4, 1)}

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from extproc.core.load import LoadTracker
 from extproc.core.settings import Settings
+from extproc.core.ttft import TTFTModel
 
 
 class Label(StrEnum):
@@ -26,6 +27,8 @@ class Label(StrEnum):
     NO_CANDIDATES = "no_candidates"
     FALLBACK = "fallback"
     SHED = "shed"  # every candidate at max_backend_requests: answered 429, routed nowhere
+    # a sheddable request no candidate is predicted to serve within its TTFT objective: 429
+    SHED_SLO = "shed_slo"
 
 
 _NO_CHURN: Mapping[str, float] = MappingProxyType({})
@@ -51,6 +54,9 @@ class DecisionInputs(NamedTuple):
     home: str | None = None  # where the prompt's head was first placed (homes.py)
     gate_factor: float = 1.0  # how much the balance gates are widened under cache pressure (pressure.py)
     home_ties: bool = True  # the home wins among backends holding as much of the prompt
+    ttft_objective_s: float | None = None  # the request's TTFT objective, if it has one
+    sheddable: bool = False  # it may be refused rather than served late
+    ttft: TTFTModel | None = None  # each backend's predicted time to first token (ttft.py)
 
     def held(self, backend: str) -> int:
         """Blocks the picture (before trust) shows on the backend."""

@@ -63,16 +63,20 @@ class BackendLoad:
         if len(awaiting) > PROGRESS_COMPACT_AT + 2 * self.active:  # ended ones behind a live head
             self.awaiting = deque(r for r in awaiting if r.pending)
 
-    def progress(self, blocks: float) -> None:
+    def progress(self, blocks: float, done: list[Reservation]) -> None:
         """The engine stored this many blocks (in the reservations' units): prefill done, credited
-        to the oldest waiting reservations. Progress beyond what waits is the engine's other work
-        (decode, requests kvroute did not route) and is not kept for later ones."""
+        to the oldest waiting reservations; those it completes are appended to `done`. Progress
+        beyond what waits is the engine's other work (decode, requests kvroute did not route) and
+        is not kept for later ones."""
         credit = self._credit + blocks
         awaiting = self.awaiting
         while awaiting and (not awaiting[0].pending or credit >= 1):
             head = awaiting[0]
             taken = min(head.pending, int(credit))
-            head.drain(taken)
+            if taken:
+                head.drain(taken)
+                if not head.pending:
+                    done.append(head)
             credit -= taken
             if not head.pending:
                 awaiting.popleft()
@@ -120,13 +124,28 @@ class BackendLoad:
 class Reservation:
     """The load one routed request puts on its backend, until released."""
 
-    __slots__ = ("_active_held", "_load", "backend", "blocks", "learned_at", "pending")
+    __slots__ = (
+        "_active_held",
+        "_load",
+        "backend",
+        "blocks",
+        "learned_at",
+        "pending",
+        "predicted_s",
+        "sent_at",
+        "work",
+    )
 
     def __init__(self, backend: str, load: BackendLoad, blocks: int) -> None:
         self.backend = backend
         self.blocks = blocks
         self.pending = blocks  # prefill blocks still reserved
         self.learned_at: float | None = None  # when kvroute learned the backend took it
+        # For the time to first token (ttft.py): when it was sent, the prefill blocks it found
+        # ahead plus its own, and the seconds predicted then (None: no prediction).
+        self.sent_at = 0.0
+        self.work = blocks
+        self.predicted_s: float | None = None
         self._load = load
         self._active_held = True
         load.reserved_blocks += blocks

@@ -18,7 +18,7 @@ A third mode is a class implementing `IndexMode`, put in with `Router.use`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from extproc.core.calibration import BytesPerToken
@@ -54,6 +54,9 @@ class Shared:
     # Backends whose KV events report what they store (approximate mode holds a streamed
     # request's prefill until that progress covers it); known across mode switches.
     progressing: set[str]
+    # Reservations whose prefill the engine's events just showed stored, for the router to time
+    # (ttft.py); it empties the list after each batch of events.
+    prefilled: list[Reservation] = field(default_factory=list)
 
 
 class IndexMode(Protocol):
@@ -211,7 +214,7 @@ class ApproximateMode:
         if isinstance(event, BlockStored):
             self._progressing.add(backend)
             tokens = len(event.block_hashes) * event.block_size
-            self._shared.loads.get(backend).progress(tokens / self.block_tokens())
+            self._shared.loads.get(backend).progress(tokens / self.block_tokens(), self._shared.prefilled)
         return True
 
     def resets_on_lost_events(self, reason: Reset) -> bool:
@@ -317,6 +320,8 @@ class PreciseMode:
             if isinstance(event, BlockStored):
                 for key in self.index.stored(backend, event):
                     for reservation in self._prefilling.pop((backend, key), ()):
+                        if not reservation.finished:
+                            self._shared.prefilled.append(reservation)
                         reservation.release_prefill()
             else:
                 self.index.removed(backend, event)

@@ -25,7 +25,7 @@ class Pipeline:
 
     filters: Sequence[CandidateFilter]
     terms: Sequence[CostTerm]
-    admission: Sequence[Admission]
+    admission: Sequence[tuple[Admission, Label]]  # each step, and the label of a request it leaves nowhere
     rules: Sequence[PickRule]
 
     def candidates(self, request: PromptRequest, backends: Sequence[Backend]) -> list[str]:
@@ -35,17 +35,18 @@ class Pipeline:
         return [b.address for b in backends]
 
     def decide(self, inputs: DecisionInputs) -> Decision:
-        """Choose among the candidates. NO_CANDIDATES with none; SHED when admission leaves none."""
+        """Choose among the candidates. NO_CANDIDATES with none; the admission step's own label
+        (SHED, SHED_SLO) when it leaves none."""
         total = inputs.total_blocks
         returning = _returning(inputs)
         if not inputs.candidates:
             return Decision(Label.NO_CANDIDATES, None, None, 0, total, inputs.bootstrap, [], returning=returning)
         costs = self._costs(inputs)
         room = costs
-        for admit in self.admission:
+        for admit, refusal in self.admission:
             room = admit(inputs, room)
-        if not room:
-            return Decision(Label.SHED, None, None, 0, total, inputs.bootstrap, costs, returning=returning)
+            if not room:
+                return Decision(refusal, None, None, 0, total, inputs.bootstrap, costs, returning=returning)
         ranked = sorted(room, key=_COST)
         bound = inputs.session_backend
         session = None
@@ -114,6 +115,6 @@ def assemble() -> Pipeline:
     return Pipeline(
         filters=(rules.serving_the_model,),
         terms=(rules.prefill_cost, rules.load_cost),
-        admission=(rules.backend_limit,),
+        admission=((rules.backend_limit, Label.SHED), (rules.ttft_objective, Label.SHED_SLO)),
         rules=(rules.session_binding, rules.prefix_stickiness, rules.prefix_home),
     )

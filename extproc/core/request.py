@@ -40,6 +40,10 @@ class PromptRequest:
     cbr_bytes: int = 0  # the CBR's length, kept when the router drops the CBR itself
     stream: bool = False  # the response is streamed: it starts before the prefill is done
     output_tokens: int | None = None  # the most it may generate (max_completion_tokens, max_tokens)
+    # Its TTFT objective and whether it may be refused (a priority below 0), from its headers as
+    # flow control classifies them (objectives.py); set by the adapter that knows the objectives.
+    ttft_objective_s: float | None = None
+    sheddable: bool = False
 
 
 def _output_limit(body: Mapping[str, Any]) -> int | None:

@@ -30,6 +30,7 @@ from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
 from extproc.core.settings import MAX_OUTPUT_COST, Settings
 from extproc.core.trust import PredictionTrust
+from extproc.core.ttft import TTFTModel
 
 
 class Router:
@@ -52,6 +53,7 @@ class Router:
         "settings",
         "stats",
         "trust",
+        "ttft",
     )
 
     def __init__(self, settings: Settings) -> None:
@@ -66,6 +68,7 @@ class Router:
         self._kv_tokens: dict[str, int] = {}
         self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
         self.trust = PredictionTrust()  # approximate mode: how far each backend's picture holds, per its engine
+        self.ttft = TTFTModel()  # each backend's time to first token in the work ahead (ttft.py)
         self._shared = Shared(
             self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens, set()
         )
@@ -90,6 +93,7 @@ class Router:
         self._drop_all()
         self.mode.leave()
         self.mode = make(self.settings, self._shared)
+        self.ttft.clear()  # blocks of another size
 
     def use_precise(self, tokenizer: PromptTokenizer) -> None:
         """Switch to precise mode with this tokenizer."""
@@ -111,6 +115,7 @@ class Router:
         rehash = (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key)
         if rehash:
             self._drop_all()  # before a precise index is replaced: its backends' turnover goes too
+            self.ttft.clear()
         self.settings = settings
         self.churn.half_life_s = settings.churn_half_life_s
         self.mode.reconfigure(settings, rehash)
@@ -171,6 +176,9 @@ class Router:
             home=home,
             gate_factor=gate_factor,
             home_ties=home_ties,
+            ttft_objective_s=request.ttft_objective_s,
+            sheddable=request.sheddable,
+            ttft=self.ttft,
         )
         return self.pipeline.decide(inputs)
 
@@ -198,7 +206,11 @@ class Router:
             self.pressure.returned(*decision.returning)
         if decision.backend is not None:
             self._place_home(request, decision.backend, decision.candidates)
+            load = self.loads.get(decision.backend)
+            ahead = load.reserved_blocks + load.peer_reserved
             reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
+            reservation.sent_at, reservation.work = now, ahead + reservation.blocks
+            reservation.predicted_s = self.ttft.predict(decision.backend, reservation.work)
             predicted = self.mode.routed(request, decision, reservation, now)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, reservation, predicted, self.bytes_per_token)
@@ -286,6 +298,8 @@ class Router:
                 ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
                 ("x-kvroute-cached-tokens", str(round(matched * self.block_tokens()))),
             )
+            if reservation is not None and reservation.predicted_s is not None:
+                headers += (("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))),)
         exchange.outcome = Outcome(backend, learned, bool(served) and start.connect_failed, rerouted, headers)
         return exchange.outcome
 
@@ -324,6 +338,7 @@ class Router:
         self.homes.remove_backend(backend)
         self._starts.pop(backend, None)
         self.bytes_per_token.forget(backend)
+        self.ttft.forget(backend)
 
     def reset_backend(self, backend: str, reason: Reset | None, emptied_after: float | None = None) -> None:
         """The backend's cache is not what kvroute believed (restarted, cleared, events lost): drop
@@ -358,7 +373,9 @@ class Router:
             self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens)
         self.mode.engine_sample(backend, sample)
 
-    def engine_events(self, backend: str, events: Iterable[EngineEvent], previous: float | None = None) -> None:
+    def engine_events(
+        self, backend: str, events: Iterable[EngineEvent], previous: float | None = None, now: float | None = None
+    ) -> None:
         """A batch of a known backend's KV cache events, in order. A cleared cache resets the backend
         in both modes; stores and removals feed the precise index. In approximate mode stores are
         the engine's progress: they drain the prefill its streamed requests hold.
@@ -377,6 +394,13 @@ class Router:
                 self.reset_backend(backend, Reset.CACHE_CLEARED, after)
             elif not self.mode.engine_event(backend, event):
                 self.stats.bad_events += 1
+        prefilled = self._shared.prefilled
+        if now is not None:  # the batch arrived now: each request it completes had its first token about then
+            for reservation in prefilled:
+                self.ttft.observe(
+                    reservation.backend, reservation.work, now - reservation.sent_at, reservation.predicted_s
+                )
+        prefilled.clear()
 
     def events_lost(self, backend: str, reason: Reset) -> None:
         """The backend's event stream broke (a gap that could not be replayed, a new publisher).

@@ -15,6 +15,9 @@ Candidates: healthy backends serving the request's model (the gateway's subset h
 narrowed the pool: the adapter answers its protocol's error when the hint leaves none).
 
 Admission: a backend at `max_backend_requests` takes no more; with none left the request is shed.
+A request with a TTFT objective goes only where its first token is predicted in time (ttft.py);
+where none is, a sheddable one is refused (served late it would only take time from others) and
+any other goes where it is predicted soonest. Backends without a prediction yet count as in time.
 
 Pick rules, in order, each winning outright unless its backend is past both balance gates
 (widened under cache pressure): a session's binding, and that of a backend already holding at
@@ -112,6 +115,25 @@ def backend_limit(inputs: DecisionInputs, candidates: list[CandidateCost]) -> li
     """A backend with `max_backend_requests` in flight takes no more (0: no limit)."""
     limit = inputs.settings.max_backend_requests
     return [c for c in candidates if c.active < limit] if limit else candidates
+
+
+def ttft_objective(inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]:
+    """Keep the candidates predicted to give the first token within the request's objective."""
+    objective, model = inputs.ttft_objective_s, inputs.ttft
+    if objective is None or model is None:
+        return candidates
+    load_of = inputs.loads.get
+    in_time: list[CandidateCost] = []
+    soonest, soonest_s = None, float("inf")
+    for c in candidates:
+        seconds = model.predict(c.backend, c.reserved + load_of(c.backend).peer_reserved + c.novel)
+        if seconds is None or seconds <= objective:
+            in_time.append(c)
+        elif seconds < soonest_s:
+            soonest, soonest_s = c, seconds
+    if in_time or soonest is None:
+        return in_time
+    return [] if inputs.sheddable else [soonest]
 
 
 def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:

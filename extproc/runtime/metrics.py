@@ -60,6 +60,22 @@ class _RouterCollector(Collector):
             active.add_metric([backend], load.active)
         yield reserved
         yield active
+        ttft = self._router.ttft
+        yield CounterMetricFamily(
+            "kvroute_ttft_observations",
+            "requests whose prefill kvroute saw stored (KV events): its time-to-first-token model's evidence",
+            value=ttft.observed,
+        )
+        yield CounterMetricFamily(
+            "kvroute_ttft_predictions",
+            "of those, requests kvroute had predicted a time to first token for when it sent them",
+            value=ttft.predicted,
+        )
+        yield CounterMetricFamily(
+            "kvroute_ttft_prediction_error_seconds",
+            "summed absolute error of those predictions (over kvroute_ttft_predictions_total: the mean)",
+            value=ttft.error_seconds,
+        )
         trust = GaugeMetricFamily(
             "kvroute_backend_prediction_trust",
             "share of the cached prefix kvroute predicts there that the engine's own counters confirm (at most 1)",

@@ -196,7 +196,7 @@ class EventSubscriber:
 
     def _apply(self, backend: str, batch: EventBatch, previous: float) -> None:
         if self._pool.is_known(backend):
-            self._router.engine_events(backend, batch.events, previous)
+            self._router.engine_events(backend, batch.events, previous, self._clock())
 
     async def _replay(self, backend: str, source: Source, start: int, until: int, previous: float) -> bool:
         """Fetch and apply batches start..until-1 from the replay socket; True if all came. They
