@@ -198,6 +198,9 @@ def _flows_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--flows", default="a:18,b:6", help="backlogged: flow:clients, comma-separated")
     parser.add_argument("--weights", default="", help="backlogged: flow=weight, comma-separated (kvroute's)")
+    parser.add_argument(
+        "--slo-ttft-ms", type=float, default=defaults.slo_ttft_ms, help="slo: the TTFT objective of half the requests"
+    )
     parser.add_argument("--capacity-blocks", type=int, default=defaults.capacity_blocks, help="KV blocks per backend")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag")
@@ -224,6 +227,7 @@ def _flows(args: argparse.Namespace) -> None:
         flood_clients=args.flood_clients,
         flows=flows.parse_counts(args.flows),
         weights=flows.parse_weights(args.weights),
+        slo_ttft_ms=args.slo_ttft_ms,
         capacity_blocks=args.capacity_blocks,
         seed=args.seed,
         sim_args=tuple(args.sim_arg),

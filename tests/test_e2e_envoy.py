@@ -494,9 +494,10 @@ def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_o
 
 @pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
 def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Path, layout: str):
-    """Shown, not yet what it should be: kvroute's own Envoy fails open, so a request held when
-    the ext_proc dies goes on unrouted (round robin) and skips the queue; a picker gateway failing
-    closed answers it with a 5xx."""
+    """A request held when the ext_proc dies is answered, never sent on past the queue: kvroute's
+    own Envoy fails open, but the request still carries the pending mark the ext_proc set on its
+    headers, and the bootstrap's route answers that 503; a picker gateway failing closed answers
+    it with a 5xx of its own."""
     args = ["--max-backend-requests", "1"]
     with Stack(tmp_path, sims=1, extproc_args=args, **LAYOUTS[layout]) as stack:
         blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
@@ -511,8 +512,13 @@ def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Pa
             held.join(30)
             status, headers, _ = answers[0]
             if LAYOUTS[layout].get("fail_open", True):
-                assert status == 200 and "x-kvroute-decision" not in headers  # unrouted: it skipped the queue
+                assert status == 503 and headers["x-kvroute-decision"] == "undecided"
+                assert headers["retry-after"] == "1"
             else:
                 assert status >= 500
+            # A request that reaches no ext_proc at all still fails open: unrouted, not refused.
+            status, headers, _ = post(stack.url, chat([{"role": "user", "content": "after"}]))
+            if LAYOUTS[layout].get("fail_open", True):
+                assert status == 200 and "x-kvroute-decision" not in headers
         finally:
             leave(blocker)

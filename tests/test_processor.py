@@ -11,7 +11,7 @@ from google.protobuf.struct_pb2 import Struct
 from extproc.core.backends import Backend
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.envoy.headers import DESTINATION_HEADER
+from extproc.envoy.headers import DESTINATION_HEADER, PENDING_HEADER
 from extproc.envoy.processor import Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
@@ -63,8 +63,12 @@ def set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
 def test_routes_learns_and_releases(parts):
     router, _, _, processor = parts
     stream = Stream()
-    assert not processor.handle(request_headers(), stream).request_headers.response.HasField("header_mutation")
-    routed = processor.handle(body(), stream).request_body.response.header_mutation
+    marked = processor.handle(request_headers(), stream).request_headers.response
+    # pending until decided: Envoy answers a request still marked 503 should the ext_proc die now
+    assert set_headers(marked.header_mutation) == {PENDING_HEADER: "1"} and marked.clear_route_cache
+    decided = processor.handle(body(), stream).request_body.response
+    routed = decided.header_mutation
+    assert list(routed.remove_headers) == [PENDING_HEADER] and decided.clear_route_cache
     target = set_headers(routed)[DESTINATION_HEADER]
     first, second = target.split(",")
     assert {first, second} == {A, B}
@@ -151,7 +155,7 @@ def test_no_backend_means_no_destination_metadata(parts):
     processor.handle(request_headers(), stream)
     reply = processor.handle(body(), stream)
     assert not reply.HasField("dynamic_metadata")
-    assert list(reply.request_body.response.header_mutation.remove_headers) == [DESTINATION_HEADER]
+    assert list(reply.request_body.response.header_mutation.remove_headers) == [DESTINATION_HEADER, PENDING_HEADER]
 
 
 @pytest.mark.parametrize(
@@ -235,7 +239,7 @@ def test_no_healthy_backend_leaves_routing_to_envoy(parts):
     stream = Stream()
     processor.handle(request_headers(), stream)
     mutation = processor.handle(body(), stream).request_body.response.header_mutation
-    assert not mutation.set_headers and list(mutation.remove_headers) == [DESTINATION_HEADER]
+    assert not mutation.set_headers and list(mutation.remove_headers) == [DESTINATION_HEADER, PENDING_HEADER]
     assert stream.exchange.decision.label == "no_candidates"
 
 

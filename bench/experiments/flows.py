@@ -15,6 +15,9 @@ Shapes:
   tokens per second divided by each flow's weight, and each flow's share.
 - priority: critical requests alone, then the same beside a flood of sheddable ones (objective
   priorities passed to kvroute); the critical TTFT p90 ratio, and how every request was answered.
+- slo: open-loop arrivals at `steady_rate`, half of them sheddable with a TTFT objective
+  (`slo_ttft_ms`); goodput is the objective's requests answered within it, per second, and
+  kvroute's TTFT prediction (x-kvroute-ttft-ms) is scored against the TTFT the client saw.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class FlowsOptions:
     flood_clients: int = 24  # the flooding (or sheddable) flow's clients
     flows: tuple[tuple[str, int], ...] = (("a", 18), ("b", 6))  # backlogged: flow -> clients
     weights: tuple[tuple[str, float], ...] = ()  # backlogged: flow -> weight (kvroute's flow_weights)
+    slo_ttft_ms: float = 1000.0  # slo: the TTFT objective half of the requests carry
     capacity_blocks: int = 2048  # each backend's KV cache, in its blocks
     seed: int = 0
     sim_args: tuple[str, ...] = ()
@@ -109,10 +113,14 @@ def phases(options: FlowsOptions) -> list[Phase]:
         critical = Load("b", rate=options.steady_rate, objective=CRITICAL)
         flood = Load("a", clients=options.flood_clients, objective=SHEDDABLE)
         return [Phase("unloaded", (critical,)), Phase("overload", (critical, flood))]
-    raise ValueError(f"unknown shape {options.shape!r}: noisy-neighbour, backlogged or priority")
+    if options.shape == "slo":
+        half = options.steady_rate / 2
+        slo = Load("slo", rate=half, objective=SHEDDABLE, ttft_ms=options.slo_ttft_ms)
+        return [Phase("slo", (slo, Load("rest", rate=half)))]
+    raise ValueError(f"unknown shape {options.shape!r}: one of {', '.join(SHAPES)}")
 
 
-SHAPES = ("noisy-neighbour", "backlogged", "priority")
+SHAPES = ("noisy-neighbour", "backlogged", "priority", "slo")
 
 
 @dataclass(slots=True)
@@ -217,9 +225,12 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(len(ordered) * q))], 1)
 
 
-def flow_figures(sent: Sequence[Sent], window: tuple[float, float]) -> dict[str, Any]:
+def flow_figures(
+    sent: Sequence[Sent], window: tuple[float, float], objective_ms: float | None = None
+) -> dict[str, Any]:
     """One flow's figures in a phase: latency of what was sent in the window, how everything was
-    answered, tokens per second served by what finished in it."""
+    answered, tokens per second served by what finished in it; with a TTFT objective, the
+    requests sent in the window that were answered within it, per second."""
     begin, end = window
     measured = [s for s in sent if begin <= s.at_s < end]
     ok = [s.record for s in measured if s.record.status == 200]
@@ -238,7 +249,17 @@ def flow_figures(sent: Sequence[Sent], window: tuple[float, float]) -> dict[str,
         "ttft_p99_ms": _percentile(firsts, 0.99),
         "served_tokens_per_s": round(tokens / (end - begin), 1),
         "queued": sum(1 for r in ok if r.decision and r.decision.startswith("queued")),
+        "goodput_per_s": None
+        if objective_ms is None
+        else round(sum(1 for t in firsts if t <= objective_ms) / (end - begin), 3),
+        "ttft_prediction_mae_ms": _prediction_error(ok),
     }
+
+
+def _prediction_error(records: Sequence[Record]) -> float | None:
+    """Mean absolute error of kvroute's TTFT predictions against the client's TTFT (None: none made)."""
+    pairs = [(r.predicted_ttft_ms, r.ttft_ms) for r in records if r.predicted_ttft_ms is not None and r.ttft_ms]
+    return round(sum(abs(p - t) for p, t in pairs) / len(pairs), 1) if pairs else None
 
 
 def jain(values: Sequence[float]) -> float | None:
@@ -256,6 +277,13 @@ def verdict(options: FlowsOptions, figures: dict[str, dict[str, dict[str, Any]]]
 
     if options.shape == "noisy-neighbour":
         return {"b_ttft_p90_flooded_over_alone": ratio("flooded", "alone", "b")}
+    if options.shape == "slo":
+        slo = figures["slo"]["slo"]
+        return {
+            "goodput_per_s": slo["goodput_per_s"],
+            "slo_statuses": slo["statuses"],
+            "ttft_prediction_mae_ms": slo["ttft_prediction_mae_ms"],
+        }
     if options.shape == "priority":
         overload = figures["overload"]
         return {
@@ -309,9 +337,9 @@ def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int
             run = _Run(router.url, phase, prompt_chars, fleet.model, options.output_tokens, options.seed)
             asyncio.run(run.run(options.warmup_s + options.phase_s))
             window = (options.warmup_s, options.warmup_s + options.phase_s)
-            flows = {load.flow for load in phase.loads}
             figures[phase.name] = {
-                flow: flow_figures([s for s in run.sent if s.flow == flow], window) for flow in sorted(flows)
+                load.flow: flow_figures([s for s in run.sent if s.flow == load.flow], window, load.ttft_ms)
+                for load in sorted(phase.loads, key=lambda load: load.flow)
             }
             records += [{**asdict(s.record), "phase": s.phase, "flow": s.flow, "at_s": s.at_s} for s in run.sent]
         exited = router.exited()

@@ -70,6 +70,7 @@ class Record:
     predicted_tokens: int | None = None  # kvroute's prediction of the cached tokens (x-kvroute-cached-tokens)
     decision: str | None = None  # why kvroute chose the backend (x-kvroute-decision)
     output_tokens: int = 0  # tokens generated (usage)
+    predicted_ttft_ms: float | None = None  # kvroute's prediction of the time to first token (x-kvroute-ttft-ms)
     retry_after_s: float | None = None  # a refusal's retry-after
 
 
@@ -116,6 +117,7 @@ async def send(
         async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as response:
             backend = next((response.headers[name] for name in BACKEND_HEADERS if name in response.headers), None)
             predicted = response.headers.get("x-kvroute-cached-tokens")
+            predicted_ttft = response.headers.get("x-kvroute-ttft-ms", "")
             decision = response.headers.get("x-kvroute-decision")
             if response.status != 200:
                 await response.read()
@@ -146,6 +148,7 @@ async def send(
         predicted_tokens=int(predicted) if predicted is not None and predicted.isdigit() else None,
         decision=decision,
         output_tokens=int(usage.get("completion_tokens") or 0),
+        predicted_ttft_ms=float(predicted_ttft) if predicted_ttft.isdigit() else None,
     )
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
 from extproc.core.settings import SESSION_HEADERS, Settings
-from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE
+from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, PENDING_HEADER
 
 BODY_LIMIT = 32 * 1024 * 1024
 MAX_CONNECTIONS = 50_000
@@ -287,7 +287,7 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": _TYPES + "extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}, {"remove": PENDING_HEADER}]},
         },
     }
     ext_proc: dict[str, Any] = {
@@ -319,6 +319,19 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
     return [strip, ext_proc, router] if layout.ext_proc else [strip, router]
 
 
+# A request the ext_proc took but never decided (it died, or its reply timed out, while the body was
+# held): a fail-open Envoy would send it on unrouted, past flow control's queue. Answered 503 instead.
+_PENDING_ROUTE: dict[str, Any] = {
+    "match": {"prefix": "/", "headers": [{"name": PENDING_HEADER, "present_match": True}]},
+    "direct_response": {"status": 503, "body": {"inline_string": "the router did not decide on this request"}},
+    "response_headers_to_add": [
+        {"header": {"key": "retry-after", "value": "1"}},
+        {"header": {"key": "x-kvroute-decision", "value": "undecided"}},
+    ],
+    "request_body_buffer_limit": BODY_LIMIT,
+}
+
+
 def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     """The whole bootstrap as a dict; `layout.ext_proc=False` gives plain round robin (for comparisons)."""
     route = {
@@ -330,12 +343,13 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         },
         "request_body_buffer_limit": BODY_LIMIT,
     }
+    routes = [_PENDING_ROUTE, route] if layout.ext_proc else [route]
     manager = {
         "@type": _TYPES + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvroute",
         "codec_type": "AUTO",
         "request_headers_timeout": "10s",  # a client that never finishes its headers holds nothing for long
-        "route_config": {"name": "llm", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
+        "route_config": {"name": "llm", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": _http_filters(layout),
     }
     listener = {

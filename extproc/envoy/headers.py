@@ -10,3 +10,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 # A gateway may restrict the choice to a subset: metadata namespace SUBSET_NAMESPACE, key SUBSET_KEY.
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# Set on a request while kvroute has it and not yet decided (buffered bodies): if the ext_proc dies
+# or times out meanwhile, a fail-open Envoy would send it on unrouted, past the queue; kvroute's
+# bootstrap answers a request still carrying it with a 503 instead. The decision removes it.
+PENDING_HEADER = "x-kvroute-pending"

@@ -9,7 +9,14 @@ built once: copy one before changing it.
 
 from __future__ import annotations
 
-from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from extproc.envoy.headers import (
+    DESTINATION_HEADER,
+    LB_NAMESPACE,
+    PENDING_HEADER,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
 from extproc.envoy.proto import ext_proc_pb2 as pb
 
 MAX_SUBSET = 4096  # endpoints read from one subset hint
@@ -21,6 +28,32 @@ CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 STRIP_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER]))
+    )
+)
+# The headers reply to an LLM request whose body kvroute will decide on: marked pending (headers.py),
+# with the route matched again, so the mark takes effect; a client's destination header removed.
+PENDING_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(
+                set_headers=[
+                    pb.HeaderValueOption(
+                        header=pb.HeaderValue(key=PENDING_HEADER, raw_value=b"1"),
+                        append_action=pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                    )
+                ],
+                remove_headers=[DESTINATION_HEADER],
+            ),
+            clear_route_cache=True,
+        )
+    )
+)
+# The body reply when routing failed inside kvroute: the request goes on unrouted (fail open), unmarked.
+UNROUTED_BODY = pb.ProcessingResponse(
+    request_body=pb.BodyResponse(
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(remove_headers=[PENDING_HEADER]), clear_route_cache=True
+        )
     )
 )
 PASS_THROUGH = pb.ProcessingMode(request_body_mode=pb.ProcessingMode.NONE, response_header_mode=pb.ProcessingMode.SKIP)
@@ -57,6 +90,17 @@ SHED = pb.ProcessingResponse(
         headers=pb.HeaderMutation(set_headers=[header("retry-after", "1")]),
         body=b"every backend is at its request limit",
         details="kvroute_shed",
+    )
+)
+
+
+# A sheddable request no backend is predicted to serve within its TTFT objective.
+SHED_SLO = pb.ProcessingResponse(
+    immediate_response=pb.ImmediateResponse(
+        status=pb.HttpStatus(code=429),
+        headers=pb.HeaderMutation(set_headers=[header("retry-after", "1"), header("x-kvroute-decision", "shed_slo")]),
+        body=b"no backend is predicted to give the first token within the request's TTFT objective",
+        details="kvroute_shed_slo",
     )
 )
 
@@ -140,8 +184,12 @@ def response_ended(message: pb.ProcessingRequest) -> bool:
 
 
 def destination(target: str) -> pb.HeaderMutation:
-    """The destination header, overwriting whatever a client sent."""
-    return pb.HeaderMutation(set_headers=[header(DESTINATION_HEADER, target)])
+    """The destination header, overwriting whatever a client sent; the request is no longer pending."""
+    return pb.HeaderMutation(set_headers=[header(DESTINATION_HEADER, target)], remove_headers=[PENDING_HEADER])
+
+
+# No destination: none set, a client's removed, the request no longer pending.
+NO_DESTINATION = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER, PENDING_HEADER])
 
 
 def with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.ProcessingResponse:

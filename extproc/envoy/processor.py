@@ -30,7 +30,7 @@ from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, ResponseStart
 from extproc.core.flow import Held, Refusal, State
-from extproc.core.objectives import classify
+from extproc.core.objectives import TTFT_HEADERS, classify
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
 from extproc.envoy import messages as msg
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 256 * 1024
 OFFLOAD_BYTES_PRECISE = 16 * 1024
 LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# The 429 for a decision that refused the request, by its label.
+_REFUSALS = {Label.SHED: msg.SHED, Label.SHED_SLO: msg.SHED_SLO}
 HELD_BYTES = 64 * 1024 * 1024  # a full-duplex body beyond this is routed unread and passed on as it comes
 
 
@@ -339,6 +341,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         except Exception:
             log.exception("ext_proc failed on %s; the request continues unrouted", kind)
             self._metrics.errors.labels("internal").inc()
+            if kind == "request_body":
+                return msg.UNROUTED_BODY
         return msg.CONTINUE[kind]
 
     def _on_request_headers(self, message: pb.HttpHeaders, stream: Stream) -> pb.ProcessingResponse:
@@ -356,7 +360,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._metrics.errors.labels("empty_body").inc()
             return self._routing_reply(stream, None, "request_headers")
         stream.advance(Phase.BODY)
-        return msg.STRIP_HEADERS if spoofed else msg.CONTINUE_HEADERS
+        return msg.PENDING_HEADERS
 
     def _passed_through(self, stream: Stream, spoofed: bool) -> pb.ProcessingResponse:
         """Another path or method: its body is not read and nothing is learned from it, but it
@@ -396,10 +400,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._metrics.errors.labels("no_subset_candidate").inc()
             return msg.NO_CANDIDATE
         common, target = self._decide(stream, body, backends, parsed)
-        if stream.exchange is not None and stream.exchange.decision.label is Label.SHED:
-            return msg.SHED
+        if stream.exchange is not None and stream.exchange.decision.label in _REFUSALS:
+            return _REFUSALS[stream.exchange.decision.label]
         reply = pb.ProcessingResponse()
-        getattr(reply, kind).response.CopyFrom(common)
+        response = getattr(reply, kind).response
+        response.CopyFrom(common)
+        if kind == "request_body":  # the pending mark goes: the route is matched again without it
+            response.clear_route_cache = True
         return msg.with_destination(reply, target)
 
     def _decide(
@@ -420,6 +427,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             else:
                 if read.truncated:
                     self._metrics.errors.labels("prompt_budget").inc()
+                self._ttft_objective(stream, read)
                 exchange = self._router.begin(read, backends, self._clock())
         if exchange is None:
             exchange = self._router.begin_unreadable(backends, self._clock())
@@ -427,10 +435,23 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         decision = exchange.decision
         if decision.backend is None:
-            return pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])), None
+            return pb.CommonResponse(header_mutation=msg.NO_DESTINATION), None
         second = decision.second if self._fallback else None
         target = decision.backend if second is None else f"{decision.backend},{second}"
         return pb.CommonResponse(header_mutation=msg.destination(target)), target
+
+    def _ttft_objective(self, stream: Stream, request: PromptRequest) -> None:
+        """The request's TTFT objective, less what it waited held, and whether it may be refused
+        (its objective's priority is below 0): SLO admission reads them (rules.ttft_objective)."""
+        headers = stream.headers
+        if not any(name in headers for name in TTFT_HEADERS):
+            return
+        request_class = classify(headers, self._priorities(), self._router.settings.tenant_header)
+        if request_class.ttft_s is None:
+            return
+        held = stream.dispatched
+        request.ttft_objective_s = request_class.ttft_s - (0.0 if held is None else self._clock() - held.arrived)
+        request.sheddable = request_class.priority < 0
 
     def _read(self, body: bytes, headers: dict[str, str]) -> Parsed:
         """Parse, tokenize (precise mode) and hash a body, or say why it cannot be routed by it; may
