@@ -328,8 +328,8 @@ class Settings:
     max_backend_requests: int = _setting(
         0,
         "In-flight requests per backend (kvroute's own, other replicas', or the engine's running + "
-        "waiting) at which requests are shed: when every candidate has reached it, a request is "
-        "answered 429 at once instead of queued; 0: never shed.",
+        "waiting) at which it takes no more: when every candidate has reached it, a request is held "
+        "(flow_control) or, with flow control off, answered 429 at once; 0: no limit.",
         NON_NEGATIVE,
         "maxBackendRequests",
     )
