@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     latency = bench.add_parser("latency", help="latency kvroute adds to Envoy, ext_proc CPU per request (JSON lines)")
     latency.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     latency.add_argument("--body-mode", choices=tuple(BODY_MODES), default="buffered")
+    latency.add_argument(
+        "--extproc-arg", action="append", default=[], help="extra `kvroute extproc` flag, e.g. --flow-control=false"
+    )
     latency.set_defaults(run=_latency)
     cancelled = bench.add_parser(
         "cancelled-streams", help="a bare grpc.aio server's RSS per half-closed vs cancelled stream (JSON)"
@@ -208,6 +211,13 @@ def _flows_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kvroute-arg", action="append", default=[], help="extra `kvroute extproc` flag for kvroute's routers"
     )
+    parser.add_argument(
+        "--extproc-replicas",
+        type=int,
+        default=1,
+        help="router replicas: kvroute's ext_procs share through a Redis (kvroute-unshared's do not); a peer's "
+        "independent processes behind an Envoy round robin",
+    )
 
 
 def _flows(args: argparse.Namespace) -> None:
@@ -233,6 +243,7 @@ def _flows(args: argparse.Namespace) -> None:
         sim_args=tuple(args.sim_arg),
         envoy_graceful_close=not args.envoy_reset_streams,
         extra_kvroute_args=tuple(args.kvroute_arg),
+        replicas=args.extproc_replicas,
     )
     results = flows.run(options)
     print((args.out / "summary.md").read_text())
@@ -376,7 +387,7 @@ def _stall(_args: argparse.Namespace) -> None:
 def _latency(args: argparse.Namespace) -> None:
     from bench.experiments import latency
 
-    latency.main(args.requests, args.body_mode)
+    latency.main(args.requests, args.body_mode, tuple(args.extproc_arg))
 
 
 def _cancelled_streams(args: argparse.Namespace) -> None:

@@ -44,6 +44,14 @@ def test_backlogged_verdict_divides_by_weight():
     assert verdict["jain_weighted"] == 1.0 and verdict["shares"] == {"a": 0.667, "b": 0.333}
 
 
+def test_a_router_may_name_its_own_kvroute_flags():
+    assert flows.router_spec("kvroute") == ("kvroute", ())
+    assert flows.router_spec("kvroute:--max-backend-requests=4,--saturation-waiting=2") == (
+        "kvroute",
+        ("--max-backend-requests=4", "--saturation-waiting=2"),
+    )
+
+
 def test_the_flags_parse_flows_and_weights():
     assert flows.parse_counts("a:18, b:6") == (("a", 18), ("b", 6))
     assert flows.parse_weights("a=2,b=0.5") == (("a", 2.0), ("b", 0.5))

@@ -522,3 +522,32 @@ def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Pa
                 assert status == 200 and "x-kvroute-decision" not in headers
         finally:
             leave(blocker)
+
+
+@pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
+def test_slo_admission_refuses_a_sheddable_request_predicted_late_and_routes_the_rest(tmp_path: Path, layout: str):
+    """A simulated backend publishing KV events: kvroute times the prefill of the streamed
+    requests it sends, and once it has the evidence predicts each one's time to first token
+    (`x-kvroute-ttft-ms`). A sheddable request whose objective no backend can meet gets 429
+    `shed_slo`; one that may not be shed is routed anyway; one without an objective as ever."""
+    args = ["--objective-priorities", "batch=-1"]
+    sim = ["--kv-events", "--token-s", "0.0001", "--step-s", "0.001"]
+    with Stack(tmp_path, sims=1, sim_args=sim, extproc_args=args, **LAYOUTS[layout]) as stack:
+        eventually(
+            lambda: stack.debug_state().get("kv_events", {}).get(stack.backends[0], "").startswith("subscribed"),
+            message="subscribed to the simulator's KV events",
+        )
+        for i in range(12):  # prompts of about 1,500 tokens each, one at a time: 12 observations
+            body = chat([{"role": "user", "content": f"{i} " + text(random.Random(i), 6000)}], stream=True)
+            status, _, _ = post(stack.url, body)
+            assert status == 200
+        eventually(lambda: metric(stack.admin_url, "kvroute_ttft_observations_total") >= 8, message="prefills timed")
+        late = {"x-slo-ttft-ms": "1", "x-gateway-inference-objective": "batch"}
+        body = chat([{"role": "user", "content": "late " + text(random.Random(99), 6000)}], stream=True)
+        status, headers, _ = post(stack.url, body, late)
+        assert status == 429 and headers["x-kvroute-decision"] == "shed_slo" and headers["retry-after"] == "1"
+        assert metric(stack.admin_url, 'kvroute_decisions_total{decision="shed_slo"}') == 1
+        status, headers, _ = post(stack.url, body, {"x-slo-ttft-ms": "1"})  # not sheddable: served late
+        assert status == 200 and int(headers["x-kvroute-ttft-ms"]) > 1
+        status, headers, _ = post(stack.url, body)
+        assert status == 200 and "x-kvroute-ttft-ms" in headers

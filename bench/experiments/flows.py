@@ -100,6 +100,7 @@ class FlowsOptions:
     sim_args: tuple[str, ...] = ()
     envoy_graceful_close: bool = True
     extra_kvroute_args: tuple[str, ...] = ()  # settings every kvroute router of the run gets, e.g. a tighter cap
+    replicas: int = 1  # router processes: kvroute's ext_procs (sharing through Redis; kvroute-unshared: not)
 
 
 def phases(options: FlowsOptions) -> list[Phase]:
@@ -320,13 +321,21 @@ def start_fleet(options: FlowsOptions) -> Fleet:
     return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, SIM_BLOCK_TOKENS, longest)
 
 
+def router_spec(name: str) -> tuple[str, tuple[str, ...]]:
+    """'kvroute:--max-backend-requests=4,--saturation-waiting=2' -> the router and its own extra
+    ext_proc flags, so one run compares kvroute under several settings side by side."""
+    base, _, flags = name.partition(":")
+    return base, tuple(flag for flag in flags.split(",") if flag)
+
+
 def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int) -> dict[str, Any]:
     """Every phase of the shape through one router, idle backends and empty caches before each."""
-    workdir = options.out / "logs" / name
+    base, flags = router_spec(name)
+    workdir = options.out / "logs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
     fleet.reset()
     router = peers.start(
-        name, fleet.backends, workdir, replicas=1, graceful_close=options.envoy_graceful_close,
-        extproc_args=kvroute_args(options),
+        base, fleet.backends, workdir, replicas=options.replicas, graceful_close=options.envoy_graceful_close,
+        extproc_args=(*kvroute_args(options), *flags),
     )  # fmt: skip
     figures: dict[str, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
@@ -356,6 +365,7 @@ def summary(results: dict[str, Any]) -> str:
     """A markdown table: per router, phase and flow."""
     lines = [
         f"shape {results['shape']}, {results['backends']} {results['backend_kind']} backends, "
+        f"{results['replicas']} router replica(s), "
         f"{results['prompt_tokens']}-token unique prompts, {results['output_tokens']} output tokens, "
         f"{results['phase_s']:g} s measured per phase after {results['warmup_s']:g} s",
         "",
@@ -405,6 +415,7 @@ def run(options: FlowsOptions) -> dict[str, Any]:
         "phase_s": options.phase_s,
         "warmup_s": options.warmup_s,
         "seed": options.seed,
+        "replicas": options.replicas,
         "kvroute_args": list(kvroute_args(options)),
         "phases": [{"name": p.name, "loads": [asdict(load) for load in p.loads]} for p in phases(options)],
         "routers": rows,

@@ -84,22 +84,29 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def measure(requests: int, workdir: Path, body_mode: str = "buffered") -> list[dict[str, Any]]:
+def measure(
+    requests: int, workdir: Path, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """Both stacks over one set of backends; one row per case (body size, concurrency, streamed
     tokens). `body_mode` full_duplex configures kvroute's Envoy as endpoint-picker gateways do
     (bodies streamed both ways, the destination read from `envoy.lb` metadata); full_duplex_request
-    streams only the request."""
+    streams only the request. `extproc_args`: settings for the ext_proc (flow control off, say)."""
     results = []
     for pacing, cases in CASES.items():
-        results += _measure_cases(requests, workdir / pacing, body_mode, SIM_ARGS[pacing], cases)
+        results += _measure_cases(requests, workdir / pacing, body_mode, SIM_ARGS[pacing], cases, extproc_args)
     return results
 
 
 def _measure_cases(
-    requests: int, workdir: Path, body_mode: str, sim_args: list[str], cases: list[tuple[int, int, int]]
+    requests: int,
+    workdir: Path,
+    body_mode: str,
+    sim_args: list[str],
+    cases: list[tuple[int, int, int]],
+    extproc_args: tuple[str, ...],
 ) -> list[dict[str, Any]]:
     results = []
-    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=sim_args, **layout_for(body_mode))
+    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=sim_args, extproc_args=extproc_args, **layout_for(body_mode))
     plain = Stack(workdir / "plain", backends=kvroute.backends, ext_proc=False)
     with kvroute, plain:
         extproc_pid = kvroute.processes["extproc"].pid
@@ -129,7 +136,7 @@ def _measure_cases(
     return results
 
 
-def main(requests: int, body_mode: str = "buffered") -> None:
+def main(requests: int, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()) -> None:
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp:
-        for row in measure(requests, Path(tmp), body_mode):
+        for row in measure(requests, Path(tmp), body_mode, extproc_args):
             print(orjson.dumps(row).decode(), flush=True)
