@@ -79,7 +79,9 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     clock = time.monotonic
     room = WaitingRoom(
         lambda: router.settings,
-        lambda backends: has_room(router.loads, [b.address for b in backends if b.healthy], router.settings, clock()),
+        lambda backends: has_room(
+            router.loads, [b.address for b in backends if b.healthy], router.settings, clock(), router.block_tokens()
+        ),
         WaitingRoomMetrics(metrics.registry),
         clock,
     )

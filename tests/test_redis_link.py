@@ -260,3 +260,24 @@ async def test_flow_controls_fairness_and_bound_hold_for_the_fleet(redis_server)
         await first.stop(clean=False)  # a sibling that dies: its share stops counting
         await until(lambda: second.queue._peer_held == 0 and not second.queue._peer_attained)
         assert isinstance(second.queue.hold(0, "c", 1, 1, now=21), Held)
+
+
+@in_loop
+async def test_with_the_store_away_each_replica_falls_back_to_its_own_share_and_bound(redis_server):
+    async with replicas(redis_server, 2) as (first, second):
+        for i in range(3):
+            first.queue.hold(0, "a", 100, 1, now=i)
+        first.queue.pop()  # "a" served 100 through the first replica; two still held there
+        await until(lambda: second.queue._peer_attained.get(0, {}).get("a") == 100.0 and second.queue._peer_held == 2)
+        redis_server.stop()
+        await until(lambda: not second.link.connected)
+        assert second.link.warnings() and "replica store" in second.link.warnings()[0]  # /readyz says so
+        # What the siblings last said no longer counts: this replica's share and bound are its own.
+        await until(lambda: second.queue._peer_held == 0 and not second.queue._peer_attained)
+        second.queue.hold(0, "a", 100, 1, now=10)
+        second.queue.hold(0, "b", 100, 1, now=10)
+        assert second.queue.pop().flow == "a"  # first come: "a" has attained nothing here
+        for i in range(9):
+            assert isinstance(second.queue.hold(0, "c", 1, 1, now=11 + i), Held)  # 10 held here alone
+        redis_server.start()
+        await until(lambda: first.link.connected and second.link.connected, timeout_s=20)

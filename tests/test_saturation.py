@@ -50,3 +50,20 @@ def test_room_while_any_candidate_has_it():
     assert has_room(loads, ["a", "b"], SETTINGS, 10)
     assert not has_room(loads, ["a"], SETTINGS, 10)
     assert not has_room(loads, [], SETTINGS, 10)
+
+
+def test_a_prefill_backlog_saturates_when_set_and_drains_as_the_engine_stores_it():
+    loads = LoadTracker()
+    load = loads.get("a")
+    gated = Settings(hash_key=bytes(16), saturation_prefill_tokens=1000)
+    first = loads.reserve("a", 4)  # 4 blocks of 128 tokens still to prefill: 512
+    assert not saturated(load, gated, 0, block_tokens=128)
+    second = loads.reserve("a", 4)
+    assert saturated(load, gated, 0, block_tokens=128)  # 1,024 tokens queued
+    assert not saturated(load, SETTINGS, 0, block_tokens=128)  # off by default
+    load.peer_reserved = 0
+    first.drain(4)  # the engine stored its blocks: decoding does not count
+    assert not saturated(load, gated, 0, block_tokens=128)
+    load.peer_reserved = 4  # another replica's backlog here counts the same
+    assert saturated(load, gated, 0, block_tokens=128)
+    second.finish()

@@ -140,3 +140,10 @@ def test_without_evidence_a_request_with_an_objective_is_routed_as_any_other():
     router = Router(Settings(hash_key=b"test-key-16bytes"))
     decision = router.begin(prompt(11, objective_s=0.001, sheddable=True), FLEET, 0.0).decision
     assert decision.backend is not None
+
+
+def test_slo_admission_off_routes_requests_with_objectives_as_any_other():
+    router = slow_and_fast()
+    router.reconfigure(Settings(hash_key=b"test-key-16bytes", slo_admission=False))
+    decision = router.begin(prompt(12, objective_s=0.001, sheddable=True), FLEET, 300.0).decision
+    assert decision.backend is not None and decision.label is not Label.SHED_SLO

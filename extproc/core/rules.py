@@ -120,7 +120,7 @@ def backend_limit(inputs: DecisionInputs, candidates: list[CandidateCost]) -> li
 def ttft_objective(inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]:
     """Keep the candidates predicted to give the first token within the request's objective."""
     objective, model = inputs.ttft_objective_s, inputs.ttft
-    if objective is None or model is None:
+    if objective is None or model is None or not inputs.settings.slo_admission:
         return candidates
     load_of = inputs.loads.get
     in_time: list[CandidateCost] = []

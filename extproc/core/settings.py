@@ -355,6 +355,21 @@ class Settings:
         Bounds(minimum=0, exclusive_minimum=True, maximum=1),
         "saturationKVUsage",
     )
+    saturation_prefill_tokens: int = _setting(
+        0,
+        "Prompt tokens a backend still has to prefill for the requests sent to it (every replica's, as "
+        "kvroute tracks them until the engine reports them stored) at which it is saturated. A low value "
+        "keeps each engine's prefill backlog short, so a request of another flow or a higher priority "
+        "held meanwhile starts soon after it is dispatched; 0: not a signal.",
+        NON_NEGATIVE,
+        "saturationPrefillTokens",
+    )
+    slo_admission: bool = _setting(
+        True,
+        "Send a request with a TTFT objective (x-llm-d-slo-ttft-ms) only where its first token is predicted "
+        "in time, and refuse a sheddable one (429) where it is predicted nowhere.",
+        policy="sloAdmission",
+    )
     queue_max_requests: int = _setting(
         1024,
         "Requests flow control holds at most, in all priority bands together; when full, the newest "
