@@ -172,6 +172,10 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "first backend, back to back (traffic no router sees); the engines' hit rate then includes it, the "
         "'own requests' column does not (default: 0, none)",
     )
+    _replicas_argument(parser)
+
+
+def _replicas_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--extproc-replicas",
         type=int,
@@ -211,13 +215,7 @@ def _flows_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kvroute-arg", action="append", default=[], help="extra `kvroute extproc` flag for kvroute's routers"
     )
-    parser.add_argument(
-        "--extproc-replicas",
-        type=int,
-        default=1,
-        help="router replicas: kvroute's ext_procs share through a Redis (kvroute-unshared's do not); a peer's "
-        "independent processes behind an Envoy round robin",
-    )
+    _replicas_argument(parser)
 
 
 def _flows(args: argparse.Namespace) -> None:
