@@ -24,38 +24,47 @@ FLEET = [Backend(A), Backend(B)]
 def test_the_fit_recovers_a_fixed_cost_and_a_rate_and_waits_for_evidence():
     model = TTFTModel()
     for i in range(EVIDENCE - 1):
-        model.observe(A, 10 * i, 0.05 + 0.002 * 10 * i, None)
-    assert model.predict(A, 100) is None  # not enough evidence yet: admission lets requests through
-    model.observe(A, 70, 0.05 + 0.002 * 70, None)
-    assert model.predict(A, 100) == pytest.approx(0.05 + 0.2)
-    assert model.predict(B, 100) is None  # another backend has its own evidence
+        model.observe(A, 10 * i, 1, 0.05 + 0.002 * 10 * i, None)
+    assert model.predict(A, 100, 1) is None  # not enough evidence yet: admission lets requests through
+    model.observe(A, 70, 1, 0.05 + 0.002 * 70, None)
+    assert model.predict(A, 100, 1) == pytest.approx(0.05 + 0.2)
+    assert model.predict(B, 100, 1) is None  # another backend has its own evidence
+
+
+def test_requests_sharing_the_engines_steps_are_a_cost_of_their_own():
+    model = TTFTModel()
+    for i in range(30):  # work and company vary apart: both are told
+        work, company = 5 + i % 7, (i * 3) % 11
+        model.observe(A, work, company, 0.1 + 0.02 * work + 0.05 * company, None)
+    assert model.predict(A, 10, 0) == pytest.approx(0.3)
+    assert model.predict(A, 10, 12) == pytest.approx(0.9)
 
 
 def test_a_backend_that_slows_down_is_followed_within_a_few_dozen_requests():
     model = TTFTModel()
     for i in range(40):
-        model.observe(A, 10 + i % 20, 0.001 * (10 + i % 20), None)
-    assert model.predict(A, 20) == pytest.approx(0.02, rel=0.01)
+        model.observe(A, 10 + i % 20, 0, 0.001 * (10 + i % 20), None)
+    assert model.predict(A, 20, 0) == pytest.approx(0.02, rel=0.01)
     for i in range(60):  # now four times slower per block
-        model.observe(A, 10 + i % 20, 0.004 * (10 + i % 20), None)
-    assert model.predict(A, 20) == pytest.approx(0.08, rel=0.1)
+        model.observe(A, 10 + i % 20, 0, 0.004 * (10 + i % 20), None)
+    assert model.predict(A, 20, 0) == pytest.approx(0.08, rel=0.1)
 
 
 def test_the_same_work_every_time_gives_a_rate_and_nonsense_is_ignored():
     model = TTFTModel()
     for _ in range(EVIDENCE):
-        model.observe(A, 50, 0.5, None)
-    model.observe(A, 50, -1.0, None)  # a clock step
-    model.observe(A, 50, math.inf, None)
-    model.observe(A, -3, 0.5, None)
-    assert model.predict(A, 100) == pytest.approx(1.0)
+        model.observe(A, 50, 2, 0.5, None)
+    model.observe(A, 50, 2, -1.0, None)  # a clock step
+    model.observe(A, 50, 2, math.inf, None)
+    model.observe(A, -3, 2, 0.5, None)
+    assert model.predict(A, 100, 2) == pytest.approx(1.0)
     assert model.observed == EVIDENCE
 
 
 def test_predictions_made_are_scored_against_what_happened():
     model = TTFTModel()
-    model.observe(A, 10, 0.3, predicted=0.2)
-    model.observe(A, 10, 0.3, predicted=None)
+    model.observe(A, 10, 0, 0.3, predicted=0.2)
+    model.observe(A, 10, 0, 0.3, predicted=None)
     assert (model.observed, model.predicted) == (2, 1) and model.error_seconds == pytest.approx(0.1)
 
 
@@ -95,7 +104,7 @@ def test_the_engines_events_teach_the_model_and_responses_report_its_prediction(
     assert router.ttft.observed == EVIDENCE
     exchange = router.begin(prompt(99), [Backend(A)], 100.0)
     reservation = exchange.reservation
-    assert reservation is not None and reservation.predicted_s == pytest.approx(0.01 * reservation.work)
+    assert reservation is not None and reservation.predicted_s == pytest.approx(0.01 * reservation.work, rel=1e-6)
     outcome = router.response_started(exchange, ok(A), 100.0)
     assert ("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))) in outcome.headers
     exchange.end()

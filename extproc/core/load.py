@@ -129,6 +129,7 @@ class Reservation:
         "_load",
         "backend",
         "blocks",
+        "in_flight",
         "learned_at",
         "pending",
         "predicted_s",
@@ -142,9 +143,11 @@ class Reservation:
         self.pending = blocks  # prefill blocks still reserved
         self.learned_at: float | None = None  # when kvroute learned the backend took it
         # For the time to first token (ttft.py): when it was sent, the prefill blocks it found
-        # ahead plus its own, and the seconds predicted then (None: no prediction).
+        # ahead plus its own, the requests in flight there then, and the seconds predicted then
+        # (None: no prediction).
         self.sent_at = 0.0
         self.work = blocks
+        self.in_flight = 0
         self.predicted_s: float | None = None
         self._load = load
         self._active_held = True

@@ -207,10 +207,10 @@ class Router:
         if decision.backend is not None:
             self._place_home(request, decision.backend, decision.candidates)
             load = self.loads.get(decision.backend)
-            ahead = load.reserved_blocks + load.peer_reserved
+            ahead, in_flight = load.reserved_blocks + load.peer_reserved, load.requests(now)
             reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
-            reservation.sent_at, reservation.work = now, ahead + reservation.blocks
-            reservation.predicted_s = self.ttft.predict(decision.backend, reservation.work)
+            reservation.sent_at, reservation.work, reservation.in_flight = now, ahead + reservation.blocks, in_flight
+            reservation.predicted_s = self.ttft.predict(decision.backend, reservation.work, in_flight)
             predicted = self.mode.routed(request, decision, reservation, now)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, reservation, predicted, self.bytes_per_token)
@@ -398,7 +398,11 @@ class Router:
         if now is not None:  # the batch arrived now: each request it completes had its first token about then
             for reservation in prefilled:
                 self.ttft.observe(
-                    reservation.backend, reservation.work, now - reservation.sent_at, reservation.predicted_s
+                    reservation.backend,
+                    reservation.work,
+                    reservation.in_flight,
+                    now - reservation.sent_at,
+                    reservation.predicted_s,
                 )
         prefilled.clear()
 

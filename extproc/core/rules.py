@@ -126,7 +126,7 @@ def ttft_objective(inputs: DecisionInputs, candidates: list[CandidateCost]) -> l
     in_time: list[CandidateCost] = []
     soonest, soonest_s = None, float("inf")
     for c in candidates:
-        seconds = model.predict(c.backend, c.reserved + load_of(c.backend).peer_reserved + c.novel)
+        seconds = model.predict(c.backend, c.reserved + load_of(c.backend).peer_reserved + c.novel, c.active)
         if seconds is None or seconds <= objective:
             in_time.append(c)
         elif seconds < soonest_s:

@@ -1,13 +1,16 @@
 """Time to first token, predicted per backend from the prefill work a request finds ahead of it.
 
 A request sent to a backend waits for the prefill already reserved there (every replica's) and
-then computes its own uncached blocks. kvroute sees when that is done where it follows the
-engine's progress: the KV events that store a request's blocks drain its reservation (load.py),
-so each such request is one observation of (work blocks at dispatch, seconds until its prefill
-was stored). Per backend the seconds are fitted as a line in the work, `a + b * work` (a: the
-engine's fixed cost per request, tokenizing and scheduling; b: seconds per block of prefill in
-the batches it runs), by least squares over decayed sums, so the last few dozen requests count
-and a backend that slows down (longer batches, other tenants) is followed within them.
+then computes its own uncached blocks, in engine steps it shares with every request running
+there. kvroute sees when that is done where it follows the engine's progress: the KV events that
+store a request's blocks drain its reservation (load.py), so each such request is one
+observation of (work blocks at dispatch, requests in flight there at dispatch, seconds until its
+prefill was stored). Per backend the seconds are fitted as `a + b * work + c * in_flight` (a: the
+engine's fixed cost per request, tokenizing and scheduling; b: seconds per block of prefill; c:
+what each request sharing the steps adds) by least squares over decayed sums, so the last few
+dozen requests count and a backend that slows down is followed within them. Where the two
+inputs cannot be told apart (they moved together, or one never moved), or the fit would make
+either cost negative, the line in the work alone is used.
 
 No prediction is made before `EVIDENCE` observations: admission then lets the request through
 (fail open), counted as unpredicted. The same observations report the prediction's error.
@@ -25,28 +28,50 @@ MAX_SECONDS = 600.0  # an observation beyond this is a stalled or lost request, 
 @dataclass(slots=True)
 class _Fit:
     n: int = 0  # observations seen
-    s0: float = 0.0  # decayed sums: weight, x, y, x*x, x*y
+    s0: float = 0.0  # decayed sums: weight; x (work), z (in flight), y (seconds); their products
     sx: float = 0.0
+    sz: float = 0.0
     sy: float = 0.0
     sxx: float = 0.0
+    sxz: float = 0.0
+    szz: float = 0.0
     sxy: float = 0.0
+    szy: float = 0.0
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, x: float, z: float, y: float) -> None:
         self.n += 1
-        self.s0 = DECAY * self.s0 + 1
-        self.sx = DECAY * self.sx + x
-        self.sy = DECAY * self.sy + y
-        self.sxx = DECAY * self.sxx + x * x
-        self.sxy = DECAY * self.sxy + x * y
+        d = DECAY
+        self.s0 = d * self.s0 + 1
+        self.sx = d * self.sx + x
+        self.sz = d * self.sz + z
+        self.sy = d * self.sy + y
+        self.sxx = d * self.sxx + x * x
+        self.sxz = d * self.sxz + x * z
+        self.szz = d * self.szz + z * z
+        self.sxy = d * self.sxy + x * y
+        self.szy = d * self.szy + z * y
 
-    def line(self) -> tuple[float, float]:
-        """(intercept, slope), both at least 0: more work never predicts less time."""
-        mean_x, mean_y = self.sx / self.s0, self.sy / self.s0
-        spread = self.sxx / self.s0 - mean_x * mean_x
-        if spread <= 1e-9 * max(1.0, mean_x * mean_x):  # every request found the same work: a rate through 0
-            return 0.0, mean_y / mean_x if mean_x > 0 else 0.0
-        slope = max(0.0, (self.sxy / self.s0 - mean_x * mean_y) / spread)
-        intercept = mean_y - slope * mean_x
+    def plane(self) -> tuple[float, float, float]:
+        """(a, b, c) of `a + b * work + c * in_flight`, each at least 0."""
+        w = self.s0
+        mx, mz, my = self.sx / w, self.sz / w, self.sy / w
+        cxx, czz, cxz = self.sxx / w - mx * mx, self.szz / w - mz * mz, self.sxz / w - mx * mz
+        cxy, czy = self.sxy / w - mx * my, self.szy / w - mz * my
+        det = cxx * czz - cxz * cxz
+        if det > 1e-6 * max(1e-12, cxx * czz):
+            b = (cxy * czz - czy * cxz) / det
+            c = (czy * cxx - cxy * cxz) / det
+            a = my - b * mx - c * mz
+            if a >= 0 and b >= 0 and c >= 0:
+                return a, b, c
+        return (*self._line(mx, my, cxx, cxy), 0.0)
+
+    def _line(self, mx: float, my: float, spread: float, cov: float) -> tuple[float, float]:
+        """(a, b) of the line in the work alone, both at least 0."""
+        if spread <= 1e-9 * max(1.0, mx * mx):  # every request found the same work: a rate through 0
+            return 0.0, my / mx if mx > 0 else 0.0
+        slope = max(0.0, cov / spread)
+        intercept = my - slope * mx
         if intercept < 0:  # a line through the origin fits better than a negative fixed cost
             return 0.0, self.sxy / self.sxx
         return intercept, slope
@@ -63,23 +88,27 @@ class TTFTModel:
         self.predicted = 0  # of those, made with a prediction at dispatch
         self.error_seconds = 0.0  # their summed absolute error
 
-    def predict(self, backend: str, work_blocks: float) -> float | None:
-        """Seconds until a request sent now with this much work (ahead of it plus its own) has
-        its first token; None while the backend has too few observations."""
+    def predict(self, backend: str, work_blocks: float, in_flight: int) -> float | None:
+        """Seconds until a request sent now with this much work (ahead of it plus its own), beside
+        `in_flight` other requests there, has its first token; None while the backend has too few
+        observations."""
         fit = self._fits.get(backend)
         if fit is None or fit.n < EVIDENCE:
             return None
-        intercept, slope = fit.line()
-        return intercept + slope * work_blocks
+        a, b, c = fit.plane()
+        return a + b * work_blocks + c * in_flight
 
-    def observe(self, backend: str, work_blocks: float, seconds: float, predicted: float | None) -> None:
-        """A request sent with this much work had its prefill stored after this many seconds."""
-        if not 0 <= seconds <= MAX_SECONDS or work_blocks < 0:
+    def observe(
+        self, backend: str, work_blocks: float, in_flight: int, seconds: float, predicted: float | None
+    ) -> None:
+        """A request sent with this much work, beside `in_flight` others, had its prefill stored
+        after this many seconds."""
+        if not 0 <= seconds <= MAX_SECONDS or work_blocks < 0 or in_flight < 0:
             return
         fit = self._fits.get(backend)
         if fit is None:
             fit = self._fits[backend] = _Fit()
-        fit.add(work_blocks, seconds)
+        fit.add(work_blocks, in_flight, seconds)
         self.observed += 1
         if predicted is not None:
             self.predicted += 1
@@ -92,6 +121,6 @@ class TTFTModel:
         """Blocks changed meaning (another index mode or block size): every fit starts again."""
         self._fits.clear()
 
-    def lines(self) -> dict[str, tuple[float, float]]:
-        """backend -> (seconds, seconds per block) where predictions are made, for /debug/state."""
-        return {b: f.line() for b, f in self._fits.items() if f.n >= EVIDENCE}
+    def planes(self) -> dict[str, tuple[float, float, float]]:
+        """backend -> (seconds, per block, per request in flight) where predictions are made."""
+        return {b: f.plane() for b, f in self._fits.items() if f.n >= EVIDENCE}
