@@ -52,6 +52,7 @@ CRITICAL, SHEDDABLE = "critical", "sheddable"
 PRIORITIES = f"{CRITICAL}=10,{SHEDDABLE}=-1"  # kvroute's objective_priorities for the priority shape
 SETTLE_S = 120.0  # a phase waits at most this long for the backends to finish the last one's work
 RETRY_CAP_S = 1.0  # a refused closed-loop client waits its retry-after, at most this long
+UNFINISHED = "unfinished at the phase's end"  # the error of a request still unanswered when its phase ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +160,12 @@ class _Run:
     async def one(self, session: aiohttp.ClientSession, load: Load, rng: random.Random, start: float) -> Record:
         at = time.monotonic() - start
         request = TraceRequest(len(self.sent), 0.0, 0, self.output_tokens)
-        record = await send(session, self.url, request, self.body(rng), load.headers())
+        try:
+            record = await send(session, self.url, request, self.body(rng), load.headers())
+        except asyncio.CancelledError:  # still unanswered when the phase ended: counted, never dropped
+            unfinished = Record(request.index, 0, None, 0.0, 0, 0, None, UNFINISHED)
+            self.sent.append(Sent(self.phase.name, load.flow, at, time.monotonic() - start, unfinished))
+            raise
         self.sent.append(Sent(self.phase.name, load.flow, at, time.monotonic() - start, record))
         return record
 
@@ -240,7 +246,7 @@ def flow_figures(
     tokens = sum(r.prompt_tokens - r.cached_tokens + r.output_tokens for r in served)
     statuses: dict[str, int] = {}
     for s in measured:
-        key = str(s.record.status) if s.record.status else "lost"
+        key = str(s.record.status) if s.record.status else ("unfinished" if s.record.error == UNFINISHED else "lost")
         statuses[key] = statuses.get(key, 0) + 1
     return {
         "sent": len(measured),
