@@ -156,3 +156,20 @@ def test_slo_admission_off_routes_requests_with_objectives_as_any_other():
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", slo_admission=False))
     decision = router.begin(prompt(12, objective_s=0.001, sheddable=True), FLEET, 300.0).decision
     assert decision.backend is not None and decision.label is not Label.SHED_SLO
+
+
+def test_predictions_are_scaled_to_the_engines_own_time_to_first_token():
+    model = TTFTModel()
+    model.engine(A, 0.0, 0)
+    for _ in range(EVIDENCE):
+        model.observe(A, 10, 0, 0.5, None)  # kvroute sees each prefill stored after 0.5 s
+    assert model.predict(A, 10, 0) == pytest.approx(0.5)
+    model.engine(A, 2 * EVIDENCE * 1.0, 2 * EVIDENCE)  # the engine counted 1.0 s for each first token
+    assert model.scale(A) == pytest.approx(2.0)
+    assert model.predict(A, 10, 0) == pytest.approx(1.0)
+    model.engine(A, 0.0, 0)  # a restart: the counters start again, the scale is kept until a window closes
+    assert model.scale(A) == pytest.approx(2.0)
+    for _ in range(3):
+        model.observe(A, 10, 0, 0.5, None)
+    model.engine(A, 100.0, 3)  # too few of either: no window yet
+    assert model.scale(A) == pytest.approx(2.0)

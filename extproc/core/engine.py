@@ -48,3 +48,5 @@ class EngineSample:
     prompt_tokens: float | None = None  # vllm:request_prompt_tokens_sum: prompt tokens of finished requests
     cache_queries: float | None = None  # vllm:prefix_cache_queries_total: prompt tokens looked up
     cache_hits: float | None = None  # vllm:prefix_cache_hits_total: of those, found cached
+    ttft_sum: float | None = None  # vllm:time_to_first_token_seconds_sum: the engine's own first-token times
+    ttft_count: float | None = None  # vllm:time_to_first_token_seconds_count

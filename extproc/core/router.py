@@ -369,6 +369,8 @@ class Router:
             self.set_backend_capacity(backend, sample.cache_tokens)
         if sample.cache_queries is not None and sample.cache_hits is not None:
             self.trust.engine(backend, sample.cache_queries, sample.cache_hits)
+        if sample.ttft_sum is not None and sample.ttft_count is not None:
+            self.ttft.engine(backend, sample.ttft_sum, sample.ttft_count)
         if sample.prompt_tokens is not None:
             self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens)
         self.mode.engine_sample(backend, sample)

@@ -12,6 +12,13 @@ dozen requests count and a backend that slows down is followed within them. Wher
 inputs cannot be told apart (they moved together, or one never moved), or the fit would make
 either cost negative, the line in the work alone is used.
 
+What kvroute sees stored is the engine's prefill; a client waits longer (the server's front end
+parses and tokenizes first, and a busy server streams the first token late). The engine's own
+time to first token (`vllm:time_to_first_token_seconds`, from the request's arrival at its
+server) comes with each load scrape: per backend, the ratio of its mean to the mean of kvroute's
+observations over the same window (at least `WINDOW_REQUESTS` of each) scales the predictions,
+decayed over windows, so a prediction is in the engine's seconds.
+
 No prediction is made before `EVIDENCE` observations: admission then lets the request through
 (fail open), counted as unpredicted. The same observations report the prediction's error.
 """
@@ -23,6 +30,35 @@ from dataclasses import dataclass
 DECAY = 0.95  # each observation keeps this share of the sums before it: about the last 20-40 count
 EVIDENCE = 8  # observations of a backend before its predictions are acted on
 MAX_SECONDS = 600.0  # an observation beyond this is a stalled or lost request, not a prefill
+WINDOW_REQUESTS = 4  # first tokens the engine and kvroute each counted before a window's ratio is taken
+SCALE_WEIGHT = 0.3  # a new window's share of the scale
+SCALE_BOUNDS = (0.5, 20.0)  # a ratio outside these is a mismatch of windows, not a front end
+
+
+@dataclass(slots=True)
+class _Scale:
+    """The engine's first-token counters at the window's start, and kvroute's own since then."""
+
+    engine_sum: float
+    engine_count: float
+    own_sum: float = 0.0
+    own_count: int = 0
+    value: float = 1.0
+    windows: int = 0
+
+    def window(self, engine_sum: float, engine_count: float) -> None:
+        """A new sample of the engine's counters: close the window once both sides counted enough."""
+        count = engine_count - self.engine_count
+        if count < 0 or engine_sum < self.engine_sum:  # a restart: start again from here
+            self.engine_sum, self.engine_count, self.own_sum, self.own_count = engine_sum, engine_count, 0.0, 0
+            return
+        if count < WINDOW_REQUESTS or self.own_count < WINDOW_REQUESTS or self.own_sum <= 0:
+            return
+        ratio = ((engine_sum - self.engine_sum) / count) / (self.own_sum / self.own_count)
+        ratio = min(max(ratio, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+        self.value = ratio if not self.windows else (1 - SCALE_WEIGHT) * self.value + SCALE_WEIGHT * ratio
+        self.windows += 1
+        self.engine_sum, self.engine_count, self.own_sum, self.own_count = engine_sum, engine_count, 0.0, 0
 
 
 @dataclass(slots=True)
@@ -80,10 +116,11 @@ class _Fit:
 class TTFTModel:
     """Per backend: the fitted line, and the error of the predictions it made."""
 
-    __slots__ = ("_fits", "error_seconds", "observed", "predicted")
+    __slots__ = ("_fits", "_scales", "error_seconds", "observed", "predicted")
 
     def __init__(self) -> None:
         self._fits: dict[str, _Fit] = {}
+        self._scales: dict[str, _Scale] = {}
         self.observed = 0  # observations (every request whose prefill kvroute saw stored)
         self.predicted = 0  # of those, made with a prediction at dispatch
         self.error_seconds = 0.0  # their summed absolute error
@@ -96,7 +133,20 @@ class TTFTModel:
         if fit is None or fit.n < EVIDENCE:
             return None
         a, b, c = fit.plane()
-        return a + b * work_blocks + c * in_flight
+        return (a + b * work_blocks + c * in_flight) * self.scale(backend)
+
+    def scale(self, backend: str) -> float:
+        """The engine's first-token time over kvroute's view of the prefill, at this backend."""
+        scale = self._scales.get(backend)
+        return 1.0 if scale is None else scale.value
+
+    def engine(self, backend: str, ttft_sum: float, ttft_count: float) -> None:
+        """The engine's own first-token counters, from one sample of its /metrics."""
+        scale = self._scales.get(backend)
+        if scale is None:
+            self._scales[backend] = _Scale(ttft_sum, ttft_count)
+        else:
+            scale.window(ttft_sum, ttft_count)
 
     def observe(
         self, backend: str, work_blocks: float, in_flight: int, seconds: float, predicted: float | None
@@ -110,12 +160,17 @@ class TTFTModel:
             fit = self._fits[backend] = _Fit()
         fit.add(work_blocks, in_flight, seconds)
         self.observed += 1
-        if predicted is not None:
+        scale = self._scales.get(backend)
+        if scale is not None:
+            scale.own_sum += seconds
+            scale.own_count += 1
+        if predicted is not None:  # scored in the engine's seconds, as predicted
             self.predicted += 1
-            self.error_seconds += abs(predicted - seconds)
+            self.error_seconds += abs(predicted - seconds * self.scale(backend))
 
     def forget(self, backend: str) -> None:
         self._fits.pop(backend, None)
+        self._scales.pop(backend, None)
 
     def clear(self) -> None:
         """Blocks changed meaning (another index mode or block size): every fit starts again."""

@@ -18,7 +18,12 @@ PROMPT_TOKENS = "vllm:request_prompt_tokens_sum"
 # The prefix cache's own count of what it looked up and found: the hit share the engine really had.
 CACHE_QUERIES = "vllm:prefix_cache_queries_total"
 CACHE_HITS = "vllm:prefix_cache_hits_total"
-_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, PROMPT_TOKENS, CACHE_QUERIES, CACHE_HITS)
+# The engine's time to first token (from the request's arrival at its server), to scale kvroute's
+# own view of the prefill to what clients wait (extproc/core/ttft.py).
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+_COUNTERS = (PROMPT_TOKENS, CACHE_QUERIES, CACHE_HITS, TTFT_SUM, TTFT_COUNT)
+_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, *_COUNTERS)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -48,7 +53,7 @@ def engine_sample(text: str) -> EngineSample | None:
                 usage = max(usage, _value(line))
             elif name == START_TIME:
                 start = _value(line)
-            elif name in (PROMPT_TOKENS, CACHE_QUERIES, CACHE_HITS):
+            elif name in _COUNTERS:
                 counters[name] = counters.get(name, 0.0) + _value(line)
             elif name == CACHE_INFO and cache_tokens is None:
                 labels = dict(_LABEL.findall(line))
@@ -68,4 +73,6 @@ def engine_sample(text: str) -> EngineSample | None:
         counters.get(PROMPT_TOKENS),
         counters.get(CACHE_QUERIES),
         counters.get(CACHE_HITS),
+        counters.get(TTFT_SUM),
+        counters.get(TTFT_COUNT),
     )
