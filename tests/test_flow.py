@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.core.flow import OVERFLOW_FLOW, FlowQueue, Held, QueueLimits, Refusal, State
+from extproc.core.flow import OVERFLOW_FLOW, YIELD_S, FlowQueue, Held, QueueLimits, Refusal, State
 
 
 def _held(result: Held | Refusal) -> Held:
@@ -255,3 +255,24 @@ def test_the_siblings_are_told_what_was_served_not_the_levelling():
     popped = queue.pop(eligible=lambda h: h.flow == "b")
     assert popped is not None
     assert queue.shares() == ({0: {"b": 100.0}}, 1)  # "b"'s 10,000 of levelling stays here
+
+
+def test_a_turn_that_is_a_siblings_is_left_to_it_for_a_while_then_taken():
+    queue = FlowQueue(QueueLimits())
+    queue.hold(0, "a", 100, 1, now=0)
+    queue.set_peers({0: {"a": 500.0}}, held=1, heads={0: 0.0})  # a sibling holds a flow served nothing yet
+    assert queue.heads() == {0: 500.0}  # "a" has had 500 of the fleet's service
+    assert queue.pop(now=10.0) is None  # the sibling's turn: left to it
+    assert queue.pop(now=10.0 + YIELD_S / 2) is None
+    held = queue.pop(now=10.0 + YIELD_S)  # it did not take it: this replica's own goes
+    assert held is not None and held.flow == "a"
+    assert queue.pop() is None  # without a clock, as before: nothing to yield, nothing held
+
+
+def test_a_sibling_holding_a_higher_band_takes_the_turn_and_ties_are_not_yielded():
+    queue = FlowQueue(QueueLimits())
+    queue.hold(0, "a", 100, 1, now=0)
+    queue.set_peers({}, held=1, heads={5: 1e9})  # a more urgent band waits there, however served
+    assert queue.pop(now=1.0) is None
+    queue.set_peers({0: {"a": 100.0}}, held=1, heads={0: 100.0})  # the same turn as ours: no yielding
+    assert queue.pop(now=1.0) is not None

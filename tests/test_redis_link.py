@@ -281,3 +281,17 @@ async def test_with_the_store_away_each_replica_falls_back_to_its_own_share_and_
             assert isinstance(second.queue.hold(0, "c", 1, 1, now=11 + i), Held)  # 10 held here alone
         redis_server.start()
         await until(lambda: first.link.connected and second.link.connected, timeout_s=20)
+
+
+@in_loop
+async def test_a_replica_leaves_a_turn_to_the_sibling_holding_the_less_served_flow(redis_server):
+    async with replicas(redis_server, 2) as (first, second):
+        for i in range(3):
+            second.queue.hold(0, "a", 100, 1, now=i)
+        second.queue.pop()  # "a" served 100 through the second replica, two still held there
+        first.queue.hold(0, "b", 100, 1, now=5)  # "b", served nothing, waits at the first
+        await until(lambda: second.queue._peer_heads == {0: 0.0})
+        assert second.queue.pop(now=now()) is None  # "b"'s turn, and it is the first replica's
+        assert first.queue.pop(now=now()).flow == "b"  # ...which takes it (the fleet's least served)
+        await until(lambda: 0 not in second.queue._peer_heads)
+        assert second.queue.pop(now=now()).flow == "a"  # nothing waits elsewhere: its own goes at once

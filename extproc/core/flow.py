@@ -36,6 +36,8 @@ from enum import StrEnum
 
 OVERFLOW_FLOW = "other"  # the flow of every flow id beyond `max_flows` in a band
 COMPACT_AT = 64  # requests that left the queue, kept in its lists until they reach a head, before a sweep
+YIELD_S = 0.3  # a turn that is a sibling replica's is left to it this long (its news comes every 0.1 s)
+YIELD_MARGIN = 1.0  # tokens of attained cost within which two flows' turns are equal: no yielding on ties
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,10 @@ class FlowQueue:
         self._evicted: list[Held] = []
         self._peer_attained: Mapping[int, Mapping[str, float]] = {}  # band -> flow -> siblings' served
         self._peer_held = 0  # requests the sibling replicas hold
+        # band -> the least fleet-wide attained cost of a flow a sibling holds a request of: the
+        # turn that is a sibling's; and since when this queue has yielded a turn to one (pop)
+        self._peer_heads: Mapping[int, float] = {}
+        self._yielding_since: float | None = None
 
     def __len__(self) -> int:
         return self._total
@@ -158,11 +164,16 @@ class FlowQueue:
         self._total += 1
         return held
 
-    def pop(self, eligible: Callable[[Held], bool] | None = None) -> Held | None:
+    def pop(self, eligible: Callable[[Held], bool] | None = None, now: float | None = None) -> Held | None:
         """The request to dispatch next (strict priority, then the least served flow, then the
         earliest deadline), charged to its flow; None when nothing waits. `eligible`: whether a
         request can run now (some of its own candidates have room); one that cannot is passed
-        over for the next flow's, so requests for a saturated model do not block another's."""
+        over for the next flow's, so requests for a saturated model do not block another's.
+
+        With siblings (`set_peers`), a turn that is a sibling's (it holds a request of a higher
+        band, or of a flow the fleet has served less) is left to it: None, for up to `YIELD_S`
+        from `now`, so the sibling sees the room and takes it; after that (the sibling's news
+        was stale, or its request cannot run here) this queue's own goes."""
         for priority in self._order:
             band = self._bands[priority]
             if not band.held:
@@ -173,6 +184,9 @@ class FlowQueue:
                 head = flow.head()
                 if head is None or (eligible is not None and not eligible(head)):
                     continue
+                if now is not None and self._yields(priority, flow.attained + peers.get(name, 0.0), now):
+                    return None
+                self._yielding_since = None
                 held = heapq.heappop(flow.waiting)
                 band.flows.move_to_end(name)
                 band.floor = flow.attained + peers.get(name, 0.0)
@@ -181,6 +195,19 @@ class FlowQueue:
                 self._leave(held, State.DISPATCHED)
                 return held
         return None
+
+    def _yields(self, priority: int, attained: float, now: float) -> bool:
+        """This turn is a sibling's, and it has not been left to it for `YIELD_S` yet."""
+        heads = self._peer_heads
+        if not heads:
+            return False
+        theirs = any(band > priority for band in heads) or heads.get(priority, float("inf")) < attained - YIELD_MARGIN
+        if not theirs:
+            self._yielding_since = None
+            return False
+        if self._yielding_since is None:
+            self._yielding_since = now
+        return now - self._yielding_since < YIELD_S
 
     def cancel(self, held: Held) -> bool:
         """The client left: its slot is free at once. True if it was still waiting."""
@@ -217,11 +244,26 @@ class FlowQueue:
         served = {p: {n: f.served for n, f in band.flows.items() if f.served} for p, band in self._bands.items()}
         return {p: flows for p, flows in served.items() if flows}, self._total
 
-    def set_peers(self, attained: Mapping[int, Mapping[str, float]], held: int) -> None:
+    def heads(self) -> dict[int, float]:
+        """Per band holding requests here, the least fleet-wide attained cost of its flows that
+        hold one: whose turn it would be here, for the siblings to leave it to this replica."""
+        out = {}
+        for priority, band in self._bands.items():
+            peers = self._peer_attained.get(priority, {})
+            keys = [f.attained + peers.get(n, 0.0) for n, f in band.backlogged()]
+            if keys:
+                out[priority] = min(keys)
+        return out
+
+    def set_peers(
+        self, attained: Mapping[int, Mapping[str, float]], held: int, heads: Mapping[int, float] | None = None
+    ) -> None:
         """The siblings' summed `shares`, replacing the last: a flow's turn then counts what every
-        replica served it, and the queue's bound what every replica holds (fleet-wide)."""
+        replica served it, and the queue's bound what every replica holds (fleet-wide). `heads`:
+        per band the least of the siblings' `heads`."""
         self._peer_attained = attained
         self._peer_held = min(max(0, held), self.limits.max_total)
+        self._peer_heads = heads or {}
 
     def evict_all(self) -> list[Held]:
         """Everything held leaves, evicted (a graceful stop: answer each 429)."""

@@ -60,14 +60,28 @@ class FlowShares(Protocol):
 
     def shares(self) -> tuple[dict[int, dict[str, float]], int]: ...
 
-    def set_peers(self, attained: Mapping[int, Mapping[str, float]], held: int) -> None: ...
+    def heads(self) -> dict[int, float]: ...
+
+    def set_peers(
+        self, attained: Mapping[int, Mapping[str, float]], held: int, heads: Mapping[int, float] | None = None
+    ) -> None: ...
 
 
-def _flow_shares(payload: Any) -> tuple[dict[int, dict[str, float]], int]:
-    """A sibling's (attained by band and flow, held) checked and bounded; ValueError otherwise."""
-    attained, held = payload
-    if not isinstance(held, int) or held < 0 or len(attained) > MAX_BANDS:
+Shares = tuple[dict[int, dict[str, float]], int, dict[int, float]]  # attained by band and flow, held, heads
+
+
+def _flow_shares(payload: Any) -> Shares:
+    """A sibling's (attained by band and flow, held, heads by band) checked and bounded;
+    ValueError otherwise. A sibling of the version before heads sends none."""
+    attained, held, *rest = payload
+    heads = rest[0] if rest else ()
+    if not isinstance(held, int) or held < 0 or len(attained) > MAX_BANDS or len(heads) > MAX_BANDS:
         raise ValueError("flow shares")
+    turns: dict[int, float] = {}
+    for band, value in heads:
+        if type(band) is not int or not 0 <= float(value) < 1e18:
+            raise ValueError("flow shares")
+        turns[band] = float(value)
     out: dict[int, dict[str, float]] = {}
     for band, flows in attained:
         if type(band) is not int or len(flows) > MAX_QUEUE_FLOWS:
@@ -77,7 +91,7 @@ def _flow_shares(payload: Any) -> tuple[dict[int, dict[str, float]], int]:
             if not isinstance(flow, str) or len(flow) > MAX_FLOW_ID or not 0 <= float(value) < 1e18:
                 raise ValueError("flow shares")
             out[band][flow] = float(value)
-    return out, held
+    return out, held, turns
 
 
 def _cancelled() -> bool:
@@ -128,7 +142,7 @@ class RedisLink:
         self._peer_sent: dict[tuple[str, str], int] = {}  # (replica, backend) -> bytes it last reported
         self._flows = flows
         # replica -> (when heard, its attained cost by band and flow, its held requests)
-        self._peer_flows: dict[str, tuple[float, dict[int, dict[str, float]], int]] = {}
+        self._peer_flows: dict[str, tuple[float, Shares]] = {}
         self.connected = False
         self.problem = "connecting"  # why not connected, for /readyz
         self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors"), 0)
@@ -277,17 +291,20 @@ class RedisLink:
         self._router.loads.set_peers({b: load for b, load in totals.items() if self._pool.is_known(b)})
         if self._flows is None:
             return
-        for replica in [r for r, (seen, _, _) in self._peer_flows.items() if now - seen > self._peers.max_age_s]:
+        for replica in [r for r, (seen, _) in self._peer_flows.items() if now - seen > self._peers.max_age_s]:
             del self._peer_flows[replica]
         attained: dict[int, dict[str, float]] = {}
         held = 0
-        for _, bands, count in self._peer_flows.values():
+        heads: dict[int, float] = {}
+        for _, (bands, count, turns) in self._peer_flows.values():
             held += count
             for band, flows in bands.items():
                 into = attained.setdefault(band, {})
                 for flow, value in flows.items():
                     into[flow] = into.get(flow, 0.0) + value
-        self._flows.set_peers(attained, held)
+            for band, value in turns.items():
+                heads[band] = min(value, heads.get(band, value))
+        self._flows.set_peers(attained, held, heads)
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> None:
         try:
@@ -295,8 +312,7 @@ class RedisLink:
             if replica == self.replica:
                 return
             if kind == FLOWS:
-                attained, held = _flow_shares(payload)
-                self._peer_flows[replica] = (self._clock(), attained, held)
+                self._peer_flows[replica] = (self._clock(), _flow_shares(payload))
                 return
             if kind == LOAD:
                 vector = {str(b): (int(r), int(a), int(s)) for b, (r, a, s) in payload.items()}
@@ -336,7 +352,7 @@ class RedisLink:
         heartbeat_s, so siblings know it is alive."""
         sent: dict[str, tuple[int, int, int]] | None = None
         sent_at = float("-inf")
-        flows_sent: tuple[dict[int, dict[str, float]], int] | None = None
+        flows_sent: Shares | None = None
         flows_at = float("-inf")
         while not _cancelled():
             now = self._clock()
@@ -344,7 +360,7 @@ class RedisLink:
             beat = now - sent_at >= self._heartbeat_s
             shares = None
             if self._flows is not None and (beat or now - flows_at >= FLOWS_PERIOD_S):
-                shares = self._flows.shares()
+                shares = (*self._flows.shares(), self._flows.heads())
                 if shares == flows_sent and not beat:
                     shares = None
             if vector != sent or shares is not None or beat:
@@ -363,15 +379,13 @@ class RedisLink:
         backends = {b.address for b in self._pool.backends} | loads.keys()
         return {b: (*loads.get(b, (0, 0)), sent.get(b, 0)) for b in backends}
 
-    async def _add_load(
-        self, vector: dict[str, tuple[int, int, int]], shares: tuple[dict[int, dict[str, float]], int] | None = None
-    ) -> None:
+    async def _add_load(self, vector: dict[str, tuple[int, int, int]], shares: Shares | None = None) -> None:
         message = msgpack.packb((LOAD, self.replica, "", vector))
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.xadd(self._load_key, {"m": message}, maxlen=1000, approximate=True)
             if shares is not None:
-                attained, held = shares  # bands as pairs: msgpack map keys are text
-                flows = msgpack.packb((FLOWS, self.replica, "", (list(attained.items()), held)))
+                attained, held, heads = shares  # bands as pairs: msgpack map keys are text
+                flows = msgpack.packb((FLOWS, self.replica, "", (list(attained.items()), held, list(heads.items()))))
                 pipe.xadd(self._load_key, {"m": flows}, maxlen=1000, approximate=True)
             pipe.pexpire(self._load_key, self._ttl_ms)
             pipe.pexpire(self._key_check_key, self._ttl_ms)  # the group's key lives as long as a replica does

@@ -173,7 +173,7 @@ class WaitingRoom:
         if self._dispatching is not None or not len(self._queue):
             return
         waiting = self._waiting
-        held = self._queue.pop(lambda h: h in waiting and self._room(waiting[h][1]))
+        held = self._queue.pop(lambda h: h in waiting and self._room(waiting[h][1]), self._clock())
         if held is None:
             return
         self._dispatching = (held, self._clock())
