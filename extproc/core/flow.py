@@ -154,9 +154,8 @@ class FlowQueue:
         state = self._flow(band, held.flow)
         if state.head() is None:  # back from idle: level with the least served of those waiting (or
             # with the last one dispatched, when none waits), so idling banks no credit
-            peers = self._peer_attained.get(priority, {})
-            least = min((f.attained + peers.get(n, 0.0) for n, f in band.backlogged()), default=band.floor)
-            state.attained = max(state.attained, least - peers.get(held.flow, 0.0))
+            least = min(self._scores(priority, band), default=band.floor)
+            state.attained = max(state.attained, least - self._peer_attained.get(priority, {}).get(held.flow, 0.0))
         heapq.heappush(state.waiting, held)
         band.arrivals.append(held)
         band.held += 1
@@ -249,11 +248,15 @@ class FlowQueue:
         hold one: whose turn it would be here, for the siblings to leave it to this replica."""
         out = {}
         for priority, band in self._bands.items():
-            peers = self._peer_attained.get(priority, {})
-            keys = [f.attained + peers.get(n, 0.0) for n, f in band.backlogged()]
-            if keys:
-                out[priority] = min(keys)
+            least = min(self._scores(priority, band), default=None)
+            if least is not None:
+                out[priority] = least
         return out
+
+    def _scores(self, priority: int, band: _Band) -> Iterator[float]:
+        """Each backlogged flow's fleet-wide attained cost in this band: what orders their turns."""
+        peers = self._peer_attained.get(priority, {})
+        return (f.attained + peers.get(n, 0.0) for n, f in band.backlogged())
 
     def set_peers(
         self, attained: Mapping[int, Mapping[str, float]], held: int, heads: Mapping[int, float] | None = None

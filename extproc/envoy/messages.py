@@ -30,24 +30,6 @@ STRIP_HEADERS = pb.ProcessingResponse(
         response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER]))
     )
 )
-# The headers reply to an LLM request whose body kvroute will decide on: marked pending (headers.py),
-# with the route matched again, so the mark takes effect; a client's destination header removed.
-PENDING_HEADERS = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(
-                set_headers=[
-                    pb.HeaderValueOption(
-                        header=pb.HeaderValue(key=PENDING_HEADER, raw_value=b"1"),
-                        append_action=pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                    )
-                ],
-                remove_headers=[DESTINATION_HEADER],
-            ),
-            clear_route_cache=True,
-        )
-    )
-)
 # The body reply when routing failed inside kvroute: the request goes on unrouted (fail open), unmarked.
 UNROUTED_BODY = pb.ProcessingResponse(
     request_body=pb.BodyResponse(
@@ -81,6 +63,20 @@ CONTINUE = {
 def header(key: str, value: str) -> pb.HeaderValueOption:
     """Envoy reads raw_value; a mutation that sets only `value` produces an empty header."""
     return pb.HeaderValueOption(header=pb.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+# The headers reply to an LLM request whose body kvroute will decide on: marked pending (headers.py),
+# with the route matched again, so the mark takes effect; a client's destination header removed.
+PENDING_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(
+                set_headers=[header(PENDING_HEADER, "1")], remove_headers=[DESTINATION_HEADER]
+            ),
+            clear_route_cache=True,
+        )
+    )
+)
 
 
 # Every candidate at max_backend_requests: the picker protocol's answer to shed load.
