@@ -136,7 +136,12 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
     parser.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
     parser.add_argument("--backends", default="4", help="N simulated backends, or vllm-cpu:N real ones (default: 4)")
-    parser.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS))
+    parser.add_argument(
+        "--routers",
+        default=",".join(ROUTERS),
+        help="comma-separated subset of: " + ", ".join(ROUTERS) + "; kvroute's may carry ext_proc flags "
+        "(kvroute:--queue-order=arrival,--max-backend-requests=2)",
+    )
     parser.add_argument(
         "--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag, e.g. --sim-arg=--max-num-seqs=16"
     )
@@ -220,13 +225,14 @@ def _flows_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _flows(args: argparse.Namespace) -> None:
     from bench.experiments import flows
+    from bench.harness.peers import parse_routers
 
     options = flows.FlowsOptions(
         shape=args.shape,
         out=args.out,
         backends=int(args.backends.removeprefix("vllm-cpu:")),
         vllm_cpu=args.backends.startswith("vllm-cpu:"),
-        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        routers=parse_routers(args.routers),
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens,
         phase_s=args.phase_seconds,
@@ -251,6 +257,7 @@ def _flows(args: argparse.Namespace) -> None:
 def _compare_options(args: argparse.Namespace) -> CompareOptions:
     from bench.experiments.compare import CompareOptions
     from bench.harness.fleets import VLLM_BLOCK_TOKENS, VLLM_CPU_SIM_ARGS, VLLM_CPU_SIM_TOKENIZER
+    from bench.harness.peers import parse_routers
     from bench.simulator.sim import DEFAULT_TOKENIZER
 
     return CompareOptions(
@@ -260,7 +267,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         capacity_ratio=args.capacity_ratio,
         backends=int(args.backends.removeprefix("vllm-cpu:")),
         vllm_cpu=args.backends.startswith("vllm-cpu:"),
-        routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+        routers=parse_routers(args.routers),
         pacing=_pacing(args),
         max_output_tokens=args.max_output_tokens,
         max_input_tokens=args.max_input_tokens,

@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from bench.experiments import flows
+from bench.harness import peers
 from bench.harness.replay import Record
 
 
@@ -46,10 +47,15 @@ def test_backlogged_verdict_divides_by_weight():
 
 
 def test_a_router_may_name_its_own_kvroute_flags():
-    assert flows.router_spec("kvroute") == ("kvroute", ())
-    assert flows.router_spec("kvroute:--max-backend-requests=4,--saturation-waiting=2") == (
+    assert peers.router_spec("kvroute") == ("kvroute", ())
+    assert peers.router_spec("kvroute:--max-backend-requests=4,--saturation-waiting=2") == (
         "kvroute",
         ("--max-backend-requests=4", "--saturation-waiting=2"),
+    )
+    assert peers.parse_routers("kvroute:--a=1,--b=2,sglang-router-cache_aware, kvroute") == (
+        "kvroute:--a=1,--b=2",
+        "sglang-router-cache_aware",
+        "kvroute",
     )
 
 
@@ -94,3 +100,12 @@ def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
     assert saved["shape"] == shape and (tmp_path / "summary.md").read_text().count("| kvroute") >= 2
     lines = (tmp_path / "records.jsonl").read_bytes().splitlines()
     assert {orjson.loads(line)["router"] for line in lines} == set(results["routers"])
+
+
+def test_a_stacks_envoy_waits_longer_than_its_ext_proc_holds_requests(tmp_path: Path):
+    from bench.harness.stack import Stack
+    from extproc.envoy.bootstrap import MESSAGE_TIMEOUT_MS, message_timeout_ms
+
+    assert message_timeout_ms(Stack(tmp_path)._queue_ttl_s()) == MESSAGE_TIMEOUT_MS
+    assert Stack(tmp_path, extproc_args=("--queue-ttl-s=600",))._queue_ttl_s() == 600
+    assert Stack(tmp_path, extproc_args=("--flow-control", "true", "--queue-ttl-s", "90"))._queue_ttl_s() == 90

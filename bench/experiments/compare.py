@@ -72,10 +72,12 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
 def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str, str]]:
     """The routers that can run on this fleet, and why the others cannot."""
     skipped = {}
-    if fleet.tokenizer_dir is None and "kvroute-precise" in options.routers:
-        skipped["kvroute-precise"] = "needs real vLLM backends (the model's tokenizer and KV events)"
-    if options.extproc_replicas == 1 and "kvroute-unshared" in options.routers:
-        skipped["kvroute-unshared"] = "the same as kvroute with one replica"
+    for name in options.routers:
+        base = peers.router_spec(name)[0]
+        if fleet.tokenizer_dir is None and base == "kvroute-precise":
+            skipped[name] = "needs real vLLM backends (the model's tokenizer and KV events)"
+        if options.extproc_replicas == 1 and base == "kvroute-unshared":
+            skipped[name] = "the same as kvroute with one replica"
     return [r for r in options.routers if r not in skipped], skipped
 
 
@@ -96,7 +98,10 @@ def run_router(
     `other_traffic_tokens`, another client sends prompts of that size straight to the first
     backend while the router runs (`bench.other_traffic`)."""
     fleet.reset()
-    router = peers.start(name, fleet.backends, workdir / name, fleet.tokenizer_dir, replicas, graceful_close)
+    base, flags = peers.router_spec(name)
+    router = peers.start(
+        base, fleet.backends, workdir / peers.workdir_name(name), fleet.tokenizer_dir, replicas, graceful_close, flags
+    )
     try:
         cpu_before = cpu_seconds(router.pids())
         work = replay(router.url, requests, builder, pacing, fleet.backends, label=name)

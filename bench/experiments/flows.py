@@ -327,17 +327,10 @@ def start_fleet(options: FlowsOptions) -> Fleet:
     return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, SIM_BLOCK_TOKENS, longest)
 
 
-def router_spec(name: str) -> tuple[str, tuple[str, ...]]:
-    """'kvroute:--max-backend-requests=4,--saturation-waiting=2' -> the router and its own extra
-    ext_proc flags, so one run compares kvroute under several settings side by side."""
-    base, _, flags = name.partition(":")
-    return base, tuple(flag for flag in flags.split(",") if flag)
-
-
 def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int) -> dict[str, Any]:
     """Every phase of the shape through one router, idle backends and empty caches before each."""
-    base, flags = router_spec(name)
-    workdir = options.out / "logs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
+    base, flags = peers.router_spec(name)
+    workdir = options.out / "logs" / peers.workdir_name(name)
     fleet.reset()
     router = peers.start(
         base, fleet.backends, workdir, replicas=options.replicas, graceful_close=options.envoy_graceful_close,

@@ -9,6 +9,7 @@ which vLLM serves only with --enable-scale-out), which shows in its TTFT.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,24 @@ ROUTERS = (
 )
 # kvroute as ROUTERS run it, with one change, for benchmarks that need the difference
 VARIANTS = {"kvroute-no-flow-control": ("--flow-control", "false")}
+
+
+def router_spec(name: str) -> tuple[str, tuple[str, ...]]:
+    """'kvroute:--max-backend-requests=4,--saturation-waiting=2' -> the router and its own extra
+    ext_proc flags, so one run compares kvroute under several settings side by side."""
+    base, _, flags = name.partition(":")
+    return base, tuple(flag for flag in flags.split(",") if flag)
+
+
+def parse_routers(text: str) -> tuple[str, ...]:
+    """A comma-separated list of routers, each maybe with its flags (`router_spec`): a comma
+    followed by `--` continues the router before it."""
+    return tuple(r.strip() for r in re.split(r",(?!--)", text) if r.strip())
+
+
+def workdir_name(name: str) -> str:
+    """A router spec as a folder name."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
 
 
 @dataclass

