@@ -19,7 +19,7 @@ import orjson
 from bench.harness import oracle
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import dev_command
-from bench.harness.venvs import cache_root, vllm_venv
+from bench.harness.venvs import cache_root, nixl_vllm_venv, vllm_venv
 from bench.simulator import sim
 from bench.workloads.prompts import PromptBuilder
 from bench.workloads.trace import TraceRequest
@@ -130,6 +130,8 @@ def tiny_model() -> Path:
     return model
 
 
+# A disaggregated server's role -> its NixlConnector kv_role.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 # How the vLLM servers are scheduled beside the routers (VllmFleet); the first is the default.
 ENGINE_SCHEDULING = ("idle", "normal")
 
@@ -146,15 +148,23 @@ class VllmFleet(Fleet):
         longest_prompt: int,
         workdir: Path,
         scheduling: str = ENGINE_SCHEDULING[0],
+        roles: Sequence[str] = (),
     ) -> None:
-        """`scheduling` idle: the servers run under SCHED_IDLE. Each engine's OpenMP threads spin
+        """`roles`: one per server, `prefill`, `decode` or `both`, to run them disaggregated (vLLM's
+        NixlConnector over UCX, NIXL installed into the venv on first use; each server's NIXL side
+        channel on a port of its own, `side_channels`); none: every server aggregated, no connector.
+        `scheduling` idle: the servers run under SCHED_IDLE. Each engine's OpenMP threads spin
         on their core, so on this small machine every router process (and the client) otherwise
         waits behind them at each wake-up: measured, 14-18 ms mean per ext_proc message round trip
         against 0.5-0.8 ms beside simulated backends. Idle engines still get every cycle nothing
         else wants, as on a fleet where routers have CPUs of their own; `normal` to compare."""
         if scheduling not in ENGINE_SCHEDULING:
             raise ValueError(f"scheduling must be one of {ENGINE_SCHEDULING}, not {scheduling!r}")
+        if roles and (len(roles) != count or not set(roles) <= set(KV_ROLES)):
+            raise ValueError(f"roles must name one of {', '.join(KV_ROLES)} per server, not {roles!r}")
         self.scheduling = scheduling
+        self.roles = tuple(roles)
+        self.side_channels = [free_port() for _ in roles]
         self.model = TINY_MODEL
         per_server = math.ceil(cache_tokens / count / VLLM_BLOCK_TOKENS)
         self.capacity_blocks = max(per_server, math.ceil(longest_prompt / VLLM_BLOCK_TOKENS) + 16)
@@ -195,13 +205,20 @@ class VllmFleet(Fleet):
             "topic": "kv",
         }
         argv = ["chrt", "--idle", "0"] if self.scheduling == "idle" else []
-        argv += [str(vllm_venv() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+        venv = nixl_vllm_venv() if self.roles else vllm_venv()
+        argv += [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
         argv += ["--model", str(self.model_dir), "--served-model-name", TINY_MODEL, "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
         context = min(32768, (self.capacity_blocks - 2) * VLLM_BLOCK_TOKENS)  # vLLM keeps a block back
         argv += ["--enforce-eager", "--max-model-len", str(context)]
         argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]
         argv += ["--kv-events-config", orjson.dumps(events).decode()]
+        if self.roles:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channels[index])
+            role = KV_ROLES[self.roles[index]]
+            transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+            argv += ["--kv-transfer-config", orjson.dumps(transfer).decode()]
         return argv, env
 
     def _spawn(self, index: int) -> subprocess.Popen:

