@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from extproc.core.policy import MODELS_KEY, StatusBackend, routing_changes
+from extproc.core.backends import Role
+from extproc.core.policy import MODELS_KEY, ROLE_LABELS, StatusBackend, routing_changes
 
 
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
@@ -107,6 +108,19 @@ def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
     return sorted({m.strip() for m in (pod["models"] or "").split(",") if m.strip()})
 
 
+def _role(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
+    """The policy's role for every pod, else the pod's role label; a label naming no role counts
+    as both (the pod still serves, whole requests)."""
+    if spec.get("role"):
+        return str(spec["role"])
+    labels = pod["labels"]
+    value = next((labels[key] for key in ROLE_LABELS if key in labels), Role.BOTH)
+    try:
+        return Role.parse(value).value
+    except ValueError:
+        return Role.BOTH.value
+
+
 def backends(spec: Mapping[str, Any], to: Target, pods: Iterable[Mapping[str, Any]]) -> tuple[list[StatusBackend], int]:
     """The backends of every selected pod, one per target port (sorted by pod, then port), and how
     many selected pods lack a named port."""
@@ -119,8 +133,9 @@ def backends(spec: Mapping[str, Any], to: Target, pods: Iterable[Mapping[str, An
         portless += None in ports
         ready = bool(pod["ready"] and pod["ip"])
         models = _models(spec, pod)
+        role = _role(spec, pod)
         out.extend(
-            StatusBackend(pod=pod["name"], ip=pod["ip"], port=port, ready=ready, models=models)
+            StatusBackend(pod=pod["name"], ip=pod["ip"], port=port, ready=ready, models=models, role=role)
             for port in ports
             if port is not None
         )

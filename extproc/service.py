@@ -26,6 +26,7 @@ from extproc.envoy.tls import server_credentials
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.prefill import PrefillLegs
 from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
 from extproc.vllm.feeds import EngineCollector, EngineFeeds
 from extproc.vllm.index_mode import IndexModeSwitch
@@ -93,6 +94,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         link = connect(router, pool, config.replica_store, config.replica_store_password_file, group, room.queue)
         router.replicas = link
         metrics.registry.register(ReplicaCollector(link))
+    legs = PrefillLegs()  # split requests' prefill legs (a disaggregated fleet's)
     limit = config.max_message_bytes
     interceptors = []
     if config.grpc_token_file:
@@ -117,6 +119,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             fallback=config.destination_fallback,
             waiting_room=room,
             priorities=lambda: priorities(router.settings, objectives),
+            prefill_legs=legs,
         ),
         server,
     )
@@ -145,6 +148,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         warnings=feeds.warnings if link is None else lambda: feeds.warnings() + link.warnings(),
     )
     async with contextlib.AsyncExitStack() as cleanup:  # torn down in reverse, each step whatever failed before
+        cleanup.push_async_callback(legs.close)
         monitoring = web.AppRunner(admin.monitoring_app(), access_log=None)
         await monitoring.setup()
         cleanup.push_async_callback(monitoring.cleanup)

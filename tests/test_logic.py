@@ -12,8 +12,8 @@ from tests.k8s_objects import inference_pool, pod, policy, pool_policy
 def test_ready_pods_become_backends_with_named_ports():
     result = status(policy(), pod("b", "10.1.0.2"), pod("a", "10.1.0.1"))
     assert result["backends"] == [
-        {"pod": "a", "ip": "10.1.0.1", "port": 8000, "ready": True, "models": []},
-        {"pod": "b", "ip": "10.1.0.2", "port": 8000, "ready": True, "models": []},
+        {"pod": "a", "ip": "10.1.0.1", "port": 8000, "ready": True, "models": [], "role": "both"},
+        {"pod": "b", "ip": "10.1.0.2", "port": 8000, "ready": True, "models": [], "role": "both"},
     ]
     assert result["readyBackends"] == 2
     assert [(c["type"], c["status"], c["reason"]) for c in result["conditions"]] == [
@@ -21,6 +21,18 @@ def test_ready_pods_become_backends_with_named_ports():
         ("BackendsAvailable", "True", "ReadyPods"),
         ("RoutingAccepted", "True", "Accepted"),
     ]
+
+
+def test_a_pods_role_comes_from_the_policy_else_kvroutes_label_else_llm_ds():
+    vllm = {"app": "vllm"}
+    pods = (
+        pod("a", "10.1.0.1", labels={**vllm, "kvroute.io/role": "prefill", "llm-d.ai/role": "decode"}),
+        pod("b", "10.1.0.2", labels={**vllm, "llm-d.ai/role": "Decode"}),
+        pod("c", "10.1.0.3", labels={**vllm, "llm-d.ai/role": "sidecar"}),  # names no role: serves whole
+        pod("d", "10.1.0.4"),
+    )
+    assert [b["role"] for b in status(policy(), *pods)["backends"]] == ["prefill", "decode", "both", "both"]
+    assert {b["role"] for b in status(policy(role="decode"), *pods)["backends"]} == {"decode"}
 
 
 def test_a_policy_on_an_inference_pool_routes_to_each_pod_ip_times_each_target_port():

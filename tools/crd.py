@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from extproc.core.policy import GROUP, KIND, MODELS_KEY, PLURAL, VERSION, policy_fields
+from extproc.core.backends import Role
+from extproc.core.policy import GROUP, KIND, MODELS_KEY, PLURAL, ROLE_LABELS, VERSION, policy_fields
 from extproc.core.settings import AUTO, HEADER_NAME, MAX_FLOW_ID, MAX_METRIC_FLOWS, MAX_PAIRS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,6 +118,7 @@ def crd() -> dict[str, Any]:
             "port": {"type": "integer"},
             "ready": {"type": "boolean"},
             "models": _string_list(),
+            "role": {"type": "string", "enum": [r.value for r in Role]},
         },
     }
     condition = {
@@ -157,6 +159,12 @@ def crd() -> dict[str, Any]:
                 "description": "Models every selected pod serves. Otherwise read from the pod label or annotation "
                 f"{MODELS_KEY} (comma-separated).",
                 **_string_list(),
+            },
+            "role": {
+                "description": "Role of every selected pod in a disaggregated fleet: prefill, decode or both. "
+                f"Otherwise read from the pod label {ROLE_LABELS[0]} or {ROLE_LABELS[1]} (neither: both).",
+                "type": "string",
+                "enum": [r.value for r in Role],
             },
             "routing": routing_schema(),
         },

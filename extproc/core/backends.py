@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    """What a server does in a disaggregated fleet (llm-d's `llm-d.ai/role` values)."""
+
+    BOTH = "both"  # whole requests, and either leg
+    PREFILL = "prefill"  # prefill legs only
+    DECODE = "decode"  # whole requests, and decode legs
+
+    @classmethod
+    def parse(cls, text: object) -> Role:
+        """A role from a label, status or configuration value; ValueError if it names none."""
+        try:
+            return cls(str(text).strip().lower())
+        except ValueError:
+            raise ValueError(f"a backend role is one of {', '.join(r.value for r in cls)}, not {text!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +30,7 @@ class Backend:
     address: str
     models: frozenset[str] = frozenset()
     healthy: bool = True
+    role: Role = Role.BOTH
 
     def serves(self, model: str) -> bool:
         return self.healthy and (not self.models or model in self.models)

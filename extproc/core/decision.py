@@ -29,6 +29,9 @@ class Label(StrEnum):
     SHED = "shed"  # every candidate at max_backend_requests: answered 429, routed nowhere
     # a sheddable request no candidate is predicted to serve within its TTFT objective: 429
     SHED_SLO = "shed_slo"
+    # the prefill leg of a request split between a prefill and a decode backend (pairs.py): the
+    # request's own label says why its decode backend was chosen
+    PREFILL = "prefill"
 
 
 _NO_CHURN: Mapping[str, float] = MappingProxyType({})

@@ -26,6 +26,9 @@ POOL_GROUP, POOL_VERSION, POOL_PLURAL = (
 OBJECTIVE_APIS = (("llm-d.ai", "v1alpha2"), ("inference.networking.x-k8s.io", "v1alpha2"))
 OBJECTIVE_PLURAL = "inferenceobjectives"
 MODELS_KEY = "kvroute.io/models"  # pod label or annotation: comma-separated served model names
+# Pod labels naming a server's role in a disaggregated fleet (prefill, decode, both): kvroute's own
+# first, then llm-d's convention. Neither: both.
+ROLE_LABELS = ("kvroute.io/role", "llm-d.ai/role")
 
 
 class StatusBackend(TypedDict):
@@ -36,14 +39,16 @@ class StatusBackend(TypedDict):
     port: int
     ready: bool
     models: list[str]
+    role: str  # prefill, decode or both (absent in a status written before roles: both)
 
 
-def ready_backends(status: Mapping[str, Any] | None) -> list[tuple[str, str, list[str]]]:
-    """(ip, port, models) of every ready backend the operator published."""
+def ready_backends(status: Mapping[str, Any] | None) -> list[tuple[str, str, list[str], str]]:
+    """(ip, port, models, role) of every ready backend the operator published."""
     out = []
     for item in (status or {}).get("backends") or []:
         if item.get("ready") and item.get("ip") and item.get("port"):
-            out.append((str(item["ip"]), str(item["port"]), list(item.get("models") or ())))
+            role = str(item.get("role") or "both")
+            out.append((str(item["ip"]), str(item["port"]), list(item.get("models") or ()), role))
     return out
 
 

@@ -44,6 +44,7 @@ class PromptRequest:
     # flow control classifies them (objectives.py); set by the adapter that knows the objectives.
     ttft_objective_s: float | None = None
     sheddable: bool = False
+    transfer_params: bool = False  # the client set kv_transfer_params: the adapter strips them (handoff.py)
 
 
 def _output_limit(body: Mapping[str, Any]) -> int | None:
@@ -86,6 +87,7 @@ def parse_request(
     request.cache_salt = salt if isinstance(salt, str) and salt else None
     request.stream = parsed.get("stream") is True
     request.output_tokens = _output_limit(parsed)
+    request.transfer_params = "kv_transfer_params" in parsed
     if tokenizer is not None:
         request.tokens = tokenizer.tokens(parsed)
     return request

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from extproc.core.backends import Backend
+from extproc.core.backends import Backend, Role
 from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
@@ -23,6 +23,7 @@ from extproc.core.homes import PrefixHomes
 from extproc.core.index import LocationIndex
 from extproc.core.load import LoadTracker
 from extproc.core.modes import ApproximateMode, IndexMode, PreciseMode, Shared
+from extproc.core.pairs import cheapest_prefill, prefill_candidates, splits
 from extproc.core.pipeline import Pipeline, assemble
 from extproc.core.pressure import CachePressure
 from extproc.core.replicas import ReplicaLink
@@ -215,6 +216,32 @@ class Router:
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, reservation, predicted, self.bytes_per_token)
 
+    def prefill_leg(self, exchange: Exchange, backends: Sequence[Backend], now: float) -> Exchange | None:
+        """Split a decided request (pairs.py): an exchange for its prefill leg on the prefill
+        backend where it costs least, with that prefill reserved there; None to serve it whole.
+        The leg's exchange learns and releases like any other (`response_started`, `end`)."""
+        request, decision = exchange.request, exchange.decision
+        if request is None or decision.backend is None or decision.label in (Label.SHED, Label.SHED_SLO):
+            return None
+        uncached = (decision.total_blocks - exchange.predicted_blocks) * self.block_tokens()
+        if not splits(uncached, self.settings.pd_threshold_tokens):
+            return None
+        candidates = prefill_candidates(backends, request.model, decision.backend)
+        if not candidates:
+            return None
+        chain = self.chain_of(request)
+        matched = self.mode.picture(chain, candidates, None, now)[1]
+        chosen = cheapest_prefill(candidates, matched, len(chain), self.loads)
+        if chosen is None:
+            return None
+        backend, held = chosen
+        leg = decision._replace(label=Label.PREFILL, backend=backend, second=None, matched_blocks=held, returning=None)
+        reservation = self.loads.reserve(backend, len(chain) - held)
+        reservation.sent_at = now
+        predicted = self.mode.routed(request, leg, reservation, now)
+        self.stats.decisions[Label.PREFILL] += 1
+        return Exchange(request, leg, reservation, predicted, self.bytes_per_token)
+
     def _pressure_terms(self) -> tuple[float, bool]:
         """What cache pressure does to decisions now: the balance gates' factor, and whether a
         head's home wins among equal holders (the configured gates and ties when
@@ -235,7 +262,7 @@ class Router:
     def _by_load(self, backends: Sequence[Backend], now: float) -> Decision:
         """The decision with nothing known of the prompt: least loaded healthy backend, ties rotated."""
         self._turn += 1
-        candidates = [b.address for b in backends if b.healthy]
+        candidates = [b.address for b in backends if b.healthy and b.role is not Role.PREFILL]
         inputs = DecisionInputs(
             candidates=candidates,
             matched={},

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
 
-from extproc.core.backends import Backend
+from extproc.core.backends import Backend, Role
 from extproc.core.decision import CandidateCost, DecisionInputs, Label, overloaded
 from extproc.core.request import PromptRequest
 
@@ -93,8 +93,9 @@ class PickRule(Protocol):
 
 
 def serving_the_model(request: PromptRequest, backends: Sequence[Backend]) -> Sequence[Backend]:
-    """Healthy backends that serve the request's model (all models, if a backend has not said)."""
-    return [b for b in backends if b.serves(request.model)]
+    """Healthy backends that serve the request's model (all models, if a backend has not said),
+    whole: a prefill backend only takes prefill legs (pairs.py)."""
+    return [b for b in backends if b.serves(request.model) and b.role is not Role.PREFILL]
 
 
 def prefill_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:

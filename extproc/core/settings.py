@@ -370,6 +370,15 @@ class Settings:
         "in time, and refuse a sheddable one (429) where it is predicted nowhere.",
         policy="sloAdmission",
     )
+    pd_threshold_tokens: int = _setting(
+        1024,
+        "Uncached prompt tokens, where a request would be decoded, at or above which it is split in a "
+        "disaggregated fleet: prefilled on a prefill backend (role prefill), its KV blocks handed over by "
+        "vLLM's kv_transfer_params, decoded on a decode backend; 0: never split. Fleets without prefill "
+        "backends are never split.",
+        NON_NEGATIVE,
+        "disaggregationThresholdTokens",
+    )
     queue_max_requests: int = _setting(
         1024,
         "Requests flow control holds at most, in all priority bands together; when full, the newest "

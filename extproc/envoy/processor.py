@@ -24,7 +24,9 @@ from enum import Enum
 from typing import Any
 
 import grpc
+import orjson
 
+from extproc.core import handoff
 from extproc.core.backends import Backend
 from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
@@ -39,6 +41,7 @@ from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.prefill import PrefillLegs
 from extproc.runtime.waiting_room import WaitingRoom
 
 log = logging.getLogger(__name__)
@@ -131,11 +134,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         fallback: bool = False,
         waiting_room: WaitingRoom | None = None,
         priorities: Callable[[], Mapping[str, int]] = dict,
+        prefill_legs: PrefillLegs | None = None,
     ) -> None:
         """`fallback`: name the second choice after a comma (kvroute's own override_host Envoy
         retries it); off, as by default, for gateways whose ORIGINAL_DST cluster takes the
         destination as one address. `waiting_room`: flow control (none: every request is
-        decided at once); `priorities`: each defined objective's priority."""
+        decided at once); `priorities`: each defined objective's priority; `prefill_legs`: runs
+        the prefill leg of requests split in a disaggregated fleet (none: never split)."""
         self._router = router
         self._pool = pool
         self._metrics = metrics
@@ -144,6 +149,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._fallback = fallback
         self._room = waiting_room
         self._priorities = priorities
+        self._legs = prefill_legs
 
     async def Process(
         self,
@@ -181,7 +187,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 if stream.response_duplex and msg.response_ended(message):
                     return  # end the stream first: see messages.response_ended
                 continue
-            parsed = None
+            parsed, body = None, None
             if stream.phase is Phase.BODY and message.WhichOneof("request") == "request_body":
                 body = message.request_body.body  # (a copy: read once)
                 parsed = await self._read_large(body, stream)
@@ -191,6 +197,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     continue
             reply = self.handle(message, stream, parsed)
             self._dispatched(stream)
+            if body is not None and not reply.HasField("immediate_response"):  # this body decided it
+                handed = await self._handed_over(stream, body)
+                if handed is not None:
+                    response = reply.request_body.response
+                    response.body_mutation.body = handed
+                    response.header_mutation.set_headers.append(msg.header("content-length", str(len(handed))))
             yield reply
 
     async def _read_large(self, body: bytes, stream: Stream) -> Parsed | None:
@@ -256,10 +268,18 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return [refused]
         decided = self._routing_reply(stream, body if read else None, "request_headers", parsed)
         self._dispatched(stream)
-        stream.held, stream.held_bytes = None, 0  # only now: a failure above hands the held body back
         if decided.HasField("immediate_response"):
+            stream.held, stream.held_bytes = None, 0
             return [decided]
-        return [msg.cleared(decided), *msg.chunks("request_body", body, end_of_stream)]
+        reply = msg.cleared(decided)
+        handed = await self._handed_over(stream, body) if read else None
+        if handed is not None:
+            body = handed
+            reply.request_headers.response.header_mutation.set_headers.append(
+                msg.header("content-length", str(len(body)))
+            )
+        stream.held, stream.held_bytes = None, 0  # only now: a failure above hands the held body back
+        return [reply, *msg.chunks("request_body", body, end_of_stream)]
 
     async def _wait_turn(
         self, body: bytes | None, stream: Stream, parsed: Parsed | None, size: int
@@ -298,6 +318,42 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return parsed, None
         stream.advance(Phase.DECIDED)
         return parsed, msg.queue_refused(held.value if isinstance(held, Refusal) else held.state.value)
+
+    async def _handed_over(self, stream: Stream, body: bytes) -> bytes | None:
+        """The body the decided request goes on with, if not its own: with its prefill leg run on a
+        prefill backend and that leg's kv_transfer_params (a split request), or without the
+        client's own kv_transfer_params (never passed on: they name an address a decode server
+        would pull from). None: the body as it came. A leg that fails leaves the request whole,
+        counted; the leg's reservation is released however it ends."""
+        exchange = stream.exchange
+        request = exchange.request if exchange is not None else None
+        if exchange is None or request is None or exchange.decision.backend is None:
+            return None
+        leg = None
+        if self._legs is not None:
+            leg = self._router.prefill_leg(exchange, self._candidates(stream), self._clock())
+        if leg is None and not request.transfer_params:
+            return None
+        parsed = orjson.loads(body)
+        if leg is None or leg.decision.backend is None:
+            self._metrics.disaggregation.labels("stripped").inc()
+            return handoff.strip(parsed)
+        backend = leg.decision.backend
+        assert self._legs is not None  # (a leg is only made with them)
+        try:
+            status, parameters, failure = await self._legs.run(
+                backend, stream.headers.get(":path", "/v1/chat/completions"), parsed, stream.headers
+            )
+            start = ResponseStart(backend, True, status, from_upstream=status != 0, connect_failed=status == 0)
+            self._router.response_started(leg, start, self._clock())
+        finally:
+            leg.end()
+        if parameters is None:
+            log.info("prefill leg on %s gave no transfer (%s): served whole", backend, failure)
+            self._metrics.disaggregation.labels(failure.value if failure is not None else "parameters").inc()
+            return handoff.strip(parsed) if request.transfer_params else None
+        self._metrics.disaggregation.labels("split").inc()
+        return handoff.decode_body(parsed, parameters)
 
     def _dispatched(self, stream: Stream) -> None:
         """A request held by flow control has reserved its backend (or failed to): the next

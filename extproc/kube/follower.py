@@ -18,7 +18,7 @@ from typing import Any
 
 from kubernetes_asyncio import client, config
 
-from extproc.core.backends import Backend, parse_address
+from extproc.core.backends import Backend, Role, parse_address
 from extproc.core.policy import GROUP, PLURAL, VERSION, ready_backends, routing_changes
 from extproc.core.router import Router
 from extproc.core.settings import Settings
@@ -33,7 +33,10 @@ RETRY_S = 2.0
 
 def backends_from_status(status: Mapping[str, Any] | None) -> list[Backend]:
     """The ready backends the operator published."""
-    return [Backend(parse_address(f"{ip}:{port}"), frozenset(models)) for ip, port, models in ready_backends(status)]
+    return [
+        Backend(parse_address(f"{ip}:{port}"), frozenset(models), role=Role.parse(role))
+        for ip, port, models, role in ready_backends(status)
+    ]
 
 
 class PolicyFollower:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from extproc.core.backends import Backend, parse_address
+from extproc.core.backends import Backend, Role, parse_address
 from extproc.core.settings import Settings, text_parser
 
 
@@ -92,11 +92,12 @@ _ROUTING_KEYS = {f.name for f in fields(Settings)}
 
 
 def parse_backend(item: str | Mapping[str, Any]) -> Backend:
-    """A backend from `ip:port` or `{address: ip:port, models: [...]}`."""
+    """A backend from `ip:port` or `{address: ip:port, models: [...], role: prefill|decode|both}`."""
     if isinstance(item, str):
         return Backend(parse_address(item))
     models = item.get("models") or []
-    return Backend(parse_address(str(item["address"])), frozenset(str(m) for m in models))
+    role = Role.parse(item.get("role", Role.BOTH))
+    return Backend(parse_address(str(item["address"])), frozenset(str(m) for m in models), role=role)
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -110,4 +110,12 @@ class Metrics:
         self.errors = Counter(
             "kvroute_errors", "requests kvroute could not handle, by kind", ["kind"], registry=self.registry
         )
+        self.disaggregation = Counter(
+            "kvroute_disaggregation",
+            "Requests a disaggregated fleet split (split: prefill leg done, decoded with its KV blocks) or "
+            "served whole although split was chosen, by why (status, timeout, connect, parameters); and "
+            "requests whose client-set kv_transfer_params were stripped",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_RouterCollector(router, pool, policy))

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import aiohttp
 
@@ -55,9 +56,7 @@ class BackendPool:
             self._slow.pop(address, None)
             self._suspects.discard(address)
         self._backends = {
-            address: Backend(
-                b.address, b.models, self._backends[address].healthy if address in self._backends else True
-            )
+            address: replace(b, healthy=self._backends[address].healthy if address in self._backends else True)
             for address, b in incoming.items()
         }
 
@@ -87,12 +86,12 @@ class BackendPool:
             self._slow[address] = 0
             if not backend.healthy:
                 log.info("backend %s is up again", address)
-                self._backends[address] = Backend(address, backend.models, True)
+                self._backends[address] = replace(backend, healthy=True)
             return
         self._failures[address] = self._failures.get(address, 0) + 1
         if backend.healthy and (confirmed or self._failures[address] >= self._unhealthy_after):
             log.warning("backend %s is down: dropping its locations, sessions and load", address)
-            self._backends[address] = Backend(address, backend.models, False)
+            self._backends[address] = replace(backend, healthy=False)
             self._on_down(address)
 
     def mark_suspect(self, address: str) -> None:

@@ -1,0 +1,44 @@
+"""Which prefill backend takes a request's prefill leg, if the request is split at all.
+
+A request is decided as always among the backends that serve whole requests and decode legs
+(roles decode and both): that backend decodes. It is split only when that pays: when at least
+`pd_threshold_tokens` of its prompt are not cached there (a short or mostly cached prompt costs
+less served whole than handed over), and a prefill backend (role prefill, or both but another
+one) serves its model. Among those, the prefill goes where it costs least: the blocks it would
+compute there plus the prefill already reserved there (every replica's), so a prefill backend
+that holds the prompt's prefix wins until its queue is longer than the prefill it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from extproc.core.backends import Backend, Role
+from extproc.core.load import LoadTracker
+
+PREFILLS = frozenset({Role.PREFILL, Role.BOTH})
+
+
+def prefill_candidates(backends: Sequence[Backend], model: str, decode: str) -> list[str]:
+    """Healthy backends that may prefill for a request of `model` decoded on `decode`."""
+    return [b.address for b in backends if b.role in PREFILLS and b.serves(model) and b.address != decode]
+
+
+def splits(uncached_tokens: float, threshold_tokens: int) -> bool:
+    """Whether a prompt with this much uncached where it decodes is worth handing over."""
+    return threshold_tokens > 0 and uncached_tokens >= threshold_tokens
+
+
+def cheapest_prefill(
+    candidates: Sequence[str], matched: Mapping[str, int], total_blocks: int, loads: LoadTracker
+) -> tuple[str, int] | None:
+    """(backend, blocks it holds) where the prefill costs least: blocks to compute plus blocks
+    reserved ahead; ties to the first candidate."""
+    best: tuple[float, str, int] | None = None
+    for backend in candidates:
+        held = matched.get(backend, 0)
+        load = loads.get(backend)
+        cost = (total_blocks - held) + load.reserved_blocks + load.peer_reserved
+        if best is None or cost < best[0]:
+            best = (cost, backend, held)
+    return None if best is None else (best[1], best[2])

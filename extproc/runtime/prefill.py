@@ -1,0 +1,75 @@
+"""The prefill leg of a split request, sent by the ext_proc itself to the prefill backend.
+
+kvroute already holds the request's body when it decides, so it runs the leg directly instead of
+through a proxy beside the decode pods (llm-d's sidecar): one HTTP request from the ext_proc to
+the prefill server, the client's path and body with one output token and a remote decode asked
+for (`handoff.prefill_body`), then the decode leg is the client's own request, sent on by the
+gateway with the parameters the prefill returned. The gateway still sees one request and one
+destination. A leg that fails, times out or returns no usable parameters yields None and a
+reason: the request is then served whole on its decode backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+import aiohttp
+import orjson
+
+from extproc.core import handoff
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 120.0  # a prefill leg slower than this is given up: the decode backend prefills itself
+MAX_RESPONSE_BYTES = 1 << 20  # a one-token answer with its parameters is a few KB
+FORWARDED = ("authorization", "x-request-id", "traceparent", "tracestate")
+
+
+class LegFailure(StrEnum):
+    """Why a prefill leg gave no parameters (the request is served whole)."""
+
+    STATUS = "status"  # the prefill server answered, not 2xx
+    TIMEOUT = "timeout"
+    CONNECT = "connect"  # no connection, or it broke
+    PARAMETERS = "parameters"  # 2xx without usable kv_transfer_params
+
+
+class PrefillLegs:
+    """One client session for every prefill leg of this process."""
+
+    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def run(
+        self, backend: str, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> tuple[int, dict[str, Any] | None, LegFailure | None]:
+        """(HTTP status or 0, the decode leg's parameters, why there are none)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, skip_auto_headers=("User-Agent",))
+        sent = {"content-type": "application/json", **{k: headers[k] for k in FORWARDED if k in headers}}
+        host = backend.rpartition(":")[0].strip("[]")
+        try:
+            async with self._session.post(
+                f"http://{backend}{path}", data=handoff.prefill_body(body), headers=sent
+            ) as r:
+                raw = await r.content.read(MAX_RESPONSE_BYTES + 1)
+                if not 200 <= r.status < 300:
+                    return r.status, None, LegFailure.STATUS
+        except TimeoutError:
+            return 0, None, LegFailure.TIMEOUT
+        except aiohttp.ClientError:
+            return 0, None, LegFailure.CONNECT
+        try:
+            parameters = None if len(raw) > MAX_RESPONSE_BYTES else handoff.decode_parameters(orjson.loads(raw), host)
+        except orjson.JSONDecodeError:
+            parameters = None
+        return r.status, parameters, None if parameters is not None else LegFailure.PARAMETERS
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,62 @@
+"""Disaggregated fleets in the core (extproc/core/pairs.py, Router.prefill_leg): a request is
+decided among the backends that serve whole requests, and split onto a prefill backend only when
+enough of its prompt is uncached where it decodes."""
+
+from __future__ import annotations
+
+from extproc.core.backends import Backend, Role
+from extproc.core.decision import Label
+from tests.test_router import chat, make_router, ok
+
+DECODE, OTHER_DECODE = Backend("10.0.1.1:8000", role=Role.DECODE), Backend("10.0.1.2:8000", role=Role.DECODE)
+PREFILL, OTHER_PREFILL = Backend("10.0.2.1:8000", role=Role.PREFILL), Backend("10.0.2.2:8000", role=Role.PREFILL)
+FLEET = [DECODE, PREFILL, OTHER_PREFILL]
+
+
+def test_prefill_backends_never_serve_whole_requests():
+    router = make_router()
+    for i in range(20):
+        assert router.begin(chat([], user_text=f"q{i}"), FLEET, i).decision.backend == DECODE.address
+    assert router.begin_unreadable([PREFILL, DECODE], 0).decision.backend == DECODE.address
+    assert router.begin(chat([]), [PREFILL], 0).decision.label is Label.NO_CANDIDATES
+
+
+def test_a_long_uncached_prompt_is_split_onto_the_prefill_backend_holding_its_prefix():
+    router = make_router(pd_threshold_tokens=256)
+    warm = router.begin(chat([], user_text="first"), FLEET, 0)
+    leg = router.prefill_leg(warm, FLEET, 0)
+    assert leg is not None and leg.decision.label is Label.PREFILL and leg.decision.backend != DECODE.address
+    first_prefill = leg.decision.backend
+    assert leg.reservation is not None and leg.reservation.blocks == leg.decision.total_blocks  # nothing cached
+    assert router.response_started(leg, ok(first_prefill), 1).learned  # the prefill backend holds it now
+    assert leg.end() and not leg.end()  # released once
+    router.response_started(warm, ok(DECODE.address), 1)
+    warm.end()
+    # the next prompt sharing that prefix: the decode backend learned it too (the transferred blocks)
+    again = router.begin(chat([], user_text="second"), FLEET, 2)
+    assert again.decision.backend == DECODE.address and again.predicted_blocks > 0
+    uncached = router.begin(chat([], user_text="third"), [OTHER_DECODE, PREFILL, OTHER_PREFILL], 3)
+    leg = router.prefill_leg(uncached, [OTHER_DECODE, PREFILL, OTHER_PREFILL], 3)
+    assert leg is not None and leg.decision.backend == first_prefill  # where the prefix is cached
+    assert leg.decision.matched_blocks > 0
+
+
+def test_short_prompts_or_fleets_without_prefill_backends_are_served_whole():
+    router = make_router(pd_threshold_tokens=1_000_000)
+    exchange = router.begin(chat([]), FLEET, 0)
+    assert router.prefill_leg(exchange, FLEET, 0) is None  # below the threshold
+    router = make_router(pd_threshold_tokens=256)
+    exchange = router.begin(chat([]), [DECODE, OTHER_DECODE], 0)
+    assert router.prefill_leg(exchange, [DECODE, OTHER_DECODE], 0) is None  # nothing to prefill on
+    off = make_router(pd_threshold_tokens=0)
+    assert off.prefill_leg(off.begin(chat([]), FLEET, 0), FLEET, 0) is None
+
+
+def test_a_busy_prefill_backend_loses_to_an_idle_one_that_would_compute_the_same():
+    router = make_router(pd_threshold_tokens=256)
+    queued = [router.loads.reserve(PREFILL.address, 500) for _ in range(3)]
+    exchange = router.begin(chat([]), FLEET, 0)
+    leg = router.prefill_leg(exchange, FLEET, 0)
+    assert leg is not None and leg.decision.backend == OTHER_PREFILL.address
+    for reservation in queued:
+        reservation.finish()
