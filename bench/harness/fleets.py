@@ -217,7 +217,13 @@ class VllmFleet(Fleet):
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channels[index])
             role = KV_ROLES[self.roles[index]]
-            transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+            # A decode whose transfer fails recomputes the prompt instead of answering an error.
+            transfer = {
+                "kv_connector": "NixlConnector",
+                "kv_role": role,
+                "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": "recompute",
+            }
             argv += ["--kv-transfer-config", orjson.dumps(transfer).decode()]
         return argv, env
 

@@ -54,7 +54,11 @@ class ExtProcConfig:
         "name a second choice after a comma in the destination, for kvroute's own override_host Envoy (which "
         "retries it); off by default: gateways' ORIGINAL_DST clusters take the destination as one address",
     )
-    backends: tuple[Backend, ...] = _key((), "ip:port of each vLLM server (`--backend` repeatable; a list in YAML)")
+    backends: tuple[Backend, ...] = _key(
+        (),
+        "ip:port of each vLLM server, ip:port@ROLE in a disaggregated fleet (prefill, decode, both; `--backend` "
+        "repeatable; a list in YAML)",
+    )
     health_interval_s: float = _key(2.0, "seconds between backend /health probes")
     health_timeout_s: float = _key(1.0, "timeout of one probe")
     unhealthy_after: int = _key(2, "failed probes before a backend is dropped")
@@ -92,9 +96,11 @@ _ROUTING_KEYS = {f.name for f in fields(Settings)}
 
 
 def parse_backend(item: str | Mapping[str, Any]) -> Backend:
-    """A backend from `ip:port` or `{address: ip:port, models: [...], role: prefill|decode|both}`."""
+    """A backend from `ip:port`, `ip:port@role` or `{address: ip:port, models: [...], role: ...}`
+    (role: prefill, decode or both, the default)."""
     if isinstance(item, str):
-        return Backend(parse_address(item))
+        address, _, role = item.partition("@")
+        return Backend(parse_address(address), role=Role.parse(role) if role else Role.BOTH)
     models = item.get("models") or []
     role = Role.parse(item.get("role", Role.BOTH))
     return Backend(parse_address(str(item["address"])), frozenset(str(m) for m in models), role=role)
