@@ -7,6 +7,7 @@ import asyncio
 import orjson
 import pytest
 from google.protobuf.struct_pb2 import Struct
+from prometheus_client import CollectorRegistry
 
 from extproc.core.backends import Backend
 from extproc.core.router import Router
@@ -16,6 +17,7 @@ from extproc.envoy.processor import Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]})
@@ -63,9 +65,12 @@ def set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
 def test_routes_learns_and_releases(parts):
     router, _, _, processor = parts
     stream = Stream()
-    marked = processor.handle(request_headers(), stream).request_headers.response
-    # pending until decided: Envoy answers a request still marked 503 should the ext_proc die now
-    assert set_headers(marked.header_mutation) == {PENDING_HEADER: "1"} and marked.clear_route_cache
+    unmarked = processor.handle(request_headers(), stream).request_headers.response
+    # nothing could hold it (no flow control here): not marked pending, so a kvroute that dies
+    # before the body's reply lets it go on unrouted
+    assert not unmarked.header_mutation.set_headers and list(unmarked.header_mutation.remove_headers) == [
+        DESTINATION_HEADER
+    ]
     decided = processor.handle(body(), stream).request_body.response
     routed = decided.header_mutation
     assert list(routed.remove_headers) == [PENDING_HEADER] and decided.clear_route_cache
@@ -206,6 +211,16 @@ def test_non_llm_paths_pass_through_to_a_known_backend_never_the_clients_choice(
     assert metrics.errors.labels("client_destination_header")._value.get() == 1
     assert sum(router.stats.decisions.values()) == 0
     assert all(load == (0, 0) for load in router.loads.snapshot().values())  # nothing reserved
+
+
+def test_a_request_that_may_be_held_is_marked_pending_until_decided(parts):
+    router, pool, metrics, _ = parts
+    full = Settings(hash_key=b"k" * 16, max_backend_requests=1)
+    room = WaitingRoom(lambda: full, lambda _b: False, WaitingRoomMetrics(CollectorRegistry()), lambda: 100.0)
+    processor = Processor(router, pool, metrics, clock=lambda: 100.0, waiting_room=room)
+    marked = processor.handle(request_headers(), Stream()).request_headers.response
+    # Envoy answers a request still marked 503 should the ext_proc die while holding it
+    assert set_headers(marked.header_mutation) == {PENDING_HEADER: "1"} and marked.clear_route_cache
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"messages": 5}', b"\xff\xfe"])

@@ -79,6 +79,15 @@ PENDING_HEADERS = pb.ProcessingResponse(
 )
 
 
+# The headers reply to an LLM request that will be decided at once: a client's destination header
+# removed, nothing marked (the decision comes with the body's reply).
+UNMARKED_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER]))
+    )
+)
+
+
 # Every candidate at max_backend_requests: the picker protocol's answer to shed load.
 SHED = pb.ProcessingResponse(
     immediate_response=pb.ImmediateResponse(

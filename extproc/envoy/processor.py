@@ -416,6 +416,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._metrics.errors.labels("empty_body").inc()
             return self._routing_reply(stream, None, "request_headers")
         stream.advance(Phase.BODY)
+        if self._room is None or not self._room.may_hold(self._candidates(stream)):
+            return msg.UNMARKED_HEADERS
         return msg.PENDING_HEADERS
 
     def _passed_through(self, stream: Stream, spoofed: bool) -> pb.ProcessingResponse:

@@ -119,10 +119,22 @@ class WaitingRoom:
         Otherwise `wait` for its turn."""
         if not self._settings().flow_control or not any(b.healthy for b in candidates):
             return True
-        if not len(self._queue) and self._dispatching is None and self._room(candidates):
-            self._metrics.outcomes.labels("any", "now").inc()
-            return True
-        return False
+        if self._busy(candidates):
+            return False
+        self._metrics.outcomes.labels("any", "now").inc()
+        return True
+
+    def may_hold(self, candidates: Sequence[Backend]) -> bool:
+        """A request arriving now would be held (counted nowhere): the adapter marks such a
+        request pending, so that if kvroute dies while holding it the gateway does not send it
+        on unrouted. One that comes while the fleet has room is not marked: a kvroute that dies
+        in the milliseconds before its decision lets it go on unrouted (fail open) instead of
+        answering it 503."""
+        settings = self._settings()
+        return settings.flow_control and any(b.healthy for b in candidates) and self._busy(candidates)
+
+    def _busy(self, candidates: Sequence[Backend]) -> bool:
+        return bool(len(self._queue)) or self._dispatching is not None or not self._room(candidates)
 
     async def wait(
         self, request_class: RequestClass, cost: float, size: int, candidates: Sequence[Backend]
