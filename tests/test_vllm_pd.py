@@ -21,6 +21,7 @@ from bench.harness.fleets import VllmFleet
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import Stack, dev_command, layout_for
 from bench.workload import text
+from extproc.core import handoff
 from tests.e2e import get, post
 
 pytestmark = [pytest.mark.vllm]
@@ -28,14 +29,7 @@ pytestmark = [pytest.mark.vllm]
 RNG = random.Random(31)
 PROMPTS = [text(RNG, 3000 + 1500 * i) for i in range(4)]  # about 1,000 to 2,500 tokens each
 OUTPUT_TOKENS = 16
-ASK_REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+ASK_REMOTE_DECODE = handoff.ASK_REMOTE_DECODE  # what kvroute sends with a prefill leg
 
 
 @pytest.fixture(scope="module")
