@@ -48,6 +48,8 @@ def test_short_prompts_or_fleets_without_prefill_backends_are_served_whole():
     router = make_router(pd_threshold_tokens=256)
     exchange = router.begin(chat([]), [DECODE, OTHER_DECODE], 0)
     assert router.prefill_leg(exchange, [DECODE, OTHER_DECODE], 0) is None  # nothing to prefill on
+    aggregated = [Backend("10.0.3.1:8000"), Backend("10.0.3.2:8000")]  # every backend both: never split
+    assert router.prefill_leg(router.begin(chat([], user_text="x"), aggregated, 0), aggregated, 0) is None
     off = make_router(pd_threshold_tokens=0)
     assert off.prefill_leg(off.begin(chat([]), FLEET, 0), FLEET, 0) is None
 

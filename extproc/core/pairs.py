@@ -20,7 +20,10 @@ PREFILLS = frozenset({Role.PREFILL, Role.BOTH})
 
 
 def prefill_candidates(backends: Sequence[Backend], model: str, decode: str) -> list[str]:
-    """Healthy backends that may prefill for a request of `model` decoded on `decode`."""
+    """Healthy backends that may prefill for a request of `model` decoded on `decode`; none in a
+    fleet without prefill backends (every backend `both` is an ordinary, aggregated fleet)."""
+    if not any(b.role is Role.PREFILL for b in backends):
+        return []
     return [b.address for b in backends if b.role in PREFILLS and b.serves(model) and b.address != decode]
 
 
