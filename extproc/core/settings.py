@@ -379,6 +379,14 @@ class Settings:
         NON_NEGATIVE,
         "disaggregationThresholdTokens",
     )
+    pd_prefill_timeout_s: float = _setting(
+        30.0,
+        "Seconds a split request's prefill leg may take (the prefill server's queue included) before it "
+        "is given up and the request is served whole on its decode backend; a gateway's ext_proc message "
+        "timeout must be longer than this plus queueTTLSeconds.",
+        POSITIVE,
+        "prefillTimeoutSeconds",
+    )
     queue_max_requests: int = _setting(
         1024,
         "Requests flow control holds at most, in all priority bands together; when full, the newest "

@@ -46,14 +46,14 @@ FORWARD_HEADERS = (
 )
 
 
-def message_timeout_ms(queue_ttl_s: float) -> int:
-    """Envoy's wait for each ext_proc reply: longer than flow control holds a request, so a held
-    request is answered by kvroute (dispatched, or 429 at its TTL), never let through unrouted by
-    Envoy's timer."""
-    return int((queue_ttl_s + 5) * 1000)
+def message_timeout_ms(settings: Settings) -> int:
+    """Envoy's wait for each ext_proc reply: longer than flow control holds a request and a split
+    request's prefill leg then takes, so every request is answered by kvroute (dispatched, served
+    whole, or 429 at its TTL), never let through unrouted by Envoy's timer."""
+    return int((settings.queue_ttl_s + settings.pd_prefill_timeout_s + 5) * 1000)
 
 
-MESSAGE_TIMEOUT_MS = message_timeout_ms(Settings().queue_ttl_s)
+MESSAGE_TIMEOUT_MS = message_timeout_ms(Settings())
 _TYPES = "type.googleapis.com/envoy."
 
 # Body modes: how the ext_proc filter sends bodies (full duplex streams both ways, and needs trailers).

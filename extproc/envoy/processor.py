@@ -324,11 +324,20 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         prefill backend and that leg's kv_transfer_params (a split request), or without the
         client's own kv_transfer_params (never passed on: they name an address a decode server
         would pull from). None: the body as it came. A leg that fails leaves the request whole,
-        counted; the leg's reservation is released however it ends."""
+        counted; so does a failure here (in buffered mode it would otherwise end the stream, and
+        Envoy would send the request on unrouted)."""
         exchange = stream.exchange
         request = exchange.request if exchange is not None else None
         if exchange is None or request is None or exchange.decision.backend is None:
             return None
+        try:
+            return await self._split(stream, exchange, request, body)
+        except Exception:
+            log.exception("the prefill hand-off failed; the request is served whole")
+            self._metrics.errors.labels("internal").inc()
+            return handoff.strip(orjson.loads(body)) if request.transfer_params else None
+
+    async def _split(self, stream: Stream, exchange: Exchange, request: PromptRequest, body: bytes) -> bytes | None:
         leg = None
         if self._legs is not None:
             leg = self._router.prefill_leg(exchange, self._candidates(stream), self._clock())
@@ -341,9 +350,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         backend = leg.decision.backend
         assert self._legs is not None  # (a leg is only made with them)
         try:
-            status, parameters, failure = await self._legs.run(
-                backend, stream.headers.get(":path", "/v1/chat/completions"), parsed, stream.headers
-            )
+            path = stream.headers.get(":path", "/v1/chat/completions")
+            timeout_s = self._router.settings.pd_prefill_timeout_s
+            status, parameters, failure = await self._legs.run(backend, path, parsed, stream.headers, timeout_s)
             start = ResponseStart(backend, True, status, from_upstream=status != 0, connect_failed=status == 0)
             self._router.response_started(leg, start, self._clock())
         finally:

@@ -23,7 +23,6 @@ from extproc.core import handoff
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_S = 120.0  # a prefill leg slower than this is given up: the decode backend prefills itself
 MAX_RESPONSE_BYTES = 1 << 20  # a one-token answer with its parameters is a few KB
 FORWARDED = ("authorization", "x-request-id", "traceparent", "tracestate")
 
@@ -40,21 +39,24 @@ class LegFailure(StrEnum):
 class PrefillLegs:
     """One client session for every prefill leg of this process."""
 
-    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+    def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
 
     async def run(
-        self, backend: str, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self, backend: str, path: str, body: Mapping[str, Any], headers: Mapping[str, str], timeout_s: float
     ) -> tuple[int, dict[str, Any] | None, LegFailure | None]:
-        """(HTTP status or 0, the decode leg's parameters, why there are none)."""
+        """(HTTP status or 0, the decode leg's parameters, why there are none). `timeout_s`: the
+        whole leg, the prefill server's queue included (the policy's, so it can change live)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, skip_auto_headers=("User-Agent",))
+            self._session = aiohttp.ClientSession(skip_auto_headers=("User-Agent",))
         sent = {"content-type": "application/json", **{k: headers[k] for k in FORWARDED if k in headers}}
         host = backend.rpartition(":")[0].strip("[]")
         try:
             async with self._session.post(
-                f"http://{backend}{path}", data=handoff.prefill_body(body), headers=sent
+                f"http://{backend}{path}",
+                data=handoff.prefill_body(body),
+                headers=sent,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as r:
                 raw = await r.content.read(MAX_RESPONSE_BYTES + 1)
                 if not 200 <= r.status < 300:
