@@ -20,6 +20,7 @@ from extproc.envoy.bootstrap import BODY_MODES
 
 if TYPE_CHECKING:
     from bench.experiments.compare import CompareOptions
+    from bench.harness.stack import Stack
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +38,18 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8080, help="Envoy's listening port (default: 8080)")
     up.add_argument("--backend", action="append", default=[], help="URL or ip:port of a real vLLM server")
     up.add_argument("--sims", type=int, default=4, help="simulated backends when no --backend is given")
+    up.add_argument(
+        "--vllm-cpu",
+        type=int,
+        default=0,
+        help="start N vLLM-CPU servers of the tiny test model instead (slow to start)",
+    )
+    up.add_argument(
+        "--pd",
+        action="store_true",
+        help="disaggregated: the first backend prefills for the others (simulated ones speak vLLM's "
+        "kv_transfer_params; --vllm-cpu ones run NixlConnector, installed on first use; a --backend must run it)",
+    )
     up.set_defaults(run=_up)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -131,7 +144,7 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.harness.fleets import ENGINE_SCHEDULING
-    from bench.harness.peers import ROUTERS
+    from bench.harness.peers import DISAGGREGATED, ROUTERS
 
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
     parser.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
@@ -139,8 +152,9 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routers",
         default=",".join(ROUTERS),
-        help="comma-separated subset of: " + ", ".join(ROUTERS) + "; kvroute's may carry ext_proc flags "
-        "(kvroute:--queue-order=arrival,--max-backend-requests=2)",
+        help="comma-separated subset of: " + ", ".join(ROUTERS) + f", or {DISAGGREGATED} (vLLM-CPU: the first server "
+        "prefills for the others over NIXL, every router then runs on servers with the connector); kvroute's may "
+        "carry ext_proc flags (kvroute:--queue-order=arrival,--max-backend-requests=2)",
     )
     parser.add_argument(
         "--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag, e.g. --sim-arg=--max-num-seqs=16"
@@ -299,21 +313,36 @@ def _up(args: argparse.Namespace) -> None:
 
     backends = [parse_address(b.removeprefix("http://").rstrip("/")) for b in args.backend]
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
-    stack = Stack(workdir, port=args.port, sims=args.sims, backends=backends)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with stack:
-        body = orjson.dumps(
-            {"model": _served_model(stack.backends[0]), "messages": [{"role": "user", "content": "Hi!"}]}
-        )
-        print(f"kvroute is up: {stack.url}  (metrics {stack.admin_url}/metrics, logs in {workdir})")
-        print(f"control API: {stack.control_url}  (bearer token in {workdir}/control.token)")
-        print(f"backends: {', '.join(stack.backends)}")
-        print(
-            f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body.decode()}'"
-        )
-        print("Ctrl-C stops everything.", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
+    with contextlib.ExitStack() as running:
+        if args.vllm_cpu:
+            from bench.harness.fleets import VLLM_BLOCK_TOKENS, VllmFleet
+
+            roles = ("prefill", *("decode",) * (args.vllm_cpu - 1)) if args.pd else ()
+            print(f"starting {args.vllm_cpu} vLLM-CPU servers (a minute or more) ...", flush=True)
+            cache = args.vllm_cpu * 1024 * VLLM_BLOCK_TOKENS
+            fleet = VllmFleet(args.vllm_cpu, cache, 8192, workdir / "vllm", roles=roles)
+            running.callback(fleet.stop)
+            backends = fleet.backends
+        stack = Stack(workdir, port=args.port, sims=args.sims, backends=backends, disaggregated=args.pd)
+        running.enter_context(stack)
+        _serve_up(stack, workdir)
+
+
+def _serve_up(stack: Stack, workdir: Path) -> None:
+    """Print how to use the running stack, then wait for Ctrl-C."""
+    model = _served_model(stack.backends[0])
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi!"}]})
+    print(f"kvroute is up: {stack.url}  (metrics {stack.admin_url}/metrics, logs in {workdir})")
+    print(f"control API: {stack.control_url}  (bearer token in {workdir}/control.token)")
+    print(
+        f"backends: {', '.join(stack.backends)}"
+        + ("  (the first prefills for the others)" if stack.disaggregated else "")
+    )
+    print(f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body.decode()}'")
+    print("Ctrl-C stops everything.", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.pause()
 
 
 def _replay(args: argparse.Namespace) -> None:

@@ -21,3 +21,10 @@ def test_every_case_is_measured_through_both_stacks(tmp_path: Path):
     for row in rows:
         assert row["body_mode"] == body_mode and row["extproc_cpu_us_per_request"] >= 0  # 10 ms ticks
         assert row["kvroute_rps"] > 0 and row["envoy_rps"] > 0
+
+
+def test_a_split_requests_added_cost_is_measured_against_the_same_request_served_whole(tmp_path: Path):
+    rows = latency.measure_split(4, tmp_path)
+    assert [r["concurrency"] for r in rows] == [c for _, c in latency.SPLIT_CASES]
+    assert all(r["split_share"] == 1.0 for r in rows)  # every request of the split stack had its leg
+    assert all(r["whole_p50_ms"] > 0 and r["split_p50_ms"] > 0 for r in rows)

@@ -125,6 +125,10 @@ def test_values_switch_parts_off_and_on(helm, tmp_path):
         if d["metadata"]["name"] == "kvroute-controller" and d["kind"] == "Deployment"
     ]
     assert controller["spec"]["replicas"] == 3
+    policy = next(d for d in template(helm, tmp_path) if d["kind"] == "KVRoutingPolicy")
+    assert "role" not in policy["spec"]  # each pod's role label says
+    policy = next(d for d in template(helm, tmp_path, {"policy": {"role": "decode"}}) if d["kind"] == "KVRoutingPolicy")
+    assert policy["spec"]["role"] == "decode"
 
 
 def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm, tmp_path):

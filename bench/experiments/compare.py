@@ -57,7 +57,9 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     workdir.mkdir(parents=True, exist_ok=True)
     longest = max(r.input_tokens for r in requests) + options.max_output_tokens
     if options.vllm_cpu:
-        return VllmFleet(options.backends, cache_tokens, longest, workdir, options.engine_scheduling)
+        disaggregated = any(peers.router_spec(r)[0] == peers.DISAGGREGATED for r in options.routers)
+        roles = ("prefill", *("decode",) * (options.backends - 1)) if disaggregated else ()
+        return VllmFleet(options.backends, cache_tokens, longest, workdir, options.engine_scheduling, roles)
     return SimFleet(
         options.backends,
         cache_tokens,
@@ -76,6 +78,8 @@ def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str
         base = peers.router_spec(name)[0]
         if fleet.tokenizer_dir is None and base == "kvroute-precise":
             skipped[name] = "needs real vLLM backends (the model's tokenizer and KV events)"
+        if base == peers.DISAGGREGATED and not fleet.kv_transfer:
+            skipped[name] = "needs servers that speak vLLM's kv_transfer_params (vLLM-CPU with NIXL)"
         if options.extproc_replicas == 1 and base == "kvroute-unshared":
             skipped[name] = "the same as kvroute with one replica"
     return [r for r in options.routers if r not in skipped], skipped

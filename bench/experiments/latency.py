@@ -6,8 +6,11 @@ latency at concurrency 1 and 16 for 8 KB and 84 KB chat bodies answered with one
 8 KB bodies answered with streams of 16 and 256 tokens paced 1 ms apart (one SSE event, one body
 chunk each: what a full-duplex response stream costs the ext_proc), their differences, and the
 ext_proc's CPU seconds per request (from /proc), whose inverse is the request rate one ext_proc process sustains on one
-core. Client, Envoy, ext_proc and backends share this machine's cores, so compare the two stacks
-within one run, not across runs.
+core. Then what a disaggregated request costs kvroute (`measure_split`): the same 8 KB bodies
+through kvroute over one decode server, served whole and split (the ext_proc runs each one's
+prefill leg on a second server, then hands the decode leg on), simulated servers that speak the
+hand-off with no compute or transfer time. Client, Envoy, ext_proc and backends share this
+machine's cores, so compare the two stacks within one run, not across runs.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import asyncio
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from bench.harness.processes import cpu_seconds
-from bench.harness.stack import Stack, layout_for
+from bench.harness.processes import cpu_seconds, free_port, spawn, stop, wait_http
+from bench.harness.stack import Stack, dev_command, layout_for
 from bench.workload import conversation
 
 FAST_SIM = ["--token-s", "0", "--step-s", "0", "--default-max-tokens", "1"]
@@ -136,7 +140,80 @@ def _measure_cases(
     return results
 
 
+SPLIT_CASES = [(8_000, 1), (8_000, 16)]  # (body bytes, concurrency)
+EVERY_REQUEST_SPLIT = ("--pd-threshold-tokens", "256")  # each new 8 KB prompt is about 2,000 tokens
+
+
+def measure_split(
+    requests: int, workdir: Path, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """One row per SPLIT_CASES case: latency and ext_proc CPU per request served whole and split,
+    and what the split adds."""
+    ports = [free_port(), free_port()]
+    args = [a for p in ports for a in ("--port", str(p))]
+    sims = spawn(
+        dev_command("sim", *args, *FAST_SIM, "--kv-connector", "--transfer-block-s", "0"), workdir / "sims.log"
+    )
+    try:
+        prefill, decode = (f"127.0.0.1:{p}" for p in ports)
+        for backend in (prefill, decode):
+            wait_http(f"http://{backend}/health", process=sims)
+        layout = layout_for(body_mode)
+        split_args = (*extproc_args, "--backend", f"{prefill}@prefill", *EVERY_REQUEST_SPLIT)
+        whole = Stack(workdir / "whole", backends=[decode], extproc_args=extproc_args, **layout)
+        split = Stack(workdir / "split", backends=[decode], extproc_args=split_args, **layout)
+        results = []
+        with whole, split:
+            for case, (size, concurrency) in enumerate(SPLIT_CASES):
+                row: dict[str, Any] = {"case": "split", "body_mode": body_mode, "body_bytes": size}
+                row["concurrency"] = concurrency
+                for name, stack in (("whole", whole), ("split", split)):
+                    # new to the decode server each time (the other stack's prompts would be cached there)
+                    bodies = _new_prompts(size, requests + 50, first=(2 * case + (name == "split")) * 100_000)
+                    asyncio.run(_load(stack.url, bodies[:50], concurrency))  # warm-up
+                    pid = stack.processes["extproc"].pid
+                    cpu_before = cpu_seconds([pid])
+                    latencies, _ = asyncio.run(_load(stack.url, bodies[50:], concurrency))
+                    cpu = cpu_seconds([pid]) - cpu_before
+                    row[f"{name}_p50_ms"] = round(statistics.median(latencies), 3)
+                    row[f"{name}_p99_ms"] = round(_percentile(latencies, 0.99), 3)
+                    row[f"{name}_extproc_cpu_us_per_request"] = round(cpu / len(latencies) * 1e6, 1)
+                row["added_p50_ms"] = round(row["split_p50_ms"] - row["whole_p50_ms"], 3)
+                row["added_cpu_us_per_request"] = round(
+                    row["split_extproc_cpu_us_per_request"] - row["whole_extproc_cpu_us_per_request"], 1
+                )
+                row["split_share"] = _split_share(split)
+                results.append(row)
+        return results
+    finally:
+        stop(sims)
+
+
+def _new_prompts(size: int, count: int, first: int) -> list[bytes]:
+    """Prompts no backend has seen (a split is for a long uncached prompt), seeded from `first`."""
+    bodies = []
+    for seed in range(first, first + count):
+        body = conversation(size, seed=seed)
+        body["model"] = "sim-model"
+        bodies.append(orjson.dumps(body))
+    return bodies
+
+
+def _split_share(stack: Stack) -> float:
+    """The share of the stack's LLM requests so far that were split (each case should be all)."""
+    page = urllib.request.urlopen(f"{stack.admin_url}/metrics", timeout=10).read().decode()
+    count = {"split": 0.0, "all": 0.0}
+    for line in page.splitlines():
+        if line.startswith('kvroute_disaggregation_total{outcome="split"}'):
+            count["split"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvroute_decisions_total{") and 'decision="prefill"' not in line:
+            count["all"] += float(line.rsplit(" ", 1)[1])
+    return round(count["split"] / count["all"], 3) if count["all"] else 0.0
+
+
 def main(requests: int, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()) -> None:
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp:
-        for row in measure(requests, Path(tmp), body_mode, extproc_args):
+        rows = measure(requests, Path(tmp), body_mode, extproc_args)
+        rows += measure_split(requests, Path(tmp) / "split", body_mode, extproc_args)
+        for row in rows:
             print(orjson.dumps(row).decode(), flush=True)

@@ -63,6 +63,7 @@ class Fleet:
     block_tokens: int
     capacity_blocks: int
     tokenizer_dir: Path | None = None  # the served model's tokenizer, where kvroute-precise can use it
+    kv_transfer: bool = False  # the servers speak vLLM's kv_transfer_params hand-off (a disaggregated fleet's)
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         """Each request's prompt as the backends count it (length, block hashes), by index."""
@@ -100,12 +101,14 @@ class SimFleet(Fleet):
         self.model = "sim-model"
         self.block_tokens = block_tokens
         self.tokenizer = tokenizer
+        self.kv_transfer = True
         per_server = math.ceil(cache_tokens / count / block_tokens)
         self.capacity_blocks = max(1, per_server, math.ceil(longest_prompt / block_tokens) + 16)
         ports = [free_port() for _ in range(count)]
         self.backends = [f"127.0.0.1:{p}" for p in ports]
         argv = dev_command("sim", *[a for p in ports for a in ("--port", str(p))])
         argv += ["--block-size", str(block_tokens), "--capacity-blocks", str(self.capacity_blocks), "--kv-events"]
+        argv += ["--kv-connector"]  # every simulated server speaks the hand-off (kvroute-pd uses it)
         argv += ["--tokenizer", tokenizer]
         self.processes = [spawn([*argv, *sim_args], workdir / "backends.log")]
         try:
@@ -164,6 +167,7 @@ class VllmFleet(Fleet):
             raise ValueError(f"roles must name one of {', '.join(KV_ROLES)} per server, not {roles!r}")
         self.scheduling = scheduling
         self.roles = tuple(roles)
+        self.kv_transfer = bool(roles)
         self.side_channels = [free_port() for _ in roles]
         self.model = TINY_MODEL
         per_server = math.ceil(cache_tokens / count / VLLM_BLOCK_TOKENS)

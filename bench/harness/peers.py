@@ -35,6 +35,9 @@ ROUTERS = (
 )
 # kvroute as ROUTERS run it, with one change, for benchmarks that need the difference
 VARIANTS = {"kvroute-no-flow-control": ("--flow-control", "false")}
+# kvroute over a disaggregated fleet: the first backend prefills for the others, which decode (on
+# servers that speak vLLM's kv_transfer_params: `bench compare` starts them so when it runs)
+DISAGGREGATED = "kvroute-pd"
 
 
 def router_spec(name: str) -> tuple[str, tuple[str, ...]]:
@@ -90,7 +93,8 @@ def _kvroute(
     name: str, backends: Sequence[str], workdir: Path, args: Sequence[str], replicas: int, graceful_close: bool
 ) -> RunningRouter:
     """kvroute's stack with `replicas` ext_proc processes behind Envoy, sharing through a Redis of
-    their own unless the router is `kvroute-unshared` (each replica routes alone)."""
+    their own unless the router is `kvroute-unshared` (each replica routes alone); `kvroute-pd`'s
+    first backend prefills for the others."""
     store = RedisServer(workdir).start() if replicas > 1 and name != "kvroute-unshared" else None
     try:
         stack = Stack(
@@ -101,6 +105,7 @@ def _kvroute(
             replica_store=store.url if store else "",
             replica_store_password=PASSWORD if store else "",
             graceful_close=graceful_close,
+            disaggregated=name == DISAGGREGATED,
         ).start()
     except BaseException:
         if store is not None:
@@ -133,7 +138,7 @@ def start(
             router.stop()
             raise RuntimeError(f"kvroute did not start precise: {router.stack.debug_state()['index_mode']}")
         return router
-    if name in ("kvroute", "kvroute-unshared", *VARIANTS):
+    if name in ("kvroute", "kvroute-unshared", DISAGGREGATED, *VARIANTS):
         args = (*VARIANTS.get(name, ()), *extproc_args)
         return _kvroute(name, backends, workdir, args, replicas, graceful_close)
     if name == "envoy-round-robin":

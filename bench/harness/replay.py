@@ -22,7 +22,7 @@ import re
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -72,6 +72,7 @@ class Record:
     output_tokens: int = 0  # tokens generated (usage)
     predicted_ttft_ms: float | None = None  # kvroute's prediction of the time to first token (x-kvroute-ttft-ms)
     retry_after_s: float | None = None  # a refusal's retry-after
+    token_gaps_ms: list[float] = field(default_factory=list)  # between content chunks after the first: ITL
 
 
 ORDERS = ("sessions", "arrival")  # how a closed loop's workers pick their next request (module docstring)
@@ -112,6 +113,8 @@ async def send(
         headers["x-session-id"] = request.session_id
     started = time.perf_counter()
     ttft = None
+    last = 0.0
+    gaps: list[float] = []
     usage: dict[str, Any] = {}
     try:
         async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as response:
@@ -130,8 +133,13 @@ async def send(
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = orjson.loads(line[6:])
-                if ttft is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                    ttft = _ms(started)
+                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = (now - started) * 1000
+                    else:
+                        gaps.append(round((now - last) * 1000, 2))
+                    last = now
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
@@ -149,6 +157,7 @@ async def send(
         decision=decision,
         output_tokens=int(usage.get("completion_tokens") or 0),
         predicted_ttft_ms=float(predicted_ttft) if predicted_ttft.isdigit() else None,
+        token_gaps_ms=gaps,
     )
 
 
@@ -273,6 +282,7 @@ def summarize(
     scheduled = engine["vllm:request_queue_time_seconds_count"]
     steps = engine["vllm:iteration_tokens_total_count"]
     e2e = _percentiles([r.e2e_ms for r in ok])
+    itl = _percentiles([gap for r in ok for gap in r.token_gaps_ms])
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     predicted = [r for r in ok if r.predicted_tokens is not None and r.prompt_tokens]
     return {
@@ -292,6 +302,8 @@ def summarize(
         "engine_tokens_per_step": round(engine["vllm:iteration_tokens_total_sum"] / steps, 1) if steps else None,
         "engine_preemptions": int(engine["vllm:num_preemptions_total"]),
         "ttft_mean_ms": round(statistics.mean(firsts), 1) if firsts else None,
+        "itl_p50_ms": itl["p50"],
+        "itl_p90_ms": itl["p90"],
         "e2e_p50_ms": e2e["p50"],
         "e2e_p90_ms": e2e["p90"],
         "e2e_p99_ms": e2e["p99"],

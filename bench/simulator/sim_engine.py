@@ -125,6 +125,8 @@ class Request:
     output_tokens: int
     emit: Callable[[int], None]  # told each output token's index as the step that made it ends
     cached: int = -1  # prompt tokens found cached when first scheduled; -1 until then
+    external: int = 0  # leading prompt blocks pulled from a prefill server (a disaggregated serve)
+    transferred: int = 0  # prompt tokens those blocks spared computing, once first scheduled
     computed: int = 0  # prompt tokens in the KV cache or scheduled into it, then one per output token
     generated: int = 0
     pinned: int = 0  # leading hashed blocks it holds
@@ -260,11 +262,14 @@ class Engine:
                 break  # vLLM admits a prompt only if all of it fits; the head waits, nothing overtakes it
             self.waiting.popleft()
             present = self.pool.match(request.hashes, len(request.hashes))
-            self.pool.acquire(request.hashes[:present], 0)
-            request.pinned = request.reported = present
-            request.computed = min(present, (prompt - 1) // size) * size  # the last prompt token is computed
+            held = max(present, min(request.external, len(request.hashes)))  # pulled blocks fill in after hits
+            self.pool.acquire(request.hashes[:held], 0)
+            request.pinned, request.reported = held, present  # pulled blocks are reported stored after the step
+            last = (prompt - 1) // size  # the last prompt token is computed
+            request.computed = min(held, last) * size
             if request.cached < 0:
-                request.cached = request.computed
+                request.cached = min(present, last) * size
+                request.transferred = request.computed - request.cached
                 request.scheduled_at = self._clock()
                 self._on_admit(request)
             take = min(request.prompt_left, budget)
@@ -325,6 +330,7 @@ class Engine:
         self.running.remove(request)
         self._unpin(request)
         request.computed = 0
+        request.external = 0  # what was pulled is now cached or gone; the rest is computed
         self._on_preempt()
         self.waiting.appendleft(request)
 
