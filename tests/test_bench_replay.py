@@ -108,6 +108,26 @@ def test_skew_trace_has_heavy_sessions_in_order(tmp_path):
     assert heavy_tokens > sum(r.input_tokens for r in requests) / 2  # a few sessions carry most of the work
 
 
+def test_mixed_trace_adds_short_prompts_with_long_answers_that_share_nothing(tmp_path):
+    from bench.workloads import mixed
+
+    agent, path = tmp_path / "agent.jsonl", tmp_path / "mixed.jsonl"
+    turns = [
+        {"timestamp": i, "input_length": 2048, "output_length": 300, "hash_ids": [0, 1, 2, 3 + i], "session_id": "a"}
+        for i in range(14)
+    ]
+    agent.write_bytes(b"".join(orjson.dumps(t) + b"\n" for t in turns))
+    mixed.main([str(agent), str(path), "--limit", "12", "--every", "3"])
+    requests = read(path)
+    short = [r for r in requests if r.session_id.startswith("short_")]
+    assert len(requests) == 16 and len(short) == 4
+    assert all(r.input_tokens == 256 and r.output_tokens == 128 for r in short)
+    assert all(r.output_tokens == 16 and r.input_tokens > 1000 for r in requests if r not in short)
+    others = {h for r in requests if r not in short for h in r.hash_ids}
+    assert len({r.hash_ids for r in short}) == 4 and not others & {h for r in short for h in r.hash_ids}
+    assert [r.session_id for r in requests[2:4]] == ["a", "short_0000"]  # after every third agent turn
+
+
 def test_agentic_trace_shares_eight_system_prompts_among_120_sessions(tmp_path):
     from bench.workloads import skew
 

@@ -54,6 +54,23 @@ def test_short_prompts_or_fleets_without_prefill_backends_are_served_whole():
     assert off.prefill_leg(off.begin(chat([]), FLEET, 0), FLEET, 0) is None
 
 
+def test_prefill_backends_queued_deeper_than_the_decode_backend_leave_the_request_whole():
+    router = make_router(pd_threshold_tokens=256)
+    fleet = [DECODE, PREFILL]
+    queued = router.loads.reserve(PREFILL.address, 10_000)  # legs of earlier requests, still prefilling
+    exchange = router.begin(chat([]), fleet, 0)
+    assert router.prefill_leg(exchange, fleet, 0) is None  # the decode backend prefills it sooner
+    assert router.loads.get(DECODE.address).reserved_blocks == exchange.reservation.blocks > 0
+    queued.finish()
+    exchange = router.begin(chat([], user_text="again"), fleet, 1)
+    ahead = router.loads.get(DECODE.address).reserved_blocks
+    leg = router.prefill_leg(exchange, fleet, 1)
+    assert leg is not None and leg.decision.backend == PREFILL.address
+    # split: the decode backend no longer counts this prefill as its own, the prefill backend does
+    assert router.loads.get(DECODE.address).reserved_blocks == ahead - exchange.reservation.blocks
+    assert router.loads.get(PREFILL.address).reserved_blocks == leg.reservation.blocks
+
+
 def test_a_busy_prefill_backend_loses_to_an_idle_one_that_would_compute_the_same():
     router = make_router(pd_threshold_tokens=256)
     queued = [router.loads.reserve(PREFILL.address, 500) for _ in range(3)]

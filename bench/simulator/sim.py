@@ -2,10 +2,11 @@
 
 It models what routing policies are judged on: vLLM's prefix cache of fixed-size token blocks
 (cache hits shorten prefill), its scheduler's steps (a token budget per step, chunked prefill beside
-decode, a bounded running batch, a FIFO waiting queue, preemption; `bench/simulator/sim_engine.py`), and
-vLLM's metric names. It renders and tokenizes with
-its own simple, deterministic rules and knows nothing of the router's hashing, so a router earns
-cache hits only by really sending a prompt back to the backend that holds its prefix.
+decode, a bounded running batch, a FIFO waiting queue, preemption; `bench/simulator/sim_engine.py`),
+vLLM's metric names, and with `--kv-connector` its prefill/decode hand-off (`sim_transfer.py`).
+It renders and tokenizes with its own simple, deterministic rules and knows nothing of the
+router's hashing, so a router earns cache hits only by really sending a prompt back to the
+backend that holds its prefix.
 
     python -m bench.simulator.sim --port 8001 --port 8002
 """

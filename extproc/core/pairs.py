@@ -6,7 +6,12 @@ A request is decided as always among the backends that serve whole requests and 
 less served whole than handed over), and a prefill backend (role prefill, or both but another
 one) serves its model. Among those, the prefill goes where it costs least: the blocks it would
 compute there plus the prefill already reserved there (every replica's), so a prefill backend
-that holds the prompt's prefix wins until its queue is longer than the prefill it saves.
+that holds the prompt's prefix wins until its queue is longer than the prefill it saves. And
+the leg is run only if that costs no more than the decode backend prefilling the request itself
+(its own prefill reserved there, this request's included): with its prefill backends queued
+deeper than the decode backend, a request is served whole (Dynamo's conditional disaggregation
+by prefill load; measured in docs/benchmarks.md: one prefill server for every long prompt of six
+clients queued its legs past their timeout).
 """
 
 from __future__ import annotations
@@ -33,15 +38,23 @@ def splits(uncached_tokens: float, threshold_tokens: int) -> bool:
 
 
 def cheapest_prefill(
-    candidates: Sequence[str], matched: Mapping[str, int], total_blocks: int, loads: LoadTracker
+    candidates: Sequence[str], matched: Mapping[str, int], total_blocks: int, loads: LoadTracker, decode: str
 ) -> tuple[str, int] | None:
-    """(backend, blocks it holds) where the prefill costs least: blocks to compute plus blocks
-    reserved ahead; ties to the first candidate."""
+    """(backend, blocks it holds) where the prefill costs least, blocks to compute plus blocks
+    reserved ahead (ties to the first candidate), if no more than `decode`'s reserved prefill
+    (the request's own included): else None, served whole."""
     best: tuple[float, str, int] | None = None
     for backend in candidates:
         held = matched.get(backend, 0)
-        load = loads.get(backend)
-        cost = (total_blocks - held) + load.reserved_blocks + load.peer_reserved
+        cost = (total_blocks - held) + _queued(loads, backend)
         if best is None or cost < best[0]:
             best = (cost, backend, held)
-    return None if best is None else (best[1], best[2])
+    if best is None or best[0] > _queued(loads, decode):
+        return None
+    return best[1], best[2]
+
+
+def _queued(loads: LoadTracker, backend: str) -> int:
+    """Prefill blocks reserved on `backend` by every replica."""
+    load = loads.get(backend)
+    return load.reserved_blocks + load.peer_reserved

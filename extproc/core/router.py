@@ -231,10 +231,12 @@ class Router:
             return None
         chain = self.chain_of(request)
         matched = self.mode.picture(chain, candidates, None, now)[1]
-        chosen = cheapest_prefill(candidates, matched, len(chain), self.loads)
+        chosen = cheapest_prefill(candidates, matched, len(chain), self.loads, decision.backend)
         if chosen is None:
             return None
         backend, held = chosen
+        if exchange.reservation is not None:  # the decode backend pulls the prompt instead of computing it
+            exchange.reservation.release_prefill()
         leg = decision._replace(label=Label.PREFILL, backend=backend, second=None, matched_blocks=held, returning=None)
         reservation = self.loads.reserve(backend, len(chain) - held)
         reservation.sent_at = now
