@@ -151,6 +151,7 @@ def measure_split(
     and what the split adds."""
     ports = [free_port(), free_port()]
     args = [a for p in ports for a in ("--port", str(p))]
+    workdir.mkdir(parents=True, exist_ok=True)
     sims = spawn(
         dev_command("sim", *args, *FAST_SIM, "--kv-connector", "--transfer-block-s", "0"), workdir / "sims.log"
     )
