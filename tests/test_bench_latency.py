@@ -26,5 +26,7 @@ def test_every_case_is_measured_through_both_stacks(tmp_path: Path):
 def test_a_split_requests_added_cost_is_measured_against_the_same_request_served_whole(tmp_path: Path):
     rows = latency.measure_split(4, tmp_path)
     assert [r["concurrency"] for r in rows] == [c for _, c in latency.SPLIT_CASES]
-    assert all(r["split_share"] == 1.0 for r in rows)  # every request of the split stack had its leg
+    # one client at a time: every request had its leg; sixteen: some find the prefill server queued
+    # deeper than the decode server, and are served whole (pairs.cheapest_prefill)
+    assert rows[0]["split_share"] == 1.0 and all(r["split_share"] > 0 for r in rows)
     assert all(r["whole_p50_ms"] > 0 and r["split_p50_ms"] > 0 for r in rows)
