@@ -316,9 +316,9 @@ def _up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.ExitStack() as running:
         if args.vllm_cpu:
-            from bench.harness.fleets import VLLM_BLOCK_TOKENS, VllmFleet
+            from bench.harness.fleets import VLLM_BLOCK_TOKENS, VllmFleet, first_prefills
 
-            roles = ("prefill", *("decode",) * (args.vllm_cpu - 1)) if args.pd else ()
+            roles = first_prefills(args.vllm_cpu) if args.pd else ()
             print(f"starting {args.vllm_cpu} vLLM-CPU servers (a minute or more) ...", flush=True)
             cache = args.vllm_cpu * 1024 * VLLM_BLOCK_TOKENS
             fleet = VllmFleet(args.vllm_cpu, cache, 8192, workdir / "vllm", roles=roles)

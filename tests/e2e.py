@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import re
 import time
 import urllib.parse
 import urllib.request
@@ -12,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 # Simulated backends for multi-MB prompts (about a million tokens): a long context, a KV cache to
 # hold it, fast prefill, and a step budget that prefills it in one step (at the default budget the
@@ -69,12 +69,12 @@ def counter(backend: str, name: str, **labels: str) -> float:
     """A server's Prometheus counter `name` (host:port), summed over the series matching `labels`."""
     with urllib.request.urlopen(f"http://{backend}/metrics", timeout=10) as response:
         page = response.read().decode()
-    total = 0.0
-    for line in page.splitlines():
-        match = re.match(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", line)
-        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def log_tails(workdir: Any, names: tuple[str, ...] = ("extproc", "envoy")) -> str:

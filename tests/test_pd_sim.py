@@ -6,7 +6,6 @@ tests/test_vllm_pd.py."""
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 
 import orjson
@@ -93,7 +92,9 @@ def test_a_clients_own_transfer_parameters_never_reach_a_decode_server(servers: 
     def kept(text: str) -> dict:
         """A prefill for a remote decode, asked of the prefill server directly: its parameters."""
         ask = {"model": MODEL, "prompt": text, "max_tokens": 1, "kv_transfer_params": handoff.ASK_REMOTE_DECODE}
-        return completion(prefill, ask)["kv_transfer_params"]
+        status, _, answer = post(f"http://{prefill}", ask, path="/v1/completions")
+        assert status == 200, answer
+        return answer["kv_transfer_params"]
 
     through, direct = prompt("forged ", 100), prompt("direct ", 100)  # below the threshold: no leg of kvroute's
     extra = ("--backend", f"{prefill}@prefill", *FLAGS)
@@ -104,13 +105,6 @@ def test_a_clients_own_transfer_parameters_never_reach_a_decode_server(servers: 
         assert status == 200, answer
         assert transferred(decode) == before and outcome(stack, "stripped") == 1
     # what the stripping prevents: such parameters sent straight to the decode server are pulled
-    completion(decode, {"model": MODEL, "prompt": direct, "max_tokens": 4, "kv_transfer_params": kept(direct)})
+    pulled = {"model": MODEL, "prompt": direct, "max_tokens": 4, "kv_transfer_params": kept(direct)}
+    assert post(f"http://{decode}", pulled, path="/v1/completions")[0] == 200
     assert transferred(decode) >= before + 100 - BLOCK
-
-
-def completion(backend: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        f"http://{backend}/v1/completions", orjson.dumps(body), {"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return orjson.loads(response.read())

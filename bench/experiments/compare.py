@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import peers, report
-from bench.harness.fleets import ENGINE_SCHEDULING, SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
+from bench.harness.fleets import (
+    ENGINE_SCHEDULING,
+    SIM_BLOCK_TOKENS,
+    Fleet,
+    SimFleet,
+    VllmFleet,
+    chars_per_token,
+    first_prefills,
+)
 from bench.harness.processes import cpu_seconds
 from bench.harness.replay import Pacing, replay
 from bench.simulator.sim import DEFAULT_TOKENIZER
@@ -58,7 +66,7 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     longest = max(r.input_tokens for r in requests) + options.max_output_tokens
     if options.vllm_cpu:
         disaggregated = any(peers.router_spec(r)[0] == peers.DISAGGREGATED for r in options.routers)
-        roles = ("prefill", *("decode",) * (options.backends - 1)) if disaggregated else ()
+        roles = first_prefills(options.backends) if disaggregated else ()
         return VllmFleet(options.backends, cache_tokens, longest, workdir, options.engine_scheduling, roles)
     return SimFleet(
         options.backends,

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness.processes import cpu_seconds, free_port, spawn, stop, wait_http
 from bench.harness.stack import Stack, dev_command, layout_for
@@ -125,19 +126,29 @@ def _measure_cases(
                 "streamed_tokens": tokens,
             }
             for name, stack in (("envoy", plain), ("kvroute", kvroute)):
-                cpu_before = cpu_seconds([extproc_pid])
-                latencies, wall = asyncio.run(_load(stack.url, bodies, concurrency))
-                row[f"{name}_p50_ms"] = round(statistics.median(latencies), 3)
-                row[f"{name}_p99_ms"] = round(_percentile(latencies, 0.99), 3)
-                row[f"{name}_rps"] = round(len(latencies) / wall, 1)
+                figures, cpu = _timed(stack.url, bodies, concurrency, extproc_pid)
+                row.update({f"{name}_{key}": value for key, value in figures.items()})
                 if name == "kvroute":
-                    cpu = cpu_seconds([extproc_pid]) - cpu_before
-                    row["extproc_cpu_us_per_request"] = round(cpu / len(latencies) * 1e6, 1)
-                    row["extproc_rps_per_core"] = round(len(latencies) / cpu, 1) if cpu else None
+                    row["extproc_cpu_us_per_request"] = round(cpu * 1e6, 1)
+                    row["extproc_rps_per_core"] = round(1 / cpu, 1) if cpu else None
             row["added_p50_ms"] = round(row["kvroute_p50_ms"] - row["envoy_p50_ms"], 3)
             row["added_p99_ms"] = round(row["kvroute_p99_ms"] - row["envoy_p99_ms"], 3)
             results.append(row)
     return results
+
+
+def _timed(url: str, bodies: list[bytes], concurrency: int, extproc_pid: int) -> tuple[dict[str, float], float]:
+    """One load through a stack: its latency p50 and p99 (ms) and requests a second, and the
+    ext_proc's CPU seconds per request meanwhile."""
+    cpu_before = cpu_seconds([extproc_pid])
+    latencies, wall = asyncio.run(_load(url, bodies, concurrency))
+    cpu = cpu_seconds([extproc_pid]) - cpu_before
+    figures = {
+        "p50_ms": round(statistics.median(latencies), 3),
+        "p99_ms": round(_percentile(latencies, 0.99), 3),
+        "rps": round(len(latencies) / wall, 1),
+    }
+    return figures, cpu / len(latencies)
 
 
 SPLIT_CASES = [(8_000, 1), (8_000, 16)]  # (body bytes, concurrency)
@@ -172,13 +183,9 @@ def measure_split(
                     # new to the decode server each time (the other stack's prompts would be cached there)
                     bodies = _new_prompts(size, requests + 50, first=(2 * case + (name == "split")) * 100_000)
                     asyncio.run(_load(stack.url, bodies[:50], concurrency))  # warm-up
-                    pid = stack.processes["extproc"].pid
-                    cpu_before = cpu_seconds([pid])
-                    latencies, _ = asyncio.run(_load(stack.url, bodies[50:], concurrency))
-                    cpu = cpu_seconds([pid]) - cpu_before
-                    row[f"{name}_p50_ms"] = round(statistics.median(latencies), 3)
-                    row[f"{name}_p99_ms"] = round(_percentile(latencies, 0.99), 3)
-                    row[f"{name}_extproc_cpu_us_per_request"] = round(cpu / len(latencies) * 1e6, 1)
+                    figures, cpu = _timed(stack.url, bodies[50:], concurrency, stack.processes["extproc"].pid)
+                    row.update({f"{name}_{key}": figures[key] for key in ("p50_ms", "p99_ms")})
+                    row[f"{name}_extproc_cpu_us_per_request"] = round(cpu * 1e6, 1)
                 row["added_p50_ms"] = round(row["split_p50_ms"] - row["whole_p50_ms"], 3)
                 row["added_cpu_us_per_request"] = round(
                     row["split_extproc_cpu_us_per_request"] - row["whole_extproc_cpu_us_per_request"], 1
@@ -201,15 +208,17 @@ def _new_prompts(size: int, count: int, first: int) -> list[bytes]:
 
 
 def _split_share(stack: Stack) -> float:
-    """The share of the stack's LLM requests so far that were split (each case should be all)."""
-    page = urllib.request.urlopen(f"{stack.admin_url}/metrics", timeout=10).read().decode()
-    count = {"split": 0.0, "all": 0.0}
-    for line in page.splitlines():
-        if line.startswith('kvroute_disaggregation_total{outcome="split"}'):
-            count["split"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("kvroute_decisions_total{") and 'decision="prefill"' not in line:
-            count["all"] += float(line.rsplit(" ", 1)[1])
-    return round(count["split"] / count["all"], 3) if count["all"] else 0.0
+    """The share of the stack's LLM requests so far that were split (the rest were served whole)."""
+    with urllib.request.urlopen(f"{stack.admin_url}/metrics", timeout=10) as response:
+        page = response.read().decode()
+    split = decided = 0.0
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "kvroute_disaggregation_total" and sample.labels.get("outcome") == "split":
+                split += sample.value
+            elif sample.name == "kvroute_decisions_total" and sample.labels.get("decision") != "prefill":
+                decided += sample.value
+    return round(split / decided, 3) if decided else 0.0
 
 
 def main(requests: int, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()) -> None:

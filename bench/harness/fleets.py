@@ -135,6 +135,13 @@ def tiny_model() -> Path:
 
 # A disaggregated server's role -> its NixlConnector kv_role.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def first_prefills(count: int) -> tuple[str, ...]:
+    """The roles of `count` servers of which the first prefills for the others (kvroute-pd's layout)."""
+    return ("prefill", *("decode",) * (count - 1))
+
+
 # How the vLLM servers are scheduled beside the routers (VllmFleet); the first is the default.
 ENGINE_SCHEDULING = ("idle", "normal")
 

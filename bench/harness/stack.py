@@ -201,8 +201,8 @@ class Stack:
         if self.policy:
             args += ["--policy", self.policy]
         else:
-            roles = ["@prefill" if self.disaggregated and i == 0 else "" for i in range(len(self.backends))]
-            args += [a for b, role in zip(self.backends, roles, strict=True) for a in ("--backend", b + role)]
+            for i, backend in enumerate(self.backends):
+                args += ["--backend", f"{backend}@prefill" if self.disaggregated and i == 0 else backend]
         env = self.extproc_env
         if self.replica_store:
             args += ["--replica-store", self.replica_store, "--replica-group", f"kvroute:{self.workdir.name}"]
