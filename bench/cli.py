@@ -144,7 +144,7 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.harness.fleets import ENGINE_SCHEDULING
-    from bench.harness.peers import DISAGGREGATED, ROUTERS
+    from bench.harness.peers import DISAGGREGATED, FLEXIBLE, ROUTERS
 
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
     parser.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
@@ -152,8 +152,9 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routers",
         default=",".join(ROUTERS),
-        help="comma-separated subset of: " + ", ".join(ROUTERS) + f", or {DISAGGREGATED} (vLLM-CPU: the first server "
-        "prefills for the others over NIXL, every router then runs on servers with the connector); kvroute's may "
+        help="comma-separated subset of: " + ", ".join(ROUTERS) + f", or {DISAGGREGATED} (the first server "
+        f"prefills for the others over NIXL) or {FLEXIBLE} (every server both roles, split where it pays): every "
+        "router of the run then runs on servers with the connector; kvroute's may "
         "carry ext_proc flags (kvroute:--queue-order=arrival,--max-backend-requests=2)",
     )
     parser.add_argument(

@@ -223,3 +223,11 @@ def test_sglang_router_is_started_with_every_worker_registered(tmp_path: Path):
         late.join()
         for process in sims:
             stop(process)
+
+
+def test_a_run_s_fleet_layout_comes_from_its_routers_and_only_one_layout_per_run():
+    assert peers.fleet_roles(["kvroute", "sglang-router-cache_aware"], 2) == ()  # aggregated, no connector
+    assert peers.fleet_roles(["kvroute", "kvroute-pd:--pd-threshold-tokens=512"], 3) == ("prefill", "decode", "decode")
+    assert peers.fleet_roles(["kvroute-pd-flex"], 2) == ("both", "both")
+    with pytest.raises(ValueError, match="kvroute-pd and kvroute-pd-flex need fleets of their own"):
+        peers.fleet_roles(["kvroute-pd", "kvroute-pd-flex"], 2)

@@ -79,3 +79,24 @@ def test_a_busy_prefill_backend_loses_to_an_idle_one_that_would_compute_the_same
     assert leg is not None and leg.decision.backend == OTHER_PREFILL.address
     for reservation in queued:
         reservation.finish()
+
+
+def test_a_flexible_fleet_splits_only_where_the_prefill_costs_strictly_less_than_at_home():
+    left, right = Backend("10.0.3.1:8000"), Backend("10.0.3.2:8000")  # role both, each a KV connector
+    fleet = [left, right]
+    router = make_router(pd_threshold_tokens=256, pd_flexible=True)
+    idle = router.begin(chat([], user_text="idle"), fleet, 0)
+    assert router.prefill_leg(idle, fleet, 0) is None  # equals: a hand-off adds the transfer only
+    idle.end()
+    home = router.begin(chat([], user_text="deep"), fleet, 1)
+    other = right if home.decision.backend == left.address else left
+    router.loads.reserve(home.decision.backend, 10_000)  # its own prefill queue is long, the other's empty
+    leg = router.prefill_leg(home, fleet, 1)
+    assert leg is not None and leg.decision.label is Label.PREFILL and leg.decision.backend == other.address
+    unhealthy = [Backend(other.address, healthy=False), Backend(home.decision.backend)]
+    queued = router.begin(chat([], user_text="sick"), unhealthy, 2)
+    assert router.prefill_leg(queued, unhealthy, 2) is None  # nowhere healthy to prefill
+    rigid = make_router(pd_threshold_tokens=256)  # not flexible: a fleet of role both is never split
+    rigid.loads.reserve(left.address, 10_000)
+    exchange = rigid.begin(chat([], user_text="deep"), [left], 3)
+    assert rigid.prefill_leg(exchange, fleet, 3) is None

@@ -25,7 +25,6 @@ from bench.harness.fleets import (
     SimFleet,
     VllmFleet,
     chars_per_token,
-    first_prefills,
 )
 from bench.harness.processes import cpu_seconds
 from bench.harness.replay import Pacing, replay
@@ -65,8 +64,7 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     workdir.mkdir(parents=True, exist_ok=True)
     longest = max(r.input_tokens for r in requests) + options.max_output_tokens
     if options.vllm_cpu:
-        disaggregated = any(peers.router_spec(r)[0] == peers.DISAGGREGATED for r in options.routers)
-        roles = first_prefills(options.backends) if disaggregated else ()
+        roles = peers.fleet_roles(options.routers, options.backends)
         return VllmFleet(options.backends, cache_tokens, longest, workdir, options.engine_scheduling, roles)
     return SimFleet(
         options.backends,
@@ -86,7 +84,7 @@ def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str
         base = peers.router_spec(name)[0]
         if fleet.tokenizer_dir is None and base == "kvroute-precise":
             skipped[name] = "needs real vLLM backends (the model's tokenizer and KV events)"
-        if base == peers.DISAGGREGATED and not fleet.kv_transfer:
+        if base in peers.FLEET_ROLES and not fleet.kv_transfer:
             skipped[name] = "needs servers that speak vLLM's kv_transfer_params (vLLM-CPU with NIXL)"
         if options.extproc_replicas == 1 and base == "kvroute-unshared":
             skipped[name] = "the same as kvroute with one replica"

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from bench.harness.fleets import first_prefills
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.replay import UPSTREAM_HEADER
 from bench.harness.stack import Stack
@@ -38,6 +39,22 @@ VARIANTS = {"kvroute-no-flow-control": ("--flow-control", "false")}
 # kvroute over a disaggregated fleet: the first backend prefills for the others, which decode (on
 # servers that speak vLLM's kv_transfer_params: `bench compare` starts them so when it runs)
 DISAGGREGATED = "kvroute-pd"
+# kvroute over a flexible fleet: every server both roles (kv_both), split only where it pays
+FLEXIBLE = "kvroute-pd-flex"
+# What each of them needs: the roles of the fleet's servers, by how many there are
+FLEET_ROLES: dict[str, Callable[[int], tuple[str, ...]]] = {
+    DISAGGREGATED: first_prefills,
+    FLEXIBLE: lambda count: ("both",) * count,
+}
+
+
+def fleet_roles(routers: Sequence[str], count: int) -> tuple[str, ...]:
+    """The roles `count` servers run with for `routers` (none: aggregated, no connector); every
+    router of one run shares the fleet, so at most one layout may be asked for."""
+    layouts = {base for base in (router_spec(r)[0] for r in routers) if base in FLEET_ROLES}
+    if len(layouts) > 1:
+        raise ValueError(f"{' and '.join(sorted(layouts))} need fleets of their own: compare them in separate runs")
+    return FLEET_ROLES[layouts.pop()](count) if layouts else ()
 
 
 def router_spec(name: str) -> tuple[str, tuple[str, ...]]:
@@ -138,8 +155,9 @@ def start(
             router.stop()
             raise RuntimeError(f"kvroute did not start precise: {router.stack.debug_state()['index_mode']}")
         return router
-    if name in ("kvroute", "kvroute-unshared", DISAGGREGATED, *VARIANTS):
-        args = (*VARIANTS.get(name, ()), *extproc_args)
+    if name in ("kvroute", "kvroute-unshared", DISAGGREGATED, FLEXIBLE, *VARIANTS):
+        flexible = ("--pd-flexible", "true") if name == FLEXIBLE else ()
+        args = (*VARIANTS.get(name, ()), *flexible, *extproc_args)
         return _kvroute(name, backends, workdir, args, replicas, graceful_close)
     if name == "envoy-round-robin":
         stack = Stack(workdir, backends=list(backends), ext_proc=False, envoy_edit=_name_upstream).start()

@@ -11,7 +11,9 @@ the leg is run only if that costs no more than the decode backend prefilling the
 (its own prefill reserved there, this request's included): with its prefill backends queued
 deeper than the decode backend, a request is served whole (Dynamo's conditional disaggregation
 by prefill load; measured in docs/benchmarks.md: one prefill server for every long prompt of six
-clients queued its legs past their timeout).
+clients queued its legs past their timeout). In a flexible fleet (`pd_flexible`: every server a
+KV connector in both roles) a backend of role both may prefill for another too, but only where
+that costs strictly less: between equals a hand-off adds the transfer and gains nothing.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from extproc.core.load import LoadTracker
 PREFILLS = frozenset({Role.PREFILL, Role.BOTH})
 
 
-def prefill_candidates(backends: Sequence[Backend], model: str, decode: str) -> list[str]:
+def prefill_candidates(backends: Sequence[Backend], model: str, decode: str, flexible: bool) -> list[Backend]:
     """Healthy backends that may prefill for a request of `model` decoded on `decode`; none in a
-    fleet without prefill backends (every backend `both` is an ordinary, aggregated fleet)."""
-    if not any(b.role is Role.PREFILL for b in backends):
+    fleet without prefill backends (every backend `both` is an ordinary, aggregated fleet) unless
+    it is `flexible`."""
+    if not flexible and not any(b.role is Role.PREFILL for b in backends):
         return []
-    return [b.address for b in backends if b.role in PREFILLS and b.serves(model) and b.address != decode]
+    return [b for b in backends if b.role in PREFILLS and b.healthy and b.serves(model) and b.address != decode]
 
 
 def splits(uncached_tokens: float, threshold_tokens: int) -> bool:
@@ -38,20 +41,25 @@ def splits(uncached_tokens: float, threshold_tokens: int) -> bool:
 
 
 def cheapest_prefill(
-    candidates: Sequence[str], matched: Mapping[str, int], total_blocks: int, loads: LoadTracker, decode: str
+    candidates: Sequence[Backend], matched: Mapping[str, int], total_blocks: int, loads: LoadTracker, decode: str
 ) -> tuple[str, int] | None:
     """(backend, blocks it holds) where the prefill costs least, blocks to compute plus blocks
     reserved ahead (ties to the first candidate), if no more than `decode`'s reserved prefill
-    (the request's own included): else None, served whole."""
-    best: tuple[float, str, int] | None = None
-    for backend in candidates:
-        held = matched.get(backend, 0)
-        cost = (total_blocks - held) + _queued(loads, backend)
+    (the request's own included), strictly less for a backend of role both: else None, served
+    whole."""
+    best: tuple[int, Backend, int] | None = None
+    for candidate in candidates:
+        held = matched.get(candidate.address, 0)
+        cost = (total_blocks - held) + _queued(loads, candidate.address)
         if best is None or cost < best[0]:
-            best = (cost, backend, held)
-    if best is None or best[0] > _queued(loads, decode):
+            best = (cost, candidate, held)
+    if best is None:
         return None
-    return best[1], best[2]
+    cost, chosen, held = best
+    limit = _queued(loads, decode)
+    if cost > limit or (cost == limit and chosen.role is Role.BOTH):
+        return None
+    return chosen.address, held
 
 
 def _queued(loads: LoadTracker, backend: str) -> int:

@@ -226,11 +226,11 @@ class Router:
         uncached = (decision.total_blocks - exchange.predicted_blocks) * self.block_tokens()
         if not splits(uncached, self.settings.pd_threshold_tokens):
             return None
-        candidates = prefill_candidates(backends, request.model, decision.backend)
+        candidates = prefill_candidates(backends, request.model, decision.backend, self.settings.pd_flexible)
         if not candidates:
             return None
         chain = self.chain_of(request)
-        matched = self.mode.picture(chain, candidates, None, now)[1]
+        matched = self.mode.picture(chain, [b.address for b in candidates], None, now)[1]
         chosen = cheapest_prefill(candidates, matched, len(chain), self.loads, decision.backend)
         if chosen is None:
             return None

@@ -379,6 +379,14 @@ class Settings:
         NON_NEGATIVE,
         "disaggregationThresholdTokens",
     )
+    pd_flexible: bool = _setting(
+        False,
+        "Every server runs a KV connector in both roles (vLLM's kv_role kv_both): a backend of role both "
+        "may also prefill for another, so the fleet serves whole requests while splitting does not pay "
+        "and splits those whose prefill costs less elsewhere than where they decode (strictly less: "
+        "a hand-off between equals gains nothing). Off: only fleets with prefill backends are split.",
+        policy="flexibleDisaggregation",
+    )
     pd_prefill_timeout_s: float = _setting(
         30.0,
         "Seconds a split request's prefill leg may take (the prefill server's queue included) before it "
