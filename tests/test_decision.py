@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
+from extproc.core.adapters import AdapterBook
 from extproc.core.decision import DecisionInputs, Label, overloaded
 from extproc.core.load import LoadTracker
 from extproc.core.pipeline import assemble
 from extproc.core.settings import Settings
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
-PIPELINE = assemble()
+PIPELINE = assemble(AdapterBook())
 SETTINGS = Settings(hash_key=bytes(16))  # gates: abs 32, rel 1.5; active request = 4 blocks; stick at 0.5
 
 

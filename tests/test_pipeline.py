@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core import rules
+from extproc.core.adapters import AdapterBook
 from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, Label
 from extproc.core.pipeline import Pipeline, assemble
@@ -28,7 +29,7 @@ def test_a_rule_is_one_line_where_the_pipeline_is_assembled():
         return (picked, Label.PREFIX_HOME) if picked is not None else None
 
     router = Router(Settings(hash_key=bytes(16)))
-    default = assemble()
+    default = assemble(AdapterBook())
     router.pipeline = Pipeline(default.filters, default.terms, default.admission, (prefer_b, *default.rules))
     for i in range(4):
         exchange = router.begin(chat(f"q{i}"), FLEET, float(i))
@@ -38,7 +39,7 @@ def test_a_rule_is_one_line_where_the_pipeline_is_assembled():
 
 def test_candidates_are_the_healthy_backends_serving_the_model():
     fleet = [*FLEET, Backend("10.0.0.4:8000", healthy=False)]
-    assert assemble().candidates(chat("q"), fleet) == [A, B]
+    assert assemble(AdapterBook()).candidates(chat("q"), fleet) == [A, B]
     assert rules.serving_the_model(chat("q"), []) == []
 
 

@@ -97,6 +97,21 @@ class SimConfig:
             "with NIXL here: 24 blocks of 128 tokens, 6 MB, in 13 ms)"
         },
     )
+    lora_modules: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated LoRA adapter names served besides the model (as vLLM's --lora-modules; "
+            "listed by /v1/models with the model as parent)"
+        },
+    )
+    max_loras: int = field(
+        default=1,
+        metadata={"help": "adapters a running batch holds at once (vLLM's --max-loras); requests of another wait"},
+    )
+    lora_load_s: float = field(
+        default=0.02,
+        metadata={"help": "seconds a step takes longer for each adapter it swaps into a slot, evicting another"},
+    )
     default_max_tokens: int = field(default=16, metadata={"help": "output tokens when a request sets no limit"})
     max_model_len: int = field(
         default=MAX_MODEL_LEN, metadata={"help": "context length: longer prompt + max_tokens get a 400 at once"}
@@ -126,14 +141,22 @@ class SimConfig:
             "max_num_batched_tokens",
             "default_max_tokens",
             "max_model_len",
+            "max_loras",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {sorted(TOKENIZERS)}")
-        for name in ("step_s", "token_s", "attention_s", "transfer_block_s"):
+        if self.model in self.adapters:
+            raise ValueError("an adapter must not be named as the model")
+        for name in ("step_s", "token_s", "attention_s", "transfer_block_s", "lora_load_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0")
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters served, in the order given."""
+        return tuple(name for name in (n.strip() for n in self.lora_modules.split(",")) if name)
 
 
 class _ApiError(Exception):
@@ -151,6 +174,7 @@ class _Prompt:
 
     tokens: list[int]
     extra_keys: dict[int, tuple[bytes, ...]]
+    adapter: str | None = None  # the LoRA adapter computing it: its name keys every block, as in vLLM
 
 
 def tokenize(text: str) -> list[int]:
@@ -248,7 +272,7 @@ def _block_hashes(prompt: _Prompt, block_size: int) -> list[int]:
     hashes: list[int] = []
     for index, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
         block = tuple(tokens[start : start + block_size])
-        parent = hash((parent, block, prompt.extra_keys.get(index, ())))
+        parent = hash((parent, block, prompt.extra_keys.get(index, ()), prompt.adapter))
         hashes.append(parent)
     return hashes
 
@@ -403,6 +427,12 @@ class SimBackend:
             buckets=(1, 8, 64, 512, 2048, 16384),
             registry=registry,
         ).labels(**model)
+        # The simulator's own count of adapter swaps (vLLM logs them but exports no metric)
+        lora_loads = PromCounter(
+            "sim_lora_loads",
+            "Adapters swapped into a slot (each evicting one once the slots are full).",
+            registry=registry,
+        )
         self._engine = Engine(
             self._pool,
             config.block_size,
@@ -413,6 +443,20 @@ class SimBackend:
             on_admit=self._admitted,
             on_preempt=preemptions.inc,
             on_step=self._stepped,
+            max_loras=config.max_loras,
+            lora_load_s=config.lora_load_s,
+            on_lora_load=lora_loads.inc,
+        )
+        # As vLLM's: one series per (running, waiting) adapter set, set to the time it last held
+        self._lora_info = (
+            Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=registry,
+            )
+            if config.adapters
+            else None
         )
         gauges = {
             "vllm:num_requests_running": ("Requests in the running batch.", lambda: len(self._engine.running)),
@@ -480,6 +524,12 @@ class SimBackend:
 
     def _stepped(self, tokens: int, firsts: Sequence[Request]) -> None:
         self._step_tokens.observe(tokens)
+        if self._lora_info is not None:
+            engine = self._engine
+            running = ",".join(dict.fromkeys(r.adapter for r in engine.running if r.adapter))
+            waiting = ",".join(dict.fromkeys(r.adapter for r in engine.waiting if r.adapter))
+            labels = {"max_lora": str(self.config.max_loras), "waiting_lora_adapters": waiting}
+            self._lora_info.labels(running_lora_adapters=running, **labels).set(time.time())
         for request in firsts:
             self._timing["vllm:request_prefill_time_seconds"].observe(request.first_token_at - request.scheduled_at)
             self._timing["vllm:time_to_first_token_seconds"].observe(request.first_token_at - request.queued_at)
@@ -509,7 +559,7 @@ class SimBackend:
         if not isinstance(body, dict):
             raise _ApiError(400, "the body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.config.model:
+        if model is not None and model != self.config.model and model not in self.config.adapters:
             raise _ApiError(404, f"The model `{model}` does not exist.")
         return body
 
@@ -526,7 +576,8 @@ class SimBackend:
         for offset, key in media:
             block = offset // block_bytes
             extra_keys[block] = (*extra_keys.get(block, ()), key)
-        return _Prompt(tokens, extra_keys)
+        adapter = body.get("model") if body.get("model") in self.config.adapters else None
+        return _Prompt(tokens, extra_keys, adapter)
 
     def _completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -582,9 +633,9 @@ class SimBackend:
         size = self.config.block_size
         if math.ceil((len(prompt.tokens) + length - 1) / size) > self._pool.capacity:  # the last token needs no KV
             raise _ApiError(400, f"the request needs more than the {self._pool.capacity} KV blocks there are")
-        reply = _Reply.new(chat, self.config.model)
+        reply = _Reply.new(chat, prompt.adapter or self.config.model)
         out: asyncio.Queue[int] = asyncio.Queue()
-        job = Request(prompt.tokens, _block_hashes(prompt, size), length, out.put_nowait)
+        job = Request(prompt.tokens, _block_hashes(prompt, size), length, out.put_nowait, adapter=prompt.adapter)
         transfer = body.get("kv_transfer_params") if self.config.kv_connector else None
         transfer = transfer if isinstance(transfer, dict) else {}
         if transfer.get("do_remote_prefill") is True:  # decode: the prompt's blocks come from the prefill server
@@ -665,8 +716,15 @@ class SimBackend:
 
     async def _models(self, request: web.Request) -> web.Response:
         model = self.config.model
-        card = {"id": model, "object": "model", "created": self._started, "owned_by": "vllm", "root": model}
-        return _json({"object": "list", "data": [{**card, "parent": None, "max_model_len": self.config.max_model_len}]})
+        card = {
+            "object": "model",
+            "created": self._started,
+            "owned_by": "vllm",
+            "max_model_len": self.config.max_model_len,
+        }
+        cards = [{**card, "id": model, "root": model, "parent": None}]
+        cards += [{**card, "id": name, "root": f"/adapters/{name}", "parent": model} for name in self.config.adapters]
+        return _json({"object": "list", "data": cards})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()

@@ -137,6 +137,7 @@ class Request:
     queued_at: float = 0.0  # when it reached the engine (the engine's clock)
     scheduled_at: float = 0.0  # when it was first scheduled: queued until then, prefilling after
     first_token_at: float = 0.0  # when the step that made its first output token ended
+    adapter: str | None = None  # the LoRA adapter it runs with
 
     @property
     def prompt_left(self) -> int:
@@ -159,7 +160,13 @@ class Engine:
         on_preempt: Callable[[], None],
         on_step: Callable[[int, Sequence[Request]], None] = lambda tokens, firsts: None,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int = 1,
+        lora_load_s: float = 0.0,
+        on_lora_load: Callable[[], None] = lambda: None,
     ) -> None:
+        """`max_loras`: adapters the running batch holds at once (a waiting request of another is
+        passed over, as vLLM's scheduler does); each adapter a step swaps into a slot, evicting the
+        least recently used once they are full, makes it `lora_load_s` longer."""
         self.pool = pool
         self._block_size = block_size
         self._max_num_seqs = max_num_seqs
@@ -170,6 +177,11 @@ class Engine:
         self._on_preempt = on_preempt
         self._on_step = on_step  # after each step: the tokens it computed, the requests it gave a first token
         self._clock = clock
+        self._max_loras = max_loras
+        self._lora_load_s = lora_load_s
+        self._on_lora_load = on_lora_load
+        self.slots: OrderedDict[str, None] = OrderedDict()  # adapters in the slots, least recently used first
+        self._swaps = 0  # adapters the planned step swapped in
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._wake = asyncio.Event()
@@ -230,7 +242,7 @@ class Engine:
 
     def duration(self, step: Sequence[Request]) -> float:
         """How long the planned step runs: its fixed part plus each request's tokens and context."""
-        cost = self._cost.step_s
+        cost = self._cost.step_s + self._swaps * self._lora_load_s
         for request in step:
             cost += self._cost.of(request.computed - request.scheduled, request.scheduled)
         return cost
@@ -255,12 +267,19 @@ class Engine:
                     break
             if request in self.running:
                 budget -= self._schedule_tokens(request, take, step)
+        adapters = {r.adapter for r in self.running if r.adapter is not None}
+        passed: list[Request] = []  # waiting requests of an adapter no slot is left for
         while budget > 0 and self.waiting and not preempted and len(self.running) < self._max_num_seqs:
             request = self.waiting[0]
+            if request.adapter is not None and request.adapter not in adapters and len(adapters) >= self._max_loras:
+                passed.append(self.waiting.popleft())
+                continue
             size, prompt = self._block_size, len(request.tokens)
             if not self.pool.can_acquire(request.hashes, -(-prompt // size) - len(request.hashes)):
                 break  # vLLM admits a prompt only if all of it fits; the head waits, nothing overtakes it
             self.waiting.popleft()
+            if request.adapter is not None:
+                adapters.add(request.adapter)
             present = self.pool.match(request.hashes, len(request.hashes))
             held = max(present, min(request.external, len(request.hashes)))  # pulled blocks fill in after hits
             self.pool.acquire(request.hashes[:held], 0)
@@ -276,12 +295,31 @@ class Engine:
             self._grow(request, request.computed + take)  # fits: the whole prompt did
             self.running.append(request)
             budget -= self._schedule_tokens(request, take, step)
+        self.waiting.extendleft(reversed(passed))
+        self._swaps = self._swap_in(step)
         evicted, self.pool.evicted = self.pool.evicted, []
         if self._events is not None:
             if step:
                 self._events.step()  # what the engine queued (a cache clear) goes out with the step
             self._events.removed(evicted)
         return step
+
+    def _swap_in(self, step: Sequence[Request]) -> int:
+        """Bring the step's adapters into the slots, least recently used out; how many came in."""
+        swaps = 0
+        for request in step:
+            adapter = request.adapter
+            if adapter is None:
+                continue
+            if adapter in self.slots:
+                self.slots.move_to_end(adapter)
+                continue
+            if len(self.slots) >= self._max_loras:
+                self.slots.popitem(last=False)
+            self.slots[adapter] = None
+            swaps += 1
+            self._on_lora_load()
+        return swaps
 
     def end_step(self, step: Sequence[Request]) -> None:
         """The step ran: report its stored blocks, hand out its tokens, free what finished."""

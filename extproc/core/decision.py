@@ -11,6 +11,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from extproc.core.adapters import Affinity
 from extproc.core.load import LoadTracker
 from extproc.core.settings import Settings
 from extproc.core.ttft import TTFTModel
@@ -32,6 +33,9 @@ class Label(StrEnum):
     # the prefill leg of a request split between a prefill and a decode backend (pairs.py): the
     # request's own label says why its decode backend was chosen
     PREFILL = "prefill"
+    # the cheapest candidate, cheapest because its LoRA adapter is running there or a slot is free
+    # (adapters.py): without that term another one would have been chosen
+    ADAPTER_AFFINITY = "adapter_affinity"
 
 
 _NO_CHURN: Mapping[str, float] = MappingProxyType({})
@@ -60,6 +64,7 @@ class DecisionInputs(NamedTuple):
     ttft_objective_s: float | None = None  # the request's TTFT objective, if it has one
     sheddable: bool = False  # it may be refused rather than served late
     ttft: TTFTModel | None = None  # each backend's predicted time to first token (ttft.py)
+    adapter: str | None = None  # the LoRA adapter the request names, if an engine has reported it
 
     def held(self, backend: str) -> int:
         """Blocks the picture (before trust) shows on the backend."""
@@ -78,6 +83,8 @@ class CandidateCost:
     load: float
     churn: float
     cost: float
+    adapter: Affinity | None = None  # how it stands for the request's LoRA adapter (None: no adapter)
+    adapter_cost: float = 0.0  # that term's share of `cost`
 
 
 class Decision(NamedTuple):
@@ -115,6 +122,7 @@ class Decision(NamedTuple):
                     "load": c.load,
                     "churn": round(c.churn, 4),
                     "cost": c.cost,
+                    **({} if c.adapter is None else {"adapter": c.adapter.value, "adapter_cost": c.adapter_cost}),
                 }
                 for c in self.candidates
             ],

@@ -50,3 +50,7 @@ class EngineSample:
     cache_hits: float | None = None  # vllm:prefix_cache_hits_total: of those, found cached
     ttft_sum: float | None = None  # vllm:time_to_first_token_seconds_sum: the engine's own first-token times
     ttft_count: float | None = None  # vllm:time_to_first_token_seconds_count
+    # vllm:lora_requests_info, its latest series: the adapters of running and waiting requests, and
+    # max_lora (None: the engine serves no adapters)
+    lora_running: tuple[str, ...] = ()
+    lora_slots: int | None = None

@@ -30,6 +30,7 @@ class BackendLoad:
     __slots__ = (
         "_credit",
         "active",
+        "adapters",
         "awaiting",
         "engine_at",
         "engine_kv_usage",
@@ -44,6 +45,7 @@ class BackendLoad:
     def __init__(self) -> None:
         self.reserved_blocks = 0
         self.active = 0
+        self.adapters: dict[str, int] = {}  # kvroute's own requests in flight, by LoRA adapter (adapters.py)
         self.peer_reserved = 0  # the other replicas' reservations on this backend, as last published
         self.peer_active = 0
         self.engine_requests = 0  # running + waiting at the engine's last sample
@@ -127,6 +129,7 @@ class Reservation:
     __slots__ = (
         "_active_held",
         "_load",
+        "adapter",
         "backend",
         "blocks",
         "in_flight",
@@ -137,8 +140,9 @@ class Reservation:
         "work",
     )
 
-    def __init__(self, backend: str, load: BackendLoad, blocks: int) -> None:
+    def __init__(self, backend: str, load: BackendLoad, blocks: int, adapter: str | None = None) -> None:
         self.backend = backend
+        self.adapter = adapter  # the LoRA adapter it runs, counted in flight with it
         self.blocks = blocks
         self.pending = blocks  # prefill blocks still reserved
         self.learned_at: float | None = None  # when kvroute learned the backend took it
@@ -153,6 +157,8 @@ class Reservation:
         self._active_held = True
         load.reserved_blocks += blocks
         load.active += 1
+        if adapter is not None:
+            load.adapters[adapter] = load.adapters.get(adapter, 0) + 1
 
     def drain(self, blocks: int) -> None:
         """The engine did this much of the prefill (at most what is still pending)."""
@@ -171,6 +177,13 @@ class Reservation:
             self._active_held = False
             load = self._load
             load.active -= 1
+            adapter = self.adapter
+            if adapter is not None:
+                left = load.adapters[adapter] - 1
+                if left:
+                    load.adapters[adapter] = left
+                else:
+                    del load.adapters[adapter]
             if self.learned_at is not None and self.learned_at > load.settled_at:
                 load.settled_at = self.learned_at
 
@@ -193,8 +206,8 @@ class LoadTracker:
             load = self._loads[backend] = BackendLoad()
         return load
 
-    def reserve(self, backend: str, blocks: int) -> Reservation:
-        return Reservation(backend, self.get(backend), blocks)
+    def reserve(self, backend: str, blocks: int, adapter: str | None = None) -> Reservation:
+        return Reservation(backend, self.get(backend), blocks, adapter)
 
     def remove_backend(self, backend: str) -> None:
         """Detach the backend's counters; handles still held release into the detached ones."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from extproc.core import rules
+from extproc.core.adapters import AdapterBook
 from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
 from extproc.core.request import PromptRequest
@@ -110,11 +111,12 @@ def _returning(inputs: DecisionInputs) -> tuple[int, int] | None:
     return inputs.session_blocks, inputs.held(backend)
 
 
-def assemble() -> Pipeline:
-    """kvroute's decision, stage by stage."""
+def assemble(adapters: AdapterBook) -> Pipeline:
+    """kvroute's decision, stage by stage, with the fleet's LoRA adapters as the engines report them."""
+    affinity = rules.AdapterAffinity(adapters)
     return Pipeline(
-        filters=(rules.serving_the_model,),
-        terms=(rules.prefill_cost, rules.load_cost),
+        filters=(rules.serving_the_model, affinity.listing),
+        terms=(rules.prefill_cost, rules.load_cost, affinity.cost),
         admission=((rules.backend_limit, Label.SHED), (rules.ttft_objective, Label.SHED_SLO)),
         rules=(rules.session_binding, rules.prefix_stickiness, rules.prefix_home),
     )

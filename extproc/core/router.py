@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from extproc.core.adapters import AdapterBook
 from extproc.core.backends import Backend, Role
 from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
@@ -42,6 +43,7 @@ class Router:
         "_shared",
         "_starts",
         "_turn",
+        "adapters",
         "bytes_per_token",
         "churn",
         "homes",
@@ -74,7 +76,8 @@ class Router:
             self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens, set()
         )
         self.mode: IndexMode = ApproximateMode(settings, self._shared)
-        self.pipeline: Pipeline = assemble()  # the decision's stages (pipeline.py)
+        self.adapters = AdapterBook()  # the engines' LoRA adapters (adapters.py)
+        self.pipeline: Pipeline = assemble(self.adapters)  # the decision's stages (pipeline.py)
         self._starts: dict[str, float] = {}
         self._turn = 0
 
@@ -180,6 +183,7 @@ class Router:
             ttft_objective_s=request.ttft_objective_s,
             sheddable=request.sheddable,
             ttft=self.ttft,
+            adapter=self.adapters.adapter_of(request.model),
         )
         return self.pipeline.decide(inputs)
 
@@ -209,7 +213,9 @@ class Router:
             self._place_home(request, decision.backend, decision.candidates)
             load = self.loads.get(decision.backend)
             ahead, in_flight = load.reserved_blocks + load.peer_reserved, load.requests(now)
-            reservation = self.loads.reserve(decision.backend, decision.total_blocks - decision.matched_blocks)
+            adapter = self.adapters.adapter_of(request.model)
+            blocks = decision.total_blocks - decision.matched_blocks
+            reservation = self.loads.reserve(decision.backend, blocks, adapter)
             reservation.sent_at, reservation.work, reservation.in_flight = now, ahead + reservation.blocks, in_flight
             reservation.predicted_s = self.ttft.predict(decision.backend, reservation.work, in_flight)
             predicted = self.mode.routed(request, decision, reservation, now)
@@ -238,7 +244,7 @@ class Router:
         if exchange.reservation is not None:  # the decode backend pulls the prompt instead of computing it
             exchange.reservation.release_prefill()
         leg = decision._replace(label=Label.PREFILL, backend=backend, second=None, matched_blocks=held, returning=None)
-        reservation = self.loads.reserve(backend, len(chain) - held)
+        reservation = self.loads.reserve(backend, len(chain) - held, self.adapters.adapter_of(request.model))
         reservation.sent_at = now
         predicted = self.mode.routed(request, leg, reservation, now)
         self.stats.decisions[Label.PREFILL] += 1
@@ -364,6 +370,7 @@ class Router:
         self.reset_backend(backend, None)
         self._shared.progressing.discard(backend)
         self.loads.remove_backend(backend)
+        self.adapters.remove_backend(backend)
         self.homes.remove_backend(backend)
         self._starts.pop(backend, None)
         self.bytes_per_token.forget(backend)
@@ -402,6 +409,8 @@ class Router:
             self.ttft.engine(backend, sample.ttft_sum, sample.ttft_count)
         if sample.prompt_tokens is not None:
             self.bytes_per_token.engine_tokens(backend, sample.prompt_tokens)
+        if sample.lora_slots is not None:
+            self.adapters.engine(backend, sample.lora_running, sample.lora_slots, now)
         self.mode.engine_sample(backend, sample)
 
     def engine_events(

@@ -37,11 +37,18 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
 
+from extproc.core.adapters import AdapterBook, Affinity
 from extproc.core.backends import Backend, Role
 from extproc.core.decision import CandidateCost, DecisionInputs, Label, overloaded
 from extproc.core.request import PromptRequest
 
 _MATCHED = attrgetter("matched")
+
+
+def _adapter_decided(chosen: CandidateCost, ranked: Sequence[CandidateCost]) -> bool:
+    """Another candidate as cheap or cheaper but for its adapter term: that term chose."""
+    base = chosen.cost - chosen.adapter_cost
+    return any(c.adapter_cost > chosen.adapter_cost and c.cost - c.adapter_cost <= base for c in ranked)
 
 
 @dataclass(slots=True)
@@ -63,7 +70,11 @@ class Standing:
         return self.session is None and not self.session_full
 
     def within_gates(self, candidate: CandidateCost) -> bool:
+        """It may win outright: not past both balance gates, and not waiting for an adapter slot
+        (then its cost decides, the evicting term included)."""
         inputs = self.inputs
+        if candidate.adapter is Affinity.EVICT:
+            return False
         return not overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
 
 
@@ -110,6 +121,42 @@ def load_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> No
     weight = inputs.settings.new_session_load_weight if inputs.bootstrap else 1.0
     for candidate in candidates:
         candidate.cost += weight * candidate.load
+
+
+class AdapterAffinity:
+    """LoRA adapters (adapters.py) in the decision: a request naming an adapter goes only to
+    backends that list it, when any does (the others answer 404), and costs more where its
+    adapter must be swapped into a free slot (`adapter_load_cost`), far more where every slot is
+    taken by others (`adapter_evict_cost`: it waits for one to drain, then evicts it)."""
+
+    __slots__ = ("book",)
+
+    def __init__(self, book: AdapterBook) -> None:
+        self.book = book
+
+    def listing(self, request: PromptRequest, backends: Sequence[Backend]) -> Sequence[Backend]:
+        """Backends that list the request's adapter (or have not said); all of them if none does."""
+        adapter = self.book.adapter_of(request.model)
+        if adapter is None:
+            return backends
+        keep = set(self.book.listers(adapter, [b.address for b in backends]))
+        kept = [b for b in backends if b.address in keep]
+        return kept or backends
+
+    def cost(self, inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
+        adapter = inputs.adapter
+        if adapter is None:
+            return
+        settings, load_of, now = inputs.settings, inputs.loads.get, inputs.now
+        extra = {
+            Affinity.RUNNING: 0.0,
+            Affinity.FREE_SLOT: settings.adapter_load_cost,
+            Affinity.EVICT: settings.adapter_evict_cost,
+        }
+        for candidate in candidates:
+            standing = self.book.affinity(candidate.backend, load_of(candidate.backend), adapter, now)
+            candidate.adapter, candidate.adapter_cost = standing, extra[standing]
+            candidate.cost += candidate.adapter_cost
 
 
 def backend_limit(inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]:
@@ -179,6 +226,8 @@ def cheapest(standing: Standing) -> tuple[CandidateCost, Label]:
     ranked = standing.ranked
     tied = [c for c in ranked if c.cost <= ranked[0].cost]
     chosen = tied[standing.inputs.turn % len(tied)]
+    if _adapter_decided(chosen, ranked):
+        return chosen, Label.ADAPTER_AFFINITY
     session = standing.session
     if standing.session_full or (session is not None and chosen is not session):
         return chosen, Label.LOAD_OVERRIDE

@@ -244,6 +244,20 @@ class Settings:
     active_request_cost: float = _setting(
         4.0, "Load of one in-flight request, in blocks of prefill it is worth.", NON_NEGATIVE, "activeRequestCost"
     )
+    adapter_load_cost: float = _setting(
+        4.0,
+        "Cost, in blocks of prefill, of sending a request for a LoRA adapter where it is not running "
+        "but a slot is free: the engine swaps it in first.",
+        NON_NEGATIVE,
+        "adapterLoadCost",
+    )
+    adapter_evict_cost: float = _setting(
+        128.0,
+        "Cost, in blocks of prefill, of sending a request for a LoRA adapter where every slot "
+        "(--max-loras) holds another running adapter: it waits for one to drain, then evicts it.",
+        NON_NEGATIVE,
+        "adapterEvictCost",
+    )
     balance_abs_gate: float = _setting(
         32.0,
         "A session's backend is overloaded only if its load exceeds the least loaded by this much...",

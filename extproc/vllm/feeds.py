@@ -41,6 +41,7 @@ class EngineFeeds:
             },
             "kv_events": None if self.subscriber is None else dict(self.subscriber.status),
             "engine_scrape_failures": self.scraper.failures,
+            "adapters": self.router.adapters.state(),
         }
 
     def warnings(self) -> list[str]:

@@ -22,8 +22,11 @@ CACHE_HITS = "vllm:prefix_cache_hits_total"
 # own view of the prefill to what clients wait (extproc/core/ttft.py).
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+# One series per set of running and waiting adapters the engine has had, each set to the time it
+# last held: the newest is the engine's state now (older series stay until the process ends).
+LORA_INFO = "vllm:lora_requests_info"
 _COUNTERS = (PROMPT_TOKENS, CACHE_QUERIES, CACHE_HITS, TTFT_SUM, TTFT_COUNT)
-_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, *_COUNTERS)
+_WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, LORA_INFO, *_COUNTERS)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -38,6 +41,7 @@ def engine_sample(text: str) -> EngineSample | None:
     start: float | None = None
     counters: dict[str, float] = {}  # summed over label sets; absent if the engine exports none
     cache_tokens = block_size = None
+    lora: tuple[float, dict[str, str]] | None = None  # the newest lora_requests_info series
     seen = False
     for line in text.splitlines():
         if not line.startswith(_WANTED):
@@ -55,6 +59,10 @@ def engine_sample(text: str) -> EngineSample | None:
                 start = _value(line)
             elif name in _COUNTERS:
                 counters[name] = counters.get(name, 0.0) + _value(line)
+            elif name == LORA_INFO:
+                stamp = _value(line)
+                if lora is None or stamp > lora[0]:
+                    lora = (stamp, dict(_LABEL.findall(line)))
             elif name == CACHE_INFO and cache_tokens is None:
                 labels = dict(_LABEL.findall(line))
                 block_size = int(labels["block_size"])
@@ -63,6 +71,7 @@ def engine_sample(text: str) -> EngineSample | None:
             continue  # one odd line never hides the rest
     if not seen:
         return None
+    lora_running, lora_slots = _lora(lora[1]) if lora is not None else ((), None)
     return EngineSample(
         int(running),
         int(waiting),
@@ -75,4 +84,19 @@ def engine_sample(text: str) -> EngineSample | None:
         counters.get(CACHE_HITS),
         counters.get(TTFT_SUM),
         counters.get(TTFT_COUNT),
+        lora_running,
+        lora_slots,
     )
+
+
+def _lora(labels: dict[str, str]) -> tuple[tuple[str, ...], int | None]:
+    """(adapters of running and waiting requests, slots) from a lora_requests_info series."""
+    names = (
+        *labels.get("running_lora_adapters", "").split(","),
+        *labels.get("waiting_lora_adapters", "").split(","),
+    )
+    try:
+        slots = int(labels.get("max_lora", ""))
+    except ValueError:
+        slots = None
+    return tuple(dict.fromkeys(n for n in names if n)), slots

@@ -1,5 +1,7 @@
 """Scrape every backend's /metrics on a short interval: the engine's own load (it sees all
-clients, kvroute only its own), a restart (a new process start time) and the KV cache size.
+clients, kvroute only its own), a restart (a new process start time) and the KV cache size. A
+server that serves LoRA adapters (its metrics carry vllm:lora_requests_info) also has its
+/v1/models read every `LISTING_EVERY` rounds: the adapters it can serve without a load.
 
 One round scrapes all backends concurrently and takes at most the interval; a backend that does
 not answer in time is skipped for that round (health is the pool's job, not this loop's).
@@ -17,8 +19,11 @@ import aiohttp
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.metrics import engine_sample
+from extproc.vllm.models import MAX_PAGE_BYTES, listed_adapters
 
 log = logging.getLogger(__name__)
+
+LISTING_EVERY = 8  # rounds: every 2 s at the default 0.25 s interval
 
 
 class EngineScraper:
@@ -29,6 +34,7 @@ class EngineScraper:
         self._pool = pool
         self._clock = clock
         self.failures = 0  # scrapes that failed or were not a vLLM engine's page
+        self._round = 0
 
     async def run(self, interval_s: float) -> None:
         """Scrape until cancelled. Survives any error: counts, logs, goes on."""
@@ -46,19 +52,36 @@ class EngineScraper:
     async def scrape(self, session: aiohttp.ClientSession) -> None:
         """One round over every known backend."""
         backends = [b.address for b in self._pool.backends if b.healthy]
-        pages = await asyncio.gather(*(self._page(session, b) for b in backends))
+        pages = await asyncio.gather(*(self._page(session, b, "/metrics") for b in backends))
         now = self._clock()
+        listing = []
         for backend, page in zip(backends, pages, strict=True):
-            sample = engine_sample(page) if page is not None else None
+            sample = engine_sample(page.decode(errors="replace")) if page is not None else None
             if sample is None:
                 self.failures += 1
             elif self._pool.is_known(backend):
                 self._router.engine_sample(backend, sample, now)
+                if sample.lora_slots is not None:
+                    listing.append(backend)
+        self._round += 1
+        if listing and self._round % LISTING_EVERY == 1:
+            await self._listings(session, listing)
+
+    async def _listings(self, session: aiohttp.ClientSession, backends: list[str]) -> None:
+        pages = await asyncio.gather(*(self._page(session, b, "/v1/models") for b in backends))
+        for backend, page in zip(backends, pages, strict=True):
+            adapters = listed_adapters(page) if page is not None else None
+            if adapters is None:
+                self.failures += 1
+            elif self._pool.is_known(backend):
+                self._router.adapters.listing(backend, adapters)
 
     @staticmethod
-    async def _page(session: aiohttp.ClientSession, backend: str) -> str | None:
+    async def _page(session: aiohttp.ClientSession, backend: str, path: str) -> bytes | None:
         try:
-            async with session.get(f"http://{backend}/metrics") as response:
-                return await response.text() if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            async with session.get(f"http://{backend}{path}") as response:
+                if response.status != 200:
+                    return None
+                return await response.content.read(MAX_PAGE_BYTES + 1)
+        except (aiohttp.ClientError, TimeoutError, OSError):
             return None

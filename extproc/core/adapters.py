@@ -1,0 +1,132 @@
+"""LoRA adapters: which backend has a request's adapter at hand, and what serving it there costs.
+
+vLLM serves an adapter under its own model name. An engine holds at most `max_loras` adapters in
+its slots at once: a request for another one waits until a slot frees (every request of an
+adapter there has ended), then the adapter is swapped in, evicting one. So a request goes first
+where its adapter is running, then where a slot is free, and last where it must wait and evict,
+weighed with its cached prefix and the backend's load in the same cost (rules.py).
+
+What each engine says: its adapters (`/v1/models`: those it can serve without a load), the
+adapters of its running and waiting requests and its slot count (`vllm:lora_requests_info`),
+late by a scrape. What kvroute knows at once: its own requests in flight there, by adapter
+(load.py). A backend's running set is the union of the two.
+
+Every name comes from an engine or a client, so every table here is bounded: names longer than
+`MAX_NAME` or not shaped like a model id are ignored, at most `MAX_LISTED` per backend and
+`MAX_KNOWN` in all are kept (a request naming anything else is routed as a base-model request).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from extproc.core.load import ENGINE_SAMPLE_MAX_AGE_S, BackendLoad
+
+MAX_NAME = 256
+MAX_LISTED = 1024  # adapters kept per backend listing
+MAX_KNOWN = 4096  # adapter names kept across the fleet
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+
+
+class Affinity(StrEnum):
+    """How a backend stands for a request's adapter, best first."""
+
+    RUNNING = "adapter_running"  # a request of it runs or waits there: in a slot now
+    FREE_SLOT = "adapter_free_slot"  # not in use there, but a slot is free to swap it in
+    EVICT = "adapter_evict"  # every slot is held by other adapters: it waits, then evicts one
+
+
+def valid_name(name: str) -> bool:
+    """Shaped like a model id and of bounded length."""
+    return len(name) <= MAX_NAME and _NAME.fullmatch(name) is not None
+
+
+@dataclass(slots=True)
+class EngineAdapters:
+    """One backend's adapters as its engine last reported them."""
+
+    listed: frozenset[str] | None = None  # what /v1/models lists (None: not said)
+    running: frozenset[str] = frozenset()  # adapters of requests running or waiting there
+    slots: int | None = None  # max_loras (None: not said)
+    engine_at: float = float("-inf")  # when running/slots were sampled
+
+
+class AdapterBook:
+    """The fleet's adapters, per backend: what the engines report, bounded."""
+
+    __slots__ = ("_backends", "_known")
+
+    def __init__(self) -> None:
+        self._backends: dict[str, EngineAdapters] = {}
+        self._known: set[str] = set()
+
+    def _entry(self, backend: str) -> EngineAdapters:
+        entry = self._backends.get(backend)
+        if entry is None:
+            entry = self._backends[backend] = EngineAdapters()
+        return entry
+
+    def _names(self, names: Iterable[str], limit: int) -> frozenset[str]:
+        kept: set[str] = set()
+        for name in names:
+            if len(kept) >= limit:
+                break
+            if valid_name(name):
+                kept.add(name)
+                if len(self._known) < MAX_KNOWN:
+                    self._known.add(name)
+        return frozenset(kept)
+
+    def listing(self, backend: str, adapters: Iterable[str]) -> None:
+        """The adapters a backend lists (`/v1/models` entries with a parent model)."""
+        self._entry(backend).listed = self._names(adapters, MAX_LISTED)
+
+    def engine(self, backend: str, running: Iterable[str], slots: int | None, now: float) -> None:
+        """The adapters of a backend's running and waiting requests, and its slot count."""
+        entry = self._entry(backend)
+        entry.running = self._names(running, MAX_LISTED)
+        entry.slots = slots if slots is None or slots > 0 else None
+        entry.engine_at = now
+
+    def remove_backend(self, backend: str) -> None:
+        self._backends.pop(backend, None)
+
+    def adapter_of(self, model: str) -> str | None:
+        """`model` if it names an adapter some engine has reported, else None (a base model)."""
+        return model if model in self._known else None
+
+    def listers(self, adapter: str, backends: Sequence[str]) -> list[str]:
+        """Of `backends`, those that list `adapter` or have not said what they list."""
+        out = []
+        for backend in backends:
+            entry = self._backends.get(backend)
+            if entry is None or entry.listed is None or adapter in entry.listed:
+                out.append(backend)
+        return out
+
+    def affinity(self, backend: str, load: BackendLoad, adapter: str, now: float) -> Affinity:
+        """How `backend` stands for a request of `adapter` now: its engine's last report (while
+        fresh) joined with kvroute's own requests in flight there."""
+        entry = self._backends.get(backend)
+        fresh = entry is not None and now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S
+        own = load.adapters
+        if adapter in own or (fresh and entry is not None and adapter in entry.running):
+            return Affinity.RUNNING
+        if entry is None or entry.slots is None:
+            return Affinity.FREE_SLOT  # nothing said about its slots: assume room
+        in_use = len(own.keys() | entry.running) if fresh else len(own)
+        return Affinity.FREE_SLOT if in_use < entry.slots else Affinity.EVICT
+
+    def state(self) -> dict[str, dict[str, object]]:
+        """For /debug/state."""
+        return {
+            backend: {
+                "listed": None if e.listed is None else sorted(e.listed),
+                "running": sorted(e.running),
+                "slots": e.slots,
+            }
+            for backend, e in self._backends.items()
+        }

@@ -1,0 +1,164 @@
+"""LoRA adapter affinity (extproc/core/adapters.py, rules.AdapterAffinity): where a request's
+adapter runs, a slot is free, or every slot is held by others; weighed with the cached prefix and
+load; the engines' reports read from vLLM's own metric and bounded against bad names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extproc.core.adapters import MAX_KNOWN, MAX_LISTED, MAX_NAME, AdapterBook, Affinity
+from extproc.core.backends import Backend
+from extproc.core.decision import Label
+from extproc.core.load import BackendLoad
+from extproc.core.request import parse_request
+from extproc.vllm.metrics import engine_sample
+from tests.test_router import A, B, C, make_router, ok
+
+FLEET = [Backend(x) for x in (A, B, C)]
+PAGE = """vllm:num_requests_running{{engine="0"}} 1.0
+vllm:num_requests_waiting{{engine="0"}} 0.0
+{lora}
+"""
+
+
+def lora_line(running: str, waiting: str, slots: int, stamp: float) -> str:
+    return (
+        f'vllm:lora_requests_info{{max_lora="{slots}",running_lora_adapters="{running}",'
+        f'waiting_lora_adapters="{waiting}"}} {stamp}'
+    )
+
+
+def request(model: str, text: str = "hello", system: str = "shared") -> Any:
+    messages = [{"role": "system", "content": system * 200}, {"role": "user", "content": text}]
+    return parse_request({"model": model, "messages": messages}, {})
+
+
+def report(router: Any, backend: str, running: tuple[str, ...], slots: int = 2, now: float = 0.0) -> None:
+    page = PAGE.format(lora=lora_line(",".join(running), "", slots, 1e9 + now))
+    sample = engine_sample(page)
+    assert sample is not None
+    router.engine_sample(backend, sample, now)
+
+
+def test_the_newest_lora_series_is_the_engines_state():
+    lines = "\n".join(
+        [
+            lora_line("old", "", 2, 1_700_000_000.0),
+            lora_line("a,b", "c", 2, 1_700_000_010.0),  # newest
+            lora_line("x", "", 2, 1_700_000_005.0),
+            'vllm:lora_requests_info{max_lora="many",running_lora_adapters="z"} 1800000000',  # no slot count
+        ]
+    )
+    sample = engine_sample(PAGE.format(lora=lines))
+    assert sample is not None and sample.lora_running == ("z",) and sample.lora_slots is None
+    sample = engine_sample(PAGE.format(lora="\n".join(lines.splitlines()[:3])))
+    assert sample is not None and sample.lora_running == ("a", "b", "c") and sample.lora_slots == 2
+    sample = engine_sample(PAGE.format(lora=""))  # an engine without --enable-lora
+    assert sample is not None and sample.lora_running == () and sample.lora_slots is None
+
+
+def test_affinity_order_running_then_free_slot_then_evict():
+    book, load = AdapterBook(), BackendLoad()
+    book.engine(A, ["a", "b"], 2, now=0.0)
+    assert book.affinity(A, load, "a", 0.0) is Affinity.RUNNING
+    assert book.affinity(A, load, "c", 0.0) is Affinity.EVICT  # both slots held by others
+    book.engine(A, ["a"], 2, now=1.0)
+    assert book.affinity(A, load, "c", 1.0) is Affinity.FREE_SLOT
+    # kvroute's own request in flight counts at once, before the next scrape
+    load.adapters["d"] = 1
+    assert book.affinity(A, load, "d", 1.0) is Affinity.RUNNING
+    assert book.affinity(A, load, "c", 1.0) is Affinity.EVICT
+    # a stale report says nothing any more: only what kvroute has in flight
+    assert book.affinity(A, load, "a", 100.0) is Affinity.FREE_SLOT
+    assert book.affinity(B, BackendLoad(), "a", 0.0) is Affinity.FREE_SLOT  # never reported: assume room
+
+
+def test_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
+    router = make_router()
+    report(router, A, ("other1", "other2"))
+    report(router, B, ("ours",))
+    report(router, C, ())
+    exchange = router.begin(request("ours"), FLEET, 0.5)
+    assert exchange.decision.backend == B
+    explained = {c["backend"]: c for c in exchange.decision.explain()["candidates"]}
+    assert explained[A]["adapter"] == "adapter_evict" and explained[C]["adapter"] == "adapter_free_slot"
+    assert explained[B]["adapter_cost"] == 0.0 < explained[C]["adapter_cost"] < explained[A]["adapter_cost"]
+    exchange.end()
+    report(router, B, ("x", "y"))  # now B's slots are others'
+    fresh = router.begin(request("ours", system="another"), FLEET, 0.6)
+    assert fresh.decision.backend == C and fresh.decision.label is Label.ADAPTER_AFFINITY
+    # a base-model request (or a name no engine reported) is routed as before: no adapter term
+    base = router.begin(request("m", system="third"), FLEET, 0.7)
+    assert all("adapter" not in c for c in base.decision.explain()["candidates"])
+
+
+def test_a_cached_prefix_where_the_adapter_runs_stays_and_a_session_does_not_wait_for_a_slot():
+    router = make_router()
+    for backend in (A, B):
+        report(router, backend, ())
+    first = router.begin(request("ours", text="turn one"), FLEET[:2], 0.1)
+    home = first.decision.backend
+    router.response_started(first, ok(home), 0.1)
+    first.end()
+    report(router, home, ("ours",), now=0.2)
+    again = router.begin(request("ours", text="turn two"), FLEET[:2], 0.3)
+    assert again.decision.backend == home and again.decision.label is Label.PREFIX_MATCH
+    again.end()
+    # the home's slots are now held by others: the prefix no longer wins outright, the cost decides
+    report(router, home, ("x", "y"), now=0.4)
+    moved = router.begin(request("ours", text="turn three"), FLEET[:2], 0.5)
+    evict = next(c for c in moved.decision.candidates if c.backend == home)
+    assert evict.adapter is Affinity.EVICT and moved.decision.label is Label.ADAPTER_AFFINITY
+    assert moved.decision.backend != home  # a 2-block prompt: cheaper recomputed than waited for
+    moved.end()
+
+
+def test_a_long_cached_prefix_outweighs_waiting_for_a_slot():
+    router = make_router(adapter_evict_cost=8.0)
+    long = "a long shared context " * 20  # more blocks than the evicting term
+    first = router.begin(request("ours", system=long), FLEET[:2], 0.1)
+    home = first.decision.backend
+    router.adapters.listing(home, ["ours"])
+    router.response_started(first, ok(home), 0.1)
+    first.end()
+    report(router, home, ("x", "y"), now=0.2)
+    again = router.begin(request("ours", text="next", system=long), FLEET[:2], 0.3)
+    chosen = next(c for c in again.decision.candidates if c.backend == home)
+    assert chosen.adapter is Affinity.EVICT and chosen.novel + chosen.adapter_cost < again.decision.total_blocks
+    assert again.decision.backend == home and again.decision.label is Label.PREFIX_MATCH
+
+
+def test_in_flight_adapters_are_counted_once_per_request():
+    router = make_router()
+    router.adapters.listing(A, ["ours"])
+    exchange = router.begin(request("ours"), [Backend(A)], 0.1)
+    assert router.loads.get(A).adapters == {"ours": 1}
+    assert exchange.end() and not exchange.end()
+    assert router.loads.get(A).adapters == {}
+
+
+def test_only_backends_listing_an_adapter_are_offered_it_while_any_does():
+    router = make_router()
+    router.adapters.listing(A, ["ours"])
+    router.adapters.listing(B, ["theirs"])  # C has not said what it lists
+    for _ in range(10):
+        exchange = router.begin(request("ours"), FLEET, 0.0)
+        assert exchange.decision.backend in (A, C)
+        exchange.end()
+    router.adapters.listing(C, [])
+    exchange = router.begin(request("nowhere"), FLEET, 0.0)  # not a known adapter: every backend
+    assert exchange.decision.backend is not None
+
+
+def test_bad_adapter_names_are_bounded_and_never_kept():
+    book = AdapterBook()
+    book.listing(A, ["ok-1", "", "x" * (MAX_NAME + 1), "../etc", "sp ace", "a\nb", *(f"n{i}" for i in range(5000))])
+    known = [n for n in ("ok-1", "n0") if book.adapter_of(n)]
+    assert known == ["ok-1", "n0"]
+    for bad in ("", "x" * (MAX_NAME + 1), "../etc", "sp ace", "a\nb"):
+        assert book.adapter_of(bad) is None
+    assert len(book.state()[A]["listed"]) == MAX_LISTED  # type: ignore[arg-type]
+    for backend in range(10):
+        book.listing(f"10.9.0.{backend}:8000", (f"b{backend}-{i}" for i in range(MAX_LISTED)))
+    assert sum(book.adapter_of(f"b9-{i}") is not None for i in range(MAX_LISTED)) == 0  # the fleet's table is full
+    assert book.adapter_of("ok-1") and len(book._known) == MAX_KNOWN

@@ -1,0 +1,97 @@
+"""LoRA adapter affinity through Envoy and kvroute on simulated servers that serve adapters as vLLM
+does (`kvroute-dev sim --lora-modules ... --max-loras N`): listed by /v1/models, reported in
+vllm:lora_requests_info, one slot per adapter a batch holds. The same on real vLLM-CPU:
+tests/test_vllm_lora.py."""
+
+from __future__ import annotations
+
+import http.client
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.stack import Stack, dev_command
+from tests.e2e import counter, eventually, log_tails, post
+
+MODEL = "m"
+ADAPTERS = ("alpha", "beta", "gamma")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    """Two simulated servers, each serving ADAPTERS with one slot, slow enough to hold requests open."""
+    ports = [free_port(), free_port()]
+    args = [a for p in ports for a in ("--port", str(p))]
+    log = tmp_path_factory.mktemp("lora-sim") / "sim.log"
+    flags = ("--model", MODEL, "--lora-modules", ",".join(ADAPTERS), "--max-loras", "1", "--step-s", "0.02")
+    sim = spawn(dev_command("sim", *args, *flags), log)
+    try:
+        backends = [f"127.0.0.1:{p}" for p in ports]
+        for backend in backends:
+            wait_http(f"http://{backend}/health", process=sim)
+        yield backends
+    finally:
+        stop(sim)
+
+
+def body(model: str, tokens: int, text: str = "hello") -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": tokens, "stream": True}
+
+
+class Held:
+    """A streamed request kept open until `release`: its backend is known once headers arrive."""
+
+    def __init__(self, url: str, payload: dict) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self._conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        self._conn.request("POST", "/v1/chat/completions", orjson.dumps(payload), {"content-type": "application/json"})
+        self.response = self._conn.getresponse()
+        self.backend = self.response.getheader("x-kvroute-backend")
+        self.decision = self.response.getheader("x-kvroute-decision")
+
+    def release(self) -> None:
+        self._conn.close()
+
+
+def test_requests_go_where_their_adapter_runs_and_away_from_slots_held_by_others(servers: list[str], tmp_path: Path):
+    extra = ("--decision-headers", "true")
+    with Stack(tmp_path, backends=servers, extproc_args=extra) as stack:
+        for backend in servers:  # one step each: the engines' first lora_requests_info series
+            assert post(f"http://{backend}", body(MODEL, 1))[0] == 200
+
+        def reported() -> bool:
+            state = stack.debug_state()["adapters"]
+            return all(state.get(b, {}).get("slots") == 1 and state[b]["listed"] == sorted(ADAPTERS) for b in servers)
+
+        eventually(reported, message="both servers' adapters and slots in kvroute's state")
+        loads_before = sum(counter(b, "sim_lora_loads_total") for b in servers)
+        alpha = Held(stack.url, body("alpha", 400, "alpha's long answer"))  # about 8 s of decode
+        base = Held(stack.url, body(MODEL, 400, "the base model's long answer"))
+        try:
+            assert alpha.response.status == 200 and base.response.status == 200, log_tails(stack.workdir)
+            assert {alpha.backend, base.backend} == set(servers)  # one request each: equal load
+            # beta: alpha holds its server's only slot, the other one's is free
+            status, headers, _ = post(stack.url, body("beta", 4, "beta's question"))
+            assert status == 200 and headers["x-kvroute-backend"] == base.backend
+            assert headers["x-kvroute-decision"] == "adapter_affinity"
+            # alpha again: where alpha runs, though that server is as busy
+            status, headers, _ = post(stack.url, body("alpha", 4, "alpha's second question"))
+            assert status == 200 and headers["x-kvroute-backend"] == alpha.backend
+            assert headers["x-kvroute-decision"] == "adapter_affinity"
+        finally:
+            alpha.release()
+            base.release()
+        loads = sum(counter(b, "sim_lora_loads_total") for b in servers) - loads_before
+        assert loads == 2  # alpha once, beta once: neither evicted the other
+        eventually(lambda: all(load["active"] == 0 for load in stack.debug_state()["load"].values()))
+
+
+def test_a_name_no_engine_lists_is_routed_as_the_model_and_answered_by_the_engine(servers: list[str], tmp_path: Path):
+    with Stack(tmp_path, backends=servers, extproc_args=("--decision-headers", "true")) as stack:
+        for name in ("unknown-adapter", "x" * 5000, "../../etc/passwd", "a b"):
+            status, _, answer = post(stack.url, {**body(name, 2), "stream": False})
+            assert status == 404, answer  # vLLM's answer for a model it does not serve
+        assert post(stack.url, {**body(MODEL, 2), "stream": False})[0] == 200
+        assert all(len(state["listed"] or ()) <= len(ADAPTERS) for state in stack.debug_state()["adapters"].values())
