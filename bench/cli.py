@@ -170,6 +170,13 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens of varying length (--sim-arg flags still apply after them)",
     )
     parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=2,
+        help="when the trace names LoRA adapters (bench.workloads.adapters): every server serves them all, this "
+        "many in a batch at once (vLLM's --max-loras)",
+    )
+    parser.add_argument(
         "--engine-scheduling",
         choices=ENGINE_SCHEDULING,
         default=ENGINE_SCHEDULING[0],
@@ -291,6 +298,7 @@ def _compare_options(args: argparse.Namespace) -> CompareOptions:
         sim_tokenizer=VLLM_CPU_SIM_TOKENIZER if args.sim_as_vllm_cpu else DEFAULT_TOKENIZER,
         extproc_replicas=args.extproc_replicas,
         engine_scheduling=args.engine_scheduling,
+        max_loras=args.max_loras,
         other_traffic_tokens=args.other_traffic,
         envoy_graceful_close=not args.envoy_reset_streams,
     )

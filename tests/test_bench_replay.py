@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 from pathlib import Path
 
@@ -126,6 +127,26 @@ def test_mixed_trace_adds_short_prompts_with_long_answers_that_share_nothing(tmp
     others = {h for r in requests if r not in short for h in r.hash_ids}
     assert len({r.hash_ids for r in short}) == 4 and not others & {h for r in short for h in r.hash_ids}
     assert [r.session_id for r in requests[2:4]] == ["a", "short_0000"]  # after every third agent turn
+
+
+def test_adapter_trace_skews_popularity_and_shares_a_system_prompt_per_adapter(tmp_path):
+    from bench.workloads import adapters
+    from bench.workloads.prompts import PromptBuilder
+
+    path = tmp_path / "adapters.jsonl"
+    adapters.main([str(path), "--adapters", "8", "--requests", "400", "--seed", "3"])
+    requests = read(path)
+    counts = collections.Counter(r.adapter for r in requests)
+    assert set(counts) <= {f"adapter-{k}" for k in range(8)} and len(counts) >= 6
+    assert counts["adapter-0"] > 2 * counts["adapter-3"] > 0  # Zipf: the first is the most asked for
+    by_adapter = collections.defaultdict(set)
+    for r in requests:
+        by_adapter[r.adapter].add(r.hash_ids[:2])
+    assert all(len(heads) == 1 for heads in by_adapter.values())  # one system prompt per adapter
+    assert len({heads.pop() for heads in by_adapter.values()}) == len(by_adapter)  # not shared across them
+    assert len({r.hash_ids[-1] for r in requests}) == 400  # every question its own
+    body = PromptBuilder("base", 4.0, 32).body(requests[0])
+    assert body["model"] == requests[0].adapter  # the adapter is the request's model, as vLLM serves it
 
 
 def test_agentic_trace_shares_eight_system_prompts_among_120_sessions(tmp_path):

@@ -53,6 +53,7 @@ class CompareOptions:
     sim_tokenizer: str = DEFAULT_TOKENIZER  # the simulator's: bytes (4 a token) or words (varying, as a real one's)
     extproc_replicas: int = 1  # kvroute's ext_proc processes (shared through Redis, or not: kvroute-unshared)
     engine_scheduling: str = ENGINE_SCHEDULING[0]  # vLLM-CPU servers beside the routers (VllmFleet)
+    max_loras: int = 2  # adapters a server's batch holds at once, when the trace names adapters
     other_traffic_tokens: int = 0  # prompts of this size sent straight to the first backend meanwhile
     envoy_graceful_close: bool = True  # kvroute's Envoy half-closes ext_proc streams (False: resets them)
 
@@ -63,9 +64,19 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
     workdir = options.out / "logs"
     workdir.mkdir(parents=True, exist_ok=True)
     longest = max(r.input_tokens for r in requests) + options.max_output_tokens
+    adapters = sorted({r.adapter for r in requests if r.adapter is not None})
     if options.vllm_cpu:
         roles = peers.fleet_roles(options.routers, options.backends)
-        return VllmFleet(options.backends, cache_tokens, longest, workdir, options.engine_scheduling, roles)
+        return VllmFleet(
+            options.backends,
+            cache_tokens,
+            longest,
+            workdir,
+            options.engine_scheduling,
+            roles,
+            adapters,
+            options.max_loras,
+        )
     return SimFleet(
         options.backends,
         cache_tokens,
@@ -74,6 +85,8 @@ def start_fleet(options: CompareOptions, requests: Sequence[TraceRequest]) -> Fl
         options.sim_block_tokens,
         longest,
         options.sim_tokenizer,
+        adapters,
+        options.max_loras,
     )
 
 
@@ -114,6 +127,7 @@ def run_router(
     )
     try:
         cpu_before = cpu_seconds(router.pids())
+        swaps_before = fleet.adapter_swaps()
         work = replay(router.url, requests, builder, pacing, fleet.backends, label=name)
         other = None
         if other_traffic_tokens:
@@ -125,6 +139,10 @@ def run_router(
             summary["other_traffic"] = {"served": other.served, "failed": other.failed}
         # On a shared machine the router's CPU is taken from the engines beside it.
         summary["router_cpu_s"] = round(cpu_seconds(router.pids()) - cpu_before, 2)
+        if fleet.adapters:  # slot swaps: each loads an adapter and, once the slots are full, evicts one
+            swaps = fleet.adapter_swaps() - swaps_before
+            summary["adapter_swaps"] = swaps
+            summary["adapter_swaps_per_min"] = round(60 * swaps / summary["wall_s"], 1) if summary["wall_s"] else None
         summary["exited"] = router.exited()
         if summary["exited"]:
             log.error("%s: %s exited during the run: its figures are void", name, ", ".join(summary["exited"]))
@@ -159,6 +177,8 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
         "engine_scheduling": options.engine_scheduling if options.vllm_cpu else None,
         "other_traffic_tokens": options.other_traffic_tokens,
         "envoy_graceful_close": options.envoy_graceful_close,
+        "adapters": sorted({r.adapter for r in requests if r.adapter is not None}),
+        "max_loras": options.max_loras,
     }
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import oracle
 from bench.harness.processes import free_port, spawn, stop, wait_http
@@ -42,6 +43,13 @@ def post(url: str, body: dict[str, Any] | None = None) -> Any:
     return orjson.loads(raw) if raw else None
 
 
+def _counter(backend: str, name: str) -> float:
+    """A server's counter, summed over its series (0 if it exports none)."""
+    with urllib.request.urlopen(f"http://{backend}/metrics", timeout=30) as response:
+        page = response.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == name)
+
+
 def chars_per_token(backend: str, model: str) -> float:
     """The backend tokenizer's characters per token on the benchmark's own text."""
     sample = PromptBuilder(model, 4.0, 1).block_text(1) * 4
@@ -64,6 +72,11 @@ class Fleet:
     capacity_blocks: int
     tokenizer_dir: Path | None = None  # the served model's tokenizer, where kvroute-precise can use it
     kv_transfer: bool = False  # the servers speak vLLM's kv_transfer_params hand-off (a disaggregated fleet's)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters every server serves besides the model
+
+    def adapter_swaps(self) -> int:
+        """Adapters swapped into a server's slots so far, over the fleet (each evicts one once full)."""
+        return 0
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         """Each request's prompt as the backends count it (length, block hashes), by index."""
@@ -96,9 +109,13 @@ class SimFleet(Fleet):
         block_tokens: int = SIM_BLOCK_TOKENS,
         longest_prompt: int = 0,
         tokenizer: str = sim.DEFAULT_TOKENIZER,
+        adapters: Sequence[str] = (),
+        max_loras: int = 1,
     ) -> None:
-        """Like vLLM, a backend must hold its longest prompt: below that, the cache is raised to it."""
+        """Like vLLM, a backend must hold its longest prompt: below that, the cache is raised to it.
+        `adapters`: LoRA adapters every server serves, `max_loras` of them in a batch at once."""
         self.model = "sim-model"
+        self.adapters = tuple(adapters)
         self.block_tokens = block_tokens
         self.tokenizer = tokenizer
         self.kv_transfer = True
@@ -110,6 +127,8 @@ class SimFleet(Fleet):
         argv += ["--block-size", str(block_tokens), "--capacity-blocks", str(self.capacity_blocks), "--kv-events"]
         argv += ["--kv-connector"]  # every simulated server speaks the hand-off (kvroute-pd uses it)
         argv += ["--tokenizer", tokenizer]
+        if self.adapters:
+            argv += ["--lora-modules", ",".join(self.adapters), "--max-loras", str(max_loras)]
         self.processes = [spawn([*argv, *sim_args], workdir / "backends.log")]
         try:
             for backend in self.backends:
@@ -117,6 +136,9 @@ class SimFleet(Fleet):
         except BaseException:
             self.stop()
             raise
+
+    def adapter_swaps(self) -> int:
+        return sum(round(_counter(b, "sim_lora_loads_total")) for b in self.backends) if self.adapters else 0
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         bodies = [builder.body(r) for r in requests]
@@ -131,6 +153,38 @@ def tiny_model() -> Path:
         python = str(vllm_venv() / "bin" / "python")
         subprocess.run([python, str(Path(__file__).with_name("tiny_model.py")), str(model)], check=True)
     return model
+
+
+LORA_RANK = 8  # tiny_lora.py's
+LORA_ACTIVATED = "Activating LoRA"  # vLLM's debug line when an adapter is moved into a slot
+
+
+def tiny_adapters(names: Sequence[str]) -> dict[str, Path]:
+    """LoRA adapters for the tiny model (tiny_lora.py), built once beside it: name -> folder."""
+    root = cache_root() / f"{TINY_MODEL}-lora"
+    missing = [n for n in names if not (root / n / "adapter_model.safetensors").exists()]
+    if missing:
+        python = str(vllm_venv() / "bin" / "python")
+        subprocess.run([python, str(Path(__file__).with_name("tiny_lora.py")), str(root), *missing], check=True)
+    return {name: root / name for name in names}
+
+
+def _lora_logging(scratch: Path) -> Path:
+    """A vLLM logging configuration as its default, plus the LoRA manager's debug lines (slot swaps)."""
+    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+        "handlers": {"vllm": {**handler, "level": "DEBUG"}},
+        "loggers": {
+            "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+            "vllm.lora.model_manager": {"handlers": ["vllm"], "level": "DEBUG", "propagate": False},
+        },
+    }
+    path = scratch / "logging.json"
+    path.write_bytes(orjson.dumps(config))
+    return path
 
 
 # A disaggregated server's role -> its NixlConnector kv_role.
@@ -159,6 +213,8 @@ class VllmFleet(Fleet):
         workdir: Path,
         scheduling: str = ENGINE_SCHEDULING[0],
         roles: Sequence[str] = (),
+        adapters: Sequence[str] = (),
+        max_loras: int = 1,
     ) -> None:
         """`roles`: one per server, `prefill`, `decode` or `both`, to run them disaggregated (vLLM's
         NixlConnector over UCX, NIXL installed into the venv on first use; each server's NIXL side
@@ -174,6 +230,9 @@ class VllmFleet(Fleet):
             raise ValueError(f"roles must name one of {', '.join(KV_ROLES)} per server, not {roles!r}")
         self.scheduling = scheduling
         self.roles = tuple(roles)
+        self.adapters = tuple(adapters)
+        self._max_loras = max_loras
+        self._lora_dirs = tiny_adapters(self.adapters) if self.adapters else {}
         self.kv_transfer = bool(roles)
         self.side_channels = [free_port() for _ in roles]
         self.model = TINY_MODEL
@@ -224,6 +283,10 @@ class VllmFleet(Fleet):
         argv += ["--enforce-eager", "--max-model-len", str(context)]
         argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]
         argv += ["--kv-events-config", orjson.dumps(events).decode()]
+        if self.adapters:
+            argv += ["--enable-lora", "--max-loras", str(self._max_loras), "--max-lora-rank", str(LORA_RANK)]
+            argv += ["--lora-modules", *(f"{name}={path}" for name, path in self._lora_dirs.items())]
+            env["VLLM_LOGGING_CONFIG_PATH"] = str(_lora_logging(scratch))  # the slot swaps, counted from the log
         if self.roles:
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channels[index])
@@ -237,6 +300,11 @@ class VllmFleet(Fleet):
             }
             argv += ["--kv-transfer-config", orjson.dumps(transfer).decode()]
         return argv, env
+
+    def adapter_swaps(self) -> int:
+        """vLLM's own "Activating LoRA" lines (one per adapter moved into a slot) in the servers' logs."""
+        logs = (self._workdir / f"vllm{i}.log" for i in range(len(self.backends)))
+        return sum(log.read_text(errors="replace").count(LORA_ACTIVATED) for log in logs)
 
     def _spawn(self, index: int) -> subprocess.Popen:
         argv, env = self._commands[index]

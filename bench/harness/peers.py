@@ -35,7 +35,11 @@ ROUTERS = (
     "sglang-router-cache_aware",
 )
 # kvroute as ROUTERS run it, with one change, for benchmarks that need the difference
-VARIANTS = {"kvroute-no-flow-control": ("--flow-control", "false")}
+VARIANTS = {
+    "kvroute-no-flow-control": ("--flow-control", "false"),
+    # as kvroute routed before it weighed LoRA adapters: their slots cost nothing
+    "kvroute-no-adapter-affinity": ("--adapter-load-cost", "0", "--adapter-evict-cost", "0"),
+}
 # kvroute over a disaggregated fleet: the first backend prefills for the others, which decode (on
 # servers that speak vLLM's kv_transfer_params: `bench compare` starts them so when it runs)
 DISAGGREGATED = "kvroute-pd"

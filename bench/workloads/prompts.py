@@ -34,7 +34,8 @@ class PromptBuilder:
     def body(self, request: TraceRequest) -> dict[str, Any]:
         """The chat body for one trace request (ready bodies pass through with the model set)."""
         if request.body is not None:
-            return {**request.body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+            model = request.adapter or self.model
+            return {**request.body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
         messages = []
         remaining = request.input_tokens
         for position, hash_id in enumerate(request.hash_ids):
@@ -47,7 +48,7 @@ class PromptBuilder:
         if messages[-1]["role"] != "user":
             messages.append({"role": "user", "content": "Continue."})
         return {
-            "model": self.model,
+            "model": request.adapter or self.model,
             "messages": messages,
             "max_tokens": max(1, min(request.output_tokens, self.max_output_tokens)),
             "stream": True,

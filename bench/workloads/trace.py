@@ -23,17 +23,20 @@ class TraceRequest:
     hash_ids: tuple[int, ...] = ()
     session_id: str | None = None
     body: dict[str, Any] | None = field(default=None, compare=False)
+    adapter: str | None = None  # the LoRA adapter it asks for (its `model`), else the fleet's model
 
 
 def _parse(index: int, record: dict[str, Any]) -> TraceRequest:
     session = record.get("session_id")
     session = None if session is None else str(session)
+    adapter = record.get("adapter")
+    adapter = None if adapter is None else str(adapter)
     if "body" in record:
         body = record["body"]
         if not isinstance(body, dict) or "messages" not in body:
             raise ValueError(f"line {index + 1}: 'body' must be an OpenAI chat request")
         output = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        return TraceRequest(index, float(record.get("timestamp", 0)), 0, int(output), (), session, body)
+        return TraceRequest(index, float(record.get("timestamp", 0)), 0, int(output), (), session, body, adapter)
     try:
         return TraceRequest(
             index,
@@ -42,6 +45,7 @@ def _parse(index: int, record: dict[str, Any]) -> TraceRequest:
             int(record["output_length"]),
             tuple(int(h) for h in record["hash_ids"]),
             session,
+            adapter=adapter,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"line {index + 1}: not a Mooncake record ({exc})") from None

@@ -71,9 +71,9 @@ class Standing:
 
     def within_gates(self, candidate: CandidateCost) -> bool:
         """It may win outright: not past both balance gates, and not waiting for an adapter slot
-        (then its cost decides, the evicting term included)."""
+        (then its cost decides, the evicting term included; with that term 0 slots do not matter)."""
         inputs = self.inputs
-        if candidate.adapter is Affinity.EVICT:
+        if candidate.adapter is Affinity.EVICT and inputs.settings.adapter_evict_cost > 0:
             return False
         return not overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
 

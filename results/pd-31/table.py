@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ROUTERS = ("kvroute-pd", "kvroute", "sglang-router-cache_aware")
+ROUTERS = ("kvroute-pd", "kvroute-pd-flex", "kvroute", "sglang-router-cache_aware")
 
 
 def nearest(values: list[float], q: float) -> str:
@@ -41,7 +41,7 @@ def rows(run: str) -> list[str]:
         def gaps(group: list[dict]) -> list[float]:
             return [gap for r in group for gap in r["token_gaps_ms"]]
 
-        legs = sum(row["requests_per_backend"].values()) - len(records) if name == "kvroute-pd" else "-"
+        legs = sum(row["requests_per_backend"].values()) - len(records) if name.startswith("kvroute-pd") else "-"
         cells = [
             str(clients),
             name,
