@@ -25,6 +25,7 @@ from bench.harness.fleets import (
     SimFleet,
     VllmFleet,
     chars_per_token,
+    post,
 )
 from bench.harness.processes import cpu_seconds
 from bench.harness.replay import Pacing, replay
@@ -182,6 +183,21 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
     }
 
 
+WARM_UP_REQUESTS = 4  # per server
+
+
+def warm_up(fleet: Fleet, builder: PromptBuilder, requests: Sequence[TraceRequest]) -> None:
+    """Send every server a few of the trace's first requests before any router runs (each router
+    then starts on emptied caches): a server's first requests are slower, which would count
+    against whichever router runs first (docs/benchmarks.md, issue 31: a router that routed as
+    kvroute did had a 37 % lower E2E p50 run second, and was level with it run first)."""
+    for backend in fleet.backends:
+        for request in requests[:WARM_UP_REQUESTS]:
+            body = {**builder.body(request), "stream": False, "max_tokens": 4}
+            body.pop("stream_options", None)
+            post(f"http://{backend}/v1/chat/completions", body)
+
+
 def load_requests(options: CompareOptions) -> list[TraceRequest]:
     return read(options.trace, options.limit, options.max_input_tokens)
 
@@ -195,6 +211,7 @@ def run(options: CompareOptions) -> dict[str, Any]:
     try:
         builder = prompt_builder(fleet, options)
         prompts = fleet.prompts(requests, builder)
+        warm_up(fleet, builder, requests)
         ideal = fleet.ideal([prompts[r.index] for r in requests])  # in trace order
         rows: dict[str, dict[str, Any]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
