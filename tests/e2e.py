@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.stack import dev_command
 
 # Simulated backends for multi-MB prompts (about a million tokens): a long context, a KV cache to
 # hold it, fast prefill, and a step budget that prefills it in one step (at the default budget the
@@ -98,3 +103,18 @@ async def until(check: Callable[[], bool], timeout_s: float = 10.0, message: str
         if time.monotonic() >= deadline:
             raise AssertionError(f"{message} not reached within {timeout_s}s")
         await asyncio.sleep(0.02)
+
+
+@contextlib.contextmanager
+def sim_servers(log: Path, count: int, *flags: str) -> Iterator[list[str]]:
+    """`count` simulated servers in one `kvroute-dev sim` process with `flags`: their addresses,
+    stopped on exit."""
+    ports = [free_port() for _ in range(count)]
+    sim = spawn(dev_command("sim", *[a for p in ports for a in ("--port", str(p))], *flags), log)
+    try:
+        backends = [f"127.0.0.1:{p}" for p in ports]
+        for backend in backends:
+            wait_http(f"http://{backend}/health", process=sim)
+        yield backends
+    finally:
+        stop(sim)

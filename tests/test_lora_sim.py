@@ -11,9 +11,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.harness.processes import free_port, spawn, stop, wait_http
-from bench.harness.stack import Stack, dev_command
-from tests.e2e import counter, eventually, log_tails, post
+from bench.harness.stack import Stack
+from tests.e2e import counter, eventually, log_tails, post, sim_servers
 
 MODEL = "m"
 ADAPTERS = ("alpha", "beta", "gamma")
@@ -22,18 +21,10 @@ ADAPTERS = ("alpha", "beta", "gamma")
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
     """Two simulated servers, each serving ADAPTERS with one slot, slow enough to hold requests open."""
-    ports = [free_port(), free_port()]
-    args = [a for p in ports for a in ("--port", str(p))]
     log = tmp_path_factory.mktemp("lora-sim") / "sim.log"
     flags = ("--model", MODEL, "--lora-modules", ",".join(ADAPTERS), "--max-loras", "1", "--step-s", "0.02")
-    sim = spawn(dev_command("sim", *args, *flags), log)
-    try:
-        backends = [f"127.0.0.1:{p}" for p in ports]
-        for backend in backends:
-            wait_http(f"http://{backend}/health", process=sim)
+    with sim_servers(log, 2, *flags) as backends:
         yield backends
-    finally:
-        stop(sim)
 
 
 def body(model: str, tokens: int, text: str = "hello") -> dict:

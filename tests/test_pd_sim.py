@@ -11,10 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.harness.processes import free_port, spawn, stop, wait_http
-from bench.harness.stack import Stack, dev_command, layout_for
+from bench.harness.stack import Stack, layout_for
 from extproc.core import handoff
-from tests.e2e import counter, eventually, log_tails, metric, post
+from tests.e2e import counter, eventually, log_tails, metric, post, sim_servers
 
 MODEL = "m"
 BLOCK = 16  # tokens; the simulator's bytes tokenizer makes 4 bytes a token
@@ -25,17 +24,9 @@ SOURCES = "vllm:prompt_tokens_by_source_total"
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
     """(prefill, decode): two simulated servers with the connector, in one process."""
-    ports = [free_port(), free_port()]
-    args = [a for p in ports for a in ("--port", str(p))]
     log = tmp_path_factory.mktemp("pd-sim") / "sim.log"
-    sim = spawn(dev_command("sim", *args, "--model", MODEL, "--block-size", str(BLOCK), "--kv-connector"), log)
-    try:
-        backends = [f"127.0.0.1:{p}" for p in ports]
-        for backend in backends:
-            wait_http(f"http://{backend}/health", process=sim)
+    with sim_servers(log, 2, "--model", MODEL, "--block-size", str(BLOCK), "--kv-connector") as backends:
         yield backends
-    finally:
-        stop(sim)
 
 
 def transferred(backend: str) -> float:
