@@ -11,6 +11,8 @@ from extproc.core.backends import Backend
 from extproc.core.decision import Label
 from extproc.core.load import BackendLoad
 from extproc.core.request import parse_request
+from extproc.core.router import Router
+from extproc.core.settings import Settings
 from extproc.vllm.metrics import engine_sample
 from tests.test_router import A, B, C, make_router, ok
 
@@ -162,3 +164,22 @@ def test_bad_adapter_names_are_bounded_and_never_kept():
         book.listing(f"10.9.0.{backend}:8000", (f"b{backend}-{i}" for i in range(MAX_LISTED)))
     assert sum(book.adapter_of(f"b9-{i}") is not None for i in range(MAX_LISTED)) == 0  # the fleet's table is full
     assert book.adapter_of("ok-1") and len(book._known) == MAX_KNOWN
+
+
+def test_precise_keys_an_adapter_an_engine_lists_before_any_event_names_it():
+    """Else a listed adapter's first requests would be keyed as the base model and predicted to
+    hit the base model's blocks (found on vLLM-CPU by tests/test_vllm_lora.py)."""
+    router = Router(Settings(hash_key=b"test-key-16bytes"))
+    router.use_precise(tokenizer=None)  # type: ignore[arg-type]  # tokens are set by hand below
+    router.index.block_size = 4  # type: ignore[attr-defined]
+
+    def chain(model: str) -> list[int]:
+        parsed = request(model)
+        parsed.tokens = list(range(12))
+        return router.chain_of(parsed)
+
+    base = chain("m")
+    assert chain("listed-adapter") == base  # nothing says it is an adapter: the base model's keys
+    router.adapters.listing(A, ["listed-adapter"])
+    keyed = chain("listed-adapter")
+    assert len(keyed) == len(base) and not set(keyed) & set(base)

@@ -72,3 +72,37 @@ def test_scraping_running_servers_feeds_load_capacity_and_start_times():
         assert router._starts[sim] > 1.7e9
 
     asyncio.run(scenario())
+
+
+def test_a_servers_adapters_are_listed_from_the_first_round_and_bad_listings_are_counted():
+    async def scenario() -> None:
+        runners = await serve([0], SimConfig(lora_modules="x,y", max_loras=2))
+        broken = web.Application()
+
+        async def metrics(_request: web.Request) -> web.Response:
+            return web.Response(text=VLLM_PAGE)
+
+        async def models(_request: web.Request) -> web.Response:
+            return web.Response(text="{not json")
+
+        broken.router.add_get("/metrics", metrics)
+        broken.router.add_get("/v1/models", models)
+        stranger = web.AppRunner(broken)
+        await stranger.setup()
+        await web.TCPSite(stranger, "127.0.0.1", 0).start()
+        sim = f"127.0.0.1:{runners[0].addresses[0][1]}"
+        odd = f"127.0.0.1:{stranger.addresses[0][1]}"
+        router = Router(Settings())
+        pool = BackendPool([Backend(sim), Backend(odd)], router.remove_backend, 1)
+        scraper = EngineScraper(router, pool, clock=lambda: 5.0)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+                await scraper.scrape(session)  # before any request: no LoRA metric yet, the listing already
+        finally:
+            for runner in [*runners, stranger]:
+                await runner.cleanup()
+        assert router.adapters.state()[sim]["listed"] == ["x", "y"]
+        assert router.adapters.adapter_of("x") == "x" and router.adapters.adapter_of("m") is None
+        assert odd not in router.adapters.state() and scraper.failures == 1  # its listing was not JSON
+
+    asyncio.run(scenario())

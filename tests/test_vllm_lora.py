@@ -56,7 +56,10 @@ def test_adapter_prefixes_are_predicted_and_never_serve_the_base_model(fleet: Vl
         assert first[1] == 0
         again = ask(stack, "adapter-0", system, "second question")
         assert again[1] >= 4 * VLLM_BLOCK_TOKENS  # the engine kept the adapter's blocks
-        assert abs(again[0] - again[1]) <= VLLM_BLOCK_TOKENS  # and kvroute predicted them, within a block
+        if mode == "precise":  # and kvroute predicted them: from the engine's events, within a block
+            assert abs(again[0] - again[1]) <= VLLM_BLOCK_TOKENS
+        else:  # from text prefixes at an estimated bytes per token: most of them, not more
+            assert again[1] / 2 <= again[0] <= again[1] + VLLM_BLOCK_TOKENS
         # the same text for the base model or another adapter: other keys, nothing cached or predicted
         for model in (TINY_MODEL, "adapter-1"):
             predicted, cached, _ = ask(stack, model, system, "second question")

@@ -156,12 +156,13 @@ def tiny_model() -> Path:
 
 
 LORA_RANK = 8  # tiny_lora.py's
+LORA_BUILD = 2  # tiny_lora.py's version: a new one builds its adapters afresh
 LORA_ACTIVATED = "Activating LoRA"  # vLLM's debug line when an adapter is moved into a slot
 
 
 def tiny_adapters(names: Sequence[str]) -> dict[str, Path]:
     """LoRA adapters for the tiny model (tiny_lora.py), built once beside it: name -> folder."""
-    root = cache_root() / f"{TINY_MODEL}-lora"
+    root = cache_root() / f"{TINY_MODEL}-lora-{LORA_BUILD}"
     missing = [n for n in names if not (root / n / "adapter_model.safetensors").exists()]
     if missing:
         python = str(vllm_venv() / "bin" / "python")

@@ -22,6 +22,7 @@ HIDDEN = 256  # tiny_model.py's sizes
 LAYERS = 4
 HEAD_DIM = 64
 KV_HEADS = 2
+SCALE = 0.1  # of the random weights: large enough that each adapter changes the tiny model's answers
 TARGETS = {"q_proj": HIDDEN, "v_proj": KV_HEADS * HEAD_DIM}  # module -> output features
 
 
@@ -34,8 +35,8 @@ def build(out: Path, name: str) -> Path:
     for layer in range(LAYERS):
         for module, features in TARGETS.items():
             key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            weights[f"{key}.lora_A.weight"] = torch.randn(RANK, HIDDEN, generator=generator) * 0.02
-            weights[f"{key}.lora_B.weight"] = torch.randn(features, RANK, generator=generator) * 0.02
+            weights[f"{key}.lora_A.weight"] = torch.randn(RANK, HIDDEN, generator=generator) * SCALE
+            weights[f"{key}.lora_B.weight"] = torch.randn(features, RANK, generator=generator) * SCALE
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(folder / "adapter_model.safetensors")
     )

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
+from extproc.core.adapters import AdapterBook
 from extproc.core.calibration import BytesPerToken
 from extproc.core.chain import BlockHasher, TokenHasher, extra_digest
 from extproc.core.churn import ChurnMeter
@@ -54,6 +55,7 @@ class Shared:
     # Backends whose KV events report what they store (approximate mode holds a streamed
     # request's prefill until that progress covers it); known across mode switches.
     progressing: set[str]
+    adapters: AdapterBook  # the LoRA adapters the engines list or run (a request naming one is keyed by it)
     # Reservations whose prefill the engine's events just showed stored, for the router to time
     # (ttft.py); it empties the list after each batch of events.
     prefilled: list[Reservation] = field(default_factory=list)
@@ -260,7 +262,11 @@ class PreciseMode:
             if request.tokens is None or index.block_size is None:
                 request.chain = []
             else:
-                lora = request.model if request.model in index.lora_names else None
+                # An adapter's blocks carry its name: known from the engines' events or listings
+                # (an adapter not seen in events yet must not be keyed as the base model)
+                model = request.model
+                known = model in index.lora_names or self._shared.adapters.adapter_of(model) is not None
+                lora = model if known else None
                 extras = _extra_keys(lora, request.cache_salt, len(request.tokens) // index.block_size)
                 request.chain = self.hasher.chain(request.tokens, index.block_size, extras)
         return request.chain

@@ -72,11 +72,11 @@ class Router:
         self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
         self.trust = PredictionTrust()  # approximate mode: how far each backend's picture holds, per its engine
         self.ttft = TTFTModel()  # each backend's time to first token in the work ahead (ttft.py)
+        self.adapters = AdapterBook()  # the engines' LoRA adapters (adapters.py)
         self._shared = Shared(
-            self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens, set()
+            self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens, set(), self.adapters
         )
         self.mode: IndexMode = ApproximateMode(settings, self._shared)
-        self.adapters = AdapterBook()  # the engines' LoRA adapters (adapters.py)
         self.pipeline: Pipeline = assemble(self.adapters)  # the decision's stages (pipeline.py)
         self._starts: dict[str, float] = {}
         self._turn = 0

@@ -1,7 +1,7 @@
 """Scrape every backend's /metrics on a short interval: the engine's own load (it sees all
-clients, kvroute only its own), a restart (a new process start time) and the KV cache size. A
-server that serves LoRA adapters (its metrics carry vllm:lora_requests_info) also has its
-/v1/models read every `LISTING_EVERY` rounds: the adapters it can serve without a load.
+clients, kvroute only its own), a restart (a new process start time) and the KV cache size. Every
+`LISTING_EVERY` rounds (the first included) its /v1/models too: the LoRA adapters it serves, known
+before its first request of them (its LoRA metric appears only with one).
 
 One round scrapes all backends concurrently and takes at most the interval; a backend that does
 not answer in time is skipped for that round (health is the pool's job, not this loop's).
@@ -61,8 +61,7 @@ class EngineScraper:
                 self.failures += 1
             elif self._pool.is_known(backend):
                 self._router.engine_sample(backend, sample, now)
-                if sample.lora_slots is not None:
-                    listing.append(backend)
+                listing.append(backend)
         self._round += 1
         if listing and self._round % LISTING_EVERY == 1:
             await self._listings(session, listing)
