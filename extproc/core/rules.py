@@ -3,6 +3,8 @@
 Cost terms, summed per candidate, in blocks of prefill:
     prefill: novel_b * (1 + eviction_cost_weight * churn_b)
     load:    w * (reserved_b + active_request_cost * active_b)
+    adapter: 0 where the request's LoRA adapter runs, adapter_load_cost where a slot is free,
+             adapter_evict_cost where every slot holds another (AdapterAffinity; none without one)
 where novel_b is the part of the prompt b has not cached, churn_b how fast b's cache has been
 turning over lately relative to the busiest candidate (0 to 1: new blocks there evict useful
 ones sooner), active_b the backend's in-flight requests (kvroute's own, or the engine's running +
@@ -148,15 +150,16 @@ class AdapterAffinity:
         if adapter is None:
             return
         settings, load_of, now = inputs.settings, inputs.loads.get, inputs.now
-        extra = {
-            Affinity.RUNNING: 0.0,
-            Affinity.FREE_SLOT: settings.adapter_load_cost,
-            Affinity.EVICT: settings.adapter_evict_cost,
-        }
         for candidate in candidates:
             standing = self.book.affinity(candidate.backend, load_of(candidate.backend), adapter, now)
-            candidate.adapter, candidate.adapter_cost = standing, extra[standing]
-            candidate.cost += candidate.adapter_cost
+            if standing is Affinity.RUNNING:
+                extra = 0.0
+            elif standing is Affinity.FREE_SLOT:
+                extra = settings.adapter_load_cost
+            else:
+                extra = settings.adapter_evict_cost
+            candidate.adapter, candidate.adapter_cost = standing, extra
+            candidate.cost += extra
 
 
 def backend_limit(inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]:
@@ -226,7 +229,7 @@ def cheapest(standing: Standing) -> tuple[CandidateCost, Label]:
     ranked = standing.ranked
     tied = [c for c in ranked if c.cost <= ranked[0].cost]
     chosen = tied[standing.inputs.turn % len(tied)]
-    if _adapter_decided(chosen, ranked):
+    if standing.inputs.adapter is not None and _adapter_decided(chosen, ranked):
         return chosen, Label.ADAPTER_AFFINITY
     session = standing.session
     if standing.session_full or (session is not None and chosen is not session):
