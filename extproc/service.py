@@ -25,6 +25,7 @@ from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.envoy.tls import server_credentials
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
+from extproc.runtime.placer import PLACEMENT_INTERVAL_S, AdapterPlacer, PlacementCollector
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.prefill import PrefillLegs
 from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
@@ -95,6 +96,8 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         router.replicas = link
         metrics.registry.register(ReplicaCollector(link))
     legs = PrefillLegs()  # split requests' prefill legs (a disaggregated fleet's)
+    placer = AdapterPlacer(router, pool)  # LoRA adapters the policy places (none: idle)
+    metrics.registry.register(PlacementCollector(placer.placement))
     limit = config.max_message_bytes
     interceptors = []
     if config.grpc_token_file:
@@ -120,6 +123,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             waiting_room=room,
             priorities=lambda: priorities(router.settings, objectives),
             prefill_legs=legs,
+            placer=placer,
         ),
         server,
     )
@@ -170,6 +174,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),
             asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
             asyncio.create_task(room.run()),
+            asyncio.create_task(placer.run(PLACEMENT_INTERVAL_S)),
         ]
         if config.engine_scrape_interval_s > 0:
             tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s)))

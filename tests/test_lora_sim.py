@@ -6,13 +6,14 @@ tests/test_vllm_lora.py."""
 from __future__ import annotations
 
 import http.client
+import urllib.request
 from pathlib import Path
 
 import orjson
 import pytest
 
 from bench.harness.stack import Stack
-from tests.e2e import counter, eventually, log_tails, post, sim_servers
+from tests.e2e import counter, eventually, log_tails, metric, post, sim_servers
 
 MODEL = "m"
 ADAPTERS = ("alpha", "beta", "gamma")
@@ -87,3 +88,51 @@ def test_a_name_no_engine_lists_is_routed_as_the_model_and_answered_by_the_engin
             assert status == 404, answer  # vLLM's answer for a model it does not serve
         assert post(stack.url, {**body(MODEL, 2), "stream": False})[0] == 200
         assert all(len(state["listed"] or ()) <= len(ADAPTERS) for state in stack.debug_state()["adapters"].values())
+
+
+def listed(backend: str) -> set[str]:
+    with urllib.request.urlopen(f"http://{backend}/v1/models", timeout=10) as response:
+        return {m["id"] for m in orjson.loads(response.read())["data"] if m.get("parent")}
+
+
+def test_placement_loads_a_named_adapter_on_demand_scales_it_out_under_load_and_back(tmp_path: Path):
+    flags = ("--model", MODEL, "--runtime-lora", "--max-loras", "1", "--step-s", "0.02")
+    placement = (
+        "--adapter-sources",
+        "sql=/adapters/sql,chat=/adapters/chat",
+        "--adapter-scale-out-requests",
+        "2",
+        "--adapter-idle-s",
+        "2",
+        "--adapter-min-resident-s",
+        "1",
+        "--decision-headers",
+        "true",
+    )
+    with (
+        sim_servers(tmp_path / "sim.log", 2, *flags) as servers,
+        Stack(tmp_path / "stack", backends=servers, extproc_args=placement) as stack,
+    ):
+        assert not listed(servers[0]) and not listed(servers[1])
+        # no server has sql: the request waits until placement loaded it, then goes there
+        status, headers, answer = post(stack.url, {**body("sql", 2), "stream": False})
+        assert status == 200, (answer, log_tails(stack.workdir))
+        home = headers["x-kvroute-backend"]
+        assert listed(home) == {"sql"} and not listed(next(s for s in servers if s != home))
+        # a name the policy does not list is never loaded: the engine answers it as ever
+        assert post(stack.url, {**body("unlisted", 2), "stream": False})[0] == 404
+        assert all("unlisted" not in listed(s) for s in servers)
+        # two in flight on its only server: its load calls for a second
+        held = [Held(stack.url, body("sql", 300, f"long {i}")) for i in range(2)]
+        try:
+            eventually(lambda: all("sql" in listed(s) for s in servers), message="sql on both servers")
+        finally:
+            for request in held:
+                request.release()
+        # idle again: one copy goes (after the hold and the idle time), the last stays
+        eventually(lambda: sum("sql" in listed(s) for s in servers) == 1, timeout_s=30, message="one copy left")
+        assert counter_of(stack, "load", "ok") == 2 and counter_of(stack, "unload", "ok") == 1
+
+
+def counter_of(stack: Stack, action: str, outcome: str) -> float:
+    return metric(stack.admin_url, f'kvroute_adapter_placements_total{{action="{action}",outcome="{outcome}"}}')

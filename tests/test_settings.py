@@ -113,6 +113,7 @@ def test_every_policy_field_reaches_its_setting(key):
         "queueMetricFlows": ["team-a"],
         "flowWeights": {"team-a": 3},
         "objectivePriorities": {"batch": -2},
+        "adapterSources": {"sql": "/adapters/sql"},
     }
     name = next(f.name for f in fields(Settings) if f.metadata["policy"] == key)
     number = _number(next(f for f in fields(Settings) if f.name == name))
@@ -129,6 +130,7 @@ def test_every_policy_field_reaches_its_setting(key):
         "queue_metric_flows": ("team-a",),
         "flow_weights": (("team-a", 3.0),),
         "objective_priorities": (("batch", -2),),
+        "adapter_sources": (("sql", "/adapters/sql"),),
     }
     assert getattr(settings, name) == expected.get(name, number)
 
@@ -156,6 +158,7 @@ def _sample(f: dataclasses.Field) -> tuple[object, str]:
         "queue_metric_flows": (["team-a", "team-b"], "team-a,team-b"),
         "flow_weights": ({"team-a": 2, "team-b": 0.5}, "team-a=2,team-b=0.5"),
         "objective_priorities": ({"critical": 10, "batch": -1}, "critical=10, batch=-1"),
+        "adapter_sources": ({"sql": "/adapters/sql", "chat": "/a/chat"}, "sql=/adapters/sql,chat=/a/chat"),
     }
     if f.name in special:
         return special[f.name]

@@ -112,6 +112,13 @@ class SimConfig:
         default=0.02,
         metadata={"help": "seconds a step takes longer for each adapter it swaps into a slot, evicting another"},
     )
+    runtime_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM does with "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+        },
+    )
     default_max_tokens: int = field(default=16, metadata={"help": "output tokens when a request sets no limit"})
     max_model_len: int = field(
         default=MAX_MODEL_LEN, metadata={"help": "context length: longer prompt + max_tokens get a 400 at once"}
@@ -377,6 +384,7 @@ class SimBackend:
         self._tokenize_text = TOKENIZERS[config.tokenizer]
         self._events = EventPublisher(host) if config.kv_events else None
         self._handoffs = Handoffs(name, config.transfer_block_s)
+        self.adapters = {name: f"/adapters/{name}" for name in config.adapters}  # served now: name -> path
         self._started = int(time.time())
         self._registry = registry = CollectorRegistry()  # per backend: backends in one process keep separate metrics
         model = {"model_name": config.model}
@@ -455,7 +463,7 @@ class SimBackend:
                 ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                 registry=registry,
             )
-            if config.adapters
+            if config.adapters or config.runtime_lora
             else None
         )
         gauges = {
@@ -491,6 +499,9 @@ class SimBackend:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kv_transfer/{request_id}", self._kv_transfer)
+        if self.config.runtime_lora:
+            app.router.add_post("/v1/load_lora_adapter", self._load_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self._unload_adapter)
         app.on_cleanup.append(self._stop_engine)
         if self._events is not None:
             app.router.add_get("/kv_event_sources", self._event_sources)
@@ -508,6 +519,25 @@ class SimBackend:
     async def _stop_engine(self, app: web.Application) -> None:
         await self._engine.close()
         await self._handoffs.close()
+
+    async def _load_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime load: 400 for a name already served, else it is served from now on."""
+        body = orjson.loads(await request.read())
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise _ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.adapters:
+            raise _ApiError(400, f"The lora adapter '{name}' has already been loaded.")
+        self.adapters[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime unload: 404 for a name not served."""
+        name = orjson.loads(await request.read()).get("lora_name")
+        if name not in self.adapters:
+            raise _ApiError(404, f"The lora adapter '{name}' cannot be found.")
+        del self.adapters[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _kv_transfer(self, request: web.Request) -> web.Response:
         """A decode server pulls the blocks of a prefill kept for it (sim_transfer.py)."""
@@ -559,7 +589,7 @@ class SimBackend:
         if not isinstance(body, dict):
             raise _ApiError(400, "the body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.config.model and model not in self.config.adapters:
+        if model is not None and model != self.config.model and model not in self.adapters:
             raise _ApiError(404, f"The model `{model}` does not exist.")
         return body
 
@@ -576,7 +606,7 @@ class SimBackend:
         for offset, key in media:
             block = offset // block_bytes
             extra_keys[block] = (*extra_keys.get(block, ()), key)
-        adapter = body.get("model") if body.get("model") in self.config.adapters else None
+        adapter = body.get("model") if body.get("model") in self.adapters else None
         return _Prompt(tokens, extra_keys, adapter)
 
     def _completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
@@ -723,7 +753,7 @@ class SimBackend:
             "max_model_len": self.config.max_model_len,
         }
         cards = [{**card, "id": model, "root": model, "parent": None}]
-        cards += [{**card, "id": name, "root": f"/adapters/{name}", "parent": model} for name in self.config.adapters]
+        cards += [{**card, "id": name, "root": path, "parent": model} for name, path in self.adapters.items()]
         return _json({"object": "list", "data": cards})
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -91,6 +91,30 @@ class AdapterBook:
         entry.slots = slots if slots is None or slots > 0 else None
         entry.engine_at = now
 
+    def lists(self, backend: str, adapter: str) -> bool:
+        """The backend's listing names the adapter (not said: no)."""
+        entry = self._backends.get(backend)
+        return entry is not None and entry.listed is not None and adapter in entry.listed
+
+    def listed_now(self, backend: str, adapter: str, present: bool) -> None:
+        """A load (or unload) just done there: the listing says so before the next read of it."""
+        entry = self._entry(backend)
+        listed = entry.listed or frozenset()
+        entry.listed = self._names([*listed, adapter], MAX_LISTED) if present else listed - {adapter}
+
+    def runs(self, backend: str, adapter: str, now: float) -> bool:
+        """The engine's fresh report has a request of the adapter running or waiting there."""
+        entry = self._backends.get(backend)
+        return entry is not None and now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S and adapter in entry.running
+
+    def slot_share(self, backend: str, load: BackendLoad, now: float) -> float:
+        """How full the backend's slots are with adapters in use (0 when it has not said)."""
+        entry = self._backends.get(backend)
+        if entry is None or entry.slots is None:
+            return 0.0
+        fresh = now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S
+        return len(load.adapters.keys() | entry.running if fresh else load.adapters.keys()) / entry.slots
+
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
 

@@ -97,21 +97,19 @@ def parse_pairs(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _pairs(
-    setting: str, cast: Callable[[Any], float], check: Callable[[float], bool], what: str
-) -> Callable[[Any], Any]:
-    """A name -> number setting, held as sorted (name, number) pairs so Settings stays hashable;
-    from a mapping (YAML, a policy) or pairs (text)."""
+def _pairs(setting: str, cast: Callable[[Any], Any], check: Callable[[Any], bool], what: str) -> Callable[[Any], Any]:
+    """A name -> value setting (a number, or a path), held as sorted (name, value) pairs so
+    Settings stays hashable; from a mapping (YAML, a policy) or pairs (text)."""
 
     def normalize(value: Any) -> tuple[tuple[str, Any], ...]:
         items: Any = list(value.items()) if isinstance(value, dict) else value
         if isinstance(items, str) or not isinstance(items, (list, tuple)):
-            raise ValueError(f"{setting} must map names to numbers, got {value!r}")
+            raise ValueError(f"{setting} must map names to values, got {value!r}")
         out = {}
         pair: Any
         for pair in items:
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise ValueError(f"{setting} must map names to numbers, got {value!r}")
+                raise ValueError(f"{setting} must map names to values, got {value!r}")
             name, number = pair
             if not isinstance(name, str) or not 0 < len(name) <= MAX_FLOW_ID or isinstance(number, bool):
                 raise ValueError(f"{setting}: names of 1-{MAX_FLOW_ID} characters, got {name!r}")
@@ -127,6 +125,13 @@ def _pairs(
         return tuple(sorted(out.items()))
 
     return normalize
+
+
+def _adapter_path(value: Any) -> str:
+    """Where the servers find an adapter (vLLM's lora_path): a non-empty string, bounded."""
+    if not isinstance(value, str) or not 0 < len(value) <= 4096:
+        raise ValueError(value)
+    return value
 
 
 def _int(value: Any) -> int:
@@ -257,6 +262,45 @@ class Settings:
         "(--max-loras) holds another running adapter: it waits for one to drain, then evicts it.",
         NON_NEGATIVE,
         "adapterEvictCost",
+    )
+    adapter_sources: tuple[tuple[str, str], ...] = _setting(
+        (),
+        "LoRA adapter -> path the servers load it from: kvroute places these adapters itself (vLLM's "
+        "/v1/load_lora_adapter, servers started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), loading one "
+        "where none has it, on more servers while its load calls for it and unloading it where it stays "
+        "idle; it loads no other name. Empty: placement off. In a policy a map, as text "
+        '"support=/adapters/support,sql=/adapters/sql".',
+        policy="adapterSources",
+        normalize=_pairs("adapter_sources", _adapter_path, lambda _path: True, "a path of 1-4096 characters"),
+        parse=parse_pairs,
+        schema="paths",
+    )
+    adapter_max_backends: int = _setting(
+        1,
+        "Servers a placed adapter is kept on while its load does not call for more.",
+        Bounds(minimum=1),
+        "adapterMaxBackends",
+    )
+    adapter_scale_out_requests: int = _setting(
+        8,
+        "Requests in flight per server holding a placed adapter at which it is loaded on one more.",
+        Bounds(minimum=1),
+        "adapterScaleOutRequests",
+    )
+    adapter_idle_s: float = _setting(
+        120.0,
+        "Seconds a placed adapter must go unused on a server (no request in flight or running) before it "
+        "is unloaded there; never from the last server holding it.",
+        POSITIVE,
+        "adapterIdleSeconds",
+    )
+    adapter_min_resident_s: float = _setting(
+        30.0,
+        "Seconds a placed adapter stays on a server it was loaded on, and stays off a server it was "
+        "unloaded from, before placement changes its mind: the hysteresis that keeps adapters from "
+        "thrashing.",
+        POSITIVE,
+        "adapterMinResidentSeconds",
     )
     balance_abs_gate: float = _setting(
         32.0,

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
+from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.settings import SESSION_HEADERS, Settings
 from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, PENDING_HEADER
 
@@ -47,10 +48,11 @@ FORWARD_HEADERS = (
 
 
 def message_timeout_ms(settings: Settings) -> int:
-    """Envoy's wait for each ext_proc reply: longer than flow control holds a request and a split
-    request's prefill leg then takes, so every request is answered by kvroute (dispatched, served
-    whole, or 429 at its TTL), never let through unrouted by Envoy's timer."""
-    return int((settings.queue_ttl_s + settings.pd_prefill_timeout_s + 5) * 1000)
+    """Envoy's wait for each ext_proc reply: longer than flow control holds a request, placement
+    loads its adapter and a split request's prefill leg then takes, so every request is answered
+    by kvroute (dispatched, served whole, or 429 at its TTL), never let through unrouted by
+    Envoy's timer."""
+    return int((settings.queue_ttl_s + ADAPTER_WAIT_S + settings.pd_prefill_timeout_s + 5) * 1000)
 
 
 MESSAGE_TIMEOUT_MS = message_timeout_ms(Settings())

@@ -33,6 +33,7 @@ from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, ResponseStart
 from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import TTFT_HEADERS, classify
+from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
 from extproc.envoy import messages as msg
@@ -40,6 +41,7 @@ from extproc.envoy.headers import DESTINATION_HEADER
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
+from extproc.runtime.placer import AdapterPlacer
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.prefill import PrefillLegs
 from extproc.runtime.waiting_room import WaitingRoom
@@ -135,12 +137,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         waiting_room: WaitingRoom | None = None,
         priorities: Callable[[], Mapping[str, int]] = dict,
         prefill_legs: PrefillLegs | None = None,
+        placer: AdapterPlacer | None = None,
     ) -> None:
         """`fallback`: name the second choice after a comma (kvroute's own override_host Envoy
         retries it); off, as by default, for gateways whose ORIGINAL_DST cluster takes the
         destination as one address. `waiting_room`: flow control (none: every request is
         decided at once); `priorities`: each defined objective's priority; `prefill_legs`: runs
-        the prefill leg of requests split in a disaggregated fleet (none: never split)."""
+        the prefill leg of requests split in a disaggregated fleet (none: never split); `placer`:
+        loads a placed LoRA adapter a request names when no server has it (none: never)."""
         self._router = router
         self._pool = pool
         self._metrics = metrics
@@ -150,6 +154,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._room = waiting_room
         self._priorities = priorities
         self._legs = prefill_legs
+        self._placer = placer
 
     async def Process(
         self,
@@ -195,6 +200,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 if refused is not None:
                     yield refused
                     continue
+                parsed = await self._placed(body, stream, parsed)
             reply = self.handle(message, stream, parsed)
             self._dispatched(stream)
             if body is not None and not reply.HasField("immediate_response"):  # this body decided it
@@ -266,6 +272,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if refused is not None:
             stream.held, stream.held_bytes = None, 0
             return [refused]
+        parsed = await self._placed(body if read else None, stream, parsed)
         decided = self._routing_reply(stream, body if read else None, "request_headers", parsed)
         self._dispatched(stream)
         if decided.HasField("immediate_response"):
@@ -280,6 +287,23 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             )
         stream.held, stream.held_bytes = None, 0  # only now: a failure above hands the held body back
         return [reply, *msg.chunks("request_body", body, end_of_stream)]
+
+    async def _placed(self, body: bytes | None, stream: Stream, parsed: Parsed | None) -> Parsed | None:
+        """A request for a LoRA adapter the policy places, which no server has: wait until one
+        loaded it (at most `ADAPTER_WAIT_S`); then, or on failure, it is decided as it stands.
+        Returns the body as read (read here only while placement is on)."""
+        placer = self._placer
+        if placer is None or not placer.enabled or body is None:
+            return parsed
+        if parsed is None:
+            parsed = self._read(body, stream.headers)
+        if isinstance(parsed, PromptRequest):
+            try:
+                await placer.ensure(parsed.model, ADAPTER_WAIT_S)
+            except Exception:  # placement must never cost a request
+                log.exception("adapter placement failed for a request; it is decided as it stands")
+                self._metrics.errors.labels("internal").inc()
+        return parsed
 
     async def _wait_turn(
         self, body: bytes | None, stream: Stream, parsed: Parsed | None, size: int

@@ -1,0 +1,131 @@
+"""Carry out LoRA adapter placement (extproc/core/placement.py) on the servers: vLLM's
+`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (servers started with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). A round every `interval_s`, and one at once when a request
+waits for an adapter no server lists (`ensure`). A server that already has the adapter (vLLM's
+400 "already been loaded") or no longer has it (404 on unload) counts as done: another replica got
+there first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from extproc.core.placement import AdapterPlacement, Move
+from extproc.core.router import Router
+from extproc.runtime.pool import BackendPool
+
+log = logging.getLogger(__name__)
+
+MOVE_TIMEOUT_S = 30.0  # a load reads the adapter from the server's disk
+PLACEMENT_INTERVAL_S = 1.0
+
+
+class AdapterPlacer:
+    """Runs placement rounds against the pool's healthy servers."""
+
+    def __init__(self, router: Router, pool: BackendPool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.placement = AdapterPlacement()
+        self._router = router
+        self._pool = pool
+        self._clock = clock
+        self._wake = asyncio.Event()
+        self._round_done = asyncio.Event()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._router.settings.adapter_sources)
+
+    async def ensure(self, adapter: str, timeout_s: float) -> bool:
+        """Before routing a request for `adapter`: if the policy places it and no server lists it,
+        ask for it and wait (at most `timeout_s`) until one does. True if a server lists it now."""
+        router = self._router
+        backends = [b.address for b in self._pool.backends if b.healthy]
+        if any(router.adapters.lists(b, adapter) for b in backends):
+            return True
+        if not self.placement.wanted(router.settings, adapter, self._clock()):
+            return False
+        deadline = self._clock() + timeout_s
+        while not any(router.adapters.lists(b.address, adapter) for b in self._pool.backends if b.healthy):
+            left = deadline - self._clock()
+            if left <= 0:
+                return False
+            self._round_done.clear()
+            self._wake.set()
+            try:
+                await asyncio.wait_for(self._round_done.wait(), left)
+            except TimeoutError:
+                return False
+        return True
+
+    async def run(self, interval_s: float) -> None:
+        """Rounds until cancelled; survives any error (logged, counted by the moves' outcomes)."""
+        timeout = aiohttp.ClientTimeout(total=MOVE_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    await self.round(session)
+                except Exception:
+                    log.exception("adapter placement round failed; placement goes on")
+                self._round_done.set()
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):  # a round every interval, or at once when woken
+                    await asyncio.wait_for(self._wake.wait(), interval_s)
+
+    async def round(self, session: aiohttp.ClientSession) -> None:
+        router = self._router
+        if not router.settings.adapter_sources:
+            return
+        backends = [b.address for b in self._pool.backends if b.healthy]
+        moves = self.placement.plan(router.settings, router.adapters, router.loads, backends, self._clock())
+        results = await asyncio.gather(*(self._carry_out(session, move) for move in moves))
+        now = self._clock()
+        for move, ok in zip(moves, results, strict=True):
+            if ok and self._pool.is_known(move.backend):
+                router.adapters.listed_now(move.backend, move.adapter, move.load)
+            self.placement.done(move, ok, now)
+
+    @staticmethod
+    async def _carry_out(session: aiohttp.ClientSession, move: Move) -> bool:
+        path = "/v1/load_lora_adapter" if move.load else "/v1/unload_lora_adapter"
+        body = {"lora_name": move.adapter, "lora_path": move.path} if move.load else {"lora_name": move.adapter}
+        try:
+            async with session.post(f"http://{move.backend}{path}", json=body) as response:
+                text = await response.text()
+                if response.status == 200:
+                    return True
+                if move.load and response.status == 400 and "already" in text:
+                    return True
+                if not move.load and response.status == 404:
+                    return True
+                log.warning(
+                    "%s of adapter %s on %s: HTTP %d %s", path, move.adapter, move.backend, response.status, text[:200]
+                )
+                return False
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            log.warning("%s of adapter %s on %s failed: %s", path, move.adapter, move.backend, error)
+            return False
+
+
+class PlacementCollector(Collector):
+    """kvroute_adapter_placements_total{action, outcome}: the moves placement carried out."""
+
+    def __init__(self, placement: AdapterPlacement) -> None:
+        self._placement = placement
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvroute_adapter_placements",
+            "LoRA adapter loads and unloads placement made, by outcome",
+            labels=["action", "outcome"],
+        )
+        for (action, outcome), count in sorted(self._placement.counts.items()):
+            family.add_metric([action, outcome], count)
+        yield family

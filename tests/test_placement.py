@@ -1,0 +1,98 @@
+"""LoRA adapter placement (extproc/core/placement.py): loads where none has it, more servers only
+when load calls for it, unloads idle copies but never the last, and hysteresis against thrash."""
+
+from __future__ import annotations
+
+from extproc.core.adapters import AdapterBook
+from extproc.core.load import LoadTracker
+from extproc.core.placement import AdapterPlacement, Move
+from extproc.core.settings import Settings
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+FLEET = [A, B, C]
+SETTINGS = Settings(
+    adapter_sources={"sql": "/adapters/sql", "chat": "/adapters/chat"},
+    adapter_max_backends=1,
+    adapter_scale_out_requests=4,
+    adapter_idle_s=60.0,
+    adapter_min_resident_s=10.0,
+)
+
+
+def world() -> tuple[AdapterPlacement, AdapterBook, LoadTracker]:
+    book = AdapterBook()
+    for backend in FLEET:
+        book.listing(backend, [])
+        book.engine(backend, [], 2, now=0.0)
+    return AdapterPlacement(), book, LoadTracker()
+
+
+def carry_out(placement: AdapterPlacement, book: AdapterBook, moves: list[Move], now: float, ok: bool = True) -> None:
+    for move in moves:
+        if ok:
+            book.listed_now(move.backend, move.adapter, move.load)
+        placement.done(move, ok, now)
+
+
+def test_only_adapters_the_policy_names_are_loaded_and_only_once_asked_for():
+    placement, book, loads = world()
+    assert placement.plan(SETTINGS, book, loads, FLEET, 0.0) == []  # nobody asked: nothing moves
+    assert not placement.wanted(SETTINGS, "../../etc/passwd", 0.0)  # a client's name: never loaded
+    assert placement.wanted(SETTINGS, "sql", 0.0)
+    moves = placement.plan(SETTINGS, book, loads, FLEET, 0.1)
+    assert moves == [Move(True, A, "sql", "/adapters/sql")]  # all equal: the first
+    assert placement.plan(SETTINGS, book, loads, FLEET, 0.2) == []  # one move per adapter in flight
+    carry_out(placement, book, moves, 0.3)
+    assert book.lists(A, "sql") and placement.plan(SETTINGS, book, loads, FLEET, 0.4) == []
+    assert placement.counts == {("load", "ok"): 1}
+
+
+def test_a_load_goes_where_slots_are_least_taken_and_a_failed_server_is_skipped_for_a_while():
+    placement, book, loads = world()
+    book.engine(A, ["x", "y"], 2, now=0.0)  # both slots in use
+    loads.reserve(B, 0)  # busier than C
+    placement.wanted(SETTINGS, "chat", 0.0)
+    (move,) = placement.plan(SETTINGS, book, loads, FLEET, 0.5)
+    assert move.backend == C
+    carry_out(placement, book, [move], 0.6, ok=False)
+    (retry,) = placement.plan(SETTINGS, book, loads, FLEET, 1.0)
+    assert retry.backend == B  # not C again within adapter_min_resident_s
+    assert placement.counts[("load", "failed")] == 1
+
+
+def test_load_calls_for_more_servers_and_idle_copies_go_but_never_the_last():
+    placement, book, loads = world()
+    placement.wanted(SETTINGS, "sql", 0.0)
+    carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, 0.0), 0.0)
+    busy = [loads.reserve(A, 0, "sql") for _ in range(4)]  # 4 in flight on its only holder
+    (more,) = placement.plan(SETTINGS, book, loads, FLEET, 1.0)
+    assert more.load and more.backend != A
+    carry_out(placement, book, [more], 1.0)
+    for reservation in busy:
+        reservation.finish()
+    # two holders, beyond adapter_max_backends: the idle one goes once it was idle for the hold
+    assert placement.plan(SETTINGS, book, loads, FLEET, 5.0) == []  # loaded 4 s ago: kept
+    loads.reserve(A, 0, "sql")  # A stays in use
+    (less,) = placement.plan(SETTINGS, book, loads, FLEET, 12.0)
+    assert less == Move(False, more.backend, "sql", "/adapters/sql")
+    carry_out(placement, book, [less], 12.0)
+    # the last holder stays however long it idles
+    assert placement.plan(SETTINGS, book, loads, FLEET, 10_000.0) == []
+    assert book.lists(A, "sql")
+
+
+def test_an_adapter_does_not_thrash_between_servers_under_bursts():
+    placement, book, loads = world()
+    placement.wanted(SETTINGS, "sql", 0.0)
+    carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, 0.0), 0.0)
+    moves = 0
+    for second in range(1, 120):  # a burst every 20 s, quiet between
+        burst = [loads.reserve(A, 0, "sql") for _ in range(4)] if second % 20 == 0 else []
+        done = placement.plan(SETTINGS, book, loads, FLEET, float(second))
+        carry_out(placement, book, done, float(second))
+        moves += len(done)
+        for reservation in burst:
+            reservation.finish()
+    # each burst may add a copy, each copy is kept adapter_min_resident_s: never a move a second
+    assert 0 < moves <= 2 * (120 // 20)
+    assert sum(book.lists(b, "sql") for b in FLEET) == 1  # the last burst's copy went once it idled
