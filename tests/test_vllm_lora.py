@@ -9,12 +9,13 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
-from bench.harness.fleets import TINY_MODEL, VLLM_BLOCK_TOKENS, VllmFleet
+from bench.harness.fleets import TINY_MODEL, VLLM_BLOCK_TOKENS, VllmFleet, tiny_adapters
 from bench.harness.stack import Stack
 from bench.workload import text
-from tests.e2e import eventually, post
+from tests.e2e import eventually, get, metric, post
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy]
 
@@ -78,3 +79,15 @@ def test_an_adapter_answers_differently_from_the_base_model(fleet: VllmFleet, tm
     with Stack(tmp_path, backends=fleet.backends) as stack:
         answers = {model: ask(stack, model, "You are terse.", "Say something.")[2] for model in (TINY_MODEL, *ADAPTERS)}
     assert len(set(answers.values())) == 3, answers  # random weights: each adapter changes the output
+
+
+def test_placement_loads_a_named_adapter_through_vllms_runtime_api(fleet: VllmFleet, tmp_path: Path):
+    path = tiny_adapters(["adapter-placed"])["adapter-placed"]
+    args = ["--adapter-sources", f"adapter-placed={path}"]
+    with Stack(tmp_path, backends=fleet.backends, extproc_args=args) as stack:
+        _, _, answer = ask(stack, "adapter-placed", "You are terse.", "Say something.")  # waits for the load
+        assert answer
+        listed = orjson.loads(get(f"http://{fleet.backends[0]}", "/v1/models")[2])["data"]
+        assert "adapter-placed" in {m["id"] for m in listed}
+        ok = 'kvroute_adapter_placements_total{action="load",outcome="ok"}'
+        assert metric(stack.admin_url, ok) == 1

@@ -40,6 +40,9 @@ def _property(f: dataclasses.Field[Any]) -> dict[str, Any]:
             }
         )
         return {**schema, "type": "object", "maxProperties": MAX_PAIRS, "additionalProperties": number}
+    if special == "paths":  # name -> path
+        path = {"type": "string", "minLength": 1, "maxLength": 4096}
+        return {**schema, "type": "object", "maxProperties": MAX_PAIRS, "additionalProperties": path}
     if special == "header":  # a header name, or empty
         return {**schema, "type": "string", "pattern": f"^{HEADER_NAME.removesuffix('+')}*$"}
     if special == "path":

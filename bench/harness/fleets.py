@@ -288,6 +288,7 @@ class VllmFleet(Fleet):
             argv += ["--enable-lora", "--max-loras", str(self._max_loras), "--max-lora-rank", str(LORA_RANK)]
             argv += ["--lora-modules", *(f"{name}={path}" for name, path in self._lora_dirs.items())]
             env["VLLM_LOGGING_CONFIG_PATH"] = str(_lora_logging(scratch))  # the slot swaps, counted from the log
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # placement loads and unloads adapters
         if self.roles:
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channels[index])
