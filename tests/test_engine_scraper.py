@@ -42,67 +42,49 @@ def test_a_vllm_page_becomes_one_sample_summed_over_engines():
     assert engine_sample("some_other_exporter 1\n") is None
 
 
+async def scrape_once(config: SimConfig, pages: dict[str, str], extra: tuple[str, ...] = ()):
+    """One scrape round over a simulated server, a server answering `pages` (path -> text) and
+    `extra` addresses: (router, scraper, the simulated server's address, the other's)."""
+    runners = await serve([0], config)
+    other = web.Application()
+    for path, text in pages.items():
+
+        async def page(_request: web.Request, text: str = text) -> web.Response:
+            return web.Response(text=text)
+
+        other.router.add_get(path, page)
+    stranger = web.AppRunner(other)
+    await stranger.setup()
+    await web.TCPSite(stranger, "127.0.0.1", 0).start()
+    sim = f"127.0.0.1:{runners[0].addresses[0][1]}"
+    foreign = f"127.0.0.1:{stranger.addresses[0][1]}"
+    router = Router(Settings())
+    pool = BackendPool([Backend(a) for a in (sim, foreign, *extra)], router.remove_backend, 1)
+    scraper = EngineScraper(router, pool, clock=lambda: 5.0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            await scraper.scrape(session)
+    finally:
+        for runner in [*runners, stranger]:
+            await runner.cleanup()
+    return router, scraper, sim, foreign
+
+
 def test_scraping_running_servers_feeds_load_capacity_and_start_times():
-    async def scenario() -> None:
-        runners = await serve([0], SimConfig(block_size=16, capacity_blocks=300))
-        other = web.Application()
-
-        async def page(_request: web.Request) -> web.Response:
-            return web.Response(text="not_vllm 1\n")
-
-        other.router.add_get("/metrics", page)
-        stranger = web.AppRunner(other)
-        await stranger.setup()
-        await web.TCPSite(stranger, "127.0.0.1", 0).start()
-        sim = f"127.0.0.1:{runners[0].addresses[0][1]}"
-        foreign = f"127.0.0.1:{stranger.addresses[0][1]}"
-        router = Router(Settings())
-        pool = BackendPool([Backend(sim), Backend(foreign), Backend("127.0.0.1:9")], router.remove_backend, 1)
-        scraper = EngineScraper(router, pool, clock=lambda: 5.0)
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-                await scraper.scrape(session)
-        finally:
-            for runner in [*runners, stranger]:
-                await runner.cleanup()
-        assert scraper.failures == 2  # a page that is not vLLM's, a server that is not there
-        assert router.loads.get(sim).engine_at == 5.0
-        assert router.state().load[sim].engine_requests == 0
-        assert router._kv_tokens == {sim: 300 * 16}
-        assert router._starts[sim] > 1.7e9
-
-    asyncio.run(scenario())
+    config = SimConfig(block_size=16, capacity_blocks=300)
+    router, scraper, sim, _ = asyncio.run(scrape_once(config, {"/metrics": "not_vllm 1\n"}, ("127.0.0.1:9",)))
+    assert scraper.failures == 2  # a page that is not vLLM's, a server that is not there
+    assert router.loads.get(sim).engine_at == 5.0
+    assert router.state().load[sim].engine_requests == 0
+    assert router._kv_tokens == {sim: 300 * 16}
+    assert router._starts[sim] > 1.7e9
 
 
 def test_a_servers_adapters_are_listed_from_the_first_round_and_bad_listings_are_counted():
-    async def scenario() -> None:
-        runners = await serve([0], SimConfig(lora_modules="x,y", max_loras=2))
-        broken = web.Application()
-
-        async def metrics(_request: web.Request) -> web.Response:
-            return web.Response(text=VLLM_PAGE)
-
-        async def models(_request: web.Request) -> web.Response:
-            return web.Response(text="{not json")
-
-        broken.router.add_get("/metrics", metrics)
-        broken.router.add_get("/v1/models", models)
-        stranger = web.AppRunner(broken)
-        await stranger.setup()
-        await web.TCPSite(stranger, "127.0.0.1", 0).start()
-        sim = f"127.0.0.1:{runners[0].addresses[0][1]}"
-        odd = f"127.0.0.1:{stranger.addresses[0][1]}"
-        router = Router(Settings())
-        pool = BackendPool([Backend(sim), Backend(odd)], router.remove_backend, 1)
-        scraper = EngineScraper(router, pool, clock=lambda: 5.0)
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-                await scraper.scrape(session)  # before any request: no LoRA metric yet, the listing already
-        finally:
-            for runner in [*runners, stranger]:
-                await runner.cleanup()
-        assert router.adapters.state()[sim]["listed"] == ["x", "y"]
-        assert router.adapters.adapter_of("x") == "x" and router.adapters.adapter_of("m") is None
-        assert odd not in router.adapters.state() and scraper.failures == 1  # its listing was not JSON
-
-    asyncio.run(scenario())
+    # before any request: no LoRA metric yet, the listing already
+    config = SimConfig(lora_modules="x,y", max_loras=2)
+    pages = {"/metrics": VLLM_PAGE, "/v1/models": "{not json"}
+    router, scraper, sim, odd = asyncio.run(scrape_once(config, pages))
+    assert router.adapters.state()[sim]["listed"] == ["x", "y"]
+    assert router.adapters.adapter_of("x") == "x" and router.adapters.adapter_of("m") is None
+    assert odd not in router.adapters.state() and scraper.failures == 1  # its listing was not JSON
