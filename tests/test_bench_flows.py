@@ -104,6 +104,7 @@ def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
 
 def test_a_stacks_envoy_waits_longer_than_its_ext_proc_holds_requests(tmp_path: Path):
     from bench.harness.stack import Stack
+    from extproc.core.placement import ADAPTER_WAIT_S
     from extproc.envoy.bootstrap import MESSAGE_TIMEOUT_MS, message_timeout_ms
 
     assert message_timeout_ms(Stack(tmp_path).routing()) == MESSAGE_TIMEOUT_MS
@@ -111,4 +112,4 @@ def test_a_stacks_envoy_waits_longer_than_its_ext_proc_holds_requests(tmp_path: 
     held = Stack(
         tmp_path, extproc_args=("--flow-control", "true", "--queue-ttl-s", "90", "--pd-prefill-timeout-s", "7")
     )
-    assert message_timeout_ms(held.routing()) == (90 + 7 + 5) * 1000
+    assert message_timeout_ms(held.routing()) == (90 + ADAPTER_WAIT_S + 7 + 5) * 1000
