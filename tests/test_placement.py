@@ -96,3 +96,14 @@ def test_an_adapter_does_not_thrash_between_servers_under_bursts():
     # each burst may add a copy, each copy is kept adapter_min_resident_s: never a move a second
     assert 0 < moves <= 2 * (120 // 20)
     assert sum(book.lists(b, "sql") for b in FLEET) == 1  # the last burst's copy went once it idled
+
+
+def test_what_placement_remembers_of_a_server_goes_with_it():
+    placement, book, loads = world()
+    placement.wanted(SETTINGS, "sql", 0.0)
+    (move,) = placement.plan(SETTINGS, book, loads, FLEET, 0.0)
+    carry_out(placement, book, [move], 0.0, ok=False)  # remembered: not retried there for a while
+    placement.keep({b for b in FLEET if b != move.backend})
+    book.remove_backend(move.backend)
+    (again,) = placement.plan(SETTINGS, book, loads, [move.backend, *FLEET], 0.5)  # back, with a new pod
+    assert again.backend == move.backend

@@ -88,9 +88,10 @@ class AdapterPlacement:
         else:
             self._failed_at[key] = now
 
-    def forget_backend(self, backend: str) -> None:
+    def keep(self, backends: set[str]) -> None:
+        """Forget what placement remembers of servers that left the pool (pod IPs come and go)."""
         for table in (self._changed_at, self._failed_at, self._used_at):
-            for key in [k for k in table if k[0] == backend]:
+            for key in [k for k in table if k[0] not in backends]:
                 del table[key]
 
     def _move(

@@ -83,6 +83,7 @@ class AdapterPlacer:
         router = self._router
         if not router.settings.adapter_sources:
             return
+        self.placement.keep({b.address for b in self._pool.backends})
         backends = [b.address for b in self._pool.backends if b.healthy]
         moves = self.placement.plan(router.settings, router.adapters, router.loads, backends, self._clock())
         results = await asyncio.gather(*(self._carry_out(session, move) for move in moves))
