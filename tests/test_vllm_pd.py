@@ -146,3 +146,24 @@ def test_a_prefill_leg_without_transfer_parameters_serves_the_request_whole(flee
             assert counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == transferred
     finally:
         stop(sim)
+
+
+def test_precise_mode_sees_the_transferred_blocks_in_the_decode_servers_cache(fleet: VllmFleet, tmp_path: Path):
+    """The decode server's KV events report the blocks it pulled: after a split, kvroute's
+    precise index predicts the same prompt cached there, as the engine then finds it."""
+    prefill, decode = fleet.backends
+    precise = ("--index-mode", "precise", "--tokenizer-path", str(fleet.model_dir))
+    extra = ("--backend", f"{prefill}@prefill", *THRESHOLD, *precise)
+    with Stack(tmp_path, backends=[decode], extproc_args=extra) as stack:
+        assert stack.debug_state()["index_mode"] == "precise"
+        prompt = text(RNG, 6000)  # new to both servers, about 2,000 tokens
+        body = {"model": "tiny-llama", "prompt": prompt, "temperature": 0, "max_tokens": 4}
+        status, headers, answer = post(stack.url, body, path="/v1/completions")
+        assert status == 200 and headers.get("x-kvroute-backend") == decode, (answer, log_tails(stack.workdir))
+        assert kvroute_counter(stack, "split") == 1
+        status, headers, answer = post(stack.url, body, path="/v1/completions")
+        assert status == 200, answer
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        predicted = int(headers["x-kvroute-cached-tokens"])
+        assert cached >= 1024 and abs(predicted - cached) <= 128, (predicted, cached)
+        assert kvroute_counter(stack, "split") == 1  # cached where it decodes: served whole
