@@ -96,8 +96,10 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         router.replicas = link
         metrics.registry.register(ReplicaCollector(link))
     legs = PrefillLegs()  # split requests' prefill legs (a disaggregated fleet's)
-    placer = AdapterPlacer(router, pool)  # LoRA adapters the policy places (none: idle)
+    # LoRA adapters the policy places (none: idle); with siblings, one replica moves an adapter
+    placer = AdapterPlacer(router, pool, claim=link.claim if link is not None else None)
     metrics.registry.register(PlacementCollector(placer.placement))
+
     limit = config.max_message_bytes
     interceptors = []
     if config.grpc_token_file:

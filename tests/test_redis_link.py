@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import msgpack
 import pytest
 from redis.asyncio import Redis
@@ -295,3 +296,40 @@ async def test_a_replica_leaves_a_turn_to_the_sibling_holding_the_less_served_fl
         assert first.queue.pop(now=now()).flow == "b"  # ...which takes it (the fleet's least served)
         await until(lambda: 0 not in second.queue._peer_heads)
         assert second.queue.pop(now=now()).flow == "a"  # nothing waits elsewhere: its own goes at once
+
+
+@in_loop
+async def test_replicas_agree_on_one_adapter_load_and_the_store_away_leaves_each_acting_alone(redis_server):
+    from bench.simulator.sim import SimConfig, serve
+    from extproc.core.backends import Backend
+    from extproc.runtime.placer import AdapterPlacer
+
+    runners = await serve([0, 0], SimConfig(runtime_lora=True, max_loras=1))
+    servers = [f"127.0.0.1:{runner.addresses[0][1]}" for runner in runners]
+    settings = Settings(hash_key=KEY, adapter_sources={"sql": "/adapters/sql"})
+    try:
+        async with replicas(redis_server, 2) as (one, two):
+            placers = []
+            for replica in (one, two):
+                replica.router.reconfigure(settings)
+                replica.pool = BackendPool([Backend(s) for s in servers], replica.router.remove_backend, 2)
+                for server in servers:
+                    replica.router.adapters.listing(server, [])
+                placer = AdapterPlacer(replica.router, replica.pool, claim=replica.link.claim)
+                placer.placement.wanted(settings, "sql", time.monotonic())
+                placers.append(placer)
+            async with aiohttp.ClientSession() as session:
+                await asyncio.gather(*(placer.round(session) for placer in placers))
+            moves = [sum(p.placement.counts.values()) for p in placers]
+            assert sorted(moves) == [0, 1]  # one replica loaded it, the other left it to that one
+            assert await one.link.claim("other", 5.0) and not await two.link.claim("other", 5.0)
+            assert await one.link.claim("other", 5.0)  # its own claim holds for itself
+        # with no store to ask, a replica acts alone, as without siblings
+        router = Router(Settings(hash_key=KEY))
+        away = RedisLink(
+            router, BackendPool(FLEET, router.remove_backend, 2), Redis.from_url("redis://127.0.0.1:9"), GROUP
+        )
+        assert await away.claim("sql", 5.0)
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -12,7 +12,8 @@ a client sent. Each round (`plan`):
   does not get back one it just unloaded for as long, so load and unload never chase each other.
 The best server for a load: the one whose slots are least taken by adapters in use, then the
 least busy. At most one move per adapter is in flight; a failed move is not retried on that
-server for `adapter_min_resident_s`, and the request is routed as without placement.
+server for `adapter_min_resident_s`, and the request is routed as without placement. With
+sibling replicas, one at a time makes an adapter's moves (the runtime claims it in the store).
 
 Pure: the runtime (extproc/vllm/placer.py) carries the moves out and reports them `done`.
 """
@@ -73,6 +74,10 @@ class AdapterPlacement:
                 self._pending.add(adapter)
                 moves.append(move)
         return moves
+
+    def skip(self, move: Move) -> None:
+        """Another replica acts for this adapter now: the move is not made here."""
+        self._pending.discard(move.adapter)
 
     def done(self, move: Move, ok: bool, now: float) -> None:
         """The runtime carried `move` out (or failed to)."""

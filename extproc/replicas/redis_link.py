@@ -131,6 +131,7 @@ class RedisLink:
         self._events_key = f"{group}:events"
         self._load_key = f"{group}:load"
         self._key_check_key = f"{group}:key-check"
+        self._claim_prefix = f"{group}:claim:"
         self._max_events = max_events
         self._ttl_ms = int(ttl_s * 1000)
         self._load_period_s = load_period_s
@@ -163,6 +164,20 @@ class RedisLink:
             self.counts["dropped"] += 1
         self._outbox.append(message)
         self._wake.set()
+
+    async def claim(self, name: str, ttl_s: float) -> bool:
+        """One replica acts for `name` for `ttl_s` (adapter placement's moves): True for this one
+        if none else holds it. With the store away each replica acts alone, as without siblings."""
+        key = self._claim_prefix + name
+        try:
+            if await self._client.set(key, self.replica, nx=True, px=int(ttl_s * 1000)):
+                return True
+            holder = await self._client.get(key)
+        except (RedisError, OSError):
+            return True
+        if isinstance(holder, bytes):
+            holder = holder.decode(errors="replace")
+        return holder is None or holder == self.replica
 
     # Status for /readyz, /debug/state and /metrics.
     @property

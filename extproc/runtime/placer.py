@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -26,13 +26,23 @@ log = logging.getLogger(__name__)
 
 MOVE_TIMEOUT_S = 30.0  # a load reads the adapter from the server's disk
 PLACEMENT_INTERVAL_S = 1.0
+CLAIM_S = 5.0  # one replica makes an adapter's moves this long (its siblings see them by then)
 
 
 class AdapterPlacer:
     """Runs placement rounds against the pool's healthy servers."""
 
-    def __init__(self, router: Router, pool: BackendPool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        router: Router,
+        pool: BackendPool,
+        clock: Callable[[], float] = time.monotonic,
+        claim: Callable[[str, float], Awaitable[bool]] | None = None,
+    ) -> None:
+        """`claim`: with sibling replicas, whether this one may move an adapter now (the replica
+        store's claim, held `CLAIM_S`): one replica's load decision, not one per replica."""
         self.placement = AdapterPlacement()
+        self._claim = claim
         self._router = router
         self._pool = pool
         self._clock = clock
@@ -85,7 +95,13 @@ class AdapterPlacer:
             return
         self.placement.keep({b.address for b in self._pool.backends})
         backends = [b.address for b in self._pool.backends if b.healthy]
-        moves = self.placement.plan(router.settings, router.adapters, router.loads, backends, self._clock())
+        planned = self.placement.plan(router.settings, router.adapters, router.loads, backends, self._clock())
+        moves = []
+        for move in planned:
+            if self._claim is None or await self._claim(f"placement:{move.adapter}", CLAIM_S):
+                moves.append(move)
+            else:
+                self.placement.skip(move)
         results = await asyncio.gather(*(self._carry_out(session, move) for move in moves))
         now = self._clock()
         for move, ok in zip(moves, results, strict=True):
