@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import dev_command
@@ -68,18 +67,6 @@ def metric(admin_url: str, line_prefix: str) -> float:
         if line.startswith(line_prefix):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def counter(backend: str, name: str, **labels: str) -> float:
-    """A server's Prometheus counter `name` (host:port), summed over the series matching `labels`."""
-    with urllib.request.urlopen(f"http://{backend}/metrics", timeout=10) as response:
-        page = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(page)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 def log_tails(workdir: Any, names: tuple[str, ...] = ("extproc", "envoy")) -> str:

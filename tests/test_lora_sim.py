@@ -12,8 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from bench.harness.fleets import counter
 from bench.harness.stack import Stack
-from tests.e2e import counter, eventually, log_tails, metric, post, sim_servers
+from tests.e2e import eventually, log_tails, metric, post, sim_servers
 
 MODEL = "m"
 ADAPTERS = ("alpha", "beta", "gamma")

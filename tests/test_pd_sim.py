@@ -11,9 +11,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from bench.harness.fleets import counter
 from bench.harness.stack import Stack, layout_for
 from extproc.core import handoff
-from tests.e2e import counter, eventually, log_tails, metric, post, sim_servers
+from tests.e2e import eventually, log_tails, metric, post, sim_servers
 
 MODEL = "m"
 BLOCK = 16  # tokens; the simulator's bytes tokenizer makes 4 bytes a token

@@ -16,12 +16,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.harness.fleets import VllmFleet
+from bench.harness.fleets import VllmFleet, counter
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import Stack, dev_command, layout_for
 from bench.workload import text
 from extproc.core import handoff
-from tests.e2e import counter, log_tails, metric, post
+from tests.e2e import log_tails, metric, post
 
 pytestmark = [pytest.mark.vllm]
 

@@ -178,7 +178,7 @@ def describe(options: CompareOptions, requests: Sequence[TraceRequest], fleet: F
         "engine_scheduling": options.engine_scheduling if options.vllm_cpu else None,
         "other_traffic_tokens": options.other_traffic_tokens,
         "envoy_graceful_close": options.envoy_graceful_close,
-        "adapters": sorted({r.adapter for r in requests if r.adapter is not None}),
+        "adapters": list(fleet.adapters),
         "max_loras": options.max_loras,
     }
 

@@ -43,11 +43,17 @@ def post(url: str, body: dict[str, Any] | None = None) -> Any:
     return orjson.loads(raw) if raw else None
 
 
-def _counter(backend: str, name: str) -> float:
-    """A server's counter, summed over its series (0 if it exports none)."""
-    with urllib.request.urlopen(f"http://{backend}/metrics", timeout=30) as response:
+def counter(backend: str, name: str, **labels: str) -> float:
+    """A server's Prometheus counter `name` (host:port), summed over the series matching `labels`
+    (0 if it exports none)."""
+    with urllib.request.urlopen(f"http://{backend}/metrics", timeout=10) as response:
         page = response.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == name)
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def chars_per_token(backend: str, model: str) -> float:
@@ -138,7 +144,7 @@ class SimFleet(Fleet):
             raise
 
     def adapter_swaps(self) -> int:
-        return sum(round(_counter(b, "sim_lora_loads_total")) for b in self.backends) if self.adapters else 0
+        return sum(round(counter(b, "sim_lora_loads_total")) for b in self.backends) if self.adapters else 0
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         bodies = [builder.body(r) for r in requests]

@@ -104,16 +104,21 @@ class AdapterBook:
 
     def runs(self, backend: str, adapter: str, now: float) -> bool:
         """The engine's fresh report has a request of the adapter running or waiting there."""
-        entry = self._backends.get(backend)
-        return entry is not None and now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S and adapter in entry.running
+        return adapter in self._reported(self._backends.get(backend), now)
 
     def slot_share(self, backend: str, load: BackendLoad, now: float) -> float:
         """How full the backend's slots are with adapters in use (0 when it has not said)."""
         entry = self._backends.get(backend)
         if entry is None or entry.slots is None:
             return 0.0
-        fresh = now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S
-        return len(load.adapters.keys() | entry.running if fresh else load.adapters.keys()) / entry.slots
+        return len(load.adapters.keys() | self._reported(entry, now)) / entry.slots
+
+    @staticmethod
+    def _reported(entry: EngineAdapters | None, now: float) -> frozenset[str]:
+        """The adapters an engine's report has running or waiting, while the report is fresh."""
+        if entry is None or now - entry.engine_at > ENGINE_SAMPLE_MAX_AGE_S:
+            return frozenset()
+        return entry.running
 
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
@@ -135,14 +140,12 @@ class AdapterBook:
         """How `backend` stands for a request of `adapter` now: its engine's last report (while
         fresh) joined with kvroute's own requests in flight there."""
         entry = self._backends.get(backend)
-        fresh = entry is not None and now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S
-        own = load.adapters
-        if adapter in own or (fresh and entry is not None and adapter in entry.running):
+        in_use = load.adapters.keys() | self._reported(entry, now)
+        if adapter in in_use:
             return Affinity.RUNNING
         if entry is None or entry.slots is None:
             return Affinity.FREE_SLOT  # nothing said about its slots: assume room
-        in_use = len(own.keys() | entry.running) if fresh else len(own)
-        return Affinity.FREE_SLOT if in_use < entry.slots else Affinity.EVICT
+        return Affinity.FREE_SLOT if len(in_use) < entry.slots else Affinity.EVICT
 
     def state(self) -> dict[str, dict[str, object]]:
         """For /debug/state."""

@@ -15,7 +15,7 @@ least busy. At most one move per adapter is in flight; a failed move is not retr
 server for `adapter_min_resident_s`, and the request is routed as without placement. With
 sibling replicas, one at a time makes an adapter's moves (the runtime claims it in the store).
 
-Pure: the runtime (extproc/vllm/placer.py) carries the moves out and reports them `done`.
+Pure: the runtime (extproc/runtime/placer.py) carries the moves out and reports them `done`.
 """
 
 from __future__ import annotations

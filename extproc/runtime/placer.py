@@ -57,13 +57,16 @@ class AdapterPlacer:
         """Before routing a request for `adapter`: if the policy places it and no server lists it,
         ask for it and wait (at most `timeout_s`) until one does. True if a server lists it now."""
         router = self._router
-        backends = [b.address for b in self._pool.backends if b.healthy]
-        if any(router.adapters.lists(b, adapter) for b in backends):
+
+        def listed() -> bool:
+            return any(router.adapters.lists(b.address, adapter) for b in self._pool.backends if b.healthy)
+
+        if listed():
             return True
         if not self.placement.wanted(router.settings, adapter, self._clock()):
             return False
         deadline = self._clock() + timeout_s
-        while not any(router.adapters.lists(b.address, adapter) for b in self._pool.backends if b.healthy):
+        while not listed():
             left = deadline - self._clock()
             if left <= 0:
                 return False
