@@ -144,7 +144,7 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.harness.fleets import ENGINE_SCHEDULING
-    from bench.harness.peers import DISAGGREGATED, FLEXIBLE, ROUTERS
+    from bench.harness.peers import DISAGGREGATED, FLEXIBLE, PLACEMENT, ROUTERS
 
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json, summary.md, plots")
     parser.add_argument("--capacity-ratio", type=float, default=1.0, help="total backend cache / working set")
@@ -154,7 +154,8 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(ROUTERS),
         help="comma-separated subset of: " + ", ".join(ROUTERS) + f", or {DISAGGREGATED} (the first server "
         f"prefills for the others over NIXL) or {FLEXIBLE} (every server both roles, split where it pays): every "
-        "router of the run then runs on servers with the connector; kvroute's may "
+        f"router of the run then runs on servers with the connector; {PLACEMENT} (for a trace naming LoRA "
+        "adapters: kvroute loads them where it wants them, on servers that start listing none); kvroute's may "
         "carry ext_proc flags (kvroute:--queue-order=arrival,--max-backend-requests=2)",
     )
     parser.add_argument(

@@ -231,3 +231,37 @@ def test_a_run_s_fleet_layout_comes_from_its_routers_and_only_one_layout_per_run
     assert peers.fleet_roles(["kvroute-pd-flex"], 2) == ("both", "both")
     with pytest.raises(ValueError, match="kvroute-pd and kvroute-pd-flex need fleets of their own"):
         peers.fleet_roles(["kvroute-pd", "kvroute-pd-flex"], 2)
+
+
+def test_placement_starts_on_servers_that_list_no_adapter_and_the_next_router_finds_them_all(tmp_path: Path):
+    """kvroute-placement's run begins with no server listing an adapter and loads each where its
+    requests go (counted); the router after it starts on servers that list every adapter again,
+    so none of its requests is refused for an unknown model."""
+    from bench.workloads import adapters
+    from bench.workloads.trace import read
+
+    trace = tmp_path / "adapters.jsonl"
+    adapters.main([str(trace), "--adapters", "4", "--requests", "48", "--system-blocks", "1", "--seed", "3"])
+    results = run(
+        CompareOptions(
+            trace=trace,
+            limit=48,
+            out=tmp_path / "out",
+            backends=2,
+            routers=("kvroute-placement", "kvroute"),
+            pacing=Pacing(concurrency=4),
+            max_output_tokens=4,
+            sim_args=FAST_SIM,
+        )
+    )
+    placing, after = results["routers"]["kvroute-placement"], results["routers"]["kvroute"]
+    assert placing["ok"] == after["ok"] == 48 and placing["errors"] == after["errors"] == 0
+    assert placing["adapter_placement_loads"] >= 4  # every adapter loaded somewhere, at least once
+    assert "adapter_placement_loads" not in after  # the others place nothing
+    adapter_of = {r.index: r.adapter for r in read(trace, 48)}
+    records = orjson.loads((tmp_path / "out" / "records" / "kvroute-placement.json").read_bytes())
+    held: dict[str | None, set[str]] = {}
+    for record in records:
+        held.setdefault(adapter_of[record["index"]], set()).add(record["backend"])
+    # one server each: the load never called for more
+    assert held and all(len(servers) == 1 for servers in held.values())

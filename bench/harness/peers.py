@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,9 @@ VARIANTS = {
 DISAGGREGATED = "kvroute-pd"
 # kvroute over a flexible fleet: every server both roles (kv_both), split only where it pays
 FLEXIBLE = "kvroute-pd-flex"
+# kvroute placing the fleet's LoRA adapters itself (--adapter-sources, the fleet's own paths): its
+# run starts with no server listing any adapter, the others' with every server listing every one
+PLACEMENT = "kvroute-placement"
 # What each of them needs: the roles of the fleet's servers, by how many there are
 FLEET_ROLES: dict[str, Callable[[int], tuple[str, ...]]] = {
     DISAGGREGATED: first_prefills,
@@ -143,11 +146,13 @@ def start(
     replicas: int = 1,
     graceful_close: bool = True,
     extproc_args: Sequence[str] = (),
+    adapter_paths: Mapping[str, str] | None = None,
 ) -> RunningRouter:
     """Start router `name` (one of ROUTERS or VARIANTS) over `backends` (ip:port) and wait until it
-    serves. kvroute-precise needs the served model's tokenizer directory (real vLLM backends);
-    kvroute's routers run `replicas` ext_proc processes with `extproc_args`, the peers `replicas`
-    independent processes behind an Envoy round robin."""
+    serves. kvroute-precise needs the served model's tokenizer directory (real vLLM backends),
+    kvroute-placement the paths the servers load the adapters from; kvroute's routers run
+    `replicas` ext_proc processes with `extproc_args`, the peers `replicas` independent processes
+    behind an Envoy round robin."""
     workdir.mkdir(parents=True, exist_ok=True)
     if name == "kvroute-precise":
         if tokenizer_dir is None:
@@ -159,6 +164,12 @@ def start(
             router.stop()
             raise RuntimeError(f"kvroute did not start precise: {router.stack.debug_state()['index_mode']}")
         return router
+    if name == PLACEMENT:
+        if not adapter_paths:
+            raise ValueError(f"{PLACEMENT} needs the adapters' paths (a fleet that serves adapters)")
+        sources = ",".join(f"{adapter}={path}" for adapter, path in adapter_paths.items())
+        args = ("--adapter-sources", sources, *extproc_args)
+        return _kvroute(name, backends, workdir, args, replicas, graceful_close)
     if name in ("kvroute", "kvroute-unshared", DISAGGREGATED, FLEXIBLE, *VARIANTS):
         flexible = ("--pd-flexible", "true") if name == FLEXIBLE else ()
         args = (*VARIANTS.get(name, ()), *flexible, *extproc_args)
