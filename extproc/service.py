@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ from extproc.vllm.subscriber import EventSubscriber
 
 if TYPE_CHECKING:
     from extproc.kube.objectives import ObjectiveWatcher
+    from extproc.runtime.tracing import RequestTracer
 
 log = logging.getLogger("kvroute")
 
@@ -54,6 +56,16 @@ def priorities(settings: Settings, objectives: ObjectiveWatcher | None) -> dict[
     if objectives is not None:
         merged.update(objectives.priorities())
     return merged
+
+
+def tracer_from_environment() -> RequestTracer | None:
+    """Traces when the standard OTEL_* variables name an OTLP endpoint; the SDK is loaded only then."""
+    from extproc.runtime import tracing
+
+    if not tracing.wanted(os.environ):
+        return None
+    log.info("tracing on: OTLP spans to %s", next(os.environ[n] for n in tracing.ENDPOINTS if os.environ.get(n)))
+    return tracing.RequestTracer.from_environment()
 
 
 async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
@@ -99,6 +111,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     # LoRA adapters the policy places (none: idle); with siblings, one replica moves an adapter
     placer = AdapterPlacer(router, pool, claim=link.claim if link is not None else None)
     metrics.registry.register(PlacementCollector(placer.placement))
+    tracer = tracer_from_environment()
 
     limit = config.max_message_bytes
     interceptors = []
@@ -126,6 +139,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             priorities=lambda: priorities(router.settings, objectives),
             prefill_legs=legs,
             placer=placer,
+            tracer=tracer,
         ),
         server,
     )
@@ -154,6 +168,8 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         warnings=feeds.warnings if link is None else lambda: feeds.warnings() + link.warnings(),
     )
     async with contextlib.AsyncExitStack() as cleanup:  # torn down in reverse, each step whatever failed before
+        if tracer is not None:  # last: the spans of requests answered while stopping are exported too
+            cleanup.push_async_callback(asyncio.to_thread, tracer.shutdown)
         cleanup.push_async_callback(legs.close)
         monitoring = web.AppRunner(admin.monitoring_app(), access_log=None)
         await monitoring.setup()

@@ -152,7 +152,8 @@ def test_explanation_carries_every_term():
     decision = run({A: 5}, loads=loads(a=1))
     explained = {c["backend"]: c for c in decision.explain()["candidates"]}
     assert explained[A] == {
-        "backend": A, "matched": 5, "novel": 15, "reserved": 0, "active": 1, "load": 4.0, "churn": 0.0, "cost": 19.0
+        "backend": A, "matched": 5, "novel": 15, "reserved": 0, "active": 1, "load": 4.0, "churn": 0.0, "cost": 19.0,
+        "prefill_cost": 15.0, "load_cost": 4.0,
     }  # fmt: skip
 
 

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # distribution name -> the module it is imported as, where they differ
 IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "kubernetes-asyncio": "kubernetes_asyncio"}
 IMPORT_NAMES |= {"prometheus-client": "prometheus_client", "protobuf": "google", "pyyaml": "yaml", "pyzmq": "zmq"}
+IMPORT_NAMES |= {f"opentelemetry-{part}": "opentelemetry" for part in ("api", "sdk", "exporter-otlp-proto-grpc")}
 
 
 def test_the_wheel_holds_the_product_only(tmp_path):

@@ -84,7 +84,9 @@ class CandidateCost:
     churn: float
     cost: float
     adapter: Affinity | None = None  # how it stands for the request's LoRA adapter (None: no adapter)
-    adapter_cost: float = 0.0  # that term's share of `cost`
+    prefill_cost: float = 0.0  # each term's share of `cost`: the prefill it would compute,
+    load_cost: float = 0.0  # the work waiting there,
+    adapter_cost: float = 0.0  # and its LoRA adapter's slot
 
 
 class Decision(NamedTuple):
@@ -122,6 +124,8 @@ class Decision(NamedTuple):
                     "load": c.load,
                     "churn": round(c.churn, 4),
                     "cost": c.cost,
+                    "prefill_cost": round(c.prefill_cost, 4),
+                    "load_cost": round(c.load_cost, 4),
                     **({} if c.adapter is None else {"adapter": c.adapter.value, "adapter_cost": c.adapter_cost}),
                 }
                 for c in self.candidates

@@ -115,14 +115,16 @@ def prefill_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) ->
     """The prefill each would compute, dearer where the cache turns over fast."""
     weight = inputs.settings.eviction_cost_weight
     for candidate in candidates:
-        candidate.cost += candidate.novel * (1 + weight * candidate.churn)
+        candidate.prefill_cost = term = candidate.novel * (1 + weight * candidate.churn)
+        candidate.cost += term
 
 
 def load_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
     """The work already waiting there; a new conversation's weighs more (it places every turn)."""
     weight = inputs.settings.new_session_load_weight if inputs.bootstrap else 1.0
     for candidate in candidates:
-        candidate.cost += weight * candidate.load
+        candidate.load_cost = term = weight * candidate.load
+        candidate.cost += term
 
 
 class AdapterAffinity:

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import orjson
@@ -45,6 +45,11 @@ from extproc.runtime.placer import AdapterPlacer
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.prefill import PrefillLegs
 from extproc.runtime.waiting_room import WaitingRoom
+
+if TYPE_CHECKING:  # the SDK is loaded only when tracing is on (service.py)
+    from opentelemetry.trace import Span
+
+    from extproc.runtime.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +100,7 @@ class Stream:
         "phase",
         "request_duplex",
         "response_duplex",
+        "span",
         "subset",
     )
 
@@ -110,6 +116,7 @@ class Stream:
         self.held: list[bytes] | None = None  # HOLDING: the body's chunks so far (kept until handed back)
         self.held_bytes = 0
         self.dispatched: Held | None = None  # held by flow control, its turn came, its backend not yet reserved
+        self.span: Span | None = None  # its route span, with tracing on
 
     def advance(self, phase: Phase) -> None:
         """Move to `phase`; raises RuntimeError on a move the protocol's order does not allow."""
@@ -138,13 +145,15 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         priorities: Callable[[], Mapping[str, int]] = dict,
         prefill_legs: PrefillLegs | None = None,
         placer: AdapterPlacer | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         """`fallback`: name the second choice after a comma (kvroute's own override_host Envoy
         retries it); off, as by default, for gateways whose ORIGINAL_DST cluster takes the
         destination as one address. `waiting_room`: flow control (none: every request is
         decided at once); `priorities`: each defined objective's priority; `prefill_legs`: runs
         the prefill leg of requests split in a disaggregated fleet (none: never split); `placer`:
-        loads a placed LoRA adapter a request names when no server has it (none: never)."""
+        loads a placed LoRA adapter a request names when no server has it (none: never);
+        `tracer`: a span per LLM request (none: tracing off)."""
         self._router = router
         self._pool = pool
         self._metrics = metrics
@@ -155,6 +164,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._priorities = priorities
         self._legs = prefill_legs
         self._placer = placer
+        self._tracer = tracer
 
     async def Process(
         self,
@@ -178,6 +188,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._dispatched(stream)
         if self._room is not None:
             self._room.pump()
+        if stream.span is not None and self._tracer is not None:
+            self._tracer.end(stream.span)
+            stream.span = None
 
     async def _replies(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], stream: Stream
@@ -336,12 +349,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return parsed, None
         if not request_class.known:
             self._metrics.errors.labels("unknown_objective").inc()
+        waited_from = time.time_ns()
         held = await room.wait(request_class, cost, size, candidates)
+        outcome = held.value if isinstance(held, Refusal) else held.state.value
+        if stream.span is not None and self._tracer is not None:
+            self._tracer.queued(stream.span, waited_from, outcome, request_class.flow, request_class.priority)
         if isinstance(held, Held) and held.state is State.DISPATCHED:
             stream.dispatched = held
             return parsed, None
         stream.advance(Phase.DECIDED)
-        return parsed, msg.queue_refused(held.value if isinstance(held, Refusal) else held.state.value)
+        return parsed, msg.queue_refused(outcome)
 
     async def _handed_over(self, stream: Stream, body: bytes) -> bytes | None:
         """The body the decided request goes on with, if not its own: with its prefill leg run on a
@@ -449,6 +466,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._metrics.errors.labels("empty_body").inc()
             return self._routing_reply(stream, None, "request_headers")
         stream.advance(Phase.BODY)
+        if self._tracer is not None:
+            stream.span = self._tracer.start(headers)
         if self._room is None or not self._room.may_hold(self._candidates(stream)):
             return msg.UNMARKED_HEADERS
         return msg.PENDING_HEADERS
@@ -529,7 +548,21 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return pb.CommonResponse(header_mutation=msg.NO_DESTINATION), None
         second = decision.second if self._fallback else None
         target = decision.backend if second is None else f"{decision.backend},{second}"
-        return pb.CommonResponse(header_mutation=msg.destination(target)), target
+        mutation = msg.destination(target)
+        if stream.span is not None and self._tracer is not None:
+            self._traced(stream, stream.span, self._tracer, exchange, mutation)
+        return pb.CommonResponse(header_mutation=mutation), target
+
+    def _traced(
+        self, stream: Stream, span: Span, tracer: RequestTracer, exchange: Exchange, mutation: pb.HeaderMutation
+    ) -> None:
+        """The decision on the request's span, and the span's trace context passed on: to the
+        backend (a header Envoy sets) and to a prefill leg (which forwards the stream's headers)."""
+        request = exchange.request
+        tracer.decided(span, exchange.decision, self._router.block_tokens(), None if request is None else request.model)
+        for name, value in tracer.context_headers(span).items():
+            stream.headers[name] = value
+            mutation.set_headers.append(msg.header(name, value))
 
     def _ttft_objective(self, stream: Stream, request: PromptRequest) -> None:
         """The request's TTFT objective, less what it waited held, and whether it may be refused
@@ -573,6 +606,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         outcome = self._router.response_started(stream.exchange, start, self._clock())
         if outcome.refused:
             self._pool.mark_suspect(outcome.served)
+        if stream.span is not None and self._tracer is not None:
+            self._tracer.responded(stream.span, start.status, outcome.served)
         decision = stream.exchange.decision
         log.debug(
             "request %s: %s on %s, %d/%d blocks held, status %s",

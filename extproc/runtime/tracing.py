@@ -1,0 +1,122 @@
+"""OpenTelemetry traces of routing decisions, exported over OTLP/gRPC; off unless the standard
+`OTEL_*` environment names an endpoint.
+
+One span per LLM request, `kvroute.route`, from its headers to the end of its response: the
+candidates with their cost terms, the decision label, the chosen and second backend, the blocks
+matched and the tokens predicted cached, then the response status and the backend that served it.
+Time held by flow control is a child span of its own, `kvroute.queue`. The client's W3C
+`traceparent` is continued, and the route span's is passed on to the backend (and the prefill leg
+of a split request), so vLLM's own spans (`--otlp-traces-endpoint`) join the same trace. Sampling,
+service name and exporter settings are the SDK's own variables (`OTEL_TRACES_SAMPLER`,
+`OTEL_SERVICE_NAME`, `OTEL_EXPORTER_OTLP_*`). No prompt text is ever put in a span.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from extproc.core.decision import Decision
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+PROPAGATED = ("traceparent", "tracestate")
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def wanted(environ: Mapping[str, str]) -> bool:
+    """Tracing is on when an OTLP endpoint is named, the SDK is not disabled and the traces
+    exporter is OTLP (the SDK's default; `none` turns it off)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+    if exporter != "otlp":
+        if exporter != "none":
+            log.warning("OTEL_TRACES_EXPORTER=%s: kvroute exports traces over OTLP only; tracing off", exporter)
+        return False
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    if protocol.strip().lower() != "grpc":
+        log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s: kvroute exports traces over OTLP/gRPC only; tracing off", protocol)
+        return False
+    return any(environ.get(name) for name in ENDPOINTS)
+
+
+class RequestTracer:
+    """Spans for the processor's requests. Every call is cheap and never raises into a request:
+    the SDK's batch processor exports from a thread of its own, dropping spans when its queue is
+    full rather than holding the event loop."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self._provider = provider
+        self._tracer = provider.get_tracer("kvroute")
+
+    @classmethod
+    def from_environment(cls) -> RequestTracer:
+        """The SDK configured from `OTEL_*` (endpoint, headers, sampler, resource), exporting in batches."""
+        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "kvroute"}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        return cls(provider)
+
+    def start(self, headers: Mapping[str, str]) -> Span:
+        """The route span of a request, continuing the client's trace if it sent one."""
+        parent = _PROPAGATOR.extract(headers) if "traceparent" in headers else None
+        return self._tracer.start_span("kvroute.route", context=parent)
+
+    def queued(self, span: Span, start_ns: int, outcome: str, flow: str, priority: int) -> None:
+        """Flow control held the request from `start_ns` until now; `outcome`: dispatched, or why not."""
+        held = self._tracer.start_span("kvroute.queue", context=set_span_in_context(span), start_time=start_ns)
+        held.set_attributes({"kvroute.queue.outcome": outcome, "kvroute.flow": flow, "kvroute.priority": priority})
+        held.end()
+
+    @staticmethod
+    def decided(span: Span, decision: Decision, block_tokens: float, model: str | None) -> None:
+        """The decision: why, where, what it predicted, and each candidate's cost by term."""
+        candidates = decision.candidates
+        attributes: dict[str, str | bool | int | float | list[str] | list[int] | list[float]] = {
+            "kvroute.decision": decision.label.value,
+            "kvroute.blocks.matched": decision.matched_blocks,
+            "kvroute.blocks.total": decision.total_blocks,
+            "kvroute.cached_tokens.predicted": round(decision.matched_blocks * block_tokens),
+            "kvroute.bootstrap": decision.bootstrap,
+            "kvroute.candidates.backend": [c.backend for c in candidates],
+            "kvroute.candidates.cost": [c.cost for c in candidates],
+            "kvroute.candidates.prefill_cost": [c.prefill_cost for c in candidates],
+            "kvroute.candidates.load_cost": [c.load_cost for c in candidates],
+            "kvroute.candidates.adapter_cost": [c.adapter_cost for c in candidates],
+            "kvroute.candidates.matched_blocks": [c.matched for c in candidates],
+            "kvroute.candidates.active": [c.active for c in candidates],
+        }
+        if decision.backend is not None:
+            attributes["kvroute.backend"] = decision.backend
+        if decision.second is not None:
+            attributes["kvroute.second"] = decision.second
+        if model is not None:
+            attributes["gen_ai.request.model"] = model
+        span.set_attributes(attributes)
+
+    @staticmethod
+    def context_headers(span: Span) -> dict[str, str]:
+        """The route span's `traceparent` (and `tracestate`) for the requests kvroute sends on."""
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=set_span_in_context(span))
+        return carrier
+
+    @staticmethod
+    def responded(span: Span, status: int, served: str) -> None:
+        span.set_attributes({"http.response.status_code": status, "kvroute.served": served})
+
+    @staticmethod
+    def end(span: Span) -> None:
+        span.end()
+
+    def shutdown(self) -> None:
+        """Export what is queued, then stop (at most the SDK's export timeout)."""
+        self._provider.shutdown()

@@ -1,0 +1,165 @@
+"""OpenTelemetry traces of routing decisions: on only when OTEL_* names an endpoint; the route span
+continues the client's trace, carries the decision and every candidate's cost by term, and its own
+context goes on to the backend; time held by flow control is a span of its own. Here on the real
+SDK with its in-memory exporter; tests/test_tracing_jaeger.py sends them to a real collector."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+from test_processor import A, B, body, request_headers, response_headers, set_headers
+
+from extproc.core.backends import Backend
+from extproc.core.router import Router
+from extproc.core.saturation import has_room
+from extproc.core.settings import Settings
+from extproc.envoy.headers import DESTINATION_HEADER
+from extproc.envoy.processor import Processor, Stream
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
+from extproc.runtime.tracing import RequestTracer, wanted
+from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+
+
+@pytest.mark.parametrize(
+    ("environ", "on"),
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4317"}, True),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, False),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, False),  # no endpoint named: off, as by default
+    ],
+)
+def test_tracing_is_off_unless_the_environment_names_an_otlp_endpoint(environ: dict[str, str], on: bool):
+    assert wanted(environ) is on
+
+
+@pytest.fixture
+def traced():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    router = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
+    yield router, pool, RequestTracer(provider), exporter
+    provider.shutdown()
+
+
+def finished(exporter: InMemorySpanExporter, name: str) -> ReadableSpan:
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == name]
+    return span
+
+
+def test_the_route_span_continues_the_clients_trace_and_carries_the_decision(traced):
+    router, pool, tracer, exporter = traced
+    processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0, tracer=tracer)
+    stream = Stream()
+    processor.handle(request_headers(traceparent=TRACEPARENT), stream)
+    mutation = processor.handle(body(), stream).request_body.response.header_mutation
+    sent = set_headers(mutation)
+    backend = sent[DESTINATION_HEADER]
+    processor.handle(response_headers("200", "via_upstream", backend), stream)
+    assert exporter.get_finished_spans() == ()  # open until the response ends
+    processor._closed(stream)
+
+    span = finished(exporter, "kvroute.route")
+    context = span.get_span_context()
+    assert f"{context.trace_id:032x}" == TRACE_ID  # the client's trace, continued
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == CLIENT_SPAN
+    # the backend's request carries the route span as its parent, so vLLM's spans join the trace
+    assert sent["traceparent"] == f"00-{TRACE_ID}-{context.span_id:016x}-01"
+    attributes = span.attributes or {}
+    assert attributes["kvroute.decision"] == "least_loaded" and attributes["kvroute.backend"] == backend
+    assert attributes["kvroute.blocks.total"] == 5 and attributes["kvroute.cached_tokens.predicted"] == 0
+    assert attributes["gen_ai.request.model"] == "m"
+    assert set(attributes["kvroute.candidates.backend"]) == {A, B}  # type: ignore[arg-type]
+    terms = zip(
+        attributes["kvroute.candidates.prefill_cost"],  # type: ignore[arg-type]
+        attributes["kvroute.candidates.load_cost"],  # type: ignore[arg-type]
+        attributes["kvroute.candidates.adapter_cost"],  # type: ignore[arg-type]
+        attributes["kvroute.candidates.cost"],  # type: ignore[arg-type]
+        strict=True,
+    )
+    for prefill, load, adapter, cost in terms:  # the terms add up to each candidate's cost
+        assert prefill == 5 and prefill + load + adapter == pytest.approx(cost)
+    assert attributes["http.response.status_code"] == 200 and attributes["kvroute.served"] == backend
+
+
+def test_a_request_without_a_trace_starts_one_and_passes_it_on(traced):
+    router, pool, tracer, exporter = traced
+    processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0, tracer=tracer)
+    stream = Stream()
+    processor.handle(request_headers(), stream)
+    sent = set_headers(processor.handle(body(), stream).request_body.response.header_mutation)
+    processor._closed(stream)
+    span = finished(exporter, "kvroute.route")
+    assert span.parent is None
+    assert sent["traceparent"].split("-")[1] == f"{span.get_span_context().trace_id:032x}"
+    assert stream.headers["traceparent"] == sent["traceparent"]  # what a prefill leg forwards
+
+
+def test_requests_not_for_a_model_and_untraced_processors_make_no_span(traced):
+    router, pool, tracer, exporter = traced
+    processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0, tracer=tracer)
+    stream = Stream()
+    processor.handle(request_headers(path="/health", method="GET"), stream)
+    processor._closed(stream)
+    untraced = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0)
+    other = Stream()
+    untraced.handle(request_headers(traceparent=TRACEPARENT), other)
+    sent = set_headers(untraced.handle(body(), other).request_body.response.header_mutation)
+    untraced._closed(other)
+    assert exporter.get_finished_spans() == () and "traceparent" not in sent
+
+
+def test_time_held_by_flow_control_is_a_span_of_its_own_under_the_route_span(traced):
+    """Every backend at its limit: the request is held until its queue TTL passes, then refused."""
+    router, pool, tracer, exporter = traced
+    settings = Settings(hash_key=b"k" * 16, max_backend_requests=1, queue_ttl_s=0.05)
+    router.settings = settings
+    taken = [router.loads.reserve(backend, 1) for backend in (A, B)]  # noqa: F841  # held while it runs
+
+    async def held() -> None:
+        room = WaitingRoom(
+            lambda: settings,
+            lambda backends: has_room(router.loads, [b.address for b in backends], settings, time.monotonic(), 128),
+            WaitingRoomMetrics(CollectorRegistry()),
+            time.monotonic,
+        )
+        processor = Processor(
+            router, pool, Metrics(router, pool), clock=time.monotonic, waiting_room=room, tracer=tracer
+        )
+        running = asyncio.create_task(room.run())
+        stream = Stream()
+
+        async def messages():
+            yield request_headers(traceparent=TRACEPARENT, **{"x-gateway-inference-fairness-id": "team-a"})
+            yield body()
+
+        try:
+            replies = [r async for r in processor._replies(messages(), stream)]
+        finally:
+            running.cancel()
+        assert replies[-1].immediate_response.status.code == 429
+        processor._closed(stream)
+
+    asyncio.run(held())
+    queue, route = finished(exporter, "kvroute.queue"), finished(exporter, "kvroute.route")
+    assert queue.parent is not None and queue.parent.span_id == route.get_span_context().span_id
+    assert queue.attributes == {"kvroute.queue.outcome": "expired", "kvroute.flow": "team-a", "kvroute.priority": 0}
+    assert queue.end_time is not None and queue.start_time is not None
+    assert queue.end_time - queue.start_time >= 0.04e9
+    assert "kvroute.decision" not in (route.attributes or {})  # refused before any decision
