@@ -129,6 +129,7 @@ class RouterState:
     cache_pressure: float  # share of their last prompt returning conversations find evicted
     gate_factor: float  # how much the balance gates are widened, as decisions apply it
     engine_events: dict[str, int]
+    reuse: dict[str, float | None]  # prefix reuse available, routed, delivered (attribution.py)
 
     def as_json(self) -> dict[str, Any]:
         """For /debug/state."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from extproc.core.adapters import AdapterBook
+from extproc.core.attribution import ReuseAttribution
 from extproc.core.backends import Backend, Role
 from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
@@ -44,6 +45,7 @@ class Router:
         "_starts",
         "_turn",
         "adapters",
+        "attribution",
         "bytes_per_token",
         "churn",
         "homes",
@@ -73,6 +75,7 @@ class Router:
         self.trust = PredictionTrust()  # approximate mode: how far each backend's picture holds, per its engine
         self.ttft = TTFTModel()  # each backend's time to first token in the work ahead (ttft.py)
         self.adapters = AdapterBook()  # the engines' LoRA adapters (adapters.py)
+        self.attribution = ReuseAttribution()  # reuse available, routed, delivered (attribution.py)
         self._shared = Shared(
             self.churn, self.loads, self.trust, self.bytes_per_token, self.stats, self._kv_tokens, set(), self.adapters
         )
@@ -322,19 +325,25 @@ class Router:
             self.stats.rerouted += 1
         backend = served or decision.backend or ""
         headers: tuple[tuple[str, str], ...] = ()
-        if self.settings.decision_headers and success:  # never on errors
+        if success:
             if backend == decision.backend:
                 matched = exchange.predicted_blocks
             else:  # rerouted: what the decision knew about the backend that served
                 matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
-            headers = (
-                ("x-kvroute-decision", f"queued,{decision.label.value}" if exchange.queued else decision.label.value),
-                ("x-kvroute-backend", backend),
-                ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
-                ("x-kvroute-cached-tokens", str(round(matched * self.block_tokens()))),
-            )
-            if reservation is not None and reservation.predicted_s is not None:
-                headers += (("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))),)
+            if served and request is not None and decision.label is not Label.PREFILL:  # a split: its decode leg's
+                self.attribution.served(decision, served, matched, self.block_tokens())
+            if self.settings.decision_headers:  # never on errors
+                headers = (
+                    (
+                        "x-kvroute-decision",
+                        f"queued,{decision.label.value}" if exchange.queued else decision.label.value,
+                    ),
+                    ("x-kvroute-backend", backend),
+                    ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
+                    ("x-kvroute-cached-tokens", str(round(matched * self.block_tokens()))),
+                )
+                if reservation is not None and reservation.predicted_s is not None:
+                    headers += (("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))),)
         exchange.outcome = Outcome(backend, learned, bool(served) and start.connect_failed, rerouted, headers)
         return exchange.outcome
 
@@ -375,6 +384,7 @@ class Router:
         self._starts.pop(backend, None)
         self.bytes_per_token.forget(backend)
         self.ttft.forget(backend)
+        self.attribution.forget(backend)
 
     def reset_backend(self, backend: str, reason: Reset | None, emptied_after: float | None = None) -> None:
         """The backend's cache is not what kvroute believed (restarted, cleared, events lost): drop
@@ -405,6 +415,8 @@ class Router:
             self.set_backend_capacity(backend, sample.cache_tokens)
         if sample.cache_queries is not None and sample.cache_hits is not None:
             self.trust.engine(backend, sample.cache_queries, sample.cache_hits)
+        if sample.cache_hits is not None:
+            self.attribution.engine(backend, sample.cache_hits)
         if sample.ttft_sum is not None and sample.ttft_count is not None:
             self.ttft.engine(backend, sample.ttft_sum, sample.ttft_count)
         if sample.prompt_tokens is not None:
@@ -484,4 +496,5 @@ class Router:
             cache_pressure=round(self.pressure.lost, 4),
             gate_factor=round(self._pressure_terms()[0], 3),
             engine_events=dict(self.stats.events),
+            reuse=self.attribution.state(),
         )

@@ -13,9 +13,29 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from extproc.core.attribution import ReuseAttribution
 from extproc.core.router import Router
 from extproc.runtime.policy_state import PolicyState
 from extproc.runtime.pool import BackendPool
+
+
+def _reuse(reuse: ReuseAttribution) -> Iterator[Metric]:
+    """Prefix reuse won or lost (attribution.py): routing efficiency is routed / available, the
+    picture's accuracy delivered / routed (delivered counts each backend's whole traffic)."""
+    yield CounterMetricFamily("kvroute_prompt_tokens", "prompt tokens of requests served 2xx", value=reuse.prompt)
+    yield CounterMetricFamily(
+        "kvroute_reuse_available_tokens",
+        "longest cached prefix any candidate held, by kvroute's picture, per request served",
+        value=reuse.available,
+    )
+    for name, sums, help_text in (
+        ("routed", reuse.routed, "cached prefix on the backend that served, by kvroute's picture"),
+        ("delivered", reuse.delivered, "prompt tokens the engine found cached (its prefix-cache counter)"),
+    ):
+        family = CounterMetricFamily(f"kvroute_reuse_{name}_tokens", help_text, labels=["backend"])
+        for backend, tokens in sums.items():
+            family.add_metric([backend], tokens)
+        yield family
 
 
 class _RouterCollector(Collector):
@@ -53,6 +73,7 @@ class _RouterCollector(Collector):
             value=state.gate_factor,
         )
         yield GaugeMetricFamily("kvroute_prefix_homes", "prompt heads with a home backend", value=state.prefix_homes)
+        yield from _reuse(self._router.attribution)
         reserved = GaugeMetricFamily("kvroute_backend_reserved_blocks", "prefill blocks reserved", labels=["backend"])
         active = GaugeMetricFamily("kvroute_backend_active_requests", "requests in flight", labels=["backend"])
         for backend, load in state.load.items():

@@ -1,0 +1,65 @@
+"""Where prefix reuse was won or lost: of the reuse the traffic allowed, how much routing captured,
+and how much the engines delivered.
+
+Three sums of prompt tokens, over the requests a backend started answering with a 2xx:
+- available: the longest prefix any candidate held, by kvroute's picture (as the decision weighed it);
+- routed: the prefix on the backend that served it (what `x-kvroute-cached-tokens` reported);
+- delivered: what the engines found cached, from their own prefix-cache counters
+  (`vllm:prefix_cache_hits_total`, read with the load scrape), per backend.
+
+`routed / available` is routing's efficiency (1: every request went where the most was cached),
+`delivered / routed` the picture's accuracy (below 1: kvroute expected blocks the engine had
+evicted; above: other traffic, or sibling replicas, put blocks there too). The engines count every
+client's requests, so delivered is a backend's whole traffic: with several replicas, take it
+once per backend (`max by (backend)`), not summed over replicas. Tokens in approximate mode are
+estimated from blocks (the learned bytes per token). A request split for disaggregated serving
+counts once, as its decode leg was decided.
+"""
+
+from __future__ import annotations
+
+from extproc.core.decision import Decision
+
+
+class ReuseAttribution:
+    """The three sums, kept as counters."""
+
+    __slots__ = ("_hits", "available", "delivered", "prompt", "routed")
+
+    def __init__(self) -> None:
+        self.prompt = 0.0  # tokens of the served prompts
+        self.available = 0.0
+        self.routed: dict[str, float] = {}  # backend -> tokens
+        self.delivered: dict[str, float] = {}  # backend -> tokens the engine found cached
+        self._hits: dict[str, float] = {}  # backend -> the engine's counter at its last sample
+
+    def served(self, decision: Decision, backend: str, matched_blocks: int, block_tokens: float) -> None:
+        """A 2xx from `backend`, which held `matched_blocks` of the prompt by the decision's picture."""
+        best = max((c.matched for c in decision.candidates), default=0)
+        self.prompt += decision.total_blocks * block_tokens
+        self.available += max(best, matched_blocks) * block_tokens
+        self.routed[backend] = self.routed.get(backend, 0.0) + matched_blocks * block_tokens
+
+    def engine(self, backend: str, hits: float) -> None:
+        """The engine's cumulative prefix-cache hits (tokens) from one sample; a counter that went
+        back (a restart) starts over from its new value."""
+        before = self._hits.get(backend)
+        self._hits[backend] = hits
+        if before is not None and hits >= before:
+            self.delivered[backend] = self.delivered.get(backend, 0.0) + hits - before
+
+    def forget(self, backend: str) -> None:
+        """The backend left the pool: its counter's next value starts over (its sums stay: counters)."""
+        self._hits.pop(backend, None)
+
+    def state(self) -> dict[str, float | None]:
+        """The sums and both ratios, for /debug/state (None before anything was served)."""
+        routed, delivered = sum(self.routed.values()), sum(self.delivered.values())
+        return {
+            "prompt_tokens": round(self.prompt),
+            "available_tokens": round(self.available),
+            "routed_tokens": round(routed),
+            "delivered_tokens": round(delivered),
+            "routing_efficiency": round(routed / self.available, 4) if self.available else None,
+            "prediction_accuracy": round(delivered / routed, 4) if routed else None,
+        }
