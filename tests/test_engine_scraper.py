@@ -88,3 +88,37 @@ def test_a_servers_adapters_are_listed_from_the_first_round_and_bad_listings_are
     assert router.adapters.state()[sim]["listed"] == ["x", "y"]
     assert router.adapters.adapter_of("x") == "x" and router.adapters.adapter_of("m") is None
     assert odd not in router.adapters.state() and scraper.failures == 1  # its listing was not JSON
+
+
+def test_each_healthy_backends_sample_age_is_kept_for_a_stale_feed_alert():
+    """Seconds since each healthy backend's last good sample: a server that never answers ages from
+    the start of scraping, an unhealthy one is left out (the pool routes around it), nothing at all
+    is reported while scraping is off."""
+
+    async def scenario() -> tuple[dict[str, float], dict[str, float], str, str]:
+        runners = await serve([0], SimConfig())
+        sim, silent, down = f"127.0.0.1:{runners[0].addresses[0][1]}", "127.0.0.1:9", "127.0.0.1:11"
+        router = Router(Settings())
+        pool = BackendPool([Backend(a) for a in (sim, silent, down)], router.remove_backend, 1)
+        pool.mark(down, False, confirmed=True)
+        now = [100.0]
+        scraper = EngineScraper(router, pool, clock=lambda: now[0])
+        off = scraper.ages()
+        running = asyncio.create_task(scraper.run(0.01))
+        try:
+            for moment in (100.0, 110.0):  # a good sample at each moment
+                now[0] = moment
+                for _ in range(500):
+                    await asyncio.sleep(0.01)
+                    if router.loads.get(sim).engine_at == moment:
+                        break
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            for runner in runners:
+                await runner.cleanup()
+        now[0] = 130.0
+        return off, scraper.ages(), sim, silent
+
+    off, ages, sim, silent = asyncio.run(scenario())
+    assert off == {} and ages == {sim: 20.0, silent: 30.0}

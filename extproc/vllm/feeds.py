@@ -97,6 +97,14 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvroute_engine_scrape_failures", "failed /metrics scrapes of backends", value=feeds.scraper.failures
         )
+        ages = GaugeMetricFamily(
+            "kvroute_engine_sample_age_seconds",
+            "seconds since a healthy backend's /metrics last gave a sample (none while scraping is off)",
+            labels=["backend"],
+        )
+        for backend, age in feeds.scraper.ages().items():
+            ages.add_metric([backend], age)
+        yield ages
         tokenizer = feeds.index_mode.tokenizer
         yield GaugeMetricFamily(
             "kvroute_tokenizer_cached_tokens",

@@ -35,10 +35,13 @@ class EngineScraper:
         self._clock = clock
         self.failures = 0  # scrapes that failed or were not a vLLM engine's page
         self._round = 0
+        self._started: float | None = None  # when `run` began (None: scraping is off)
+        self._sampled_at: dict[str, float] = {}  # backend -> when its last good sample came
 
     async def run(self, interval_s: float) -> None:
         """Scrape until cancelled. Survives any error: counts, logs, goes on."""
         timeout = aiohttp.ClientTimeout(total=max(interval_s, 0.05))
+        self._started = self._clock()
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 started = self._clock()
@@ -61,10 +64,24 @@ class EngineScraper:
                 self.failures += 1
             elif self._pool.is_known(backend):
                 self._router.engine_sample(backend, sample, now)
+                self._sampled_at[backend] = now
                 listing.append(backend)
         self._round += 1
         if listing and self._round % LISTING_EVERY == 1:
             await self._listings(session, listing)
+
+    def ages(self) -> dict[str, float]:
+        """Seconds since each healthy backend's last good sample (since scraping began, for one
+        never sampled): a routable backend whose engine feed went stale is routed on old load.
+        None while scraping is off: empty."""
+        started = self._started
+        if started is None:
+            return {}
+        now = self._clock()
+        known = {b.address for b in self._pool.backends}
+        for gone in [b for b in self._sampled_at if b not in known]:
+            del self._sampled_at[gone]
+        return {b.address: now - self._sampled_at.get(b.address, started) for b in self._pool.backends if b.healthy}
 
     async def _listings(self, session: aiohttp.ClientSession, backends: list[str]) -> None:
         pages = await asyncio.gather(*(self._page(session, b, "/v1/models") for b in backends))
