@@ -130,6 +130,7 @@ async def test_a_prefix_learned_through_one_replica_is_found_through_another(red
         assert (decision.label, decision.backend) == (Label.PREFIX_MATCH, backend)
         await until(lambda: first.link.counts["sent"] == 1)  # counted once the store answered its write
         assert second.link.counts["applied"] == 1  # the chain (no session)
+        assert second.link.lag_s < 30  # how old it was when applied, on this process's clock (not the store's)
 
 
 @in_loop

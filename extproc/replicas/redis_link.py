@@ -147,6 +147,7 @@ class RedisLink:
         self.connected = False
         self.problem = "connecting"  # why not connected, for /readyz
         self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors"), 0)
+        self.lag_s = 0.0  # how old the last sibling learning or binding was when applied here
 
     # Router hooks: called on the hot path, never wait.
     def learned(self, backend: str, chain: Sequence[int]) -> None:
@@ -337,13 +338,15 @@ class RedisLink:
             if not self._pool.is_known(backend):
                 return  # a backend this replica does not route to (yet): nothing to apply
             when = int(entry_id.split(b"-")[0]) / 1000 + offset
+            now = self._clock()
             if kind == LEARNED and len(payload) <= MAX_CHAIN and all(type(h) is int for h in payload):
-                self._router.peer_learned(payload, backend, min(when, self._clock()))
+                self._router.peer_learned(payload, backend, min(when, now))
             elif kind == BOUND and isinstance(payload, bytes) and len(payload) == DIGEST_BYTES:
-                self._router.peer_bound(payload, backend, min(when, self._clock()))
+                self._router.peer_bound(payload, backend, min(when, now))
             else:
                 raise ValueError(kind)
             self.counts["applied"] += 1
+            self.lag_s = max(0.0, now - when)
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
             self.counts["bad"] += 1
 
@@ -426,6 +429,11 @@ class ReplicaCollector(Collector):
             "kvroute_replica_store_connected", "1 while sharing with sibling replicas", value=float(link.connected)
         )
         yield GaugeMetricFamily("kvroute_replica_peers", "sibling replicas heard from lately", value=len(link._peers))
+        yield GaugeMetricFamily(
+            "kvroute_replica_lag_seconds",
+            "how old the last learning or session binding from a sibling was when this replica applied it",
+            value=link.lag_s,
+        )
         messages = CounterMetricFamily(
             "kvroute_replica_messages",
             "replica link messages: sent, applied (from siblings), dropped (store away or outbox full), "
