@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import orjson
 import pytest
 import yaml
 
@@ -25,6 +26,16 @@ CUSTOM_KINDS = {
     "InferencePool",
     "HTTPRoute",
     "DestinationRule",
+    "PodMonitor",
+    "PrometheusRule",
+}
+MONITORING = {
+    "monitoring": {
+        "podMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+        "dashboard": {"enabled": True},
+    },
+    "extproc": {"tracing": {"endpoint": "http://otel-collector.observability:4317"}},
 }
 PICKER = {  # kvroute as an InferencePool's endpoint picker (`template` renders into namespace kvroute)
     "inferencePool": {"enabled": True, "modelServers": {"matchLabels": {"app": "vllm"}}},
@@ -74,8 +85,9 @@ def test_lint_passes(helm):
         {"controller": {"replicas": 3}},
         {"extproc": {"replicas": 3, "replicaStore": {"deploy": True}}},
         {**PICKER, "provider": {"name": "istio"}, "experimentalHttpRoute": {"enabled": True}},
+        MONITORING,
     ],
-    ids=["defaults", "no-envoy", "no-policy", "three-controllers", "three-extproc-replicas", "picker"],
+    ids=["defaults", "no-envoy", "no-policy", "three-controllers", "three-extproc-replicas", "picker", "monitoring"],
 )
 def test_rendered_builtin_objects_are_valid(helm, tmp_path, values):
     for doc in template(helm, tmp_path, values):
@@ -129,6 +141,33 @@ def test_values_switch_parts_off_and_on(helm, tmp_path):
     assert "role" not in policy["spec"]  # each pod's role label says
     policy = next(d for d in template(helm, tmp_path, {"policy": {"role": "decode"}}) if d["kind"] == "KVRoutingPolicy")
     assert policy["spec"]["role"] == "decode"
+
+
+def test_monitoring_ships_the_checked_alerts_and_dashboard_and_tracing_goes_to_its_endpoint(helm, tmp_path):
+    """The PrometheusRule carries files/alerts.yaml as promtool checks it, the ConfigMap the
+    dashboard tools/dashboard.py renders; the PodMonitor labels the job the queries select."""
+    docs = {f"{d['kind']}/{d['metadata']['name']}": d for d in template(helm, tmp_path, MONITORING)}
+    rule = docs["PrometheusRule/kvroute-alerts"]
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    assert "{{ $labels.backend }}" in str(rule["spec"])  # Prometheus' templates, left for Prometheus
+    dashboard = docs["ConfigMap/kvroute-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert orjson.loads(dashboard["data"]["kvroute.json"]) == orjson.loads(
+        (CHART / "files" / "dashboard.json").read_bytes()
+    )
+    (endpoint,) = docs["PodMonitor/kvroute-extproc"]["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "admin" and endpoint["relabelings"] == [
+        {"targetLabel": "job", "replacement": "kvroute-extproc"}
+    ]
+    extproc = docs["Deployment/kvroute-extproc"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in extproc["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.1"
+    assert not any(k.startswith(("PodMonitor", "PrometheusRule")) for k in kinds(template(helm, tmp_path)))
+    defaults = next(
+        d for d in template(helm, tmp_path) if d["metadata"]["name"] == "kvroute-extproc" and d["kind"] == "Deployment"
+    )
+    assert not any(e["name"].startswith("OTEL_") for e in defaults["spec"]["template"]["spec"]["containers"][0]["env"])
 
 
 def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm, tmp_path):
