@@ -1,6 +1,6 @@
 # make run: the local stack (Envoy + ext_proc + 4 simulated vLLM backends). make test: the whole suite.
 # make test-fast: the quick lane (no real vLLM, no peer routers, no Kubernetes, no bench smoke runs,
-# the Envoy scenarios in kvroute's own layout only).
+# no Prometheus or trace collector, the Envoy scenarios in kvroute's own layout only).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -27,7 +27,7 @@ test: $(STAMP) lint
 
 # Your own loop, under a minute: everything but real vLLM, peer routers and Kubernetes.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and not peers and not k8s and not bench and not layouts"
+	$(BIN)/python -m pytest -q -m "not vllm and not peers and not k8s and not bench and not layouts and not observability"
 
 # Regenerate what is derived from the settings' declarations (tests fail when these are stale).
 crd: $(STAMP)

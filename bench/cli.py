@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     latency.add_argument(
         "--extproc-arg", action="append", default=[], help="extra `kvroute extproc` flag, e.g. --flow-control=false"
     )
+    latency.add_argument(
+        "--tracing",
+        action="store_true",
+        help="trace every request, exported over OTLP to a Jaeger all-in-one started beside the stacks",
+    )
     latency.set_defaults(run=_latency)
     cancelled = bench.add_parser(
         "cancelled-streams", help="a bare grpc.aio server's RSS per half-closed vs cancelled stream (JSON)"
@@ -431,7 +436,7 @@ def _stall(_args: argparse.Namespace) -> None:
 def _latency(args: argparse.Namespace) -> None:
     from bench.experiments import latency
 
-    latency.main(args.requests, args.body_mode, tuple(args.extproc_arg))
+    latency.main(args.requests, args.body_mode, tuple(args.extproc_arg), args.tracing)
 
 
 def _cancelled_streams(args: argparse.Namespace) -> None:

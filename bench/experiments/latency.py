@@ -16,6 +16,8 @@ machine's cores, so compare the two stacks within one run, not across runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -27,6 +29,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness.observability import Jaeger
 from bench.harness.processes import cpu_seconds, free_port, spawn, stop, wait_http
 from bench.harness.stack import Stack, dev_command, layout_for
 from bench.workload import conversation
@@ -90,15 +93,21 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def measure(
-    requests: int, workdir: Path, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()
+    requests: int,
+    workdir: Path,
+    body_mode: str = "buffered",
+    extproc_args: tuple[str, ...] = (),
+    extproc_env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Both stacks over one set of backends; one row per case (body size, concurrency, streamed
     tokens). `body_mode` full_duplex configures kvroute's Envoy as endpoint-picker gateways do
     (bodies streamed both ways, the destination read from `envoy.lb` metadata); full_duplex_request
-    streams only the request. `extproc_args`: settings for the ext_proc (flow control off, say)."""
+    streams only the request. `extproc_args`: settings for the ext_proc (flow control off, say);
+    `extproc_env`: its environment (tracing's OTEL_* variables, say)."""
     results = []
     for pacing, cases in CASES.items():
-        results += _measure_cases(requests, workdir / pacing, body_mode, SIM_ARGS[pacing], cases, extproc_args)
+        workload = (SIM_ARGS[pacing], cases)
+        results += _measure_cases(requests, workdir / pacing, body_mode, workload, extproc_args, extproc_env)
     return results
 
 
@@ -106,12 +115,20 @@ def _measure_cases(
     requests: int,
     workdir: Path,
     body_mode: str,
-    sim_args: list[str],
-    cases: list[tuple[int, int, int]],
+    workload: tuple[list[str], list[tuple[int, int, int]]],
     extproc_args: tuple[str, ...],
+    extproc_env: dict[str, str] | None,
 ) -> list[dict[str, Any]]:
     results = []
-    kvroute = Stack(workdir / "kvroute", sims=4, sim_args=sim_args, extproc_args=extproc_args, **layout_for(body_mode))
+    sim_args, cases = workload
+    kvroute = Stack(
+        workdir / "kvroute",
+        sims=4,
+        sim_args=sim_args,
+        extproc_args=extproc_args,
+        extproc_env=extproc_env,
+        **layout_for(body_mode),
+    )
     plain = Stack(workdir / "plain", backends=kvroute.backends, ext_proc=False)
     with kvroute, plain:
         extproc_pid = kvroute.processes["extproc"].pid
@@ -156,7 +173,11 @@ EVERY_REQUEST_SPLIT = ("--pd-threshold-tokens", "256")  # each new 8 KB prompt i
 
 
 def measure_split(
-    requests: int, workdir: Path, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()
+    requests: int,
+    workdir: Path,
+    body_mode: str = "buffered",
+    extproc_args: tuple[str, ...] = (),
+    extproc_env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per SPLIT_CASES case: latency and ext_proc CPU per request served whole and split,
     and what the split adds."""
@@ -172,8 +193,10 @@ def measure_split(
             wait_http(f"http://{backend}/health", process=sims)
         layout = layout_for(body_mode)
         split_args = (*extproc_args, "--backend", f"{prefill}@prefill", *EVERY_REQUEST_SPLIT)
-        whole = Stack(workdir / "whole", backends=[decode], extproc_args=extproc_args, **layout)
-        split = Stack(workdir / "split", backends=[decode], extproc_args=split_args, **layout)
+        whole = Stack(
+            workdir / "whole", backends=[decode], extproc_args=extproc_args, extproc_env=extproc_env, **layout
+        )
+        split = Stack(workdir / "split", backends=[decode], extproc_args=split_args, extproc_env=extproc_env, **layout)
         results = []
         with whole, split:
             for case, (size, concurrency) in enumerate(SPLIT_CASES):
@@ -221,9 +244,15 @@ def _split_share(stack: Stack) -> float:
     return round(split / decided, 3) if decided else 0.0
 
 
-def main(requests: int, body_mode: str = "buffered", extproc_args: tuple[str, ...] = ()) -> None:
-    with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp:
-        rows = measure(requests, Path(tmp), body_mode, extproc_args)
-        rows += measure_split(requests, Path(tmp) / "split", body_mode, extproc_args)
+def main(requests: int, body_mode: str = "buffered", extproc_args: tuple[str, ...] = (), tracing: bool = False) -> None:
+    """`tracing`: every request traced (sampler always on), its spans exported over OTLP to a real
+    collector (Jaeger all-in-one, bench/harness/observability.py) beside the stacks."""
+    with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp, contextlib.ExitStack() as collector:
+        env = None
+        if tracing:
+            jaeger = collector.enter_context(Jaeger(Path(tmp) / "jaeger"))
+            env = {**os.environ, **jaeger.exporter_env(), "OTEL_TRACES_SAMPLER": "always_on"}
+        rows = measure(requests, Path(tmp), body_mode, extproc_args, env)
+        rows += measure_split(requests, Path(tmp) / "split", body_mode, extproc_args, env)
         for row in rows:
-            print(orjson.dumps(row).decode(), flush=True)
+            print(orjson.dumps({**row, "tracing": tracing}).decode(), flush=True)

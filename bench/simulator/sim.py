@@ -573,8 +573,11 @@ class SimBackend:
         return min(1.0, self._pool.pinned / self.config.capacity_blocks)
 
     async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
-        """Name the serving backend on every response, errors and streams included, so tests can tell."""
+        """Name the serving backend on every response, errors and streams included, so tests can tell;
+        and the trace context the request came with (vLLM's own spans would be its children)."""
         response.headers["x-sim-backend"] = self.name
+        if "traceparent" in request.headers:
+            response.headers["x-sim-traceparent"] = request.headers["traceparent"]
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         """The JSON object body, checked to name this backend's model (or none, meaning the served one)."""

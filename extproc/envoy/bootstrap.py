@@ -44,6 +44,8 @@ FORWARD_HEADERS = (
     *OBJECTIVE_HEADERS,
     *FAIRNESS_HEADERS,
     *TTFT_HEADERS,
+    "traceparent",  # the client's trace, continued by kvroute's spans (extproc/runtime/tracing.py)
+    "tracestate",
 )
 
 

@@ -61,7 +61,10 @@ class RequestTracer:
     @classmethod
     def from_environment(cls) -> RequestTracer:
         """The SDK configured from `OTEL_*` (endpoint, headers, sampler, resource), exporting in batches."""
-        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "kvroute"}))
+        resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: "kvroute"}))
+        provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         return cls(provider)
 
