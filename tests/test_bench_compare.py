@@ -56,6 +56,10 @@ def test_compare_smoke_all_routers(tmp_path: Path):
         assert row["ttft_p50_ms"] is not None and row["load_max_over_mean"] >= 1.0
         assert row["router_cpu_s"] > 0, name  # the router's own processes, counted while it served
         assert row["exited"] == [], name  # none of them died while it ran
+        if name.startswith("kvroute"):  # its own account: what was on offer, what it took
+            assert 0 <= row["reuse_routed"] <= row["reuse_available"] <= 1, name
+        else:
+            assert "reuse_routed" not in row, name
     saved = orjson.loads((tmp_path / "results.json").read_bytes())
     assert saved["oracle_hit_rate"] == oracle and set(saved["routers"]) == set(results["routers"])
     for plot in ("ttft.png", "hit_rate.png", "load.png", "summary.md"):

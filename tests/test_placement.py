@@ -3,6 +3,8 @@ when load calls for it, unloads idle copies but never the last, and hysteresis a
 
 from __future__ import annotations
 
+import pytest
+
 from extproc.core.adapters import AdapterBook
 from extproc.core.load import LoadTracker
 from extproc.core.placement import AdapterPlacement, Move
@@ -58,6 +60,20 @@ def test_a_load_goes_where_slots_are_least_taken_and_a_failed_server_is_skipped_
     (retry,) = placement.plan(SETTINGS, book, loads, FLEET, 1.0)
     assert retry.backend == B  # not C again within adapter_min_resident_s
     assert placement.counts[("load", "failed")] == 1
+
+
+def test_a_load_goes_where_the_adapters_already_placed_draw_the_least_demand():
+    """Slots alone would put a second adapter beside a popular one on the first server, and that
+    server would take most of the requests; demand spreads them."""
+    placement, book, loads = world()
+    for second in range(5):  # sql is popular
+        placement.wanted(SETTINGS, "sql", second)
+    carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, 5.0), 5.0)
+    assert book.lists(A, "sql")
+    placement.wanted(SETTINGS, "chat", 6.0)
+    (move,) = placement.plan(SETTINGS, book, loads, FLEET, 6.0)
+    assert move.backend == B  # not beside sql, though A's slots are as free
+    assert placement.demand("sql", 64.0) == pytest.approx(placement.demand("sql", 4.0) / 2)  # halved in a minute
 
 
 def test_load_calls_for_more_servers_and_idle_copies_go_but_never_the_last():

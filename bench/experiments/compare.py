@@ -30,6 +30,7 @@ from bench.harness.fleets import (
 )
 from bench.harness.processes import cpu_seconds
 from bench.harness.replay import Pacing, replay
+from bench.harness.stack import Stack
 from bench.simulator.sim import DEFAULT_TOKENIZER
 from bench.workloads.other_traffic import OtherTraffic
 from bench.workloads.prompts import PromptBuilder
@@ -155,6 +156,8 @@ def run_router(
             swaps = fleet.adapter_swaps() - swaps_before
             summary["adapter_swaps"] = swaps
             summary["adapter_swaps_per_min"] = round(60 * swaps / summary["wall_s"], 1) if summary["wall_s"] else None
+        if router.stack is not None and router.stack.ext_proc:
+            summary.update(reuse(router.stack))
         if placing and router.stack is not None:  # placement's own loads and unloads (vLLM's runtime API)
             admin = f"127.0.0.1:{router.stack.admin_port}"
             for action in ("load", "unload"):
@@ -173,6 +176,20 @@ def run_router(
     summary["bound_hit_rate"] = round(bound, 4)
     summary["fraction_of_bound"] = round(hit / bound, 4) if hit is not None and bound else None
     return summary, records
+
+
+def reuse(stack: Stack) -> dict[str, float | None]:
+    """kvroute's own account of the reuse it was offered and took (docs/observability.md), over
+    its replicas, as shares of the prompt tokens it served: available (the best candidate's
+    cached prefix) and routed (the chosen backend's). Delivered is the run's hit rate, from the
+    engines' own counters, as for every router."""
+    admins = [f"127.0.0.1:{port}" for port in stack.admin_ports]
+    prompt = sum(counter(a, "kvroute_prompt_tokens_total") for a in admins)
+    shares: dict[str, float | None] = {}
+    for name in ("available", "routed"):
+        tokens = sum(counter(a, f"kvroute_reuse_{name}_tokens_total") for a in admins)
+        shares[f"reuse_{name}"] = round(tokens / prompt, 4) if prompt else None
+    return shares
 
 
 def prompt_builder(fleet: Fleet, options: CompareOptions) -> PromptBuilder:

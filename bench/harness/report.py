@@ -14,6 +14,8 @@ import matplotlib.pyplot as plt
 COLUMNS = (
     ("hit_rate", "hit rate"),
     ("hit_rate_usage", "hit rate, own requests"),
+    ("reuse_available", "available (kvroute)"),
+    ("reuse_routed", "routed (kvroute)"),
     ("bound_hit_rate", "MIN bound"),
     ("fraction_of_bound", "of bound"),
     ("fraction_of_lru", "of one LRU"),

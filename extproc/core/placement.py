@@ -10,9 +10,12 @@ a client sent. Each round (`plan`):
   for `adapter_min_resident_s`) is unloaded, never the last one;
 - hysteresis: a server keeps an adapter placement loaded there for `adapter_min_resident_s`, and
   does not get back one it just unloaded for as long, so load and unload never chase each other.
-The best server for a load: the one whose slots are least taken by adapters in use, then the
-least busy. At most one move per adapter is in flight; a failed move is not retried on that
-server for `adapter_min_resident_s`, and the request is routed as without placement. With
+The best server for a load: the one whose adapters draw the least demand (requests naming them,
+decayed with a half-life of `DEMAND_HALF_LIFE_S`), then whose slots are least taken by adapters in
+use, then the least busy: placing adapters by slots alone put the popular ones together (measured
+on vLLM-CPU: one server took 70 % of the requests, throughput fell to 0.79-0.91x). At most one
+move per adapter is in flight; a failed move is not retried on that server for
+`adapter_min_resident_s`, and the request is routed as without placement. With
 sibling replicas, one at a time makes an adapter's moves (the runtime claims it in the store).
 
 Pure: the runtime (extproc/runtime/placer.py) carries the moves out and reports them `done`.
@@ -20,6 +23,7 @@ Pure: the runtime (extproc/runtime/placer.py) carries the moves out and reports 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -29,6 +33,7 @@ from extproc.core.settings import Settings
 
 _NEVER = float("-inf")
 ADAPTER_WAIT_S = 10.0  # a request waits this long at most for placement to load its adapter
+DEMAND_HALF_LIFE_S = 60.0  # an adapter's demand: requests naming it, halved every minute
 
 
 class Move(NamedTuple):
@@ -44,27 +49,43 @@ class AdapterPlacement:
     """Placement's memory: when each (server, adapter) was loaded, unloaded, last used, and what
     requests are waiting for."""
 
-    __slots__ = ("_changed_at", "_failed_at", "_pending", "_used_at", "_wanted", "counts")
+    __slots__ = ("_changed_at", "_demand", "_failed_at", "_names", "_pending", "_used_at", "_wanted", "counts")
 
     def __init__(self) -> None:
         self._changed_at: dict[tuple[str, str], float] = {}  # placement loaded or unloaded it there
         self._failed_at: dict[tuple[str, str], float] = {}
         self._used_at: dict[tuple[str, str], float] = {}
         self._pending: set[str] = set()  # adapters with a move in flight
-        self._wanted: dict[str, float] = {}  # adapters requests asked for while no server listed them
+        self._wanted: dict[str, float] = {}  # placed adapters -> when a request last named it
+        self._demand: dict[str, tuple[float, float]] = {}  # placed adapters -> (decayed requests, as of)
+        self._names: tuple[tuple[tuple[str, str], ...], frozenset[str]] = ((), frozenset())  # sources, their names
         self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed) -> moves
 
     def wanted(self, settings: Settings, adapter: str, now: float) -> bool:
-        """A request names `adapter`: True if placement may load it (the policy names it)."""
-        if adapter not in dict(settings.adapter_sources):
+        """A request names `adapter`: True if placement may load it (the policy names it); its
+        demand counts one more."""
+        sources, names = self._names
+        if sources is not settings.adapter_sources:  # the policy changed: its names, once
+            sources, names = settings.adapter_sources, frozenset(name for name, _ in settings.adapter_sources)
+            self._names = (sources, names)
+        if adapter not in names:
             return False
         self._wanted[adapter] = now
+        self._demand[adapter] = (self.demand(adapter, now) + 1.0, now)
         return True
+
+    def demand(self, adapter: str, now: float) -> float:
+        """Requests that named `adapter` lately, each counting half as much a half-life later."""
+        value, at = self._demand.get(adapter, (0.0, now))
+        return value * math.exp2(-(now - at) / DEMAND_HALF_LIFE_S) if value else 0.0
 
     def plan(
         self, settings: Settings, book: AdapterBook, loads: LoadTracker, backends: Sequence[str], now: float
     ) -> list[Move]:
         """This round's moves, at most one per adapter."""
+        names = self._names[1]
+        for gone in [a for a in self._demand if a not in names]:  # no longer the policy's to place
+            del self._demand[gone]
         moves = []
         for adapter, path in settings.adapter_sources:
             if adapter in self._pending:
@@ -152,9 +173,10 @@ class AdapterPlacement:
         hold: float,
         recent_ok: bool,
     ) -> str | None:
-        """Where to load `adapter`: slots least taken, then least busy; not where a move of it
-        failed lately, nor (unless no server has it) where it was just unloaded."""
-        best: tuple[float, int, str] | None = None
+        """Where to load `adapter`: least demand for the adapters there, then slots least taken,
+        then least busy; not where a move of it failed lately, nor (unless no server has it)
+        where it was just unloaded."""
+        best: tuple[float, float, int, str] | None = None
         for backend in backends:
             key = (backend, adapter)
             if now - self._failed_at.get(key, _NEVER) < hold:
@@ -162,7 +184,8 @@ class AdapterPlacement:
             if not recent_ok and now - self._changed_at.get(key, _NEVER) < hold:
                 continue
             load = loads.get(backend)
-            rank = (book.slot_share(backend, load, now), load.requests(now), backend)
+            drawn = sum(self.demand(a, now) for a in self._demand if a != adapter and book.lists(backend, a))
+            rank = (drawn, book.slot_share(backend, load, now), load.requests(now), backend)
             if best is None or rank < best:
                 best = rank
-        return None if best is None else best[2]
+        return None if best is None else best[3]

@@ -61,10 +61,10 @@ class AdapterPlacer:
         def listed() -> bool:
             return any(router.adapters.lists(b.address, adapter) for b in self._pool.backends if b.healthy)
 
+        if not self.placement.wanted(router.settings, adapter, self._clock()):  # (its demand counted)
+            return listed()
         if listed():
             return True
-        if not self.placement.wanted(router.settings, adapter, self._clock()):
-            return False
         deadline = self._clock() + timeout_s
         while not listed():
             left = deadline - self._clock()
