@@ -76,6 +76,19 @@ def test_a_load_goes_where_the_adapters_already_placed_draw_the_least_demand():
     assert placement.demand("sql", 64.0) == pytest.approx(placement.demand("sql", 4.0) / 2)  # halved in a minute
 
 
+def test_adapters_asked_for_at_once_are_spread_by_their_demand_in_one_round():
+    """Every adapter's first request comes in the same moment (clients start together): the round
+    that loads them all must count the loads it has already planned, or all go to one server."""
+    placement, book, loads = world()
+    settings = Settings(adapter_sources={f"a{i}": f"/adapters/a{i}" for i in range(4)}, adapter_max_backends=1)
+    for adapter, requests in (("a0", 3), ("a1", 1), ("a2", 1), ("a3", 1)):
+        for _ in range(requests):
+            placement.wanted(settings, adapter, 0.0)
+    moves = placement.plan(settings, book, loads, [A, B], 0.0)
+    where = {m.adapter: m.backend for m in moves}
+    assert where == {"a0": A, "a1": B, "a2": B, "a3": B}  # the popular one alone, as the others' sum
+
+
 def test_load_calls_for_more_servers_and_idle_copies_go_but_never_the_last():
     placement, book, loads = world()
     placement.wanted(SETTINGS, "sql", 0.0)

@@ -86,14 +86,17 @@ class AdapterPlacement:
         names = self._names[1]
         for gone in [a for a in self._demand if a not in names]:  # no longer the policy's to place
             del self._demand[gone]
-        moves = []
+        moves: list[Move] = []
+        planned: dict[str, float] = {}  # backend -> demand of the adapters this round loads there
         for adapter, path in settings.adapter_sources:
             if adapter in self._pending:
                 continue
-            move = self._move(settings, book, loads, backends, adapter, path, now)
+            move = self._move(settings, book, loads, backends, adapter, path, now, planned)
             if move is not None:
                 self._pending.add(adapter)
                 moves.append(move)
+                if move.load:  # the next load of this round sees it there
+                    planned[move.backend] = planned.get(move.backend, 0.0) + self.demand(adapter, now)
         return moves
 
     def skip(self, move: Move) -> None:
@@ -129,6 +132,7 @@ class AdapterPlacement:
         adapter: str,
         path: str,
         now: float,
+        planned: dict[str, float],
     ) -> Move | None:
         hold = settings.adapter_min_resident_s
         holders = [b for b in backends if book.lists(b, adapter)]
@@ -143,11 +147,11 @@ class AdapterPlacement:
             asked = self._wanted.get(adapter, _NEVER)
             if now - asked > settings.adapter_idle_s:
                 return None
-            target = self._best(book, loads, backends, adapter, now, hold, recent_ok=True)
+            target = self._best(book, loads, backends, adapter, now, hold, planned, recent_ok=True)
             return None if target is None else Move(True, target, adapter, path)
         if in_flight / len(holders) >= settings.adapter_scale_out_requests:
             others = [b for b in backends if b not in holders]
-            target = self._best(book, loads, others, adapter, now, hold, recent_ok=False)
+            target = self._best(book, loads, others, adapter, now, hold, planned, recent_ok=False)
             return None if target is None else Move(True, target, adapter, path)
         if len(holders) == 1:
             return None
@@ -171,11 +175,12 @@ class AdapterPlacement:
         adapter: str,
         now: float,
         hold: float,
+        planned: dict[str, float],
         recent_ok: bool,
     ) -> str | None:
-        """Where to load `adapter`: least demand for the adapters there, then slots least taken,
-        then least busy; not where a move of it failed lately, nor (unless no server has it)
-        where it was just unloaded."""
+        """Where to load `adapter`: least demand for the adapters there (and those this round
+        loads there: `planned`), then slots least taken, then least busy; not where a move of it
+        failed lately, nor (unless no server has it) where it was just unloaded."""
         best: tuple[float, float, int, str] | None = None
         for backend in backends:
             key = (backend, adapter)
@@ -184,7 +189,8 @@ class AdapterPlacement:
             if not recent_ok and now - self._changed_at.get(key, _NEVER) < hold:
                 continue
             load = loads.get(backend)
-            drawn = sum(self.demand(a, now) for a in self._demand if a != adapter and book.lists(backend, a))
+            drawn = planned.get(backend, 0.0)
+            drawn += sum(self.demand(a, now) for a in self._demand if a != adapter and book.lists(backend, a))
             rank = (drawn, book.slot_share(backend, load, now), load.requests(now), backend)
             if best is None or rank < best:
                 best = rank
