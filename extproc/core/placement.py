@@ -64,15 +64,19 @@ class AdapterPlacement:
     def wanted(self, settings: Settings, adapter: str, now: float) -> bool:
         """A request names `adapter`: True if placement may load it (the policy names it); its
         demand counts one more."""
-        sources, names = self._names
-        if sources is not settings.adapter_sources:  # the policy changed: its names, once
-            sources, names = settings.adapter_sources, frozenset(name for name, _ in settings.adapter_sources)
-            self._names = (sources, names)
-        if adapter not in names:
+        if adapter not in self._placed(settings):
             return False
         self._wanted[adapter] = now
         self._demand[adapter] = (self.demand(adapter, now) + 1.0, now)
         return True
+
+    def _placed(self, settings: Settings) -> frozenset[str]:
+        """The names of the adapters the policy places, worked out once per policy."""
+        sources, names = self._names
+        if sources is not settings.adapter_sources:
+            sources, names = settings.adapter_sources, frozenset(name for name, _ in settings.adapter_sources)
+            self._names = (sources, names)
+        return names
 
     def demand(self, adapter: str, now: float) -> float:
         """Requests that named `adapter` lately, each counting half as much a half-life later."""
@@ -83,7 +87,7 @@ class AdapterPlacement:
         self, settings: Settings, book: AdapterBook, loads: LoadTracker, backends: Sequence[str], now: float
     ) -> list[Move]:
         """This round's moves, at most one per adapter."""
-        names = self._names[1]
+        names = self._placed(settings)
         for gone in [a for a in self._demand if a not in names]:  # no longer the policy's to place
             del self._demand[gone]
         moves: list[Move] = []

@@ -330,8 +330,9 @@ class Router:
                 matched = exchange.predicted_blocks
             else:  # rerouted: what the decision knew about the backend that served
                 matched = next((c.matched for c in decision.candidates if c.backend == backend), 0)
+            block_tokens = self.block_tokens()
             if served and request is not None and decision.label is not Label.PREFILL:  # a split: its decode leg's
-                self.attribution.served(decision, served, matched, self.block_tokens())
+                self.attribution.served(decision, served, matched, block_tokens)
             if self.settings.decision_headers:  # never on errors
                 headers = (
                     (
@@ -340,7 +341,7 @@ class Router:
                     ),
                     ("x-kvroute-backend", backend),
                     ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
-                    ("x-kvroute-cached-tokens", str(round(matched * self.block_tokens()))),
+                    ("x-kvroute-cached-tokens", str(round(matched * block_tokens))),
                 )
                 if reservation is not None and reservation.predicted_s is not None:
                     headers += (("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))),)
