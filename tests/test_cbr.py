@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import orjson
 import pytest
@@ -154,6 +155,25 @@ BAD_BODIES = {
 def test_bad_bodies_raise_invalid_request(raw):
     with pytest.raises(InvalidRequest):
         parse_request(raw)
+
+
+@pytest.mark.parametrize(
+    ("message", "where"),
+    [
+        ({"role": 3}, "messages[1]: 'role'"),
+        ({"role": "user", "name": 3}, "messages[1]: 'name'"),
+        ({"role": "user", "content": "\ud800"}, "messages[1]: text is not valid UTF-8"),
+        ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content[0]: a text part"),
+        ({"role": "user", "content": ["ok", 7]}, "messages[1].content[1]: a content part"),
+        ({"role": "tool", "tool_call_id": 1}, "messages[1]: 'tool_call_id'"),
+        ({"role": "user", "content": "x", "ext": {1: 2}}, "messages[1]: cannot be encoded"),
+    ],
+)
+def test_an_invalid_message_is_named_where_it_is(message, where):
+    """Where an error is gets spelled out only on the error path (encoding runs per message)."""
+    body = {"model": "m", "messages": [{"role": "system", "content": "fine"}, message]}
+    with pytest.raises(InvalidRequest, match=re.escape(where)):
+        parse_request(body)
 
 
 def test_python_objects_that_json_cannot_hold_are_invalid():

@@ -178,49 +178,56 @@ def _content(content: Any, where: str, out: list[bytes]) -> None:
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}: content must be a string, a list of parts or null")
     for i, part in enumerate(content):
-        pwhere = f"{where}.content[{i}]"
         if isinstance(part, str):
-            out.append(_record(b"t", _utf8(part, pwhere)))
+            out.append(_record(b"t", _utf8(part, where)))
             continue
         if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-            raise InvalidRequest(f"{pwhere}: a content part must be an object with a string 'type'")
+            raise InvalidRequest(f"{where}.content[{i}]: a content part must be an object with a string 'type'")
         ptype = part["type"]
         if ptype == "text":
             text = part.get("text")
             if not isinstance(text, str):
-                raise InvalidRequest(f"{pwhere}: a text part needs a string 'text'")
-            out.append(_record(b"t", _utf8(text, pwhere)))
+                raise InvalidRequest(f"{where}.content[{i}]: a text part needs a string 'text'")
+            out.append(_record(b"t", _utf8(text, where)))
         elif ptype in ("image_url", "input_audio", "video_url", "audio_url", "file"):
-            out.append(_record(b"i", _media(part, pwhere)))
+            out.append(_record(b"i", _media(part, f"{where}.content[{i}]")))
         else:
-            out.append(_record(b"p", _canonical_json(part, pwhere)))
+            out.append(_record(b"p", _canonical_json(part, f"{where}.content[{i}]")))
 
 
 def _message(message: Any, index: int, out: list[bytes]) -> bool:
-    """Append one message's records; True if it is an assistant or tool turn."""
-    where = f"messages[{index}]"
+    """Append one message's records; True if it is an assistant or tool turn. Where an error is
+    (`messages[i]`) is spelled out only when there is one: this runs for every message."""
     if not isinstance(message, Mapping):
-        raise InvalidRequest(f"{where}: a message must be an object")
+        raise InvalidRequest(f"messages[{index}]: a message must be an object")
+    try:
+        return _message_records(message, out)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"messages[{index}]{exc}") from None
+
+
+def _message_records(message: Mapping[str, Any], out: list[bytes]) -> bool:
+    """`_message`'s records; its errors name the field within the message ("" for the message)."""
     role = message.get("role")
     if not isinstance(role, str):
-        raise InvalidRequest(f"{where}: 'role' must be a string")
-    out.append(_record(b"r", _utf8(role, where)))
+        raise InvalidRequest(": 'role' must be a string")
+    out.append(_record(b"r", _utf8(role, "")))
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
-            raise InvalidRequest(f"{where}: 'name' must be a string")
-        out.append(_record(b"n", _utf8(name, where)))
-    _content(message.get("content"), where, out)
+            raise InvalidRequest(": 'name' must be a string")
+        out.append(_record(b"n", _utf8(name, "")))
+    _content(message.get("content"), "", out)
     if message.get("tool_calls") is not None:
-        out.append(_record(b"c", _canonical_json(message["tool_calls"], f"{where}.tool_calls")))
+        out.append(_record(b"c", _canonical_json(message["tool_calls"], ".tool_calls")))
     call_id = message.get("tool_call_id")
     if call_id is not None:
         if not isinstance(call_id, str):
-            raise InvalidRequest(f"{where}: 'tool_call_id' must be a string")
-        out.append(_record(b"d", _utf8(call_id, where)))
-    extra = {k: v for k, v in message.items() if k not in _MESSAGE_KNOWN}
-    if extra:
-        out.append(_record(b"x", _canonical_json(extra, where)))
+            raise InvalidRequest(": 'tool_call_id' must be a string")
+        out.append(_record(b"d", _utf8(call_id, "")))
+    if not _MESSAGE_KNOWN.issuperset(message):
+        extra = {k: v for k, v in message.items() if k not in _MESSAGE_KNOWN}
+        out.append(_record(b"x", _canonical_json(extra, "")))
     return role in _ASSISTANT_ROLES
 
 

@@ -47,16 +47,17 @@ def derive_session_key(
 
 
 def _unscoped_key(headers: Mapping[str, str], body: Mapping[str, Any], session_headers: tuple[str, ...]) -> str | None:
-    params = body.get("session_params")
-    candidates = (
-        *(headers.get(name) for name in session_headers),
-        params.get("session_id") if isinstance(params, Mapping) else None,
-        body.get("session_id"),
-    )
-    for value in candidates:
-        key = _text(value)
+    """Each source read only when the ones before it named nothing (this runs per request)."""
+    for name in session_headers:
+        key = _text(headers.get(name))
         if key is not None:
             return "session:" + key
+    params = body.get("session_params")
+    key = _text(params.get("session_id")) if isinstance(params, Mapping) else None
+    if key is None:
+        key = _text(body.get("session_id"))
+    if key is not None:
+        return "session:" + key
     for value in (body.get("user"), body.get("user_id"), headers.get(USER_HEADER)):
         key = _text(value)
         if key is not None:
