@@ -103,26 +103,35 @@ class _Full(Exception):
     """The budget is spent: stop encoding."""
 
 
-class _Out(list[bytes]):
-    """The records so far, counted against the budget."""
+class _Out:
+    """The records so far, counted against the budget (a list of its own, not a list subclass:
+    joining a subclass copies it first)."""
 
-    __slots__ = ("size",)
+    __slots__ = ("records", "size")
 
     def __init__(self) -> None:
-        super().__init__()
+        self.records: list[bytes] = []
         self.size = 0
 
     def append(self, record: bytes) -> None:
-        if len(self) >= MAX_RECORDS or self.size + len(record) > MAX_BYTES:
+        if len(self.records) >= MAX_RECORDS or self.size + len(record) > MAX_BYTES:
             raise _Full
         self.size += len(record)
-        super().append(record)
+        self.records.append(record)
 
+    def add(self, tag: bytes, payload: bytes) -> None:
+        """Append `payload`'s record (`record`, written out: this runs for every text)."""
+        record = tag + payload.replace(b"\0", b"\0\1") + b"\0\0"
+        if len(self.records) >= MAX_RECORDS or self.size + len(record) > MAX_BYTES:
+            raise _Full
+        self.size += len(record)
+        self.records.append(record)
 
-def _record(tag: bytes, payload: bytes) -> bytes:
-    """tag, payload with NUL escaped, NUL NUL. Unlike a length prefix, this keeps two texts
-    that share a beginning sharing bytes (and blocks) up to where they differ."""
-    return tag + payload.replace(b"\0", b"\0\1") + b"\0\0"
+    @staticmethod
+    def record(tag: bytes, payload: bytes) -> bytes:
+        """tag, payload with NUL escaped, NUL NUL. Unlike a length prefix, this keeps two texts
+        that share a beginning sharing bytes (and blocks) up to where they differ."""
+        return tag + payload.replace(b"\0", b"\0\1") + b"\0\0"
 
 
 def _utf8(text: str, where: str) -> bytes:
@@ -147,13 +156,13 @@ def _header(body: Mapping[str, Any], kind: bytes) -> bytes:
     parts = [kind]
     for key in ORDERED_HEADER:
         if key in body:
-            parts.append(_record(b"h", key.encode() + b"=" + _canonical_json(body[key], key)))
+            parts.append(_Out.record(b"h", key.encode() + b"=" + _canonical_json(body[key], key)))
     extensions = [k for k in body if k not in _SKIP_IN_HEADER]
     if not all(isinstance(k, str) for k in extensions):
         raise InvalidRequest("field names must be strings")
     for key in sorted(extensions):
         value = _digest(_canonical_json(body[key], key))
-        parts.append(_record(b"h", _digest(_utf8(key, "field name")) + b"=" + value))
+        parts.append(_Out.record(b"h", _digest(_utf8(key, "field name")) + b"=" + value))
     header = b"".join(parts)
     return _digest(header) + header
 
@@ -169,17 +178,18 @@ def _media(part: Mapping[str, Any], where: str) -> bytes:
     return ptype.encode() + b":" + _digest(_canonical_json(inner, where))
 
 
-def _content(content: Any, where: str, out: list[bytes]) -> None:
+def _content(content: Any, where: str, out: _Out) -> None:
+    """A message's content; its text is encoded here, the caller reports UnicodeEncodeError."""
     if content is None:
         return
     if isinstance(content, str):
-        out.append(_record(b"t", _utf8(content, where)))
+        out.add(b"t", content.encode())
         return
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}: content must be a string, a list of parts or null")
     for i, part in enumerate(content):
         if isinstance(part, str):
-            out.append(_record(b"t", _utf8(part, where)))
+            out.add(b"t", part.encode())
             continue
         if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
             raise InvalidRequest(f"{where}.content[{i}]: a content part must be an object with a string 'type'")
@@ -188,14 +198,14 @@ def _content(content: Any, where: str, out: list[bytes]) -> None:
             text = part.get("text")
             if not isinstance(text, str):
                 raise InvalidRequest(f"{where}.content[{i}]: a text part needs a string 'text'")
-            out.append(_record(b"t", _utf8(text, where)))
+            out.add(b"t", text.encode())
         elif ptype in ("image_url", "input_audio", "video_url", "audio_url", "file"):
-            out.append(_record(b"i", _media(part, f"{where}.content[{i}]")))
+            out.add(b"i", _media(part, f"{where}.content[{i}]"))
         else:
-            out.append(_record(b"p", _canonical_json(part, f"{where}.content[{i}]")))
+            out.add(b"p", _canonical_json(part, f"{where}.content[{i}]"))
 
 
-def _message(message: Any, index: int, out: list[bytes]) -> bool:
+def _message(message: Any, index: int, out: _Out) -> bool:
     """Append one message's records; True if it is an assistant or tool turn. Where an error is
     (`messages[i]`) is spelled out only when there is one: this runs for every message."""
     if not isinstance(message, Mapping):
@@ -204,42 +214,44 @@ def _message(message: Any, index: int, out: list[bytes]) -> bool:
         return _message_records(message, out)
     except InvalidRequest as exc:
         raise InvalidRequest(f"messages[{index}]{exc}") from None
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"messages[{index}]: text is not valid UTF-8 ({exc.reason})") from None
 
 
-def _message_records(message: Mapping[str, Any], out: list[bytes]) -> bool:
+def _message_records(message: Mapping[str, Any], out: _Out) -> bool:
     """`_message`'s records; its errors name the field within the message ("" for the message)."""
     role = message.get("role")
     if not isinstance(role, str):
         raise InvalidRequest(": 'role' must be a string")
-    out.append(_record(b"r", _utf8(role, "")))
+    out.add(b"r", role.encode())
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
             raise InvalidRequest(": 'name' must be a string")
-        out.append(_record(b"n", _utf8(name, "")))
+        out.add(b"n", name.encode())
     _content(message.get("content"), "", out)
     if message.get("tool_calls") is not None:
-        out.append(_record(b"c", _canonical_json(message["tool_calls"], ".tool_calls")))
+        out.add(b"c", _canonical_json(message["tool_calls"], ".tool_calls"))
     call_id = message.get("tool_call_id")
     if call_id is not None:
         if not isinstance(call_id, str):
             raise InvalidRequest(": 'tool_call_id' must be a string")
-        out.append(_record(b"d", _utf8(call_id, "")))
+        out.add(b"d", call_id.encode())
     if not _MESSAGE_KNOWN.issuperset(message):
         extra = {k: v for k, v in message.items() if k not in _MESSAGE_KNOWN}
-        out.append(_record(b"x", _canonical_json(extra, "")))
+        out.add(b"x", _canonical_json(extra, ""))
     return role in _ASSISTANT_ROLES
 
 
-def _prompt(prompt: Any, out: list[bytes]) -> None:
+def _prompt(prompt: Any, out: _Out) -> None:
     """A completions prompt: text, a list of texts, token ids, or lists of token ids."""
     items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
     for i, item in enumerate(items):
         where = f"prompt[{i}]"
         if isinstance(item, str):
-            out.append(_record(b"t", _utf8(item, where)))
+            out.add(b"t", _utf8(item, where))
         elif isinstance(item, list) and all(type(t) is int and 0 <= t < 2**32 for t in item):
-            out.append(_record(b"k", b"".join(t.to_bytes(4, "little") for t in item)))
+            out.add(b"k", b"".join(t.to_bytes(4, "little") for t in item))
         else:
             raise InvalidRequest(f"{where}: a prompt is a string, token ids, or a list of either")
 
@@ -263,5 +275,5 @@ def encode(body: Mapping[str, Any]) -> tuple[bytes, bool, bool]:
         else:
             raise InvalidRequest("the body has neither 'messages' nor 'prompt'")
     except _Full:
-        return b"".join(out), followup, True
-    return b"".join(out), followup, False
+        return b"".join(out.records), followup, True
+    return b"".join(out.records), followup, False
