@@ -116,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
         help="trace every request, exported over OTLP to a Jaeger all-in-one started beside the stacks",
     )
     latency.set_defaults(run=_latency)
+    floors = bench.add_parser(
+        "floors", help="the routing call's least cost per Envoy transport, and kvroute's (JSON lines)"
+    )
+    floors.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
+    floors.add_argument("--rounds", type=int, default=1, help="times the whole cycle runs (default: 1)")
+    floors.set_defaults(run=_floors)
     cancelled = bench.add_parser(
         "cancelled-streams", help="a bare grpc.aio server's RSS per half-closed vs cancelled stream (JSON)"
     )
@@ -437,6 +443,12 @@ def _latency(args: argparse.Namespace) -> None:
     from bench.experiments import latency
 
     latency.main(args.requests, args.body_mode, tuple(args.extproc_arg), args.tracing)
+
+
+def _floors(args: argparse.Namespace) -> None:
+    from bench.experiments import floors
+
+    floors.main(args.requests, args.rounds)
 
 
 def _cancelled_streams(args: argparse.Namespace) -> None:

@@ -40,7 +40,7 @@ FAST_SIM = ["--token-s", "0", "--step-s", "0", "--default-max-tokens", "1"]
 PACED_SIM = ["--token-s", "0", "--step-s", "0.001"]
 
 
-async def _load(url: str, bodies: list[bytes], concurrency: int) -> tuple[list[float], float]:
+async def send_all(url: str, bodies: list[bytes], concurrency: int) -> tuple[list[float], float]:
     """Send every body once with `concurrency` workers; return latencies (ms) and wall seconds."""
     latencies: list[float] = []
     queue = list(reversed(bodies))
@@ -72,7 +72,7 @@ CASES = {
 SIM_ARGS = {"fast": FAST_SIM, "paced": PACED_SIM}
 
 
-def _bodies(size: int, count: int, stream_tokens: int = 0) -> list[bytes]:
+def followups(size: int, count: int, stream_tokens: int = 0) -> list[bytes]:
     """Follow-ups of a handful of conversations, so kvroute really looks up and learns."""
     bases = [conversation(size, seed=s) for s in range(8)]
     out = []
@@ -87,7 +87,7 @@ def _bodies(size: int, count: int, stream_tokens: int = 0) -> list[bytes]:
     return out
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
@@ -133,9 +133,9 @@ def _measure_cases(
     with kvroute, plain:
         extproc_pid = kvroute.processes["extproc"].pid
         for size, concurrency, tokens in cases:
-            bodies = _bodies(size, requests, tokens)
-            asyncio.run(_load(plain.url, bodies[:50], concurrency))  # warm-up
-            asyncio.run(_load(kvroute.url, bodies[:50], concurrency))
+            bodies = followups(size, requests, tokens)
+            asyncio.run(send_all(plain.url, bodies[:50], concurrency))  # warm-up
+            asyncio.run(send_all(kvroute.url, bodies[:50], concurrency))
             row: dict[str, Any] = {
                 "body_mode": body_mode,
                 "body_bytes": len(bodies[0]),
@@ -158,11 +158,11 @@ def _timed(url: str, bodies: list[bytes], concurrency: int, extproc_pid: int) ->
     """One load through a stack: its latency p50 and p99 (ms) and requests a second, and the
     ext_proc's CPU seconds per request meanwhile."""
     cpu_before = cpu_seconds([extproc_pid])
-    latencies, wall = asyncio.run(_load(url, bodies, concurrency))
+    latencies, wall = asyncio.run(send_all(url, bodies, concurrency))
     cpu = cpu_seconds([extproc_pid]) - cpu_before
     figures = {
         "p50_ms": round(statistics.median(latencies), 3),
-        "p99_ms": round(_percentile(latencies, 0.99), 3),
+        "p99_ms": round(percentile(latencies, 0.99), 3),
         "rps": round(len(latencies) / wall, 1),
     }
     return figures, cpu / len(latencies)
@@ -205,7 +205,7 @@ def measure_split(
                 for name, stack in (("whole", whole), ("split", split)):
                     # new to the decode server each time (the other stack's prompts would be cached there)
                     bodies = _new_prompts(size, requests + 50, first=(2 * case + (name == "split")) * 100_000)
-                    asyncio.run(_load(stack.url, bodies[:50], concurrency))  # warm-up
+                    asyncio.run(send_all(stack.url, bodies[:50], concurrency))  # warm-up
                     figures, cpu = _timed(stack.url, bodies[50:], concurrency, stack.processes["extproc"].pid)
                     row.update({f"{name}_{key}": figures[key] for key in ("p50_ms", "p99_ms")})
                     row[f"{name}_extproc_cpu_us_per_request"] = round(cpu * 1e6, 1)

@@ -68,6 +68,18 @@ def wait_http(
     raise TimeoutError(f"{url} did not answer 200{' as awaited' if accept else ''} within {timeout_s}s")
 
 
+def wait_tcp(host: str, port: int, process: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
+    """Until something accepts connections on host:port (a server that speaks no HTTP/1.1)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {host}:{port} listened")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listened on {host}:{port} within {timeout_s}s")
+
+
 def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A child in its own process group (so stopping it stops its children), output to a log."""
     log = open(log_path, "ab")  # noqa: SIM115 (lives as long as the child)
