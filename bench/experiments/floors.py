@@ -4,8 +4,9 @@ least (constant-answer routers, bench/harness/constant_routers.py), beside kvrou
 One set of fast simulated backends (no prefill or decode time, one output token) behind one Envoy
 per transport, side by side in one run: Envoy alone (round robin, no routing call); the external
 processor as kvroute's Envoy configures it (request headers, buffered body, response headers: three
-messages on one stream); external authorization over gRPC and over HTTP/1.1, each sent the body;
-and kvroute's own ext_proc. For each
+messages on one stream), and sent the request side only (two: what learning from somewhere other
+than the response headers would leave); external authorization over gRPC and over HTTP/1.1, each
+sent the body; and kvroute's own ext_proc. For each
 case (body size x concurrency) every stack gets the same follow-up requests, in turn, and Envoy's
 and the router process's CPU per request are read from /proc, separately. `--rounds N` repeats
 the cycle, so a difference can be told from this machine's noise.
@@ -33,17 +34,17 @@ from extproc.envoy.headers import DESTINATION_HEADER
 
 CASES = [(8_000, 1), (8_000, 16), (84_000, 1), (84_000, 16)]  # (body bytes, concurrency)
 # Stacks in the order each case runs them; "none": Envoy alone, "kvroute": the product.
-TRANSPORTS = ("none", "ext_proc", "ext_authz_grpc", "ext_authz_http", "kvroute")
+TRANSPORTS = ("none", "ext_proc", "ext_proc_request", "ext_authz_grpc", "ext_authz_http", "kvroute")
 # Not among them: "ext_proc_body", the external processor sent the buffered body only (its request
 # headers SKIPped, one message instead of three). It cannot route: Envoy passes the headers on at
 # once, its router picks the upstream host then, and the body reply's destination comes too late
 # (tests/test_bench_floors.py shows it round robin on Envoy 1.40).
 _TYPES = "type.googleapis.com/envoy."
-_BODY_ONLY = {
-    "request_header_mode": "SKIP",
-    "response_header_mode": "SKIP",
-    "request_body_mode": "BUFFERED",
-    "response_body_mode": "NONE",
+# What the ext_proc variants are sent: the request side only (no response headers: two messages),
+# or the buffered body only.
+_PROCESSING = {
+    "ext_proc_request": {"request_header_mode": "SEND", "response_header_mode": "SKIP"},
+    "ext_proc_body": {"request_header_mode": "SKIP", "response_header_mode": "SKIP"},
 }
 
 
@@ -68,8 +69,8 @@ def envoy_edit(transport: str) -> Callable[[dict[str, Any]], None] | None:
         filters = _filters(bootstrap)
         index = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
         ext_proc = filters[index]["typed_config"]
-        if transport == "ext_proc_body":
-            ext_proc["processing_mode"] = dict(_BODY_ONLY)
+        if transport in _PROCESSING:
+            ext_proc["processing_mode"] = {**_PROCESSING[transport], "request_body_mode": "BUFFERED"}
             return
         authz: dict[str, Any] = {
             "@type": _TYPES + "extensions.filters.http.ext_authz.v3.ExtAuthz",
