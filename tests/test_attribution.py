@@ -68,3 +68,23 @@ def test_the_sums_are_counters_with_one_series_per_backend():
     assert f'kvroute_reuse_delivered_tokens_total{{backend="{A}"}} 200.0' in page
     assert f"kvroute_reuse_available_tokens_total {router.attribution.available}" in page
     assert f"kvroute_prompt_tokens_total {router.attribution.prompt}" in page
+
+
+def test_the_engines_own_count_per_response_is_set_beside_the_picture_once():
+    router = make_router()
+    serve(router, chat([], session="s"), 0.0)
+    exchange = router.begin(chat([], session="t"), FLEET, 1.0)
+    backend = exchange.decision.backend
+    assert backend is not None
+    router.engine_reported(exchange, 99)  # before the response started: nothing is known of it yet
+    assert router.attribution.reported == {}
+    router.response_started(exchange, ok(backend), 1.0)
+    predicted = exchange.decision.matched_blocks * router.block_tokens()
+    router.engine_reported(exchange, 1000)
+    router.engine_reported(exchange, 1000)  # once
+    exchange.end()
+    assert router.attribution.reported == {backend: 1000.0}
+    assert router.attribution.reported_routed == {backend: predicted}
+    assert router.state().reuse["reported_accuracy"] == round(1000 / predicted, 4)
+    page = generate_latest(Metrics(router, BackendPool(FLEET, router.remove_backend, 2)).registry).decode()
+    assert f'kvroute_reuse_reported_tokens_total{{backend="{backend}"}} 1000.0' in page

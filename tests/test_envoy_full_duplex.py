@@ -94,3 +94,33 @@ def test_a_dead_picker_fails_open_or_closed(tmp_path, body_mode: str, fail_open:
         status, headers, _ = post(stack.url, chat("picker gone"))
         assert "x-kvroute-decision" not in headers
         assert status == 200 if served else status >= 500
+
+
+def _reported(stack: Stack) -> float:
+    return stack.debug_state()["reuse"]["reported_tokens"]
+
+
+def test_the_engines_count_of_each_responses_cached_tokens_is_read_as_it_streams_past(stack: Stack):
+    """Per-request reuse, where kvroute sees the response body: what each answer's usage says the
+    engine found cached, summed beside the picture's (attribution.py), in both response forms."""
+    prompt = text(RNG, 6000)
+    before = _reported(stack)
+    counted = 0
+    for turn, extra in enumerate([{}, {}, {"stream": True, "stream_options": {"include_usage": True}}]):
+        body = chat(prompt, **extra)
+        if not extra:
+            status, _, answer = post(stack.url, body, {"x-session-id": f"usage-{turn}"})
+            assert status == 200
+            counted += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            continue
+        connection = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+        try:
+            connection.request("POST", "/v1/chat/completions", orjson.dumps(body), {"content-type": "application/json"})
+            lines = connection.getresponse().read().decode().splitlines()
+            events = [line[6:] for line in lines if line[:6] == "data: "]
+        finally:
+            connection.close()
+        usage = next(orjson.loads(e)["usage"] for e in events if e != "[DONE]" and orjson.loads(e).get("usage"))
+        counted += usage["prompt_tokens_details"]["cached_tokens"]
+    assert counted > 0  # the second and third found the first's prompt cached
+    assert _reported(stack) - before == counted

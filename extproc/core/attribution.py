@@ -7,6 +7,12 @@ Three sums of prompt tokens, over the requests a backend started answering with 
 - delivered: what the engines found cached, from their own prefix-cache counters
   (`vllm:prefix_cache_hits_total`, read with the load scrape), per backend.
 
+And per request where the adapter reads the response body (full-duplex response bodies): the
+engine's own count of that request's cached tokens (`usage.prompt_tokens_details.cached_tokens`,
+reported), beside what kvroute's picture showed for it (reported_routed). Their ratio is the
+picture's accuracy over kvroute's own requests alone: other clients' traffic and sibling
+replicas, which the engines' counters include, do not enter it.
+
 `routed / available` is routing's efficiency (1: every request went where the most was cached),
 `delivered / routed` the picture's accuracy (below 1: kvroute expected blocks the engine had
 evicted; above: other traffic, or sibling replicas, put blocks there too). The engines count every
@@ -24,7 +30,7 @@ from extproc.core.decision import Decision
 class ReuseAttribution:
     """The three sums, kept as counters."""
 
-    __slots__ = ("_hits", "available", "delivered", "prompt", "routed")
+    __slots__ = ("_hits", "available", "delivered", "prompt", "reported", "reported_routed", "routed")
 
     def __init__(self) -> None:
         self.prompt = 0.0  # tokens of the served prompts
@@ -32,6 +38,8 @@ class ReuseAttribution:
         self.routed: dict[str, float] = {}  # backend -> tokens
         self.delivered: dict[str, float] = {}  # backend -> tokens the engine found cached
         self._hits: dict[str, float] = {}  # backend -> the engine's counter at its last sample
+        self.reported: dict[str, float] = {}  # backend -> tokens its responses reported cached
+        self.reported_routed: dict[str, float] = {}  # backend -> the picture's tokens for those requests
 
     def served(self, decision: Decision, backend: str, matched_blocks: int, block_tokens: float) -> None:
         """A 2xx from `backend`, which held `matched_blocks` of the prompt by the decision's picture."""
@@ -39,6 +47,12 @@ class ReuseAttribution:
         self.prompt += decision.total_blocks * block_tokens
         self.available += max(best, matched_blocks) * block_tokens
         self.routed[backend] = self.routed.get(backend, 0.0) + matched_blocks * block_tokens
+
+    def responded(self, backend: str, engine_tokens: int, routed_tokens: float) -> None:
+        """A response from `backend` said `engine_tokens` of its prompt were cached; kvroute's
+        picture had shown `routed_tokens`."""
+        self.reported[backend] = self.reported.get(backend, 0.0) + engine_tokens
+        self.reported_routed[backend] = self.reported_routed.get(backend, 0.0) + routed_tokens
 
     def engine(self, backend: str, hits: float) -> None:
         """The engine's cumulative prefix-cache hits (tokens) from one sample; a counter that went
@@ -53,13 +67,17 @@ class ReuseAttribution:
         self._hits.pop(backend, None)
 
     def state(self) -> dict[str, float | None]:
-        """The sums and both ratios, for /debug/state (None before anything was served)."""
+        """The sums and the ratios, for /debug/state (None before anything was served)."""
         routed, delivered = sum(self.routed.values()), sum(self.delivered.values())
+        reported, reported_routed = sum(self.reported.values()), sum(self.reported_routed.values())
         return {
             "prompt_tokens": round(self.prompt),
             "available_tokens": round(self.available),
             "routed_tokens": round(routed),
             "delivered_tokens": round(delivered),
+            "reported_tokens": round(reported),
+            "reported_routed_tokens": round(reported_routed),
             "routing_efficiency": round(routed / self.available, 4) if self.available else None,
             "prediction_accuracy": round(delivered / routed, 4) if routed else None,
+            "reported_accuracy": round(reported / reported_routed, 4) if reported_routed else None,
         }

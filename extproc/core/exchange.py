@@ -51,7 +51,17 @@ class Outcome:
 class Exchange:
     """One routed request from decision to end: the handle an adapter keeps per request."""
 
-    __slots__ = ("_ended", "_ratio", "decision", "outcome", "predicted_blocks", "queued", "request", "reservation")
+    __slots__ = (
+        "_ended",
+        "_ratio",
+        "decision",
+        "outcome",
+        "predicted_blocks",
+        "queued",
+        "request",
+        "reservation",
+        "routed",
+    )
 
     def __init__(
         self,
@@ -67,6 +77,9 @@ class Exchange:
         self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
         self.queued = False  # flow control held it before it was decided
+        # Counted in the reuse account (attribution.py): the backend that served it and the tokens
+        # kvroute's picture showed cached there, until the engine's own count of them is read.
+        self.routed: tuple[str, float] | None = None
         self._ratio = ratio  # told the request's size when it ends, beside the engine's token count
         self._ended = False
 

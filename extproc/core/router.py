@@ -333,6 +333,7 @@ class Router:
             block_tokens = self.block_tokens()
             if served and request is not None and decision.label is not Label.PREFILL:  # a split: its decode leg's
                 self.attribution.served(decision, served, matched, block_tokens)
+                exchange.routed = served, matched * block_tokens
             if self.settings.decision_headers:  # never on errors
                 headers = (
                     (
@@ -347,6 +348,13 @@ class Router:
                     headers += (("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))),)
         exchange.outcome = Outcome(backend, learned, bool(served) and start.connect_failed, rerouted, headers)
         return exchange.outcome
+
+    def engine_reported(self, exchange: Exchange, cached_tokens: int) -> None:
+        """The engine's own count of the request's cached prompt tokens (its response's usage,
+        where the adapter reads the response body): the per-request reuse account. Once."""
+        routed, exchange.routed = exchange.routed, None
+        if routed is not None and cached_tokens >= 0:
+            self.attribution.responded(routed[0], cached_tokens, routed[1])
 
     def learn(self, request: PromptRequest, backend: str, now: float) -> int:
         """The backend now holds this prompt (and session); returns how many blocks were new there.

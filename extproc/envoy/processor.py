@@ -36,6 +36,7 @@ from extproc.core.objectives import TTFT_HEADERS, classify
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
+from extproc.core.usage import CachedTokens
 from extproc.envoy import messages as msg
 from extproc.envoy.headers import DESTINATION_HEADER
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -102,6 +103,7 @@ class Stream:
         "response_duplex",
         "span",
         "subset",
+        "usage",
     )
 
     def __init__(self) -> None:
@@ -117,6 +119,7 @@ class Stream:
         self.held_bytes = 0
         self.dispatched: Held | None = None  # held by flow control, its turn came, its backend not yet reserved
         self.span: Span | None = None  # its route span, with tracing on
+        self.usage: CachedTokens | None = None  # the engine's count of its cached tokens, read from the response body
 
     def advance(self, phase: Phase) -> None:
         """Move to `phase`; raises RuntimeError on a move the protocol's order does not allow."""
@@ -257,12 +260,27 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if kind == "request_trailers" and stream.phase is Phase.HOLDING:  # the body ended with trailers
                 return [*await self._release(stream, end_of_stream=False), msg.CONTINUE[kind]]
             if kind == "response_body" and stream.response_duplex:
+                self._read_usage(stream, message.response_body.body)
                 return [msg.streamed(kind, message.response_body.body, message.response_body.end_of_stream)]
             return [self.handle(message, stream)]
         except Exception:
             log.exception("ext_proc failed on %s in full-duplex mode; the request continues unrouted", kind)
             self._metrics.errors.labels("internal").inc()
             return self._fail_open(message, stream, kind)
+
+    def _read_usage(self, stream: Stream, chunk: bytes) -> None:
+        """The engine's count of the request's cached tokens, if this chunk completes it: the
+        per-request reuse account, and the route span."""
+        if stream.exchange is None or stream.exchange.routed is None:
+            return
+        if stream.usage is None:
+            stream.usage = CachedTokens()
+        cached = stream.usage.feed(chunk)
+        if cached is None:
+            return
+        self._router.engine_reported(stream.exchange, cached)
+        if stream.span is not None and self._tracer is not None:
+            self._tracer.reported(stream.span, cached)
 
     async def _duplex_body(self, message: pb.HttpBody, stream: Stream) -> list[pb.ProcessingResponse]:
         if stream.phase is not Phase.HOLDING or stream.held is None:  # passed through, or decided: hand it back

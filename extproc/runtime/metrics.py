@@ -31,6 +31,8 @@ def _reuse(reuse: ReuseAttribution) -> Iterator[Metric]:
     for name, sums, help_text in (
         ("routed", reuse.routed, "cached prefix on the backend that served, by kvroute's picture"),
         ("delivered", reuse.delivered, "prompt tokens the engine found cached (its prefix-cache counter)"),
+        ("reported", reuse.reported, "prompt tokens the responses kvroute read reported cached (full-duplex bodies)"),
+        ("reported_routed", reuse.reported_routed, "cached prefix by kvroute's picture, of those same responses"),
     ):
         family = CounterMetricFamily(f"kvroute_reuse_{name}_tokens", help_text, labels=["backend"])
         for backend, tokens in sums.items():

@@ -117,6 +117,11 @@ class RequestTracer:
         span.set_attributes({"http.response.status_code": status, "kvroute.served": served})
 
     @staticmethod
+    def reported(span: Span, cached_tokens: int) -> None:
+        """The engine's own count of the prompt tokens it found cached (its response's usage)."""
+        span.set_attribute("kvroute.cached_tokens.engine", cached_tokens)
+
+    @staticmethod
     def end(span: Span) -> None:
         span.end()
 
