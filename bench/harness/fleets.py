@@ -248,8 +248,11 @@ class VllmFleet(Fleet):
         roles: Sequence[str] = (),
         adapters: Sequence[str] = (),
         max_loras: int = 1,
+        traces_endpoint: str = "",
     ) -> None:
-        """`roles`: one per server, `prefill`, `decode` or `both`, to run them disaggregated (vLLM's
+        """`traces_endpoint`: an OTLP/gRPC collector the servers send their own request spans to
+        (vLLM's `--otlp-traces-endpoint`, service name `vllm`), continuing the trace context each
+        request carries. `roles`: one per server, `prefill`, `decode` or `both`, to run them disaggregated (vLLM's
         NixlConnector over UCX, NIXL installed into the venv on first use; each server's NIXL side
         channel on a port of its own, `side_channels`); none: every server aggregated, no connector.
         `scheduling` idle: the servers run under SCHED_IDLE. Each engine's OpenMP threads spin
@@ -265,6 +268,7 @@ class VllmFleet(Fleet):
         self.roles = tuple(roles)
         self.adapters = tuple(adapters)
         self._max_loras = max_loras
+        self._traces_endpoint = traces_endpoint
         self._lora_dirs = tiny_adapters(self.adapters) if self.adapters else {}
         self.kv_transfer = bool(roles)
         self.side_channels = [free_port() for _ in roles]
@@ -316,6 +320,9 @@ class VllmFleet(Fleet):
         argv += ["--enforce-eager", "--max-model-len", str(context)]
         argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]
         argv += ["--kv-events-config", orjson.dumps(events).decode()]
+        if self._traces_endpoint:
+            argv += ["--otlp-traces-endpoint", self._traces_endpoint]
+            env.update(OTEL_SERVICE_NAME="vllm", OTEL_BSP_SCHEDULE_DELAY="100")
         if self.adapters:
             argv += ["--enable-lora", "--max-loras", str(self._max_loras), "--max-lora-rank", str(LORA_RANK)]
             argv += ["--lora-modules", *(f"{name}={path}" for name, path in self._lora_dirs.items())]
