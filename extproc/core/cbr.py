@@ -121,11 +121,7 @@ class _Out:
 
     def add(self, tag: bytes, payload: bytes) -> None:
         """Append `payload`'s record (`record`, written out: this runs for every text)."""
-        record = tag + payload.replace(b"\0", b"\0\1") + b"\0\0"
-        if len(self.records) >= MAX_RECORDS or self.size + len(record) > MAX_BYTES:
-            raise _Full
-        self.size += len(record)
-        self.records.append(record)
+        self.append(tag + payload.replace(b"\0", b"\0\1") + b"\0\0")
 
     @staticmethod
     def record(tag: bytes, payload: bytes) -> bytes:
@@ -178,31 +174,32 @@ def _media(part: Mapping[str, Any], where: str) -> bytes:
     return ptype.encode() + b":" + _digest(_canonical_json(inner, where))
 
 
-def _content(content: Any, where: str, out: _Out) -> None:
-    """A message's content; its text is encoded here, the caller reports UnicodeEncodeError."""
+def _content(content: Any, out: _Out) -> None:
+    """A message's content; its text is encoded here, the caller reports UnicodeEncodeError. Its
+    errors name the field within the message, as `_message_records`' do."""
     if content is None:
         return
     if isinstance(content, str):
         out.add(b"t", content.encode())
         return
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}: content must be a string, a list of parts or null")
+        raise InvalidRequest(": content must be a string, a list of parts or null")
     for i, part in enumerate(content):
         if isinstance(part, str):
             out.add(b"t", part.encode())
             continue
         if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-            raise InvalidRequest(f"{where}.content[{i}]: a content part must be an object with a string 'type'")
+            raise InvalidRequest(f".content[{i}]: a content part must be an object with a string 'type'")
         ptype = part["type"]
         if ptype == "text":
             text = part.get("text")
             if not isinstance(text, str):
-                raise InvalidRequest(f"{where}.content[{i}]: a text part needs a string 'text'")
+                raise InvalidRequest(f".content[{i}]: a text part needs a string 'text'")
             out.add(b"t", text.encode())
         elif ptype in ("image_url", "input_audio", "video_url", "audio_url", "file"):
-            out.add(b"i", _media(part, f"{where}.content[{i}]"))
+            out.add(b"i", _media(part, f".content[{i}]"))
         else:
-            out.add(b"p", _canonical_json(part, f"{where}.content[{i}]"))
+            out.add(b"p", _canonical_json(part, f".content[{i}]"))
 
 
 def _message(message: Any, index: int, out: _Out) -> bool:
@@ -229,7 +226,7 @@ def _message_records(message: Mapping[str, Any], out: _Out) -> bool:
         if not isinstance(name, str):
             raise InvalidRequest(": 'name' must be a string")
         out.add(b"n", name.encode())
-    _content(message.get("content"), "", out)
+    _content(message.get("content"), out)
     if message.get("tool_calls") is not None:
         out.add(b"c", _canonical_json(message["tool_calls"], ".tool_calls"))
     call_id = message.get("tool_call_id")
