@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from bench.experiments.latency import FAST_SIM, followups, percentile, send_all
+from bench.experiments.latency import FAST_SIM, followups, load_figures, send_all
 from bench.harness.processes import cpu_seconds, wait_tcp
 from bench.harness.stack import Stack
 from extproc.envoy.bootstrap import BODY_LIMIT
@@ -135,9 +134,7 @@ def _timed(stack: Stack, bodies: list[bytes], concurrency: int) -> dict[str, flo
     after = cpu_seconds(envoy), cpu_seconds(router)
     count = len(latencies)
     return {
-        "p50_ms": round(statistics.median(latencies), 3),
-        "p99_ms": round(percentile(latencies, 0.99), 3),
-        "rps": round(count / wall, 1),
+        **load_figures(latencies, wall),
         "envoy_cpu_us": round((after[0] - before[0]) / count * 1e6, 1),
         "router_cpu_us": round((after[1] - before[1]) / count * 1e6, 1) if router else None,
     }

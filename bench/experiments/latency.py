@@ -92,6 +92,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
+def load_figures(latencies: list[float], wall: float) -> dict[str, float]:
+    """One load's latency p50 and p99 (ms) and requests a second."""
+    return {
+        "p50_ms": round(statistics.median(latencies), 3),
+        "p99_ms": round(percentile(latencies, 0.99), 3),
+        "rps": round(len(latencies) / wall, 1),
+    }
+
+
 def measure(
     requests: int,
     workdir: Path,
@@ -160,12 +169,7 @@ def _timed(url: str, bodies: list[bytes], concurrency: int, extproc_pid: int) ->
     cpu_before = cpu_seconds([extproc_pid])
     latencies, wall = asyncio.run(send_all(url, bodies, concurrency))
     cpu = cpu_seconds([extproc_pid]) - cpu_before
-    figures = {
-        "p50_ms": round(statistics.median(latencies), 3),
-        "p99_ms": round(percentile(latencies, 0.99), 3),
-        "rps": round(len(latencies) / wall, 1),
-    }
-    return figures, cpu / len(latencies)
+    return load_figures(latencies, wall), cpu / len(latencies)
 
 
 SPLIT_CASES = [(8_000, 1), (8_000, 16)]  # (body bytes, concurrency)

@@ -49,6 +49,22 @@ def free_port() -> int:
         return port
 
 
+def _wait(
+    answered: Callable[[], bool], until: str, missed: str, timeout_s: float, process: subprocess.Popen | None
+) -> None:
+    """Poll `answered` until it holds; fail early if the process serving it died. `until`: what it
+    waits for ("URL answered"), `missed`: the timeout's words for it ("URL did not answer 200")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {until}")
+        with contextlib.suppress(OSError):
+            if answered():
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{missed} within {timeout_s}s")
+
+
 def wait_http(
     url: str,
     timeout_s: float = 30.0,
@@ -57,27 +73,23 @@ def wait_http(
 ) -> None:
     """Poll until `url` answers 200 (with a body `accept` takes, if given); fail early if the
     process serving it died."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {url} answered")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
-            if response.status == 200 and (accept is None or accept(response.read())):
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer 200{' as awaited' if accept else ''} within {timeout_s}s")
+
+    def answered() -> bool:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200 and (accept is None or accept(response.read()))
+
+    missed = f"{url} did not answer 200{' as awaited' if accept else ''}"
+    _wait(answered, f"{url} answered", missed, timeout_s, process)
 
 
 def wait_tcp(host: str, port: int, process: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
     """Until something accepts connections on host:port (a server that speaks no HTTP/1.1)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {host}:{port} listened")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listened on {host}:{port} within {timeout_s}s")
+
+    def answered() -> bool:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+
+    _wait(answered, f"{host}:{port} listened", f"nothing listened on {host}:{port}", timeout_s, process)
 
 
 def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
