@@ -12,7 +12,6 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from extproc.core.adapters import Affinity
-from extproc.core.footprint import LiveFootprint
 from extproc.core.load import LoadTracker
 from extproc.core.settings import Settings
 from extproc.core.ttft import TTFTModel
@@ -25,8 +24,6 @@ class Label(StrEnum):
     PREFIX_MATCH = "prefix_match"
     PREFIX_HOME = "prefix_home"  # no cache shows the prompt's head: sent where that head was first placed
     LEAST_LOADED = "least_loaded"
-    # a new conversation nothing caches, placed where the live conversations' context is smallest (footprint.py)
-    LEAST_CACHED = "least_cached"
     LOAD_OVERRIDE = "load_override"
     NO_CANDIDATES = "no_candidates"
     FALLBACK = "fallback"
@@ -68,7 +65,6 @@ class DecisionInputs(NamedTuple):
     sheddable: bool = False  # it may be refused rather than served late
     ttft: TTFTModel | None = None  # each backend's predicted time to first token (ttft.py)
     adapter: str | None = None  # the LoRA adapter the request names, if an engine has reported it
-    footprint: LiveFootprint | None = None  # live conversations' context per backend (None: not placed by it)
 
     def held(self, backend: str) -> int:
         """Blocks the picture (before trust) shows on the backend."""

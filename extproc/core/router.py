@@ -21,7 +21,6 @@ from extproc.core.churn import ChurnMeter
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
 from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
 from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
-from extproc.core.footprint import LiveFootprint
 from extproc.core.homes import PrefixHomes
 from extproc.core.index import LocationIndex
 from extproc.core.load import LoadTracker
@@ -36,8 +35,6 @@ from extproc.core.settings import MAX_OUTPUT_COST, Settings
 from extproc.core.trust import PredictionTrust
 from extproc.core.ttft import TTFTModel
 
-FOOTPRINT_HALF_LIFE_S = 300.0  # a conversation's context counts half as much 5 minutes after its last turn
-
 
 class Router:
     """Owns the index, sessions and load of one router process. Not thread-safe: one event loop."""
@@ -51,7 +48,6 @@ class Router:
         "attribution",
         "bytes_per_token",
         "churn",
-        "footprint",
         "homes",
         "loads",
         "mode",
@@ -68,10 +64,7 @@ class Router:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.churn = ChurnMeter(settings.churn_half_life_s)
-        self.footprint = LiveFootprint(FOOTPRINT_HALF_LIFE_S)  # live conversations' context per backend
-        self.sessions = SessionTable(
-            settings.session_ttl_s, settings.session_capacity, settings.hash_key, self.footprint
-        )
+        self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
         self.homes = PrefixHomes()
         self.pressure = CachePressure()  # how much of their context returning conversations find evicted
         self.loads = LoadTracker()
@@ -194,7 +187,6 @@ class Router:
             sheddable=request.sheddable,
             ttft=self.ttft,
             adapter=self.adapters.adapter_of(request.model),
-            footprint=self.footprint if self.settings.new_session_footprint else None,
         )
         return self.pipeline.decide(inputs)
 
@@ -222,10 +214,6 @@ class Router:
             self.pressure.returned(*decision.returning)
         if decision.backend is not None:
             self._place_home(request, decision.backend, decision.candidates)
-            if decision.label is Label.LEAST_CACHED and request.session_key is not None:
-                # counted where it goes at once: the next new conversations must see it, or a burst
-                # of them all go to the same backend before any response binds them
-                self.sessions.bind(request.session_key, decision.backend, now, decision.total_blocks)
             load = self.loads.get(decision.backend)
             ahead, in_flight = load.reserved_blocks + load.peer_reserved, load.requests(now)
             adapter = self.adapters.adapter_of(request.model)
@@ -402,7 +390,6 @@ class Router:
         self.loads.remove_backend(backend)
         self.adapters.remove_backend(backend)
         self.homes.remove_backend(backend)
-        self.footprint.remove_backend(backend)
         self._starts.pop(backend, None)
         self.bytes_per_token.forget(backend)
         self.ttft.forget(backend)

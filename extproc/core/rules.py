@@ -221,19 +221,6 @@ def prefix_home(standing: Standing) -> tuple[CandidateCost, Label] | None:
     return None
 
 
-def least_footprint(standing: Standing) -> tuple[CandidateCost, Label] | None:
-    """A new conversation no cache holds any of, and no home draws, goes where the live
-    conversations' context is smallest (footprint.py), among the candidates within the gates."""
-    footprint = standing.inputs.footprint
-    if footprint is None or not standing.unbound or standing.best_prefix != 0 or standing.inputs.home is not None:
-        return None
-    admitted = [c for c in standing.room if standing.within_gates(c)]
-    if not admitted:
-        return None
-    context = footprint.of((c.backend for c in admitted), standing.inputs.now)
-    return min(admitted, key=lambda c: (context[c.backend], c.load)), Label.LEAST_CACHED
-
-
 def _homed(standing: Standing) -> CandidateCost | None:
     home = standing.inputs.home
     return next((c for c in standing.room if c.backend == home), None) if home is not None else None

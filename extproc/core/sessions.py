@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.core.footprint import Binding, LiveFootprint
 from extproc.core.settings import SESSION_HEADERS
 
 USER_HEADER = "x-user-id"
@@ -70,14 +69,13 @@ class SessionTable:
     """digest(session key) -> (backend, last access, blocks of its last prompt there), with a TTL
     and LRU capacity."""
 
-    __slots__ = ("_bindings", "_capacity", "_key", "_ttl", "footprint")
+    __slots__ = ("_bindings", "_capacity", "_key", "_ttl")
 
-    def __init__(self, ttl_s: float, capacity: int, key: bytes, footprint: LiveFootprint | None = None) -> None:
+    def __init__(self, ttl_s: float, capacity: int, key: bytes) -> None:
         self._ttl = ttl_s
         self._capacity = capacity
         self._key = key
-        self._bindings: OrderedDict[bytes, Binding] = OrderedDict()
-        self.footprint = footprint  # told of every binding made and dropped, when one is kept
+        self._bindings: OrderedDict[bytes, tuple[str, float, int]] = OrderedDict()
 
     def _digest(self, session_key: str) -> bytes:
         return hashlib.blake2b(session_key.encode("utf-8", "surrogatepass"), key=self._key, digest_size=16).digest()
@@ -91,11 +89,10 @@ class SessionTable:
         if key != self._key:
             self._key = key
             self._bindings.clear()
-            if self.footprint is not None:
-                self.footprint.clear()
         self._ttl = ttl_s
         self._capacity = capacity
-        self._trim(float("-inf"))
+        while len(self._bindings) > capacity:
+            self._bindings.popitem(last=False)
 
     def get(self, session_key: str, now: float) -> str | None:
         """The bound backend, or None if unbound or expired (an expired binding is dropped)."""
@@ -110,7 +107,7 @@ class SessionTable:
         if binding is None:
             return None
         if binding[1] < now - self._ttl:
-            self._drop(key)
+            del self._bindings[key]
             return None
         return binding[0], binding[2]
 
@@ -126,36 +123,28 @@ class SessionTable:
         held = self._bindings.get(key)
         if held is not None and held[1] > now:
             return
-        if held is not None:
-            self._drop(key)
-        self._bindings[key] = binding = (backend, now, blocks)
-        if self.footprint is not None:
-            self.footprint.added(binding, now)
-        self._trim(now)
+        self._bindings[key] = (backend, now, blocks)
+        self._bindings.move_to_end(key)
+        while len(self._bindings) > self._capacity:
+            self._bindings.popitem(last=False)
+        self._expire(now)
 
     def forget(self, session_key: str) -> bool:
-        return self._drop(self._digest(session_key)) is not None
+        return self._bindings.pop(self._digest(session_key), None) is not None
 
     def remove_backend(self, backend: str, before: float = float("inf")) -> int:
         """Drop the bindings to a backend that left (or whose cache was emptied after `before`: the
         bindings used since may already point at its new content); return how many."""
         gone = [key for key, (bound, seen, _) in self._bindings.items() if bound == backend and seen <= before]
         for key in gone:
-            self._drop(key)
+            del self._bindings[key]
         return len(gone)
 
-    def _trim(self, now: float) -> None:
-        """Drop the bindings beyond capacity and the expired ones; bindings are in last-use order,
-        so both sit at the front."""
+    def _expire(self, now: float) -> None:
+        """Bindings are in last-use order, so expired ones sit at the front."""
         cutoff = now - self._ttl
         while self._bindings:
             key, (_, seen, _) = next(iter(self._bindings.items()))
-            if len(self._bindings) <= self._capacity and seen >= cutoff:
+            if seen >= cutoff:
                 return
-            self._drop(key)
-
-    def _drop(self, key: bytes) -> Binding | None:
-        binding = self._bindings.pop(key, None)
-        if binding is not None and self.footprint is not None:
-            self.footprint.removed(binding)
-        return binding
+            del self._bindings[key]

@@ -377,14 +377,6 @@ class Settings:
         "starved fleet then stops copying contexts into every cache. Off: the configured gates always.",
         policy="cachePressureGates",
     )
-    new_session_footprint: bool = _setting(
-        False,
-        "Place a new conversation that no cache holds any of (and whose head has no home) on the "
-        "backend whose live conversations' context is smallest (each counted by its last prompt, half "
-        "as much every 5 minutes since its last turn), instead of the least loaded: each cache then "
-        "holds its share of the contexts that will return.",
-        policy="newSessionFootprint",
-    )
     new_session_load_weight: float = _setting(
         2.0,
         "Load multiplier when placing a bootstrap request: it decides where a whole conversation will live.",
