@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+from controller.reuse import POLICY_ANNOTATION
 from extproc.core.backends import Role
 from extproc.core.policy import MODELS_KEY, ROLE_LABELS, StatusBackend, routing_changes
 
@@ -54,6 +55,7 @@ def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
         "labels": dict(metadata.get("labels") or {}),
         "models": (metadata.get("labels") or {}).get(MODELS_KEY) or (metadata.get("annotations") or {}).get(MODELS_KEY),
         "ip": status.get("podIP") or "",
+        "policy": (metadata.get("annotations") or {}).get(POLICY_ANNOTATION),  # an ext_proc pod's policy
         "ready": ready and not metadata.get("deletionTimestamp"),
         "ports": ports,
     }
@@ -204,7 +206,10 @@ def desired_status(
 
 def _comparable(status: Mapping[str, Any]) -> dict[str, Any]:
     conditions = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or []]
-    return {**{k: v for k, v in status.items() if k not in ("conditions", "kopf")}, "conditions": conditions}
+    comparable = {**{k: v for k, v in status.items() if k not in ("conditions", "kopf")}, "conditions": conditions}
+    if isinstance(status.get("reuse"), Mapping):  # a ratio not known yet is written null, stored absent
+        comparable["reuse"] = {k: v for k, v in status["reuse"].items() if v is not None}
+    return comparable
 
 
 def status_differs(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import random
 from typing import Any
@@ -23,10 +24,13 @@ from kubernetes_asyncio import client, config
 from controller import logic
 from controller.late_crds import Insights, follow_late_crd
 from controller.reconciler import Reconciler
+from controller.reuse import leading
+from controller.reuse_reader import ReuseReader
 from extproc.core import policy as contract
 
 log = logging.getLogger(__name__)
 REGISTRY = kopf.OperatorRegistry()
+PEERING = "kvroute"  # kopf's ClusterKopfPeering object the replicas coordinate through
 
 
 async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -40,6 +44,15 @@ async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> No
             {"status": status},
             _content_type="application/merge-patch+json",  # type: ignore[call-arg]  # taken by its **kwargs
         )
+
+
+async def _leading(priority: int) -> bool:
+    """Whether kopf's peering lets this replica work (controller/reuse.py `leading`)."""
+    async with client.ApiClient() as api:
+        peering = await client.CustomObjectsApi(api).get_cluster_custom_object(
+            "kopf.dev", "v1", "clusterkopfpeerings", PEERING
+        )
+    return leading(peering.get("status"), priority, datetime.datetime.now(datetime.UTC))
 
 
 def _health_app(reconciler: Reconciler) -> web.Application:
@@ -96,10 +109,16 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     client.Configuration.set_default(await _client_configuration())
     memo.reconciler = Reconciler(_patch_status)
     memo.reconciler_task = asyncio.create_task(memo.reconciler.run())
-    memo.late_crd_tasks = [
+    tasks = [memo.reconciler_task]
+    if memo.reuse_interval_s > 0:
+        priority = settings.peering.priority
+        reader = ReuseReader(memo.reconciler, memo.reuse_interval_s, lambda: _leading(priority))
+        tasks.append(asyncio.create_task(reader.run()))
+    tasks += [
         asyncio.create_task(follow_late_crd(memo.insights, settings, REGISTRY, group, plural))
         for group, plural in ((contract.GROUP, contract.PLURAL), (contract.POOL_GROUP, contract.POOL_PLURAL))
     ]
+    memo.tasks = tasks
     memo.health = web.AppRunner(_health_app(memo.reconciler), access_log=None)
     await memo.health.setup()
     await web.TCPSite(memo.health, memo.health_host, memo.health_port).start()
@@ -107,7 +126,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
 
 @kopf.on.cleanup(registry=REGISTRY)
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    for task in (memo.reconciler_task, *memo.late_crd_tasks):
+    for task in memo.tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -153,9 +172,12 @@ def changed(
     memo.reconciler.touch(namespace or "", pods_by_namespace, policies_by_namespace, pools_by_namespace)
 
 
-def main(health_host: str = "0.0.0.0", health_port: int = 8080) -> None:
-    """Blocking entry point: all namespaces, peering on; /healthz and /readyz on the health port."""
+def main(health_host: str = "0.0.0.0", health_port: int = 8080, reuse_interval_s: float = 30.0) -> None:
+    """Blocking entry point: all namespaces, peering on; /healthz and /readyz on the health port;
+    the ext_procs' reuse counters read every `reuse_interval_s` (0: never)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     insights = Insights()  # what kopf follows; shared so that late CRDs can be looked up again
-    memo = kopf.Memo(health_host=health_host, health_port=health_port, insights=insights)
-    kopf.run(registry=REGISTRY, clusterwide=True, peering_name="kvroute", memo=memo, insights=insights)
+    memo = kopf.Memo(
+        health_host=health_host, health_port=health_port, insights=insights, reuse_interval_s=reuse_interval_s
+    )
+    kopf.run(registry=REGISTRY, clusterwide=True, peering_name=PEERING, memo=memo, insights=insights)

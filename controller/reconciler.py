@@ -38,6 +38,7 @@ class Reconciler:
         self._pods: Snapshot = {}
         self._policies: Snapshot = {}
         self._pools: Snapshot = {}
+        self._reuse: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, policy) -> status.reuse
         self.patches = 0
         self.errors = 0
         self.last_error: str | None = None
@@ -48,6 +49,21 @@ class Reconciler:
         self._dirty.add(namespace)
         self._wake.set()
 
+    @property
+    def pods(self) -> Snapshot:
+        return self._pods
+
+    @property
+    def policies(self) -> Snapshot:
+        return self._policies
+
+    def set_reuse(self, namespace: str, name: str, reuse: dict[str, Any]) -> None:
+        """The policy's reuse summary (controller/reuse.py) changed; write it soon."""
+        if self._reuse.get((namespace, name)) != reuse:
+            self._reuse[namespace, name] = reuse
+            self._dirty.add(namespace)
+            self._wake.set()
+
     async def settle(self, namespaces: Iterable[str]) -> None:
         """Write the status of every policy in these namespaces whose status must change."""
         for namespace in namespaces:
@@ -56,6 +72,9 @@ class Reconciler:
             for policy in list(self._policies.get(namespace, ())):
                 try:
                     desired = logic.desired_status(policy, pods, self._clock(), pools)
+                    reuse = self._reuse.get((namespace, policy["name"]))
+                    if reuse is not None:
+                        desired["reuse"] = reuse
                 except Exception as exc:  # one malformed policy must not stop the others
                     self.errors += 1
                     self.last_error = f"{namespace}/{policy.get('name')}: {type(exc).__name__}: {exc}"

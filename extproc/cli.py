@@ -26,6 +26,12 @@ def parser() -> argparse.ArgumentParser:
     controller = commands.add_parser("controller", help="run the KVRoutingPolicy operator (kopf)")
     controller.add_argument("--health-host", default="0.0.0.0", help="address of /healthz and /readyz")
     controller.add_argument("--health-port", type=int, default=8080, help="port of /healthz and /readyz")
+    controller.add_argument(
+        "--reuse-interval",
+        type=float,
+        default=30.0,
+        help="seconds between reads of the ext_procs' reuse counters into the policies' status (0: off)",
+    )
 
     envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")
     envoy.add_argument("--listen-port", type=int, default=_LAYOUT.listen_port)
@@ -147,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "controller":
         from controller import operator
 
-        operator.main(args.health_host, args.health_port)
+        operator.main(args.health_host, args.health_port, args.reuse_interval)
     elif args.command == "envoy-config":
         _envoy_config(args)
     elif args.command == "tls-certs":

@@ -77,7 +77,7 @@ class Cluster:
     def start_operator(self, name: str, missing_crd_events: bool = False) -> subprocess.Popen:
         """`missing_crd_events`: kopf's rescans on CRD events switched off (operator_missing_crd_events.py)."""
         kubeconfig = self.cp.kubeconfig_for(SYSTEM, f"{RELEASE}-controller")
-        args = ("controller", "--health-host", "127.0.0.1", "--health-port", str(free_port()))
+        args = ("controller", "--health-host", "127.0.0.1", "--health-port", str(free_port()), "--reuse-interval", "1")
         argv = [sys.executable, str(MISSING_CRD_EVENTS), *args] if missing_crd_events else kvroute_command(*args)
         env = {**self.cp.env(kubeconfig), "PYTHONUNBUFFERED": "1"}
         self.operators[name] = spawn(argv, self.workdir / f"{name}.log", env=env)
@@ -268,6 +268,38 @@ def test_a_conversation_stays_on_its_pod(cluster: Cluster):
         for turn in range(4)
     }
     assert len(backends) == 1
+
+
+def test_the_policy_status_sums_the_extprocs_reuse_and_kubectl_get_shows_it(cluster: Cluster):
+    """The operator finds the ext_proc pod serving the policy by its annotation, reads its
+    /metrics on the admin port, and writes the sums and ratios that `kubectl get kvrp` shows."""
+    pod = pod_manifest("extproc-0", "127-0-0-1", app="extproc")
+    pod["metadata"]["annotations"] = {"kvroute.io/policy": f"{NS}/default"}
+    pod["spec"]["containers"] = [
+        {"name": "extproc", "image": "kvroute", "ports": [{"name": "admin", "containerPort": cluster.stack.admin_port}]}
+    ]
+    cluster.cp.apply([pod])
+    cluster.set_ready("extproc-0", "127.0.0.1", True)
+    try:
+        for turn in range(3):  # one conversation: each turn finds the previous one cached
+            chat(cluster, "a long shared history " * 60 + f"turn {turn}", "reuse-1")
+        own = cluster.stack.debug_state()["reuse"]
+
+        def published() -> bool:
+            reuse = cluster.status().get("reuse") or {}
+            return reuse.get("routedTokens") == own["routed_tokens"] and reuse.get("extprocs") == 1
+
+        eventually(published, timeout_s=30, message="the operator publishes the ext_proc's sums")
+        reuse = cluster.status()["reuse"]
+        assert reuse["availableTokens"] == own["available_tokens"] and reuse["promptTokens"] == own["prompt_tokens"]
+        assert own["routed_tokens"] > 0 and reuse["routingEfficiency"] == round(own["routing_efficiency"], 3)
+        table = cluster.cp.kubectl("get", "kvrp", "default", "-n", NS).stdout.splitlines()
+        columns = table[0].split()
+        assert columns[:5] == ["NAME", "READY", "BACKENDS", "EFFICIENCY", "ACCURACY"] and "RATE" in columns
+        row = dict(zip(["NAME", "READY", "BACKENDS", "EFFICIENCY"], table[1].split(), strict=False))
+        assert float(row["EFFICIENCY"]) == reuse["routingEfficiency"]
+    finally:
+        cluster.cp.kubectl("delete", "pod", "extproc-0", "-n", NS, "--wait=false")
 
 
 def test_scaling_pods_changes_the_backend_set_within_seconds(cluster: Cluster):

@@ -41,7 +41,7 @@ def test_the_crd_is_established_and_the_printer_columns_show(cluster: ControlPla
     crd = cluster.get("crd", "kvroutingpolicies.kvroute.io")
     assert any(c["type"] == "Established" and c["status"] == "True" for c in crd["status"]["conditions"])
     header = cluster.kubectl("get", "kvrp", "-n", "llm").stdout.splitlines()[0].split()
-    assert header == ["NAME", "READY", "BACKENDS", "AGE"]
+    assert header == ["NAME", "READY", "BACKENDS", "EFFICIENCY", "ACCURACY", "HIT", "RATE", "AGE"]
 
 
 def test_the_example_policy_is_stored_unchanged(cluster: ControlPlane):

@@ -60,13 +60,14 @@ def test_startup_configures_kopf_quietly(monkeypatch):
         return operator.client.Configuration(host="https://127.0.0.1:1")
 
     monkeypatch.setattr(operator, "_client_configuration", local)
-    memo = kopf.Memo(health_host="127.0.0.1", health_port=0, insights=Insights())
+    memo = kopf.Memo(health_host="127.0.0.1", health_port=0, insights=Insights(), reuse_interval_s=30.0)
 
     async def scenario() -> None:
         await operator.start(settings=settings, memo=memo)
-        assert len(memo.late_crd_tasks) == 2 and not any(task.done() for task in memo.late_crd_tasks)
+        # the reconciler, the reuse reader and the two late-CRD followers
+        assert len(memo.tasks) == 4 and not any(task.done() for task in memo.tasks)
         await operator.stop(memo=memo)
-        assert all(task.cancelled() for task in memo.late_crd_tasks)
+        assert all(task.cancelled() for task in memo.tasks)
 
     asyncio.run(scenario())
     assert settings.posting.enabled is False and settings.scanning.disabled is False  # a later pool CRD is seen

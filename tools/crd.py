@@ -172,6 +172,24 @@ def crd() -> dict[str, Any]:
             "routing": routing_schema(),
         },
     }
+    ratio = {"type": "number", "nullable": True}
+    reuse = {
+        "type": "object",
+        "description": "Prefix reuse in prompt tokens, summed over the ext_proc replicas serving the policy since "
+        "each started, read from their /metrics by the operator: available (the longest prefix any candidate held), "
+        "routed (on the backend chosen), delivered (what the engines found cached, once per backend).",
+        "properties": {
+            "extprocs": {"type": "integer", "description": "ext_proc replicas read"},
+            "extprocsExpected": {"type": "integer", "description": "ready ext_proc replicas serving the policy"},
+            "promptTokens": {"type": "integer"},
+            "availableTokens": {"type": "integer"},
+            "routedTokens": {"type": "integer"},
+            "deliveredTokens": {"type": "integer"},
+            "routingEfficiency": {**ratio, "description": "routed / available"},
+            "predictionAccuracy": {**ratio, "description": "delivered / routed"},
+            "hitRate": {**ratio, "description": "delivered / prompt"},
+        },
+    }
     status = {
         "type": "object",
         "properties": {
@@ -179,6 +197,7 @@ def crd() -> dict[str, Any]:
             "readyBackends": {"type": "integer"},
             "observedGeneration": {"type": "integer"},
             "conditions": {"type": "array", "items": condition},
+            "reuse": reuse,
         },
     }
     return {
@@ -212,6 +231,24 @@ def crd() -> dict[str, Any]:
                             "type": "integer",
                             "description": "ready backends",
                             "jsonPath": ".status.readyBackends",
+                        },
+                        {
+                            "name": "Efficiency",
+                            "type": "number",
+                            "description": "routing efficiency: cached prefix routed to / longest available",
+                            "jsonPath": ".status.reuse.routingEfficiency",
+                        },
+                        {
+                            "name": "Accuracy",
+                            "type": "number",
+                            "description": "prediction accuracy: engines' cached tokens / kvroute's picture",
+                            "jsonPath": ".status.reuse.predictionAccuracy",
+                        },
+                        {
+                            "name": "Hit rate",
+                            "type": "number",
+                            "description": "engines' cached prompt tokens / prompt tokens",
+                            "jsonPath": ".status.reuse.hitRate",
                         },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],

@@ -1,0 +1,124 @@
+"""A policy's prefix-reuse attribution, summed over the ext_proc replicas that serve it, for its
+status and `kubectl get kvrp`.
+
+Why the operator reads the replicas rather than the replicas writing their status: it already
+lists every pod, holds the only write right on `kvroutingpolicies/status` and writes one patch per
+policy; replicas writing would each need that right (the ext_proc keeps read-only rights) and
+would race on one object. The replicas' admin port serves `/metrics` unauthenticated (for
+Prometheus), so the operator reads what Prometheus reads.
+
+Sums are since each replica started: prompt, available and routed tokens are each replica's own
+requests, so they add up; delivered tokens are an engine's whole traffic as every replica reads it
+from the same counter, so they are taken once per backend (the largest replica's count), as the
+metric's own help says. Prometheus over a window is the better view of a change; this is the
+summary.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Pod annotation the chart sets on ext_proc pods: the policy (namespace/name) they serve.
+POLICY_ANNOTATION = "kvroute.io/policy"
+ADMIN_PORT = "admin"  # the ext_proc container's port serving /metrics
+
+
+class ReplicaReuse(NamedTuple):
+    """One replica's counters (tokens)."""
+
+    prompt: float
+    available: float
+    routed: float
+    delivered: Mapping[str, float]  # backend -> tokens its engine found cached
+
+
+_FAMILIES = {
+    "kvroute_prompt_tokens": "prompt",
+    "kvroute_reuse_available_tokens": "available",
+    "kvroute_reuse_routed_tokens": "routed",
+    "kvroute_reuse_delivered_tokens": "delivered",
+}
+
+
+def parse(text: str) -> ReplicaReuse:
+    """The attribution counters of one replica's `/metrics` text; ValueError if it is not
+    Prometheus text or holds none of them."""
+    sums = {"prompt": 0.0, "available": 0.0, "routed": 0.0}
+    delivered: dict[str, float] = {}
+    found = False
+    for family in text_string_to_metric_families(text):
+        field = _FAMILIES.get(family.name)
+        if field is None:
+            continue
+        found = True
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if field == "delivered":
+                backend = sample.labels.get("backend", "")
+                delivered[backend] = delivered.get(backend, 0.0) + sample.value
+            else:
+                sums[field] += sample.value
+    if not found:
+        raise ValueError("no kvroute reuse counters in the metrics")
+    return ReplicaReuse(sums["prompt"], sums["available"], sums["routed"], delivered)
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return round(part / whole, 3) if whole > 0 else None
+
+
+def summary(replicas: Iterable[ReplicaReuse], expected: int) -> dict[str, Any]:
+    """`status.reuse`: the sums, the ratios (None where nothing was served yet) and how many of
+    the `expected` ready replicas answered."""
+    read = list(replicas)
+    delivered: dict[str, float] = {}
+    for replica in read:
+        for backend, tokens in replica.delivered.items():
+            delivered[backend] = max(delivered.get(backend, 0.0), tokens)
+    prompt = sum(r.prompt for r in read)
+    available = sum(r.available for r in read)
+    routed = sum(r.routed for r in read)
+    engine = sum(delivered.values())
+    return {
+        "extprocs": len(read),
+        "extprocsExpected": expected,
+        "promptTokens": round(prompt),
+        "availableTokens": round(available),
+        "routedTokens": round(routed),
+        "deliveredTokens": round(engine),
+        "routingEfficiency": _ratio(routed, available),
+        "predictionAccuracy": _ratio(engine, routed),
+        "hitRate": _ratio(engine, prompt),
+    }
+
+
+def extproc_endpoints(policy: str, pods: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod, http://ip:port) of every ready ext_proc pod serving `policy` (namespace/name)."""
+    out = []
+    for pod in pods:
+        port = pod["ports"].get(ADMIN_PORT)
+        if pod.get("policy") == policy and pod["ready"] and pod["ip"] and port:
+            host = f"[{pod['ip']}]" if ":" in pod["ip"] else pod["ip"]
+            out.append((pod["name"], f"http://{host}:{port}"))
+    return sorted(out)
+
+
+def leading(peering_status: Mapping[str, Any] | None, own_priority: int, now: datetime.datetime) -> bool:
+    """Whether this operator replica is the one kopf's peering lets work: no live peer in the
+    peering object's status has a higher priority (kopf's own rule, read from the same object)."""
+    for peer in (peering_status or {}).values():
+        if not isinstance(peer, Mapping):
+            continue
+        try:
+            seen = datetime.datetime.fromisoformat(str(peer["lastseen"]))
+            alive = seen + datetime.timedelta(seconds=float(peer.get("lifetime", 60))) > now
+            if alive and int(peer["priority"]) > own_priority:
+                return False
+        except (KeyError, TypeError, ValueError):
+            continue  # a malformed entry is not a leader
+    return True

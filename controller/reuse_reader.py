@@ -1,0 +1,79 @@
+"""Reads the ext_proc replicas' `/metrics` on an interval and hands each policy's reuse summary
+(controller/reuse.py) to the reconciler, which writes it into the policy's status.
+
+Only the replica kopf's peering lets work reads and writes: a standby's pod list may be stale.
+A replica that cannot be read is left out of the sums (the summary says how many answered), logged
+once until it answers again, and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from controller.reconciler import Reconciler
+from controller.reuse import ReplicaReuse, extproc_endpoints, parse, summary
+
+log = logging.getLogger(__name__)
+
+MAX_METRICS_BYTES = 8 * 1024 * 1024  # an ext_proc's /metrics is tens of KB; more is not one
+READ_TIMEOUT_S = 3.0
+
+
+class ReuseReader:
+    """One loop for every policy; `leading` says whether this replica works now."""
+
+    def __init__(self, reconciler: Reconciler, interval_s: float, leading: Callable[[], Awaitable[bool]]) -> None:
+        self._reconciler = reconciler
+        self._interval_s = interval_s
+        self._leading = leading
+        self._failing: set[str] = set()  # pods whose last read failed (logged once)
+        self.errors = 0
+
+    async def run(self) -> None:
+        """Forever, every interval; survives any error (logged, counted)."""
+        timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while True:
+                await asyncio.sleep(self._interval_s)
+                try:
+                    if await self._leading():
+                        await self.read_all(http)
+                except Exception:
+                    self.errors += 1
+                    log.exception("reading the ext_procs' reuse counters failed; it goes on")
+
+    async def read_all(self, http: aiohttp.ClientSession) -> None:
+        """Every policy with ext_proc pods: read them all at once, hand the sums on."""
+        pods = [pod for namespace_pods in self._reconciler.pods.values() for pod in namespace_pods]
+        for namespace, policies in list(self._reconciler.policies.items()):
+            for policy in list(policies):
+                endpoints = extproc_endpoints(f"{namespace}/{policy['name']}", pods)
+                if not endpoints:
+                    continue
+                read = await asyncio.gather(*(self._read(http, pod, url) for pod, url in endpoints))
+                replicas = [replica for replica in read if replica is not None]
+                if not replicas:  # none answered: the last sums stand rather than zeros
+                    continue
+                self._reconciler.set_reuse(namespace, policy["name"], summary(replicas, len(endpoints)))
+
+    async def _read(self, http: aiohttp.ClientSession, pod: str, url: str) -> ReplicaReuse | None:
+        try:
+            async with http.get(f"{url}/metrics") as response:
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+                body = await response.content.read(MAX_METRICS_BYTES + 1)
+                if len(body) > MAX_METRICS_BYTES:
+                    raise ValueError(f"metrics larger than {MAX_METRICS_BYTES} bytes")
+                replica = parse(body.decode("utf-8", "replace"))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.errors += 1
+            if pod not in self._failing:
+                self._failing.add(pod)
+                log.warning("cannot read the reuse counters of ext_proc pod %s (%s): %s", pod, url, exc)
+            return None
+        self._failing.discard(pod)
+        return replica

@@ -1,0 +1,102 @@
+"""The operator's reuse summary (controller/reuse.py): read from ext_procs' real /metrics pages,
+summed over replicas (delivered once per backend), which pods are read, and which operator
+replica works."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from prometheus_client import generate_latest
+from test_attribution import sample
+from test_router import FLEET, A, chat, make_router, serve
+
+from controller import logic
+from controller.reuse import ReplicaReuse, extproc_endpoints, leading, parse, summary
+from extproc.core.router import Router
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
+
+
+def metrics_page(router: Router) -> str:
+    return generate_latest(Metrics(router, BackendPool(FLEET, router.remove_backend, 2)).registry).decode()
+
+
+def busy_router(conversation: str) -> Router:
+    """A replica that served a conversation's two turns, and read an engine's counter twice."""
+    router = make_router()
+    serve(router, chat([], session=conversation), 0.0)
+    serve(router, chat([], session=conversation + "-again"), 1.0)
+    router.engine_sample(A, sample(100.0), 0.0)
+    router.engine_sample(A, sample(400.0), 1.0)
+    return router
+
+
+def test_a_replicas_page_reads_back_as_its_own_sums():
+    router = busy_router("s")
+    replica = parse(metrics_page(router))
+    reuse = router.attribution
+    assert replica == ReplicaReuse(reuse.prompt, reuse.available, sum(reuse.routed.values()), {A: 300.0})
+    state = router.state().reuse
+    status = summary([replica], expected=1)
+    assert status["routingEfficiency"] == pytest.approx(state["routing_efficiency"], abs=1e-3)
+    assert status["extprocs"] == status["extprocsExpected"] == 1
+
+
+def test_replicas_add_their_requests_and_count_each_engine_once():
+    one, two = parse(metrics_page(busy_router("s"))), parse(metrics_page(busy_router("t")))
+    status = summary([one, two], expected=3)
+    assert status["promptTokens"] == round(one.prompt + two.prompt)
+    assert status["routedTokens"] == round(one.routed + two.routed)
+    assert status["deliveredTokens"] == 300  # both replicas read the same engine counter
+    assert status["hitRate"] == round(300 / (one.prompt + two.prompt), 3)
+    assert (status["extprocs"], status["extprocsExpected"]) == (2, 3)
+
+
+def test_nothing_served_gives_no_ratio_and_a_page_without_the_counters_is_refused():
+    status = summary([parse(metrics_page(make_router()))], expected=1)
+    assert status["routingEfficiency"] is status["hitRate"] is status["predictionAccuracy"] is None
+    with pytest.raises(ValueError):
+        parse("# HELP up whatever\n# TYPE up gauge\nup 1\n")
+    with pytest.raises(ValueError):
+        parse("<html>not metrics</html>")
+
+
+def test_ready_ext_proc_pods_of_the_policy_are_read_on_their_admin_port():
+    def pod(name: str, policy: str | None, ready: bool = True, ip: str = "10.0.0.1") -> dict:
+        body = {
+            "metadata": {"name": name, "annotations": {"kvroute.io/policy": policy} if policy else {}},
+            "spec": {"containers": [{"ports": [{"name": "admin", "containerPort": 9003}]}]},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        }
+        return logic.pod_summary(body)
+
+    pods = [
+        pod("b", "llm/default"),
+        pod("a", "llm/default", ip="fd00::1"),
+        pod("c", "llm/other"),
+        pod("d", "llm/default", ready=False),
+        pod("e", None),
+    ]
+    assert extproc_endpoints("llm/default", pods) == [("a", "http://[fd00::1]:9003"), ("b", "http://10.0.0.1:9003")]
+
+
+def test_only_the_replica_no_live_peer_outranks_works():
+    now = datetime.datetime(2026, 12, 2, 12, 0, tzinfo=datetime.UTC)
+
+    def peer(priority: int, seconds_ago: float) -> dict:
+        seen = now - datetime.timedelta(seconds=seconds_ago)
+        return {"priority": priority, "lifetime": 60, "lastseen": seen.isoformat()}
+
+    assert leading({"me": peer(5, 1), "other": peer(3, 1)}, 5, now)
+    assert not leading({"me": peer(3, 1), "other": peer(5, 1)}, 3, now)
+    assert leading({"me": peer(3, 1), "other": peer(5, 120)}, 3, now)  # the higher one is gone
+    assert leading({"me": peer(3, 1), "odd": {"priority": "x"}, "none": None}, 3, now)
+    assert leading(None, 3, now)
+
+
+def test_a_ratio_not_known_yet_does_not_make_a_patch_every_time():
+    desired = {"readyBackends": 1, "conditions": [], "reuse": {"extprocs": 1, "hitRate": None}}
+    stored = {"readyBackends": 1, "conditions": [], "reuse": {"extprocs": 1}}  # the API server dropped null
+    assert not logic.status_differs(stored, desired)
+    assert logic.status_differs(stored, {**desired, "reuse": {"extprocs": 2, "hitRate": None}})
