@@ -25,3 +25,15 @@ def test_the_agent_slice_routes_as_it_did_in_both_modes(mode, tmp_path):
     # there (precise mode from the engines' events alone)
     assert result["labels"]["session_match"] == 69 and result["hit_rate"] > 0.2
     assert result["digest"] == DIGESTS[mode], (tmp_path / "decisions.txt").read_text()[:2000]
+
+
+@pytest.mark.parametrize("mode", decisions.MODES)
+def test_the_placement_replay_counts_what_the_engines_found_cached(mode):
+    """`engine_hit_rate`: what two engines' block pools found cached when kvroute placed the agent
+    slice. Deterministic; as good as one cache as large as both on this slice (kvroute keeps each
+    conversation where its context is); far lower when the caches hold a tenth as much."""
+    rate = decisions.engine_hit_rate(AGENTS, 160, mode)
+    assert rate == decisions.engine_hit_rate(AGENTS, 160, mode)
+    one_cache = decisions.engine_hit_rate(AGENTS, 160, mode, backends=1)
+    assert rate > 0.2 and rate >= 0.95 * one_cache
+    assert decisions.engine_hit_rate(AGENTS, 160, mode, capacity_ratio=0.05) < 0.5 * rate

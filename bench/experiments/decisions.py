@@ -54,8 +54,9 @@ class _Engine:
 
     pool: BlockPool
 
-    def serve(self, tokens: Sequence[int]) -> tuple[list[int], list[EngineEvent]]:
-        """Pin the prompt's full blocks; the events of what was stored and evicted."""
+    def serve(self, tokens: Sequence[int]) -> tuple[list[int], int, list[EngineEvent]]:
+        """Pin the prompt's full blocks; how many were cached, and the events of what was stored
+        and evicted."""
         hashes = block_hashes(tokens, ENGINE_BLOCK_TOKENS)
         cached = self.pool.match(hashes, len(hashes))
         self.pool.acquire(hashes, 0)
@@ -73,7 +74,7 @@ class _Engine:
                 (),
             )
             events.append(stored)
-        return hashes, events
+        return hashes, cached, events
 
 
 def run(path: Path, limit: int, out: Path | None = None, mode: str = "approximate") -> dict[str, Any]:
@@ -116,7 +117,7 @@ def run(path: Path, limit: int, out: Path | None = None, mode: str = "approximat
         pinned: list[int] = []
         engine = engines.get(backend)
         if engine is not None and tokens is not None:
-            pinned, events = engine.serve(tokens)
+            pinned, _, events = engine.serve(tokens)
             router.engine_events(backend, events)
         inflight.append((exchange, backend, pinned))
         if len(inflight) > WINDOW:
@@ -139,3 +140,56 @@ def run(path: Path, limit: int, out: Path | None = None, mode: str = "approximat
         "labels": dict(Counter(line.split()[0] for line in lines)),
         "digest": hashlib.sha256(text.encode()).hexdigest(),
     }
+
+
+def engine_hit_rate(
+    path: Path,
+    limit: int,
+    mode: str,
+    backends: int = 2,
+    capacity_ratio: float = 0.5,
+    window: int = 16,
+    max_input_tokens: int | None = 12_000,
+    **settings: Any,
+) -> float:
+    """Replay `limit` requests of an agent trace (its own session ids) in file order on `backends`
+    engines whose caches together hold `capacity_ratio` of the working set; the share of prompt
+    tokens the engines found cached. Each request pins its blocks from its start to its end, which
+    comes when the `window`-th request after it starts (a closed loop of `window` clients).
+    Approximate mode learns from its own routing; precise mode gets the engines' events."""
+    requests = trace.read(path, limit, max_input_tokens)
+    builder = PromptBuilder("sim-model", 4.0, 16)
+    bodies = [builder.body(request) for request in requests]
+    prompts = [prompt_tokens(body) or [] for body in bodies]
+    unique = {h for tokens in prompts for h in block_hashes(tokens, ENGINE_BLOCK_TOKENS)}
+    blocks = max(1, int(len(unique) * capacity_ratio / backends))
+    fleet = [Backend(f"10.0.0.{i}:8000") for i in range(backends)]
+    router = Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings))
+    engines = {backend.address: _Engine(BlockPool(blocks)) for backend in fleet}
+    if mode == "precise":
+        router.use_precise(_Tokenizer())
+    for backend in fleet:
+        if mode == "precise":
+            sample = EngineSample(0, 0, 0.0, 1.0, blocks * ENGINE_BLOCK_TOKENS, ENGINE_BLOCK_TOKENS)
+            router.engine_sample(backend.address, sample, 0.0)
+        else:
+            router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
+    inflight: deque[tuple[Exchange, str, list[int]]] = deque()
+    cached_tokens = prompt_total = 0
+    for request, body, tokens in zip(requests, bodies, prompts, strict=True):
+        now = request.timestamp_ms / 1000.0
+        headers = {"x-session-id": request.session_id} if request.session_id is not None else {}
+        exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
+        backend = exchange.decision.backend or fleet[0].address
+        router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
+        pinned, cached, events = engines[backend].serve(tokens)
+        if mode == "precise":
+            router.engine_events(backend, events)
+        cached_tokens += cached * ENGINE_BLOCK_TOKENS
+        prompt_total += len(tokens)
+        inflight.append((exchange, backend, pinned))
+        if len(inflight) > window:
+            ended, where, held = inflight.popleft()
+            ended.end()
+            engines[where].pool.release(held, 0)
+    return cached_tokens / prompt_total if prompt_total else 0.0
