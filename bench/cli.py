@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     core.add_argument("--block-size", type=int, default=512, help="bytes per block (default: 512)")
     core.add_argument("--quick", action="store_true", help="a few iterations per case, for smoke runs")
     core.add_argument("--precise", action="store_true", help="precise mode: tokenizer, event-fed index")
+    core.add_argument(
+        "--backends",
+        type=lambda text: [int(n) for n in text.split(",") if n.strip()],
+        default=[],
+        help="fleet sizes, e.g. 4,64,256,1024: lifecycles as the fleet grows, 4,096 cached blocks per backend",
+    )
     core.set_defaults(run=_core)
     compare = bench.add_parser("compare", help="one trace through kvroute and its peers, side by side")
     _trace_arguments(compare)
@@ -392,7 +398,7 @@ def _sim(args: argparse.Namespace) -> None:
 def _core(args: argparse.Namespace) -> None:
     from bench.experiments import core
 
-    core.main(args.block_size, args.quick, args.precise)
+    core.main(args.block_size, args.quick, args.precise, args.backends)
 
 
 def _compare(args: argparse.Namespace) -> None:

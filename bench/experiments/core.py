@@ -5,6 +5,7 @@ and chain, look up the index, decide and reserve, release the prefill, learn, fi
 is a long conversation the index already knows, plus a new last message, as in a follow-up.
 `--precise` times the same in precise mode (tokenizing with the tiny model's tokenizer, the
 index fed by BlockStored events): a follow-up turn, and cold (a conversation never seen).
+`--backends 4,64,256,1024` times the same lifecycles as the fleet grows (`run_scale`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import random
 import statistics
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -67,10 +68,10 @@ def _bodies(size: int, count: int) -> Iterator[bytes]:
         body["messages"].pop()
 
 
-def _decide(router: Router, raw: bytes, now: float) -> tuple[float, str]:
+def _decide(router: Router, raw: bytes, now: float, backends: Sequence[Backend] = BACKENDS) -> tuple[float, str]:
     """One full request lifecycle; its CPU time in microseconds and its label."""
     start = time.perf_counter_ns()
-    exchange = router.begin(router.parse(raw, {}), BACKENDS, now)
+    exchange = router.begin(router.parse(raw, {}), backends, now)
     served = ResponseStart(exchange.decision.backend or "", known=True, status=200, from_upstream=True)
     router.response_started(exchange, served, now)
     exchange.end()
@@ -149,6 +150,61 @@ def run_precise(body_bytes: int, iterations: int, block_tokens: int = 128) -> di
     }
 
 
+SCALE_BLOCKS_PER_BACKEND = 4096
+SCALE_CHAIN = 16
+
+
+def fleet(size: int) -> list[Backend]:
+    """`size` distinct backend addresses."""
+    return [Backend(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:8000") for i in range(size)]
+
+
+def _percentiles(timings: list[float]) -> tuple[float, float]:
+    ordered = sorted(timings)
+    return round(statistics.median(ordered), 1), round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 1)
+
+
+def run_scale(size: int, iterations: int, block_size: int = 512) -> dict[str, float | int | str]:
+    """A fleet of `size` backends whose index holds 4,096 cached blocks each (random chains of 16):
+    index memory, and full lifecycles of a new 8 KB prompt (nothing cached anywhere) and of a
+    follow-up turn of an 84 KB conversation cached on one backend."""
+    backends = fleet(size)
+    capacity = SCALE_BLOCKS_PER_BACKEND * 2
+    router = Router(Settings(block_size=block_size, hash_key=b"k" * 16, capacity_blocks=capacity, location_ttl_s=1e9))
+    rng = random.Random(size)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for backend in backends:
+        for _ in range(SCALE_BLOCKS_PER_BACKEND // SCALE_CHAIN):
+            router.index.learn([rng.getrandbits(60) for _ in range(SCALE_CHAIN)], backend.address, 0.0)
+    memory = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    entries = router.state().index_entries
+    fresh = [orjson.dumps(conversation(8_000, seed=1_000_000 + i, turn_bytes=500)) for i in range(iterations)]
+    known = conversation(84_000, seed=84_000)
+    router.learn(parse_request(orjson.dumps(known)), backends[0].address, 1.0)
+    followups = list(_bodies(84_000, iterations))
+    gc.collect()
+    new = [_decide(router, raw, 2.0 + i, backends) for i, raw in enumerate(fresh)]
+    follow = [_decide(router, raw, 2.0 + iterations + i, backends) for i, raw in enumerate(followups)]
+    new_p50, new_p99 = _percentiles([t for t, _ in new])
+    follow_p50, follow_p99 = _percentiles([t for t, _ in follow])
+    return {
+        "backends": size,
+        "index_entries": entries,
+        "index_mib": round(memory / 2**20, 1),
+        "bytes_per_entry": round(memory / entries, 1),
+        "iterations": iterations,
+        "new_8kb_p50_us": new_p50,
+        "new_8kb_p99_us": new_p99,
+        "followup_84kb_p50_us": follow_p50,
+        "followup_84kb_p99_us": follow_p99,
+        "new_label": new[-1][1],
+        "followup_label": follow[-1][1],
+    }
+
+
 def cases(quick: bool) -> list[Case]:
     """All body x index sizes; `quick` trims iterations for smoke runs."""
     out = []
@@ -159,7 +215,11 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-def main(block_size: int, quick: bool, precise: bool = False) -> None:
+def main(block_size: int, quick: bool, precise: bool = False, backends: Sequence[int] = ()) -> None:
+    if backends:
+        for size in backends:
+            print(orjson.dumps(run_scale(size, 20 if quick else 300, block_size)).decode(), flush=True)
+        return
     if precise:
         for size in BODY_SIZES[:2]:
             print(orjson.dumps(run_precise(size, 5 if quick else 200)).decode(), flush=True)
