@@ -21,3 +21,12 @@ def test_cli_prints_json_lines(capsys, monkeypatch):
     main(["bench", "core", "--quick"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and orjson.loads(lines[0])["body_bytes"] > 7_000
+
+
+def test_the_fleet_scale_case_fills_every_backend_and_routes_both_kinds():
+    """`bench core --backends`: 4,096 blocks per backend, a new prompt goes least loaded, the
+    follow-up to the backend holding its conversation."""
+    result = core.run_scale(8, iterations=5)
+    assert result["backends"] == 8 and result["index_entries"] == 8 * core.SCALE_BLOCKS_PER_BACKEND
+    assert result["new_label"] == "least_loaded" and result["followup_label"] == "prefix_match"
+    assert 0 < result["new_8kb_p50_us"] <= result["new_8kb_p99_us"] and result["bytes_per_entry"] > 0
