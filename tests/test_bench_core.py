@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 
 from bench.cli import main
+from bench.experiments import core
 from bench.experiments.core import Case, run_case
 
 
