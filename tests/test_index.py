@@ -145,3 +145,43 @@ def test_one_response_teaches_at_most_half_the_capacity_from_the_head():
     assert index.lookup(list(range(100, 130)), [A], 1) == {A: 5}
     index.learn([1, 2, 3], A, 1)
     assert index.lookup([1, 2, 3], [A, B], 2) == {A: 3, B: 3}  # what others taught is still there
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["learn", "learn", "learn", "forget_before", "remove", "vacuum", "capacity"]),
+            st.tuples(st.integers(0, 4), st.integers(1, 5)),
+            st.sampled_from([A, B]),
+            st.integers(0, 3),
+        ),
+        max_size=40,
+    )
+)
+def test_the_holders_of_a_first_block_are_exactly_the_backends_whose_picture_has_it(ops):
+    """Whatever evicts, expires, forgets or removes: `holders` of a chain's first block names
+    exactly the backends where a lookup still finds it (expired but not yet vacuumed entries may
+    stay named: a superset, which the lookup then decides). Chains as block hashes make them: a
+    block's hash names its whole prefix, so a first block is never found further down a chain."""
+    index = LocalIndex(ttl_s=5, capacity_blocks=6, learn_share=1.0)
+    heads: set[int] = set()
+    now = 0
+    for op, (head, length), backend, step in ops:
+        now += step
+        chain = [head, *(100 * (head + 1) + i for i in range(1, length))]
+        if op == "learn":
+            index.learn(chain, backend, now)
+            heads.add(chain[0])
+        elif op == "forget_before":
+            index.forget_before(backend, now - 1)
+        elif op == "remove":
+            index.remove_backend(backend)
+        elif op == "vacuum":
+            index.vacuum(now)
+        else:
+            index.set_capacity(backend, 1 + step)
+        for head in heads:
+            found = {b for b in (A, B) if index.lookup([head], [b], now)[b] == 1}
+            named = set(index.holders(head, now))
+            assert found <= named
+            assert named == {b for b in (A, B) if index.lookup([head], [b], -1e9)[b] == 1}

@@ -11,7 +11,7 @@ the chain and the number of candidates, never on the index size.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 
@@ -25,6 +25,11 @@ class LocationIndex(Protocol):
 
     def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
         """Record that the backend now holds every block of the chain; return how many were new."""
+        ...
+
+    def holders(self, block: int, now: float) -> Collection[str]:
+        """Backends that may hold this first block of a chain (a superset: lookup decides), without
+        a pass over every backend where the index can avoid one."""
         ...
 
     def remove_backend(self, backend: str) -> None:
@@ -42,9 +47,11 @@ class LocationIndex(Protocol):
 
 
 class LocalIndex:
-    """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity."""
+    """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity; and
+    for each chain's first block, the backends holding it (so a large fleet's decision need not
+    ask every backend: shortlist.py)."""
 
-    __slots__ = ("_backends", "_capacities", "_capacity", "_learn_share", "_next_vacuum", "_ttl")
+    __slots__ = ("_backends", "_capacities", "_capacity", "_heads", "_learn_share", "_next_vacuum", "_ttl")
 
     def __init__(self, ttl_s: float, capacity_blocks: int, learn_share: float = 0.5) -> None:
         """`learn_share`: the most of a backend's capacity one response may teach (from the head),
@@ -54,6 +61,7 @@ class LocalIndex:
         self._learn_share = learn_share
         self._capacities: dict[str, int] = {}
         self._backends: dict[str, OrderedDict[int, float]] = {}
+        self._heads: dict[int, set[str]] = {}  # first block of a learned chain -> backends holding it
         self._next_vacuum = float("inf")
 
     def configure(self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int]) -> None:
@@ -62,17 +70,27 @@ class LocalIndex:
         self._capacities = dict(capacities)
         self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
         for backend, blocks in self._backends.items():
-            self._trim(blocks, self._capacities.get(backend, capacity_blocks))
+            self._trim(backend, blocks, self._capacities.get(backend, capacity_blocks))
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacities[backend] = blocks
         if backend in self._backends:
-            self._trim(self._backends[backend], blocks)
+            self._trim(backend, self._backends[backend], blocks)
 
-    @staticmethod
-    def _trim(blocks: OrderedDict[int, float], capacity: int) -> None:
+    def _trim(self, backend: str, blocks: OrderedDict[int, float], capacity: int) -> None:
         for _ in range(len(blocks) - capacity):
-            blocks.popitem(last=False)
+            self._lost(blocks.popitem(last=False)[0], backend)
+
+    def _lost(self, block: int, backend: str) -> None:
+        """The block left the backend's picture: if it heads a chain, the backend no longer holds it."""
+        holding = self._heads.get(block)
+        if holding is not None:
+            holding.discard(backend)
+            if not holding:
+                del self._heads[block]
+
+    def holders(self, block: int, now: float) -> Collection[str]:
+        return self._heads.get(block, ())
 
     def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
         if now >= self._next_vacuum:
@@ -104,31 +122,44 @@ class LocalIndex:
             blocks[block] = now
             blocks.move_to_end(block)
         added = len(blocks) - held
-        self._trim(blocks, capacity)
+        if chain:
+            holding = self._heads.get(chain[0])
+            if holding is None:
+                holding = self._heads[chain[0]] = set()
+            holding.add(backend)
+        self._trim(backend, blocks, capacity)
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
         return added
 
     def remove_backend(self, backend: str) -> None:
-        self._backends.pop(backend, None)
+        for block in list(self._backends.pop(backend, ())):
+            self._lost(block, backend)
 
     def forget_before(self, backend: str, moment: float) -> None:
         blocks = self._backends.get(backend)
         if blocks:  # a full pass, not from the old end: a sibling replica's learning may arrive late
-            self._backends[backend] = OrderedDict((block, seen) for block, seen in blocks.items() if seen > moment)
+            kept: OrderedDict[int, float] = OrderedDict()
+            for block, seen in blocks.items():
+                if seen > moment:
+                    kept[block] = seen
+                else:
+                    self._lost(block, backend)
+            self._backends[backend] = kept
 
     def vacuum(self, now: float) -> int:
         """Pop expired entries from the old end of each LRU; each entry is popped at most once."""
         cutoff = now - self._ttl
         removed = 0
         oldest = float("inf")
-        for blocks in self._backends.values():
+        for backend, blocks in self._backends.items():
             while blocks:
                 block, seen = next(iter(blocks.items()))
                 if seen >= cutoff:
                     oldest = min(oldest, seen)
                     break
                 del blocks[block]
+                self._lost(block, backend)
                 removed += 1
         self._next_vacuum = oldest + self._ttl
         return removed

@@ -139,6 +139,15 @@ class PreciseIndex:
             matched[backend] = count
         return matched
 
+    def holders(self, block: int, now: float) -> list[str]:
+        """Backends holding the block or having it on its way: one look per backend (the engines'
+        events name blocks by their own hashes, so no map by first block is kept here)."""
+        return [
+            backend
+            for backend, held in self._backends.items()
+            if block in held.keys or held.pending.get(block, now) > now
+        ]
+
     def confirmed(self, chain: Sequence[int], backend: str) -> int:
         """Leading blocks the backend's engine said it holds: what a request there finds cached."""
         held = self._backends.get(backend)

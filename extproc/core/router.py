@@ -32,6 +32,7 @@ from extproc.core.replicas import ReplicaLink
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
 from extproc.core.sessions import SessionTable
 from extproc.core.settings import MAX_OUTPUT_COST, Settings
+from extproc.core.shortlist import shortlist
 from extproc.core.trust import PredictionTrust
 from extproc.core.ttft import TTFTModel
 
@@ -162,6 +163,10 @@ class Router:
             elif binding is not None:
                 session_backend, session_blocks = binding
         home = self.homes.get(chain[0]) if chain else None
+        if len(candidates) > self.settings.shortlist_above > 0 and self.adapters.adapter_of(request.model) is None:
+            kept = set(self.index.holders(chain[0], now)) if chain else set()
+            kept.update(b for b in (session_backend, home) if b is not None)
+            candidates = shortlist(candidates, kept, self._turn)
         picture, matched, home = self.mode.picture(chain, candidates, home, now)
         churn = self.churn.rates(candidates, now)
         bootstrap = not request.followup or not chain

@@ -383,6 +383,15 @@ class Settings:
         NON_NEGATIVE,
         "newSessionLoadWeight",
     )
+    shortlist_above: int = _setting(
+        32,
+        "Above this many candidates a decision weighs only the backends holding the prompt's first "
+        "block, the session's and the head's home backend and 16 others (a window moving round the "
+        "fleet), so its cost stops growing with the fleet (extproc/core/shortlist.py); 0: always "
+        "every candidate.",
+        NON_NEGATIVE,
+        "shortlistAbove",
+    )
     max_backend_requests: int = _setting(
         0,
         "In-flight requests per backend (kvroute's own, other replicas', or the engine's running + "
