@@ -101,7 +101,7 @@ def test_deleted_policy_leaves_nothing_to_route_to():
     _, pool, follower = make()
     follower.apply("ADDED", published(pod("a")))
     follower.apply("DELETED", published(pod("a")))
-    assert pool.backends == []
+    assert pool.backends == ()
 
 
 def test_ipv6_and_models():

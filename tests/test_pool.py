@@ -145,3 +145,19 @@ def test_the_probe_loop_survives_an_error_and_goes_on():
             await _stop(probes)
 
     asyncio.run(scenario())
+
+
+def test_the_backends_are_one_tuple_until_the_set_or_its_health_changes():
+    """The routing core keeps the candidates per model while it is handed the same tuple."""
+    pool = BackendPool([Backend(A), Backend(B)], lambda _: None, unhealthy_after=1)
+    view = pool.backends
+    pool.mark(A, True)  # already up: nothing changes
+    assert pool.backends is view
+    pool.mark(A, False)
+    down = pool.backends
+    assert down is not view and [b.healthy for b in down] == [False, True]
+    pool.mark(A, True)
+    assert pool.backends is not down and all(b.healthy for b in pool.backends)
+    same = pool.backends
+    pool.replace([Backend(B)])
+    assert pool.backends is not same and [b.address for b in pool.backends] == [B]

@@ -14,6 +14,7 @@ from test_router import make_router, ok
 from bench.experiments import decisions
 from extproc.core.backends import Backend
 from extproc.core.decision import Label
+from extproc.core.pipeline import MEMO_MODELS
 from extproc.core.request import PromptRequest, parse_request
 from extproc.core.router import Router
 from extproc.core.shortlist import SHORTLIST_WINDOW, shortlist
@@ -95,3 +96,34 @@ def test_the_agent_slice_on_forty_backends_finds_as_much_cached_as_the_full_scan
     full = decisions.engine_hit_rate(AGENTS, 160, mode, backends=40, shortlist_above=0)
     short = decisions.engine_hit_rate(AGENTS, 160, mode, backends=40)
     assert short >= full - 0.02
+
+
+def test_the_candidates_are_kept_per_model_while_the_same_tuple_comes_back():
+    router = make_router()
+    fleet = (*FLEET[:3], Backend("10.1.1.1:8000", models=frozenset({"other"})))
+    first = router.pipeline.kept_candidates(new_prompt(1), fleet)
+    assert first[0] == [b.address for b in FLEET[:3]] and first[1][FLEET[2].address] == 2
+    assert router.pipeline.kept_candidates(new_prompt(2), fleet) is first  # same tuple, same model
+    other = parse_request({"model": "other", "messages": [{"role": "user", "content": "hi"}]})
+    assert router.pipeline.kept_candidates(other, fleet)[0] == [b.address for b in fleet]
+    down = (Backend(FLEET[0].address, healthy=False), *fleet[1:])  # the pool's next tuple
+    assert router.pipeline.kept_candidates(new_prompt(3), down)[0] == [b.address for b in FLEET[1:3]]
+
+
+def test_a_list_of_backends_is_filtered_afresh_each_time():
+    router = make_router()
+    backends = list(FLEET[:3])
+    router.begin(new_prompt(1), backends, 0.0).end()
+    backends[0] = Backend(FLEET[0].address, healthy=False)  # changed in place: nothing kept may stand
+    exchange = router.begin(new_prompt(2), backends, 1.0)
+    assert FLEET[0].address not in {c.backend for c in exchange.decision.candidates}
+    exchange.end()
+
+
+def test_client_chosen_model_names_cannot_grow_the_memo_without_bound():
+    router = make_router()
+    fleet = tuple(FLEET)
+    for index in range(500):
+        name = parse_request({"model": f"m{index}", "messages": [{"role": "user", "content": "hi"}]})
+        router.pipeline.kept_candidates(name, fleet)
+    assert len(router.pipeline.memo._by_model) <= MEMO_MODELS

@@ -168,7 +168,7 @@ def run_scale(size: int, iterations: int, block_size: int = 512) -> dict[str, fl
     """A fleet of `size` backends whose index holds 4,096 cached blocks each (random chains of 16):
     index memory, and full lifecycles of a new 8 KB prompt (nothing cached anywhere) and of a
     follow-up turn of an 84 KB conversation cached on one backend."""
-    backends = fleet(size)
+    backends = tuple(fleet(size))  # as the pool hands them over: one tuple while the set is unchanged
     capacity = SCALE_BLOCKS_PER_BACKEND * 2
     router = Router(Settings(block_size=block_size, hash_key=b"k" * 16, capacity_blocks=capacity, location_ttl_s=1e9))
     rng = random.Random(size)

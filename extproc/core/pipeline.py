@@ -6,7 +6,7 @@ module of its own) and a line in `assemble`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 from extproc.core import rules
@@ -20,6 +20,35 @@ _COST = attrgetter("cost")
 _MATCHED = attrgetter("matched")
 
 
+MEMO_MODELS = 64  # model names whose candidates are kept per backend set (clients name the model)
+
+
+class CandidateMemo:
+    """The filters' answer per model for one backend set, kept while the pool hands over the same
+    tuple (it makes a new one when the set or its health changes): a large fleet's decision then
+    does not check every backend's model and role again. Only answers that depend on nothing but
+    the backends and the model are kept (no LoRA adapter named)."""
+
+    __slots__ = ("_backends", "_by_model")
+
+    def __init__(self) -> None:
+        self._backends: tuple[Backend, ...] | None = None
+        self._by_model: dict[str, tuple[list[str], dict[str, int]]] = {}
+
+    def get(self, backends: tuple[Backend, ...], model: str) -> tuple[list[str], dict[str, int]] | None:
+        if backends is not self._backends:
+            self._backends = backends  # held, so its id cannot be reused while it is the key
+            self._by_model = {}
+            return None
+        return self._by_model.get(model)
+
+    def put(self, model: str, candidates: list[str]) -> tuple[list[str], dict[str, int]]:
+        if len(self._by_model) >= MEMO_MODELS:
+            self._by_model.clear()
+        entry = self._by_model[model] = (candidates, {c: i for i, c in enumerate(candidates)})
+        return entry
+
+
 @dataclass(frozen=True, slots=True)
 class Pipeline:
     """The stages of a decision, in order."""
@@ -28,12 +57,21 @@ class Pipeline:
     terms: Sequence[CostTerm]
     admission: Sequence[tuple[Admission, Label]]  # each step, and the label of a request it leaves nowhere
     rules: Sequence[PickRule]
+    memo: CandidateMemo = field(default_factory=CandidateMemo)
 
     def candidates(self, request: PromptRequest, backends: Sequence[Backend]) -> list[str]:
         """The addresses that may serve the request, in the pool's order."""
         for keep in self.filters:
             backends = keep(request, backends)
         return [b.address for b in backends]
+
+    def kept_candidates(
+        self, request: PromptRequest, backends: tuple[Backend, ...]
+    ) -> tuple[list[str], dict[str, int]]:
+        """`candidates` for a request naming no LoRA adapter, from the memo where it has them, with
+        each one's position (for the pool's order)."""
+        found = self.memo.get(backends, request.model)
+        return found if found is not None else self.memo.put(request.model, self.candidates(request, backends))
 
     def decide(self, inputs: DecisionInputs) -> Decision:
         """Choose among the candidates. NO_CANDIDATES with none; the admission step's own label

@@ -153,7 +153,12 @@ class Router:
 
     def query(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Decision:
         """Dry run: the decision `begin` would make now, with no reservation and not counted."""
-        candidates = self.pipeline.candidates(request, backends)
+        no_adapter = self.adapters.adapter_of(request.model) is None
+        positions = None
+        if no_adapter and isinstance(backends, tuple):
+            candidates, positions = self.pipeline.kept_candidates(request, backends)
+        else:
+            candidates = self.pipeline.candidates(request, backends)
         chain = self.chain_of(request)
         session_backend, session_blocks = None, 0
         if request.session_key is not None:
@@ -163,10 +168,10 @@ class Router:
             elif binding is not None:
                 session_backend, session_blocks = binding
         home = self.homes.get(chain[0]) if chain else None
-        if len(candidates) > self.settings.shortlist_above > 0 and self.adapters.adapter_of(request.model) is None:
+        if len(candidates) > self.settings.shortlist_above > 0 and no_adapter:
             kept = set(self.index.holders(chain[0], now)) if chain else set()
             kept.update(b for b in (session_backend, home) if b is not None)
-            candidates = shortlist(candidates, kept, self._turn)
+            candidates = shortlist(candidates, kept, self._turn, positions)
         picture, matched, home = self.mode.picture(chain, candidates, home, now)
         churn = self.churn.rates(candidates, now)
         bootstrap = not request.followup or not chain

@@ -17,17 +17,23 @@ these).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 SHORTLIST_WINDOW = 16  # consecutive candidates weighed beside the prefix's holders
 
 
-def shortlist(candidates: Sequence[str], kept: Collection[str], turn: int) -> list[str]:
+def shortlist(
+    candidates: Sequence[str], kept: Collection[str], turn: int, positions: Mapping[str, int] | None = None
+) -> list[str]:
     """The candidates worth weighing, in the pool's order: those in `kept` (the session's, the
-    home, the holders of the prompt's first block) and the window starting at `turn`."""
+    home, the holders of the prompt's first block) and the window starting at `turn`. With each
+    candidate's `positions` (pipeline.py keeps them), without a pass over the rest."""
     count = len(candidates)
     start = turn % count
     window = set(candidates[start : start + SHORTLIST_WINDOW])
     if start + SHORTLIST_WINDOW > count:
         window.update(candidates[: start + SHORTLIST_WINDOW - count])
-    return [c for c in candidates if c in window or c in kept]
+    if positions is None:
+        return [c for c in candidates if c in window or c in kept]
+    window.update(c for c in kept if c in positions)
+    return sorted(window, key=positions.__getitem__)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -505,7 +505,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         response.mode_override.CopyFrom(msg.PASS_THROUGH)
         return response
 
-    def _candidates(self, stream: Stream) -> list[Backend]:
+    def _candidates(self, stream: Stream) -> Sequence[Backend]:
         """The pool's backends, within the gateway's subset hint if it sent one."""
         if stream.subset is None:
             return self._pool.backends
@@ -538,7 +538,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return msg.with_destination(reply, target)
 
     def _decide(
-        self, stream: Stream, body: bytes | None, backends: list[Backend], parsed: Parsed | None
+        self, stream: Stream, body: bytes | None, backends: Sequence[Backend], parsed: Parsed | None
     ) -> tuple[pb.CommonResponse, str | None]:
         """Body (or what was read of it) -> exchange among `backends` -> destination header (and
         the destination, for the metadata). A missing or unreadable body goes least loaded

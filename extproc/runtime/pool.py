@@ -39,6 +39,7 @@ class BackendPool:
         self._on_down = on_down
         self._unhealthy_after = unhealthy_after
         self._backends: dict[str, Backend] = {}
+        self._view: tuple[Backend, ...] | None = None  # `backends`, one tuple until the set changes
         self._failures: dict[str, int] = {}
         self._slow: dict[str, int] = {}
         self._suspects: set[str] = set()
@@ -59,10 +60,16 @@ class BackendPool:
             address: replace(b, healthy=self._backends[address].healthy if address in self._backends else True)
             for address, b in incoming.items()
         }
+        self._view = None
 
     @property
-    def backends(self) -> list[Backend]:
-        return list(self._backends.values())
+    def backends(self) -> tuple[Backend, ...]:
+        """The same tuple while the set and its health are unchanged, so the routing core can keep
+        what it derives from it (the candidates per model: pipeline.py)."""
+        view = self._view
+        if view is None:
+            view = self._view = tuple(self._backends.values())
+        return view
 
     def is_known(self, address: str) -> bool:
         return address in self._backends
@@ -87,11 +94,13 @@ class BackendPool:
             if not backend.healthy:
                 log.info("backend %s is up again", address)
                 self._backends[address] = replace(backend, healthy=True)
+                self._view = None
             return
         self._failures[address] = self._failures.get(address, 0) + 1
         if backend.healthy and (confirmed or self._failures[address] >= self._unhealthy_after):
             log.warning("backend %s is down: dropping its locations, sessions and load", address)
             self._backends[address] = replace(backend, healthy=False)
+            self._view = None
             self._on_down(address)
 
     def mark_suspect(self, address: str) -> None:
