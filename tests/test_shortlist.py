@@ -127,3 +127,26 @@ def test_client_chosen_model_names_cannot_grow_the_memo_without_bound():
         name = parse_request({"model": f"m{index}", "messages": [{"role": "user", "content": "hi"}]})
         router.pipeline.kept_candidates(name, fleet)
     assert len(router.pipeline.memo._by_model) <= MEMO_MODELS
+
+
+def test_a_request_the_shortlist_would_refuse_is_weighed_against_the_whole_fleet():
+    """Every backend but the last is at its limit: the window may hold only busy ones, yet the
+    request goes to the one with room rather than being refused."""
+    router = make_router(max_backend_requests=1)
+    fleet = tuple(FLEET)
+    busy = [router.begin(new_prompt(100 + i), [backend], 0.0) for i, backend in enumerate(FLEET[:-1])]
+    for turn in range(5):
+        exchange = router.begin(new_prompt(turn), fleet, 1.0)
+        assert exchange.decision.backend == FLEET[-1].address
+        exchange.end()
+    for exchange in busy:
+        exchange.end()
+
+
+def test_flow_controls_cost_of_a_request_is_the_same_from_the_holders_alone():
+    shortlisted, scanned = make_router(), make_router(shortlist_above=0)
+    fleet = tuple(FLEET)
+    for router in (shortlisted, scanned):
+        served(router, new_prompt(1, "conv"), [FLEET[30]], 0.0)
+    assert shortlisted.cost_tokens(new_prompt(1), fleet, 1.0) == scanned.cost_tokens(new_prompt(1), fleet, 1.0)
+    assert shortlisted.cost_tokens(new_prompt(1), fleet, 1.0) < shortlisted.cost_tokens(new_prompt(2), fleet, 1.0)

@@ -163,7 +163,7 @@ def engine_hit_rate(
     prompts = [prompt_tokens(body) or [] for body in bodies]
     unique = {h for tokens in prompts for h in block_hashes(tokens, ENGINE_BLOCK_TOKENS)}
     blocks = max(1, int(len(unique) * capacity_ratio / backends))
-    fleet = [Backend(f"10.0.0.{i}:8000") for i in range(backends)]
+    fleet = tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))  # as the pool hands them over
     router = Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings))
     engines = {backend.address: _Engine(BlockPool(blocks)) for backend in fleet}
     if mode == "precise":

@@ -153,12 +153,7 @@ class Router:
 
     def query(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Decision:
         """Dry run: the decision `begin` would make now, with no reservation and not counted."""
-        no_adapter = self.adapters.adapter_of(request.model) is None
-        positions = None
-        if no_adapter and isinstance(backends, tuple):
-            candidates, positions = self.pipeline.kept_candidates(request, backends)
-        else:
-            candidates = self.pipeline.candidates(request, backends)
+        candidates, positions = self._candidates(request, backends)
         chain = self.chain_of(request)
         session_backend, session_blocks = None, 0
         if request.session_key is not None:
@@ -168,10 +163,42 @@ class Router:
             elif binding is not None:
                 session_backend, session_blocks = binding
         home = self.homes.get(chain[0]) if chain else None
-        if len(candidates) > self.settings.shortlist_above > 0 and no_adapter:
+        bound = (session_backend, session_blocks, home)
+        if self._shortlisting(request, candidates):
             kept = set(self.index.holders(chain[0], now)) if chain else set()
             kept.update(b for b in (session_backend, home) if b is not None)
-            candidates = shortlist(candidates, kept, self._turn, positions)
+            decision = self._weigh(request, shortlist(candidates, kept, self._turn, positions), chain, bound, now)
+            if decision.backend is not None:
+                return decision
+            # every shortlisted backend refused it (its limit, the TTFT objective): the whole
+            # fleet is weighed before the request is refused
+        return self._weigh(request, candidates, chain, bound, now)
+
+    def _candidates(
+        self, request: PromptRequest, backends: Sequence[Backend]
+    ) -> tuple[list[str], dict[str, int] | None]:
+        """The backends that may serve the request, and their positions where the pipeline keeps
+        them (the pool's tuple, no LoRA adapter named)."""
+        if isinstance(backends, tuple) and self.adapters.adapter_of(request.model) is None:
+            return self.pipeline.kept_candidates(request, backends)
+        return self.pipeline.candidates(request, backends), None
+
+    def _shortlisting(self, request: PromptRequest, candidates: Sequence[str]) -> bool:
+        """A large fleet's decision weighs a shortlist (shortlist.py), unless the request names a
+        LoRA adapter (where it is loaded matters beyond the shortlist)."""
+        above = len(candidates) > self.settings.shortlist_above > 0
+        return above and self.adapters.adapter_of(request.model) is None
+
+    def _weigh(
+        self,
+        request: PromptRequest,
+        candidates: list[str],
+        chain: Sequence[int],
+        bound: tuple[str | None, int, str | None],
+        now: float,
+    ) -> Decision:
+        """The pipeline's decision among these candidates."""
+        session_backend, session_blocks, home = bound
         picture, matched, home = self.mode.picture(chain, candidates, home, now)
         churn = self.churn.rates(candidates, now)
         bootstrap = not request.followup or not chain
@@ -205,7 +232,10 @@ class Router:
         plus the output it may generate (`default_output_tokens` when it sets no limit), flow
         control's measure of a flow's share. Nothing is counted or changed."""
         chain = self.chain_of(request)
-        candidates = self.pipeline.candidates(request, backends)
+        candidates, positions = self._candidates(request, backends)
+        if chain and self._shortlisting(request, candidates):
+            known = positions if positions is not None else set(candidates)
+            candidates = [b for b in self.index.holders(chain[0], now) if b in known]  # only they hold any
         matched = self.mode.picture(chain, candidates, None, now)[1]
         uncached = (len(chain) - max(matched.values(), default=0)) * self.block_tokens()
         output = self.settings.default_output_tokens if request.output_tokens is None else request.output_tokens
