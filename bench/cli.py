@@ -138,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
     flows.set_defaults(run=_flows)
     lag = bench.add_parser("replica-lag", help="time until a sibling replica sees news, cost of telling (JSON)")
     lag.add_argument("--samples", type=int, default=200)
+    lag.add_argument(
+        "--ingest",
+        type=int,
+        default=0,
+        help="instead: put this many sibling chains (32 blocks) into the stream and measure how fast one "
+        "replica applies them while routing",
+    )
     lag.set_defaults(run=_replica_lag)
     return parser
 
@@ -466,7 +473,7 @@ def _cancelled_streams(args: argparse.Namespace) -> None:
 def _replica_lag(args: argparse.Namespace) -> None:
     from bench.experiments import replica_lag
 
-    print(orjson.dumps(replica_lag.run(args.samples)).decode())
+    print(orjson.dumps(replica_lag.run(args.samples, args.ingest)).decode())
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -22,7 +22,7 @@ from extproc.core.decision import Label
 from extproc.core.flow import FlowQueue, Held, QueueLimits, Refusal
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.replicas.redis_link import RedisLink
+from extproc.replicas.redis_link import APPLY_SLICE, RedisLink
 from extproc.runtime.pool import BackendPool
 from tests.test_router import FLEET, A, chat, ok
 
@@ -334,3 +334,30 @@ async def test_replicas_agree_on_one_adapter_load_and_the_store_away_leaves_each
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+@in_loop
+async def test_a_backlog_of_siblings_learning_is_applied_between_the_requests_routed(redis_server):
+    """2,000 sibling chains arrive at once: the link applies them a slice at a time and lets the
+    event loop run in between (a ticker sees the count of applied entries move in steps of a
+    slice), rather than holding the loop for a whole read batch while requests wait. How fast:
+    `bench replica-lag --ingest`."""
+    async with replicas(redis_server, 1) as (replica,):
+        client = Redis.from_url(redis_server.url, password=PASSWORD)
+        seen: set[int] = set()
+
+        async def ticker() -> None:
+            while True:
+                seen.add(replica.link.counts["applied"])
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        async with client.pipeline(transaction=False) as pipe:
+            for index in range(2_000):
+                chain = [index * 64 + block for block in range(32)]
+                pipe.xadd(f"{replica.group}:events", {"m": msgpack.packb(("l", "other", A, chain))})
+            await pipe.execute()
+        await until(lambda: replica.link.counts["applied"] >= 2_000)
+        task.cancel()
+        assert len(seen) >= 2_000 // APPLY_SLICE // 2  # held for whole batches of 1,000: 3
+        await client.aclose()

@@ -6,17 +6,25 @@ replica A learns a prompt, binds a session or takes a reservation; the time unti
 picture shows it is measured by polling B every 0.2 ms. Also the cost of the hooks a routed
 request calls (`learned` and `bound`: pack a message and queue it), and of applying one sibling
 request's chain and binding (index and session updates, without the message decoding).
+
+`ingest`: how many sibling blocks one replica applies per second while it routes: a driver puts
+many replicas' learning (chains of 32 blocks over a fleet of 64 backends) into the real stream,
+and the replica drains it through XREAD while deciding fresh requests in the same event loop; its
+decisions per second are measured alone first, on the same prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import orjson
 from redis.asyncio import Redis
 
 from bench.harness.store import PASSWORD, RedisServer
@@ -25,7 +33,7 @@ from extproc.core.backends import Backend
 from extproc.core.exchange import ResponseStart
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.replicas.redis_link import RedisLink
+from extproc.replicas.redis_link import LEARNED, RedisLink
 from extproc.runtime.pool import BackendPool
 
 FLEET = [Backend(f"10.0.0.{i}:8000") for i in range(1, 5)]
@@ -109,10 +117,72 @@ async def _measure(url: str, samples: int) -> dict[str, Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def run(samples: int = 200) -> dict[str, Any]:
+INGEST_CHAIN = 32
+INGEST_FLEET = tuple(Backend(f"10.1.{i // 256}.{i % 256}:8000") for i in range(64))
+
+
+async def _decisions(router: Router, pool: BackendPool, bodies: list[bytes], stop: asyncio.Event) -> int:
+    """Decide (and finish) fresh requests until `stop`, yielding to the loop after each."""
+    done = 0
+    while not stop.is_set():
+        exchange = router.begin(router.parse(bodies[done % len(bodies)], {}), pool.backends, time.monotonic())
+        exchange.end()
+        done += 1
+        await asyncio.sleep(0)
+    return done
+
+
+async def _ingest(url: str, entries: int) -> dict[str, Any]:
+    router = Router(Settings(hash_key=KEY, capacity_blocks=1_000_000))
+    pool = BackendPool(INGEST_FLEET, router.remove_backend, 2)
+    link = RedisLink(router, pool, Redis.from_url(url, password=PASSWORD), "kvroute:ingest", max_events=entries * 2)
+    router.replicas = link
+    bodies = [orjson.dumps(conversation(8000, seed=i)) for i in range(200)]
+    task = asyncio.create_task(link.run())
+    driver = Redis.from_url(url, password=PASSWORD)
+    try:
+        await _until(lambda: link.connected)
+        stop = asyncio.Event()
+        alone = asyncio.create_task(_decisions(router, pool, bodies, stop))
+        await asyncio.sleep(2.0)
+        stop.set()
+        alone_rate = await alone / 2.0
+        rng = random.Random(7)
+        async with driver.pipeline(transaction=False) as pipe:
+            for _ in range(entries):
+                backend = INGEST_FLEET[rng.randrange(len(INGEST_FLEET))].address
+                chain = [rng.getrandbits(60) for _ in range(INGEST_CHAIN)]
+                pipe.xadd("kvroute:ingest:events", {"m": msgpack.packb((LEARNED, "driver", backend, chain))})
+            before = link.counts["applied"]
+            start = time.perf_counter()
+            await pipe.execute()
+        stop = asyncio.Event()
+        routing = asyncio.create_task(_decisions(router, pool, bodies, stop))
+        await _until(lambda: link.counts["applied"] - before >= entries, timeout_s=120.0)
+        elapsed = time.perf_counter() - start
+        stop.set()
+        decided = await routing
+        return {
+            "entries": entries,
+            "blocks": entries * INGEST_CHAIN,
+            "seconds": round(elapsed, 2),
+            "sibling_blocks_per_s": round(entries * INGEST_CHAIN / elapsed),
+            "decisions_per_s_while_ingesting": round(decided / elapsed),
+            "decisions_per_s_alone": round(alone_rate),
+            "bad": link.counts["bad"],
+        }
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await driver.aclose()
+
+
+def run(samples: int = 200, ingest: int = 0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as workdir:
         server = RedisServer(Path(workdir)).start()
         try:
+            if ingest:
+                return asyncio.run(_ingest(server.url, ingest))
             return asyncio.run(_measure(server.url, samples))
         finally:
             server.stop()
