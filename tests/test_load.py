@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from extproc.core.load import PROGRESS_COMPACT_AT, LoadTracker
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.core.load import PROGRESS_COMPACT_AT, LoadTracker, PeerLoads
 
 
 def test_release_is_idempotent():
@@ -75,3 +78,48 @@ def test_ended_requests_waiting_behind_a_live_one_are_compacted():
         load.await_progress(ended)
         ended.finish()
     assert len(load.awaiting) <= PROGRESS_COMPACT_AT + 3 and loads.snapshot() == {"A": (1, 1)}
+
+
+R1, R2 = "replica-1", "replica-2"
+PEER_BACKENDS = ["a", "b", "c"]
+_entry = st.tuples(st.integers(0, 5), st.integers(0, 3))
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["update", "merge", "wait"]),
+        st.sampled_from([R1, R2]),
+        st.dictionaries(st.sampled_from(PEER_BACKENDS), _entry, max_size=3),
+    ),
+    max_size=30,
+)
+
+
+@given(_ops)
+def test_the_changes_handed_over_add_up_to_the_peers_sums(ops):
+    """Whole vectors, deltas and replicas going quiet, in any order: the backends `changes` hands
+    over, applied as they come, always give what summing every held vector gives."""
+    peers = PeerLoads(max_age_s=1.0)
+    held: dict[str, dict[str, tuple[int, int]]] = {}
+    seen: dict[str, float] = {}
+    applied: dict[str, tuple[int, int]] = {}
+    now = 0.0
+    for op, replica, vector in ops:
+        if op == "wait":
+            now += 0.6
+        elif op == "update":
+            peers.update(replica, vector, now)
+            held[replica], seen[replica] = dict(vector), now
+        elif peers.merge(replica, vector, now):
+            held[replica].update(vector)
+            seen[replica] = now
+        else:
+            assert replica not in held  # a delta before any whole vector is ignored
+        for gone in [r for r, at in seen.items() if now - at > 1.0]:
+            del held[gone], seen[gone]
+        applied.update(peers.changes(now))
+        expected = {b: (0, 0) for b in PEER_BACKENDS}
+        for vector in held.values():
+            for backend, (reserved, active) in vector.items():
+                expected[backend] = (expected[backend][0] + reserved, expected[backend][1] + active)
+        assert {b: applied.get(b, (0, 0)) for b in PEER_BACKENDS} == expected
+        totals = peers.totals(now)
+        assert all(totals[b] == expected[b] for b in totals)

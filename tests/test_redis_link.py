@@ -361,3 +361,27 @@ async def test_a_backlog_of_siblings_learning_is_applied_between_the_requests_ro
         task.cancel()
         assert len(seen) >= 2_000 // APPLY_SLICE // 2  # held for whole batches of 1,000: 3
         await client.aclose()
+
+
+@in_loop
+async def test_between_whole_vectors_a_replica_sends_only_the_backends_whose_load_changed(redis_server):
+    async with replicas(redis_server, 2) as (one, two):
+        client = Redis.from_url(redis_server.url, password=PASSWORD)
+
+        async def messages() -> list[tuple[str, dict]]:
+            entries = await client.xrange(f"{one.group}:load")
+            unpacked = [msgpack.unpackb(fields[b"m"], use_list=False) for _, fields in entries]
+            return [(kind, vector) for kind, replica, _, vector in unpacked if replica == one.link.replica]
+
+        await until(lambda: len(two.link._peers) == 1)
+        before = len(await messages())
+        exchange = one.router.begin(chat([], session="s"), one.pool.backends, now())
+        backend = exchange.decision.backend
+        await until(lambda: two.router.loads.get(backend).peer_active == 1)
+        exchange.end()
+        await until(lambda: two.router.loads.get(backend).peer_active == 0)
+        sent = (await messages())[before:]
+        deltas = [vector for kind, vector in sent if kind == "D"]  # unless both changes fell on a beat
+        assert deltas and all(set(vector) == {backend} for vector in deltas)
+        assert any(kind == "L" and len(vector) == len(FLEET) for kind, vector in await messages())
+        await client.aclose()

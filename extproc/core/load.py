@@ -217,6 +217,12 @@ class LoadTracker:
         """backend -> (reserved blocks, this replica's own active requests)."""
         return {backend: (load.reserved_blocks, load.active) for backend, load in self._loads.items()}
 
+    def update_peers(self, changed: Mapping[str, tuple[int, int]]) -> None:
+        """The other replicas' summed load on these backends changed (`PeerLoads.changes`)."""
+        for backend, (reserved, active) in changed.items():
+            load = self.get(backend)
+            load.peer_reserved, load.peer_active = reserved, active
+
     def set_peers(self, totals: Mapping[str, tuple[int, int]]) -> None:
         """The other replicas' load per backend (reserved blocks, active requests), replacing the last."""
         for backend, load in self._loads.items():
@@ -229,26 +235,76 @@ class LoadTracker:
 class PeerLoads:
     """Each other replica's last published load vector. A replica not heard from for `max_age_s`
     counts for nothing: it stopped, or lost the store, and its requests are no longer kvroute's to
-    count (the engines' own counts still see them)."""
+    count (the engines' own counts still see them).
 
-    __slots__ = ("_vectors", "max_age_s")
+    A replica publishes its whole vector at least every heartbeat and, in between, only the
+    backends whose load changed (`merge`); the sums per backend are kept as they change, and
+    `changes` hands over only the backends whose sum moved, so a fleet of many backends costs each
+    message what it names, not the whole fleet (issue 35)."""
+
+    __slots__ = ("_changed", "_sums", "_vectors", "max_age_s")
 
     def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
         self._vectors: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
+        self._sums: dict[str, tuple[int, int]] = {}  # backend -> summed over the vectors held
+        self._changed: set[str] = set()
+
+    def _set(self, vector: dict[str, tuple[int, int]], backend: str, value: tuple[int, int] | None) -> None:
+        """One replica's entry for a backend becomes `value` (None: gone); the sum follows."""
+        old = vector.get(backend, (0, 0))
+        new = (0, 0) if value is None else value
+        if value is None:
+            vector.pop(backend, None)
+        else:
+            vector[backend] = value
+        if old != new:
+            reserved, active = self._sums.get(backend, (0, 0))
+            self._sums[backend] = (reserved - old[0] + new[0], active - old[1] + new[1])
+            self._changed.add(backend)
 
     def update(self, replica: str, vector: dict[str, tuple[int, int]], now: float) -> None:
-        self._vectors[replica] = (now, vector)
+        """A replica's whole vector, replacing what was held of it."""
+        held = self._vectors[replica][1] if replica in self._vectors else {}
+        for backend in held.keys() - vector.keys():
+            self._set(held, backend, None)
+        for backend, value in vector.items():
+            self._set(held, backend, value)
+        self._vectors[replica] = (now, held)
+
+    def merge(self, replica: str, delta: dict[str, tuple[int, int]], now: float) -> bool:
+        """The backends whose load changed at a replica since its last message; False (ignored)
+        when no whole vector of it is held yet (it comes within a heartbeat)."""
+        entry = self._vectors.get(replica)
+        if entry is None:
+            return False
+        held = entry[1]
+        for backend, value in delta.items():
+            self._set(held, backend, value)
+        self._vectors[replica] = (now, held)
+        return True
+
+    def _expire(self, now: float) -> None:
+        for replica in [r for r, (seen, _) in self._vectors.items() if now - seen > self.max_age_s]:
+            held = self._vectors.pop(replica)[1]
+            for backend in list(held):
+                self._set(held, backend, None)
+
+    def changes(self, now: float) -> dict[str, tuple[int, int]]:
+        """backend -> summed (reserved blocks, active requests), for the backends whose sum moved
+        since the last call (a replica gone quiet takes its load away)."""
+        self._expire(now)
+        changed = {backend: self._sums.get(backend, (0, 0)) for backend in self._changed}
+        self._changed.clear()
+        return changed
 
     def totals(self, now: float) -> dict[str, tuple[int, int]]:
         """backend -> summed (reserved blocks, active requests) of the replicas heard from lately."""
-        for replica in [r for r, (seen, _) in self._vectors.items() if now - seen > self.max_age_s]:
-            del self._vectors[replica]
+        self._expire(now)
         totals: dict[str, tuple[int, int]] = {}
         for _, vector in self._vectors.values():
-            for backend, (reserved, active) in vector.items():
-                before = totals.get(backend, (0, 0))
-                totals[backend] = (before[0] + reserved, before[1] + active)
+            for backend in vector:
+                totals[backend] = self._sums.get(backend, (0, 0))
         return totals
 
     def __len__(self) -> int:

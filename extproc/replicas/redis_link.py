@@ -36,6 +36,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from redis.typing import KeyT, StreamIdT
 
+from extproc.core.backends import Backend
 from extproc.core.load import PeerLoads
 from extproc.core.router import Router
 from extproc.core.settings import MAX_FLOW_ID, MAX_QUEUE_FLOWS
@@ -48,6 +49,10 @@ _Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger("kvroute.replicas")
 
 LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
+# The backends whose load changed since a replica's last load message; its whole vector (LOAD)
+# still goes out every heartbeat. A replica of before this message counts it as bad and keeps
+# up from the whole vectors alone.
+LOAD_DELTA = "D"
 # A backlog of siblings' entries (a replica starting, or a burst) is read READ_BATCH at a time and
 # applied APPLY_SLICE at a time between the requests this replica routes: a slice of 32 chains of
 # 32 blocks takes about 1 ms here, a whole batch of 1,000 held the event loop some 40 ms
@@ -147,6 +152,7 @@ class RedisLink:
         self._wake = asyncio.Event()
         self._peers = PeerLoads(peer_max_age_s)
         self._peer_sent: dict[tuple[str, str], int] = {}  # (replica, backend) -> bytes it last reported
+        self._peers_for: tuple[Backend, ...] | None = None  # the pool the peers' load was last handed over for
         self._flows = flows
         # replica -> (when heard, its attained cost by band and flow, its held requests)
         self._peer_flows: dict[str, tuple[float, Shares]] = {}
@@ -300,7 +306,7 @@ class RedisLink:
     def _peer_bytes(self, replica: str, sent: dict[str, int]) -> None:
         """Add what a sibling sent each known backend since its last report (the first report, or a
         total that went back because the sibling restarted, only sets the baseline)."""
-        if len(self._peer_sent) > 4096:  # replicas come and go: forget them (baselines start again)
+        if len(self._peer_sent) > 16 * max(256, len(self._pool.backends)):  # replicas come and go: forget them
             self._peer_sent.clear()
         for backend, total in sent.items():
             before = self._peer_sent.get((replica, backend))
@@ -311,8 +317,16 @@ class RedisLink:
     def _apply_peer_loads(self, now: float) -> None:
         """The siblings heard from lately, summed per backend of this replica's pool, into its loads
         (and their flow shares into flow control's queue)."""
-        totals = self._peers.totals(now)
-        self._router.loads.set_peers({b: load for b, load in totals.items() if self._pool.is_known(b)})
+        backends = self._pool.backends
+        if backends is not self._peers_for:  # the pool changed: hand everything over again
+            self._peers_for = backends
+            self._peers.changes(now)
+            totals = self._peers.totals(now)
+            self._router.loads.set_peers({b: load for b, load in totals.items() if self._pool.is_known(b)})
+        else:
+            changed = self._peers.changes(now)
+            if changed:
+                self._router.loads.update_peers({b: load for b, load in changed.items() if self._pool.is_known(b)})
         if self._flows is None:
             return
         for replica in [r for r, (seen, _) in self._peer_flows.items() if now - seen > self._peers.max_age_s]:
@@ -338,9 +352,13 @@ class RedisLink:
             if kind == FLOWS:
                 self._peer_flows[replica] = (self._clock(), _flow_shares(payload))
                 return
-            if kind == LOAD:
+            if kind in (LOAD, LOAD_DELTA):
                 vector = {str(b): (int(r), int(a), int(s)) for b, (r, a, s) in payload.items()}
-                self._peers.update(replica, {b: (r, a) for b, (r, a, _) in vector.items()}, self._clock())
+                loads = {b: (r, a) for b, (r, a, _) in vector.items()}
+                if kind == LOAD:
+                    self._peers.update(replica, loads, self._clock())
+                elif not self._peers.merge(replica, loads, self._clock()):
+                    return  # its whole vector comes within a heartbeat
                 self._peer_bytes(replica, {b: s for b, (_, _, s) in vector.items()})
                 return
             if not self._pool.is_known(backend):
@@ -390,8 +408,13 @@ class RedisLink:
                 if shares == flows_sent and not beat:
                     shares = None
             if vector != sent or shares is not None or beat:
-                await self._add_load(vector, shares)
-                sent, sent_at = vector, now
+                if sent is not None and not beat and sent.keys() <= vector.keys():
+                    # only what changed: a large fleet's vector is mostly the same each time
+                    await self._add_load(LOAD_DELTA, {b: v for b, v in vector.items() if sent.get(b) != v}, shares)
+                else:
+                    await self._add_load(LOAD, vector, shares)
+                    sent_at = now
+                sent = vector
                 if shares is not None:
                     flows_sent, flows_at = shares, now
                 self._apply_peer_loads(now)
@@ -405,8 +428,8 @@ class RedisLink:
         backends = {b.address for b in self._pool.backends} | loads.keys()
         return {b: (*loads.get(b, (0, 0)), sent.get(b, 0)) for b in backends}
 
-    async def _add_load(self, vector: dict[str, tuple[int, int, int]], shares: Shares | None = None) -> None:
-        message = msgpack.packb((LOAD, self.replica, "", vector))
+    async def _add_load(self, kind: str, vector: dict[str, tuple[int, int, int]], shares: Shares | None = None) -> None:
+        message = msgpack.packb((kind, self.replica, "", vector))
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.xadd(self._load_key, {"m": message}, maxlen=1000, approximate=True)
             if shares is not None:
@@ -422,7 +445,7 @@ class RedisLink:
         if self.connected:
             self.connected = False
             with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._add_load({}), 1.0)
+                await asyncio.wait_for(self._add_load(LOAD, {}), 1.0)
 
 
 class ReplicaCollector(Collector):
