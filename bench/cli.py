@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     losses.add_argument("--trace", required=True, type=Path, help="the trace that run replayed")
     losses.add_argument("--reference", help="a router of that run to compare the others with, request by request")
     losses.set_defaults(run=_losses)
+    idle = bench.add_parser("idle", help="the ext_proc's CPU with no requests, as the fleet grows (JSON lines)")
+    idle.add_argument("--backends", default="4,64,256,1000", help="fleet sizes (default: %(default)s)")
+    idle.add_argument("--seconds", type=float, default=20.0, help="measured window (default: %(default)s)")
+    idle.add_argument("--unbounded", action="store_true", help="the feeds without their rates (as before them)")
+    idle.set_defaults(run=_idle)
     decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
@@ -400,6 +405,13 @@ def _sim(args: argparse.Namespace) -> None:
     from bench.simulator import sim
 
     sim.main(args.port, sim.config_from_args(args), args.host)
+
+
+def _idle(args: argparse.Namespace) -> None:
+    from bench.experiments import idle
+
+    for size in (int(n) for n in args.backends.split(",") if n.strip()):
+        print(orjson.dumps(idle.run(size, args.seconds, unbounded=args.unbounded)).decode(), flush=True)
 
 
 def _core(args: argparse.Namespace) -> None:

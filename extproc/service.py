@@ -189,13 +189,15 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         admin.serving = True
         tasks = [
-            asyncio.create_task(pool.probe_forever(config.health_interval_s, config.health_timeout_s)),
+            asyncio.create_task(
+                pool.probe_forever(config.health_interval_s, config.health_timeout_s, config.health_probes_per_s)
+            ),
             asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
             asyncio.create_task(room.run()),
             asyncio.create_task(placer.run(PLACEMENT_INTERVAL_S)),
         ]
         if config.engine_scrape_interval_s > 0:
-            tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s)))
+            tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s, config.engine_scrapes_per_s)))
         if subscriber is not None:
             tasks.append(asyncio.create_task(subscriber.run()))
         if follower is not None:

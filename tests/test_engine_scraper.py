@@ -122,3 +122,37 @@ def test_each_healthy_backends_sample_age_is_kept_for_a_stale_feed_alert():
 
     off, ages, sim, silent = asyncio.run(scenario())
     assert off == {} and ages == {sim: 20.0, silent: 30.0}
+
+
+def test_a_fleet_past_the_rate_is_scraped_a_slice_per_round_and_each_listed_on_its_first_sample():
+    async def scenario() -> None:
+        runners = await serve([0, 0, 0, 0], SimConfig())
+        addresses = [f"127.0.0.1:{r.addresses[0][1]}" for r in runners]
+        router = Router(Settings())
+        pool = BackendPool([Backend(a) for a in addresses], router.remove_backend, 1)
+        now = [5.0]
+        scraper = EngineScraper(router, pool, clock=lambda: now[0])
+        scraper._started = 0.0  # as `run` sets it
+        scraper.slice_size = 2
+        listed: list[str] = []
+        listings = scraper._listings
+
+        async def counting(session: aiohttp.ClientSession, backends: list[str]) -> None:
+            listed.extend(backends)
+            await listings(session, backends)
+
+        scraper._listings = counting  # type: ignore[method-assign]  # which backends each round lists
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+                await scraper.scrape(session)
+                assert scraper.ages() == {addresses[0]: 0.0, addresses[1]: 0.0, addresses[2]: 5.0, addresses[3]: 5.0}
+                now[0] = 6.0
+                await scraper.scrape(session)
+                assert scraper.ages() == {a: 0.0 if a in addresses[2:] else 1.0 for a in addresses}
+                await scraper.scrape(session)  # the first two again: not listed again yet
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        assert listed == addresses
+
+    asyncio.run(scenario())

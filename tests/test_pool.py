@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import aiohttp
 from aiohttp import web
 
 from bench.simulator.sim import SimConfig, serve
 from extproc.core.backends import Backend
 from extproc.runtime.pool import SLOW_FACTOR, BackendPool
+from extproc.runtime.rotation import Rotation, per_round
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -161,3 +163,40 @@ def test_the_backends_are_one_tuple_until_the_set_or_its_health_changes():
     same = pool.backends
     pool.replace([Backend(B)])
     assert pool.backends is not same and [b.address for b in pool.backends] == [B]
+
+
+def test_a_fleet_past_the_rate_is_visited_a_slice_per_round_and_every_backend_in_turn():
+    rotation = Rotation()
+    fleet = [f"b{i}" for i in range(5)]
+    rounds = [rotation.take(fleet, 2) for _ in range(5)]
+    assert rounds == [["b0", "b1"], ["b2", "b3"], ["b4", "b0"], ["b1", "b2"], ["b3", "b4"]]
+    assert Rotation().take(fleet, 8) == fleet  # within the rate: all of it, each round
+    assert per_round(200.0, 2.0) == 400 and per_round(0.1, 0.25) == 1
+
+
+def test_probes_past_the_rate_take_a_slice_but_a_suspect_at_once():
+    async def scenario() -> None:
+        runners = await serve([0, 0, 0, 0], SimConfig())
+        up = [f"127.0.0.1:{r.addresses[0][1]}" for r in runners]
+        dead = "127.0.0.1:9"  # nothing listens: refused
+        pool = BackendPool([Backend(a) for a in [*up, dead]], lambda _: None, unhealthy_after=2)
+        seen: list[str] = []
+        observe = pool._observe
+
+        def counting(address: str, result: str, suspect: bool) -> None:
+            seen.append(address)
+            observe(address, result, suspect)
+
+        pool._observe = counting  # type: ignore[method-assign]  # which addresses each round probed
+        pool._slice = 2
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+            await pool._probe_round(session)
+            assert seen == up[:2]
+            pool.mark_suspect(dead)
+            seen.clear()
+            await pool._probe_round(session)
+            assert seen == [*up[2:4], dead]
+        for runner in runners:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

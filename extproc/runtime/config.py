@@ -60,6 +60,11 @@ class ExtProcConfig:
         "repeatable; a list in YAML)",
     )
     health_interval_s: float = _key(2.0, "seconds between backend /health probes")
+    health_probes_per_s: float = _key(
+        200.0,
+        "at most this many /health probes a second: a larger fleet is probed a slice per round, each backend "
+        "less often (a backend Envoy reports refusing connections is still probed at once)",
+    )
     health_timeout_s: float = _key(1.0, "timeout of one probe")
     unhealthy_after: int = _key(2, "failed probes before a backend is dropped")
     max_message_bytes: int = _key(64 * 1024 * 1024, "largest gRPC message (request body) accepted")
@@ -68,6 +73,11 @@ class ExtProcConfig:
     lease_ttl_s: float = _key(300.0, "seconds a /v1/query lease holds its reservation if never released")
     engine_scrape_interval_s: float = _key(
         0.25, "seconds between scrapes of each backend's /metrics (engine load, restarts, KV size); 0: off"
+    )
+    engine_scrapes_per_s: float = _key(
+        400.0,
+        "at most this many /metrics scrapes a second: a larger fleet is scraped a slice per round, each backend "
+        "less often (past 2 s between samples its engine's counts no longer steer load: kvroute's own do)",
     )
     kv_events: bool = _key(
         True, "subscribe to the KV cache events of every backend that publishes them (GET /kv_event_sources)"

@@ -20,6 +20,7 @@ from dataclasses import replace
 import aiohttp
 
 from extproc.core.backends import Backend
+from extproc.runtime.rotation import Rotation, per_round
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class BackendPool:
         self._failures: dict[str, int] = {}
         self._slow: dict[str, int] = {}
         self._suspects: set[str] = set()
+        self._rotation = Rotation()  # which backends a round probes, in a fleet past the rate
+        self._slice = 1 << 30
         self._wake = asyncio.Event()
         self.probe_errors = 0
         self.last_probe_error: str | None = None
@@ -121,10 +124,13 @@ class BackendPool:
                 self._slow[address] = 0
                 self.mark(address, False, confirmed=True)
 
-    async def probe_forever(self, interval_s: float, timeout_s: float) -> None:
-        """GET /health on every backend each interval (at once for a suspect), concurrently.
-        Survives any error: logs, counts, goes on."""
+    async def probe_forever(self, interval_s: float, timeout_s: float, probes_per_s: float = float("inf")) -> None:
+        """GET /health on every backend each interval (at once for a suspect), concurrently; past
+        `probes_per_s`, on the next slice of them each interval (rotation.py). Survives any error:
+        logs, counts, goes on."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
+        if probes_per_s != float("inf"):
+            self._slice = per_round(probes_per_s, interval_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 try:
@@ -140,7 +146,8 @@ class BackendPool:
 
     async def _probe_round(self, session: aiohttp.ClientSession) -> None:
         suspects, self._suspects = self._suspects, set()
-        backends = list(self._backends)
+        backends = self._rotation.take(list(self._backends), self._slice)
+        backends += [address for address in suspects if address in self._backends and address not in backends]
         results = await asyncio.gather(*(self._probe(session, a) for a in backends))
         for address, result in zip(backends, results, strict=True):
             self._observe(address, result, address in suspects)

@@ -3,8 +3,9 @@ clients, kvroute only its own), a restart (a new process start time) and the KV 
 `LISTING_EVERY` rounds (the first included) its /v1/models too: the LoRA adapters it serves, known
 before its first request of them (its LoRA metric appears only with one).
 
-One round scrapes all backends concurrently and takes at most the interval; a backend that does
-not answer in time is skipped for that round (health is the pool's job, not this loop's).
+One round scrapes its backends concurrently and takes at most the interval; a backend that does
+not answer in time is skipped for that round (health is the pool's job, not this loop's). A fleet
+larger than `engine_scrapes_per_s` x interval is scraped a slice per round (rotation.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import aiohttp
 
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.rotation import Rotation, per_round
 from extproc.vllm.metrics import engine_sample
 from extproc.vllm.models import MAX_PAGE_BYTES, listed_adapters
 
 log = logging.getLogger(__name__)
 
-LISTING_EVERY = 8  # rounds: every 2 s at the default 0.25 s interval
+LISTING_EVERY = 8  # samples of a backend: every 2 s at the default 0.25 s interval
 
 
 class EngineScraper:
@@ -34,13 +36,17 @@ class EngineScraper:
         self._pool = pool
         self._clock = clock
         self.failures = 0  # scrapes that failed or were not a vLLM engine's page
-        self._round = 0
         self._started: float | None = None  # when `run` began (None: scraping is off)
         self._sampled_at: dict[str, float] = {}  # backend -> when its last good sample came
+        self._samples: dict[str, int] = {}  # backend -> good samples, for its /v1/models every LISTING_EVERY
+        self._rotation = Rotation()
+        self.slice_size = 1 << 30  # backends scraped per round (`run` derives it from the rate)
 
-    async def run(self, interval_s: float) -> None:
-        """Scrape until cancelled. Survives any error: counts, logs, goes on."""
+    async def run(self, interval_s: float, scrapes_per_s: float = float("inf")) -> None:
+        """Scrape until cancelled, at most `scrapes_per_s`. Survives any error: counts, logs, goes on."""
         timeout = aiohttp.ClientTimeout(total=max(interval_s, 0.05))
+        if scrapes_per_s != float("inf"):
+            self.slice_size = per_round(scrapes_per_s, interval_s)
         self._started = self._clock()
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
@@ -53,8 +59,8 @@ class EngineScraper:
                 await asyncio.sleep(max(0.0, interval_s - (self._clock() - started)))
 
     async def scrape(self, session: aiohttp.ClientSession) -> None:
-        """One round over every known backend."""
-        backends = [b.address for b in self._pool.backends if b.healthy]
+        """One round over the next healthy backends (all of them, in a fleet within the rate)."""
+        backends = self._rotation.take([b.address for b in self._pool.backends if b.healthy], self.slice_size)
         pages = await asyncio.gather(*(self._page(session, b, "/metrics") for b in backends))
         now = self._clock()
         listing = []
@@ -65,9 +71,10 @@ class EngineScraper:
             elif self._pool.is_known(backend):
                 self._router.engine_sample(backend, sample, now)
                 self._sampled_at[backend] = now
-                listing.append(backend)
-        self._round += 1
-        if listing and self._round % LISTING_EVERY == 1:
+                count = self._samples[backend] = self._samples.get(backend, 0) + 1
+                if count % LISTING_EVERY == 1:
+                    listing.append(backend)
+        if listing:
             await self._listings(session, listing)
 
     def ages(self) -> dict[str, float]:
@@ -81,6 +88,7 @@ class EngineScraper:
         known = {b.address for b in self._pool.backends}
         for gone in [b for b in self._sampled_at if b not in known]:
             del self._sampled_at[gone]
+            self._samples.pop(gone, None)
         return {b.address: now - self._sampled_at.get(b.address, started) for b in self._pool.backends if b.healthy}
 
     async def _listings(self, session: aiohttp.ClientSession, backends: list[str]) -> None:
