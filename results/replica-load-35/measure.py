@@ -34,4 +34,13 @@ for i in range(rounds):
     link._apply(f"{1000 + i}-0".encode(), {b"m": delta}, 0.0)
     link._apply_peer_loads(time.monotonic())
 delta_us = (time.perf_counter() - start) / rounds * 1e6
-print({"backends": 1000, "whole_bytes": len(whole), "delta_bytes": len(delta), "whole_apply_us": round(whole_us, 1), "delta_apply_us": round(delta_us, 1), "bad": link.counts["bad"]})
+print(
+    {
+        "backends": 1000,
+        "whole_bytes": len(whole),
+        "delta_bytes": len(delta),
+        "whole_apply_us": round(whole_us, 1),
+        "delta_apply_us": round(delta_us, 1),
+        "bad": link.counts["bad"],
+    }
+)
