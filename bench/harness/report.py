@@ -16,6 +16,8 @@ COLUMNS = (
     ("hit_rate_usage", "hit rate, own requests"),
     ("reuse_available", "available (kvroute)"),
     ("reuse_routed", "routed (kvroute)"),
+    ("routing_efficiency", "routing efficiency (routed / available)"),
+    ("delivery_ratio", "delivered / routed"),
     ("bound_hit_rate", "MIN bound"),
     ("fraction_of_bound", "of bound"),
     ("fraction_of_lru", "of one LRU"),
@@ -49,11 +51,22 @@ def table(results: dict[str, Any]) -> str:
         "|---" * (len(COLUMNS) + 1) + "|",
     ]
     for name, row in results["routers"].items():
+        row = {**row, **_ratios(row)}
         lines.append(f"| {name} | " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + " |")
     void = [f"{name}: {', '.join(row['exited'])}" for name, row in results["routers"].items() if row.get("exited")]
     if void:
         lines += ["", "VOID (a process of the router exited during its run): " + "; ".join(void)]
     return "\n".join(lines)
+
+
+def _ratios(row: dict[str, Any]) -> dict[str, float | None]:
+    """Where reuse was won or lost (kvroute's routers, which report available and routed): routing's
+    efficiency, and what the engines delivered of what routing expected."""
+    available, routed, delivered = row.get("reuse_available"), row.get("reuse_routed"), row.get("hit_rate")
+    return {
+        "routing_efficiency": routed / available if routed is not None and available else None,
+        "delivery_ratio": delivered / routed if delivered is not None and routed else None,
+    }
 
 
 def _cell(value: Any) -> str:
@@ -89,7 +102,16 @@ def _plots(results: dict[str, Any], records: dict[str, list[dict[str, Any]]], ou
 
     fig, ax = plt.subplots(figsize=(7, 4))
     rates = [results["routers"][n].get("hit_rate") or 0 for n in names]
-    ax.bar(range(len(names)), rates)
+    ax.bar(range(len(names)), rates, label="delivered (the engines' hit rate)")
+    for key, marker, label in (
+        ("reuse_available", "^", "available (kvroute)"),
+        ("reuse_routed", "o", "routed (kvroute)"),
+    ):
+        shown = [(i, results["routers"][n][key]) for i, n in enumerate(names) if results["routers"][n].get(key)]
+        if shown:
+            ax.scatter(
+                [i for i, _ in shown], [v for _, v in shown], marker=marker, color="black", zorder=3, label=label
+            )
     ax.axhline(results["oracle_hit_rate"], color="grey", linestyle=":", label="one LRU")
     ax.axhline(results["bound_hit_rate_trace_order"], color="black", linestyle="--", label="MIN bound (trace order)")
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
