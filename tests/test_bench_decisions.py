@@ -37,3 +37,15 @@ def test_the_placement_replay_counts_what_the_engines_found_cached(mode):
     one_cache = decisions.engine_hit_rate(AGENTS, 160, mode, backends=1)
     assert rate > 0.2 and rate >= 0.95 * one_cache
     assert decisions.engine_hit_rate(AGENTS, 160, mode, capacity_ratio=0.05) < 0.5 * rate
+
+
+@pytest.mark.parametrize("mode", decisions.MODES)
+def test_four_replicas_sharing_find_as_much_cached_as_one(mode):
+    """The replay with four routers taking the requests in turn, telling each other what they
+    learn and bind two requests late (as the Redis link does a round trip late): as good as one
+    router; in approximate mode, replicas that do not share lose most of it."""
+    one = decisions.engine_hit_rate(AGENTS, 160, mode, backends=4)
+    shared = decisions.engine_hit_rate(AGENTS, 160, mode, backends=4, replicas=4, lag=2)
+    assert shared >= 0.95 * one
+    if mode == "approximate":
+        assert decisions.engine_hit_rate(AGENTS, 160, mode, backends=4, replicas=4, lag=2, shared=False) < 0.5 * shared

@@ -142,6 +142,46 @@ def run(path: Path, limit: int, out: Path | None = None, mode: str = "approximat
     }
 
 
+class _Fanout:
+    """In-process stand-in for the replica link (extproc/core/replicas.py): what one replica learns
+    and binds reaches its siblings `lag` requests later, as the Redis link delivers it a round trip
+    later; the replicas' load reaches them at once (the link's 20 ms vector)."""
+
+    def __init__(self, routers: list[Router], lag: int) -> None:
+        self.routers = routers
+        self.lag = lag
+        self._news: deque[tuple[int, Router, str, Any]] = deque()  # (due, sender, kind, payload)
+        self.sender: Router | None = None
+        self.turn = 0
+
+    def learned(self, backend: str, chain: Sequence[int]) -> None:
+        self._news.append((self.turn + self.lag, self.sender, "learned", (backend, list(chain))))  # type: ignore[arg-type]
+
+    def bound(self, session: bytes, backend: str) -> None:
+        self._news.append((self.turn + self.lag, self.sender, "bound", (backend, session)))  # type: ignore[arg-type]
+
+    def deliver(self, now: float) -> None:
+        """The news now due, to every sibling of its sender; every replica's load to the others."""
+        while self._news and self._news[0][0] <= self.turn:
+            _, sender, kind, (backend, payload) = self._news.popleft()
+            for router in self.routers:
+                if router is not sender:
+                    if kind == "learned":
+                        router.peer_learned(payload, backend, now)
+                    else:
+                        router.peer_bound(payload, backend, now)
+        if len(self.routers) > 1:
+            snapshots = [router.loads.snapshot() for router in self.routers]
+            for index, router in enumerate(self.routers):
+                totals: dict[str, tuple[int, int]] = {}
+                for other, snapshot in enumerate(snapshots):
+                    if other != index:
+                        for backend, (reserved, active) in snapshot.items():
+                            before = totals.get(backend, (0, 0))
+                            totals[backend] = (before[0] + reserved, before[1] + active)
+                router.loads.set_peers(totals)
+
+
 def engine_hit_rate(
     path: Path,
     limit: int,
@@ -150,13 +190,19 @@ def engine_hit_rate(
     capacity_ratio: float = 0.5,
     window: int = 16,
     max_input_tokens: int | None = 12_000,
+    replicas: int = 1,
+    lag: int = 0,
+    shared: bool = True,
     **settings: Any,
 ) -> float:
     """Replay `limit` requests of an agent trace (its own session ids) in file order on `backends`
     engines whose caches together hold `capacity_ratio` of the working set; the share of prompt
     tokens the engines found cached. Each request pins its blocks from its start to its end, which
     comes when the `window`-th request after it starts (a closed loop of `window` clients).
-    Approximate mode learns from its own routing; precise mode gets the engines' events."""
+    Approximate mode learns from its own routing; precise mode gets the engines' events.
+    `replicas`: that many routers take the requests in turn (as Envoy spreads its streams), sharing
+    what they learn and bind `lag` requests later and their load at once (`_Fanout`), or nothing
+    (`shared` false: replicas each on its own, for comparison)."""
     requests = trace.read(path, limit, max_input_tokens)
     builder = PromptBuilder("sim-model", 4.0, 16)
     bodies = [builder.body(request) for request in requests]
@@ -164,27 +210,35 @@ def engine_hit_rate(
     unique = {h for tokens in prompts for h in block_hashes(tokens, ENGINE_BLOCK_TOKENS)}
     blocks = max(1, int(len(unique) * capacity_ratio / backends))
     fleet = tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))  # as the pool hands them over
-    router = Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings))
+    routers = [Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings)) for _ in range(replicas)]
+    fanout = _Fanout(routers if shared else routers[:1], lag)
     engines = {backend.address: _Engine(BlockPool(blocks)) for backend in fleet}
-    if mode == "precise":
-        router.use_precise(_Tokenizer())
-    for backend in fleet:
+    for router in routers:
+        if replicas > 1 and shared:
+            router.replicas = fanout
         if mode == "precise":
-            sample = EngineSample(0, 0, 0.0, 1.0, blocks * ENGINE_BLOCK_TOKENS, ENGINE_BLOCK_TOKENS)
-            router.engine_sample(backend.address, sample, 0.0)
-        else:
-            router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
+            router.use_precise(_Tokenizer())
+        for backend in fleet:
+            if mode == "precise":
+                sample = EngineSample(0, 0, 0.0, 1.0, blocks * ENGINE_BLOCK_TOKENS, ENGINE_BLOCK_TOKENS)
+                router.engine_sample(backend.address, sample, 0.0)
+            else:
+                router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
     inflight: deque[tuple[Exchange, str, list[int]]] = deque()
     cached_tokens = prompt_total = 0
-    for request, body, tokens in zip(requests, bodies, prompts, strict=True):
+    for turn, (request, body, tokens) in enumerate(zip(requests, bodies, prompts, strict=True)):
         now = request.timestamp_ms / 1000.0
+        router = routers[turn % replicas]
+        fanout.sender, fanout.turn = router, turn
+        fanout.deliver(now)
         headers = {"x-session-id": request.session_id} if request.session_id is not None else {}
         exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
         backend = exchange.decision.backend or fleet[0].address
         router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
         pinned, cached, events = engines[backend].serve(tokens)
         if mode == "precise":
-            router.engine_events(backend, events)
+            for follower in routers:  # every replica follows the engines' own events
+                follower.engine_events(backend, events)
         cached_tokens += cached * ENGINE_BLOCK_TOKENS
         prompt_total += len(tokens)
         inflight.append((exchange, backend, pinned))
