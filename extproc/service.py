@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -105,7 +106,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
 
         group = config.replica_group or f"kvroute:{config.policy or 'default'}"
         link = connect(router, pool, config.replica_store, config.replica_store_password_file, group, room.queue)
-        router.replicas = link
+        router.join(link, secrets.randbelow(1 << 30))
         metrics.registry.register(ReplicaCollector(link))
     legs = PrefillLegs()  # split requests' prefill legs (a disaggregated fleet's)
     # LoRA adapters the policy places (none: idle); with siblings, one replica moves an adapter

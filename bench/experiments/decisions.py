@@ -15,6 +15,7 @@ end, and the engine reports what it stored and evicted as KV events, in order, a
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -213,9 +214,10 @@ def engine_hit_rate(
     routers = [Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings)) for _ in range(replicas)]
     fanout = _Fanout(routers if shared else routers[:1], lag)
     engines = {backend.address: _Engine(BlockPool(blocks)) for backend in fleet}
+    offsets = random.Random(replicas)  # each replica process starts its turn counter at random
     for router in routers:
         if replicas > 1 and shared:
-            router.replicas = fanout
+            router.join(fanout, offsets.randrange(1 << 30))
         if mode == "precise":
             router.use_precise(_Tokenizer())
         for backend in fleet:

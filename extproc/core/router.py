@@ -95,6 +95,14 @@ class Router:
         """Routing on token keys fed by engine events (else on learned text prefixes)."""
         return self.mode.precise
 
+    def join(self, replicas: ReplicaLink, turn: int) -> None:
+        """Route as one of several replicas, told through `replicas`. `turn` (random per process)
+        starts the counter that rotates ties and moves the shortlist's window: replicas started
+        together would otherwise rotate in step and send their new conversations to the same few
+        backends (bench.experiments.decisions.engine_hit_rate with replicas)."""
+        self.replicas = replicas
+        self._turn = turn
+
     def use(self, make: Callable[[Settings, Shared], IndexMode]) -> None:
         """Switch to the index mode `make` builds (any IndexMode: a third one needs no change
         here); what was learned before no longer applies."""
