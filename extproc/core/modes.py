@@ -114,8 +114,9 @@ class IndexMode(Protocol):
         """One scrape of the backend's metrics, after the router took what every mode takes."""
         ...
 
-    def engine_event(self, backend: str, event: BlockStored | BlockRemoved) -> bool:
-        """One stored or removed event of the backend; False if it was refused as inconsistent."""
+    def engine_event(self, backend: str, event: BlockStored | BlockRemoved, now: float) -> bool:
+        """One stored or removed event of the backend (its batch arrived at `now`); False if it was
+        refused as inconsistent."""
         ...
 
     def resets_on_lost_events(self, reason: Reset) -> bool:
@@ -211,7 +212,7 @@ class ApproximateMode:
         if sample.prompt_tokens is not None and abs(value - self._sized_at) > RESIZE_SHARE * self._sized_at:
             self._size()  # every backend's picture follows the learned ratio
 
-    def engine_event(self, backend: str, event: BlockStored | BlockRemoved) -> bool:
+    def engine_event(self, backend: str, event: BlockStored | BlockRemoved, now: float) -> bool:
         """Stores are the engine's progress: they drain the prefill its streamed requests hold."""
         if isinstance(event, BlockStored):
             self._progressing.add(backend)
@@ -286,7 +287,7 @@ class PreciseMode:
         backend = reservation.backend
         chain = self.chain_of(request)
         predicted = self.index.confirmed(chain, backend)
-        self._shared.churn.add(backend, self.index.learn(chain, backend, now), now)
+        self.index.learn(chain, backend, now)  # its turnover is counted as the engine stores it
         if predicted < len(chain):
             self._await_prefill((backend, chain[-1]), reservation)
         return predicted
@@ -321,10 +322,16 @@ class PreciseMode:
         if index.block_size is None and sample.block_size:
             index.block_size = sample.block_size  # from vllm:cache_config_info, before any event
 
-    def engine_event(self, backend: str, event: BlockStored | BlockRemoved) -> bool:
+    def engine_event(self, backend: str, event: BlockStored | BlockRemoved, now: float) -> bool:
+        """Stores and removals feed the index; what a store adds is the cache's turnover (churn.py),
+        the same for every replica, since all follow the same events (and counting other clients'
+        traffic too), where counting its own routing left each replica blind to its siblings'."""
         try:
             if isinstance(event, BlockStored):
-                for key in self.index.stored(backend, event):
+                added = self.index.stored(backend, event)
+                if added:
+                    self._shared.churn.add(backend, len(added), now)
+                for key in added:
                     for reservation in self._prefilling.pop((backend, key), ()):
                         if not reservation.finished:
                             self._shared.prefilled.append(reservation)

@@ -42,6 +42,7 @@ class Router:
 
     __slots__ = (
         "_kv_tokens",
+        "_last_now",
         "_shared",
         "_starts",
         "_turn",
@@ -84,6 +85,7 @@ class Router:
         self.pipeline: Pipeline = assemble(self.adapters)  # the decision's stages (pipeline.py)
         self._starts: dict[str, float] = {}
         self._turn = 0
+        self._last_now = 0.0  # the latest decision's time: events batches that come without one
 
     @property
     def index(self) -> LocationIndex:
@@ -253,6 +255,7 @@ class Router:
         """Choose a backend among the healthy ones serving the request's model and reserve the
         load it adds; the returned exchange must be ended (`end`) however the request ends."""
         decision = self.query(request, backends, now)
+        self._last_now = now
         request.cbr_bytes = len(request.cbr)
         request.cbr = b""  # the chain is all the exchange needs from here: hold no copy of the body
         request.tokens = None
@@ -501,7 +504,7 @@ class Router:
             if isinstance(event, AllBlocksCleared):
                 after = None if previous is None else max(previous, self.loads.get(backend).settled_at)
                 self.reset_backend(backend, Reset.CACHE_CLEARED, after)
-            elif not self.mode.engine_event(backend, event):
+            elif not self.mode.engine_event(backend, event, self._last_now if now is None else now):
                 self.stats.bad_events += 1
         prefilled = self._shared.prefilled
         if now is not None:  # the batch arrived now: each request it completes had its first token about then
