@@ -168,7 +168,7 @@ class Router:
         session_backend, session_blocks = None, 0
         if request.session_key is not None:
             binding = self.sessions.binding(request.session_key, now)
-            if binding is not None and binding[0] not in candidates:
+            if binding is not None and binding[0] not in (candidates if positions is None else positions):
                 self.sessions.forget(request.session_key)
             elif binding is not None:
                 session_backend, session_blocks = binding
