@@ -87,6 +87,7 @@ def traffic(stack: Stack) -> list[int]:
         return list(pool.map(one, range(16)))
 
 
+@pytest.mark.observability  # a real Prometheus: built from its Go module on first use, not in the quick lane
 def test_every_dashboard_query_and_alert_reads_live_series_and_an_alert_fires(watched):
     stack, prom = watched
     eventually(lambda: len(prom.query(f'up{{job="{JOB}"}} == 1')) == 2, 30, "both replicas scraped")
