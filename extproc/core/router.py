@@ -163,7 +163,8 @@ class Router:
 
     def query(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> Decision:
         """Dry run: the decision `begin` would make now, with no reservation and not counted."""
-        candidates, positions = self._candidates(request, backends)
+        adapter = self.adapters.adapter_of(request.model)
+        candidates, positions = self._candidates(request, backends, adapter)
         chain = self.chain_of(request)
         session_backend, session_blocks = None, 0
         if request.session_key is not None:
@@ -174,34 +175,35 @@ class Router:
                 session_backend, session_blocks = binding
         home = self.homes.get(chain[0]) if chain else None
         bound = (session_backend, session_blocks, home)
-        if self._shortlisting(request, candidates):
+        if self._shortlisting(adapter, candidates):
             kept = set(self.index.holders(chain[0], now)) if chain else set()
             kept.update(b for b in (session_backend, home) if b is not None)
-            decision = self._weigh(request, shortlist(candidates, kept, self._turn, positions), chain, bound, now)
+            short = shortlist(candidates, kept, self._turn, positions)
+            decision = self._weigh(request, adapter, short, chain, bound, now)
             if decision.backend is not None:
                 return decision
             # every shortlisted backend refused it (its limit, the TTFT objective): the whole
             # fleet is weighed before the request is refused
-        return self._weigh(request, candidates, chain, bound, now)
+        return self._weigh(request, adapter, candidates, chain, bound, now)
 
     def _candidates(
-        self, request: PromptRequest, backends: Sequence[Backend]
+        self, request: PromptRequest, backends: Sequence[Backend], adapter: str | None
     ) -> tuple[list[str], dict[str, int] | None]:
         """The backends that may serve the request, and their positions where the pipeline keeps
-        them (the pool's tuple, no LoRA adapter named)."""
-        if isinstance(backends, tuple) and self.adapters.adapter_of(request.model) is None:
+        them (the pool's tuple, no LoRA `adapter` named)."""
+        if isinstance(backends, tuple) and adapter is None:
             return self.pipeline.kept_candidates(request, backends)
         return self.pipeline.candidates(request, backends), None
 
-    def _shortlisting(self, request: PromptRequest, candidates: Sequence[str]) -> bool:
+    def _shortlisting(self, adapter: str | None, candidates: Sequence[str]) -> bool:
         """A large fleet's decision weighs a shortlist (shortlist.py), unless the request names a
-        LoRA adapter (where it is loaded matters beyond the shortlist)."""
-        above = len(candidates) > self.settings.shortlist_above > 0
-        return above and self.adapters.adapter_of(request.model) is None
+        LoRA `adapter` (where it is loaded matters beyond the shortlist)."""
+        return adapter is None and len(candidates) > self.settings.shortlist_above > 0
 
     def _weigh(
         self,
         request: PromptRequest,
+        adapter: str | None,
         candidates: list[str],
         chain: Sequence[int],
         bound: tuple[str | None, int, str | None],
@@ -233,7 +235,7 @@ class Router:
             ttft_objective_s=request.ttft_objective_s,
             sheddable=request.sheddable,
             ttft=self.ttft,
-            adapter=self.adapters.adapter_of(request.model),
+            adapter=adapter,
         )
         return self.pipeline.decide(inputs)
 
@@ -242,8 +244,9 @@ class Router:
         plus the output it may generate (`default_output_tokens` when it sets no limit), flow
         control's measure of a flow's share. Nothing is counted or changed."""
         chain = self.chain_of(request)
-        candidates, positions = self._candidates(request, backends)
-        if chain and self._shortlisting(request, candidates):
+        adapter = self.adapters.adapter_of(request.model)
+        candidates, positions = self._candidates(request, backends, adapter)
+        if chain and self._shortlisting(adapter, candidates):
             known = positions if positions is not None else set(candidates)
             candidates = [b for b in self.index.holders(chain[0], now) if b in known]  # only they hold any
         matched = self.mode.picture(chain, candidates, None, now)[1]
