@@ -133,7 +133,7 @@ def test_a_fleet_past_the_rate_is_scraped_a_slice_per_round_and_each_listed_on_i
         now = [5.0]
         scraper = EngineScraper(router, pool, clock=lambda: now[0])
         scraper._started = 0.0  # as `run` sets it
-        scraper.slice_size = 2
+        scraper.rotation.per_round = 2
         listed: list[str] = []
         listings = scraper._listings
 

@@ -11,7 +11,7 @@ from aiohttp import web
 from bench.simulator.sim import SimConfig, serve
 from extproc.core.backends import Backend
 from extproc.runtime.pool import SLOW_FACTOR, BackendPool
-from extproc.runtime.rotation import Rotation, per_round
+from extproc.runtime.rotation import Rotation
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -167,11 +167,17 @@ def test_the_backends_are_one_tuple_until_the_set_or_its_health_changes():
 
 def test_a_fleet_past_the_rate_is_visited_a_slice_per_round_and_every_backend_in_turn():
     rotation = Rotation()
+    rotation.pace(1.0, 2.0)  # two a round
     fleet = [f"b{i}" for i in range(5)]
-    rounds = [rotation.take(fleet, 2) for _ in range(5)]
+    rounds = [rotation.take(fleet) for _ in range(5)]
     assert rounds == [["b0", "b1"], ["b2", "b3"], ["b4", "b0"], ["b1", "b2"], ["b3", "b4"]]
-    assert Rotation().take(fleet, 8) == fleet  # within the rate: all of it, each round
-    assert per_round(200.0, 2.0) == 400 and per_round(0.1, 0.25) == 1
+    assert Rotation().take(fleet) == fleet  # no rate: all of it, each round
+    rotation.pace(4.0, 2.0)
+    assert rotation.take(fleet) == fleet  # within the rate: all of it, each round
+    rotation.pace(200.0, 2.0)
+    assert rotation.per_round == 400
+    rotation.pace(0.1, 0.25)
+    assert rotation.per_round == 1
 
 
 def test_probes_past_the_rate_take_a_slice_but_a_suspect_at_once():
@@ -188,7 +194,7 @@ def test_probes_past_the_rate_take_a_slice_but_a_suspect_at_once():
             observe(address, result, suspect)
 
         pool._observe = counting  # type: ignore[method-assign]  # which addresses each round probed
-        pool._slice = 2
+        pool._rotation.per_round = 2
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
             await pool._probe_round(session)
             assert seen == up[:2]

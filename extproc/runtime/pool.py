@@ -20,7 +20,7 @@ from dataclasses import replace
 import aiohttp
 
 from extproc.core.backends import Backend
-from extproc.runtime.rotation import Rotation, per_round
+from extproc.runtime.rotation import Rotation
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,6 @@ class BackendPool:
         self._slow: dict[str, int] = {}
         self._suspects: set[str] = set()
         self._rotation = Rotation()  # which backends a round probes, in a fleet past the rate
-        self._slice = 1 << 30
         self._wake = asyncio.Event()
         self.probe_errors = 0
         self.last_probe_error: str | None = None
@@ -130,7 +129,7 @@ class BackendPool:
         logs, counts, goes on."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         if probes_per_s != float("inf"):
-            self._slice = per_round(probes_per_s, interval_s)
+            self._rotation.pace(probes_per_s, interval_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 try:
@@ -146,7 +145,7 @@ class BackendPool:
 
     async def _probe_round(self, session: aiohttp.ClientSession) -> None:
         suspects, self._suspects = self._suspects, set()
-        backends = self._rotation.take(list(self._backends), self._slice)
+        backends = self._rotation.take(list(self._backends))
         backends += [address for address in suspects if address in self._backends and address not in backends]
         results = await asyncio.gather(*(self._probe(session, a) for a in backends))
         for address, result in zip(backends, results, strict=True):

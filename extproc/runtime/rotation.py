@@ -16,23 +16,24 @@ T = TypeVar("T")
 
 
 class Rotation:
-    """Round-robin slices of a sequence that may change between rounds."""
+    """Round-robin slices of a sequence that may change between rounds: at most `per_round`
+    items a round (all of them until `pace` gives it a rate)."""
 
-    __slots__ = ("_next",)
+    __slots__ = ("_next", "per_round")
 
     def __init__(self) -> None:
         self._next = 0
+        self.per_round = 1 << 30
 
-    def take(self, items: Sequence[T], per_round: int) -> list[T]:
+    def pace(self, rate_per_s: float, interval_s: float) -> None:
+        """At most `rate_per_s` visits a second, in rounds `interval_s` apart (at least one a round)."""
+        self.per_round = max(1, int(rate_per_s * interval_s))
+
+    def take(self, items: Sequence[T]) -> list[T]:
         """The next `per_round` items (all of them, in order, when there are no more)."""
-        count = len(items)
+        count, per_round = len(items), self.per_round
         if count <= per_round:
             return list(items)
         start = self._next % count
         self._next = start + per_round
         return [*items[start : start + per_round], *items[: max(0, start + per_round - count)]]
-
-
-def per_round(rate_per_s: float, interval_s: float) -> int:
-    """Visits one round may make at `rate_per_s` (at least one)."""
-    return max(1, int(rate_per_s * interval_s))

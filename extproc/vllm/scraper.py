@@ -19,7 +19,7 @@ import aiohttp
 
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
-from extproc.runtime.rotation import Rotation, per_round
+from extproc.runtime.rotation import Rotation
 from extproc.vllm.metrics import engine_sample
 from extproc.vllm.models import MAX_PAGE_BYTES, listed_adapters
 
@@ -39,14 +39,13 @@ class EngineScraper:
         self._started: float | None = None  # when `run` began (None: scraping is off)
         self._sampled_at: dict[str, float] = {}  # backend -> when its last good sample came
         self._samples: dict[str, int] = {}  # backend -> good samples, for its /v1/models every LISTING_EVERY
-        self._rotation = Rotation()
-        self.slice_size = 1 << 30  # backends scraped per round (`run` derives it from the rate)
+        self.rotation = Rotation()  # which backends a round scrapes (`run` paces it by the rate)
 
     async def run(self, interval_s: float, scrapes_per_s: float = float("inf")) -> None:
         """Scrape until cancelled, at most `scrapes_per_s`. Survives any error: counts, logs, goes on."""
         timeout = aiohttp.ClientTimeout(total=max(interval_s, 0.05))
         if scrapes_per_s != float("inf"):
-            self.slice_size = per_round(scrapes_per_s, interval_s)
+            self.rotation.pace(scrapes_per_s, interval_s)
         self._started = self._clock()
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
@@ -60,7 +59,7 @@ class EngineScraper:
 
     async def scrape(self, session: aiohttp.ClientSession) -> None:
         """One round over the next healthy backends (all of them, in a fleet within the rate)."""
-        backends = self._rotation.take([b.address for b in self._pool.backends if b.healthy], self.slice_size)
+        backends = self.rotation.take([b.address for b in self._pool.backends if b.healthy])
         pages = await asyncio.gather(*(self._page(session, b, "/metrics") for b in backends))
         now = self._clock()
         listing = []
