@@ -31,6 +31,7 @@ from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import BlockRemoved, BlockStored, EngineEvent, EngineSample
 from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.load import PeerLoads
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -154,6 +155,7 @@ class _Fanout:
         self._news: deque[tuple[int, Router, str, Any]] = deque()  # (due, sender, kind, payload)
         self.sender: Router | None = None
         self.turn = 0
+        self._peers = [PeerLoads(float("inf")) for _ in routers]  # each router's view of the others' load
 
     def learned(self, backend: str, chain: Sequence[int]) -> None:
         self._news.append((self.turn + self.lag, self.sender, "learned", (backend, list(chain))))  # type: ignore[arg-type]
@@ -171,16 +173,13 @@ class _Fanout:
                         router.peer_learned(payload, backend, now)
                     else:
                         router.peer_bound(payload, backend, now)
-        if len(self.routers) > 1:
+        if len(self.routers) > 1:  # summed as the link sums its siblings' vectors (PeerLoads)
             snapshots = [router.loads.snapshot() for router in self.routers]
-            for index, router in enumerate(self.routers):
-                totals: dict[str, tuple[int, int]] = {}
+            for index, (router, peers) in enumerate(zip(self.routers, self._peers, strict=True)):
                 for other, snapshot in enumerate(snapshots):
                     if other != index:
-                        for backend, (reserved, active) in snapshot.items():
-                            before = totals.get(backend, (0, 0))
-                            totals[backend] = (before[0] + reserved, before[1] + active)
-                router.loads.set_peers(totals)
+                        peers.update(str(other), snapshot, now)
+                router.loads.set_peers(peers.totals(now))
 
 
 def engine_hit_rate(
