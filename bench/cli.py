@@ -132,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     floors.add_argument("--requests", type=int, default=1000, help="requests per case and stack (default: 1000)")
     floors.add_argument("--rounds", type=int, default=1, help="times the whole cycle runs (default: 1)")
+    floors.add_argument(
+        "--transports",
+        default="",
+        help="comma-separated stacks to compare, of bench/experiments/floors.py's TRANSPORTS (default: all; "
+        "Envoy alone always runs)",
+    )
     floors.set_defaults(run=_floors)
     cancelled = bench.add_parser(
         "cancelled-streams", help="a bare grpc.aio server's RSS per half-closed vs cancelled stream (JSON)"
@@ -473,7 +479,8 @@ def _latency(args: argparse.Namespace) -> None:
 def _floors(args: argparse.Namespace) -> None:
     from bench.experiments import floors
 
-    floors.main(args.requests, args.rounds)
+    chosen = tuple(t for t in args.transports.split(",") if t)
+    floors.main(args.requests, args.rounds, chosen or floors.TRANSPORTS)
 
 
 def _cancelled_streams(args: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from extproc.envoy.bootstrap import BACKEND_CLUSTERS, BODY_MODES, DESTINATION_SOURCES, EnvoyLayout
+from extproc.envoy.bootstrap import BACKEND_CLUSTERS, BODY_MODES, DESTINATION_SOURCES, TRANSPORTS, EnvoyLayout
 from extproc.runtime import config
 
 _LAYOUT = EnvoyLayout()  # `kvroute envoy-config`'s defaults are the layout's
@@ -94,6 +94,16 @@ def parser() -> argparse.ArgumentParser:
     envoy.add_argument(
         "--forward-header", action="append", default=[], help="one more request header the ext_proc reads (repeatable)"
     )
+    envoy.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=_LAYOUT.transport,
+        help="how Envoy asks for each route: an ext_proc gRPC stream, or an ext_authz HTTP call whose request's "
+        "end comes on the access log (the ext_proc's --authz-port; docs/envoy.md)",
+    )
+    envoy.add_argument(
+        "--authz-port", type=int, action="append", help="the ext_proc's authz_port (repeatable: one per replica)"
+    )
     envoy.add_argument("--output", "-o", help="file to write (default: stdout)")
     certs = commands.add_parser(
         "tls-certs", help="write a private CA and the ext_proc's and Envoy's certificates, for mutual TLS"
@@ -129,6 +139,8 @@ def envoy_layout(args: argparse.Namespace) -> EnvoyLayout:
         fail_open=not args.fail_closed,
         backend_cluster=args.backend_cluster,
         graceful_close=not args.no_graceful_close,
+        transport=args.transport,
+        authz_ports=tuple(args.authz_port or _LAYOUT.authz_ports),
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
         forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
     )

@@ -21,7 +21,9 @@ from extproc.core.router import Router
 from extproc.core.saturation import has_room
 from extproc.core.settings import Settings
 from extproc.envoy.auth import TokenInterceptor
+from extproc.envoy.authz import AccessLogs, Authz
 from extproc.envoy.processor import Processor
+from extproc.envoy.proto import access_log_pb2_grpc as als_grpc
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.envoy.tls import server_credentials
@@ -128,22 +130,25 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             *KEEPALIVE_TOLERANCE,
         ],
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
-        Processor(
-            router,
-            pool,
-            metrics,
-            clock=clock,
-            max_stream_age_s=config.max_stream_age_s,
-            fallback=config.destination_fallback,
-            waiting_room=room,
-            priorities=lambda: priorities(router.settings, objectives),
-            prefill_legs=legs,
-            placer=placer,
-            tracer=tracer,
-        ),
-        server,
+    processor = Processor(
+        router,
+        pool,
+        metrics,
+        clock=clock,
+        max_stream_age_s=config.max_stream_age_s,
+        fallback=config.destination_fallback,
+        waiting_room=room,
+        priorities=lambda: priorities(router.settings, objectives),
+        prefill_legs=legs,
+        placer=placer,
+        tracer=tracer,
     )
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)  # type: ignore[no-untyped-call]  # generated, untyped
+    authz = None
+    if config.authz_port:  # the ext_authz transport: routes over HTTP, ends from Envoy's access log
+        token = read_token(config.grpc_token_file) if config.grpc_token_file else ""
+        authz = Authz(processor, pool, metrics, token, clock, config.max_stream_age_s)
+        als_grpc.add_AccessLogServiceServicer_to_server(AccessLogs(authz), server)  # type: ignore[no-untyped-call]  # generated, untyped
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.grpc_host}:{config.grpc_port}"
@@ -165,6 +170,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             **feeds.state(),
             "queue": room.state(),
             **({} if link is None else {"replicas": link.state()}),
+            **({} if authz is None else {"authz": authz.state()}),
         },
         warnings=feeds.warnings if link is None else lambda: feeds.warnings() + link.warnings(),
     )
@@ -183,6 +189,14 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             await web.TCPSite(control, config.control_host, config.control_port).start()
         await server.start()
         cleanup.push_async_callback(server.stop, 2)
+        if authz is not None:
+            cleanup.callback(authz.close_all)  # after the server stops: no entry comes any more
+            # A client that leaves while its request is held cancels Envoy's check call: the handler
+            # is cancelled with it, and the request leaves flow control's queue at once.
+            checks = web.AppRunner(authz.app(), access_log=None, handler_cancellation=True)
+            await checks.setup()
+            cleanup.push_async_callback(checks.cleanup)
+            await web.TCPSite(checks, config.grpc_host, config.authz_port).start()
         cleanup.callback(room.drain)  # before the server stops: what is held is answered, not cut
         # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.
         processor_service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
@@ -207,6 +221,8 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             tasks.append(asyncio.create_task(objectives.run()))
         if link is not None:
             tasks.append(asyncio.create_task(link.run()))
+        if authz is not None:
+            tasks.append(asyncio.create_task(authz.sweep_forever()))
         cleanup.push_async_callback(stop_tasks, tasks)
         cleanup.push_async_callback(health_servicer.enter_graceful_shutdown)
         cleanup.callback(setattr, admin, "serving", False)

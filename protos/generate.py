@@ -14,11 +14,11 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "extproc/envoy/proto/ext_proc.proto"
+PROTOS = ("extproc/envoy/proto/ext_proc.proto", "extproc/envoy/proto/access_log.proto")
 
 
 def generate(out_dir: Path) -> None:
-    """Write ext_proc_pb2.py, .pyi and _pb2_grpc.py for PROTO under out_dir."""
+    """Write NAME_pb2.py, .pyi and _pb2_grpc.py for each of PROTOS under out_dir."""
     include = str(resources.files("grpc_tools") / "_proto")
     args = [
         "grpc_tools.protoc",
@@ -27,10 +27,10 @@ def generate(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        PROTO,
+        *PROTOS,
     ]
     if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO}")
+        raise RuntimeError(f"protoc failed on {PROTOS}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from bench.harness.stack import Stack
 
 pytestmark = [pytest.mark.envoy, pytest.mark.bench]
 
-CONSTANT = [t for t in floors.TRANSPORTS if t not in ("none", "kvroute")]
+CONSTANT = [t for t in floors.TRANSPORTS if t not in ("none", "kvroute", "kvroute_authz")]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def _served(backend: str) -> float:
 def test_a_constant_router_steers_every_request_where_it_says(transport: str, backends, tmp_path: Path):
     chosen = backends[1]
     stack = floors.ConstantStack(
-        tmp_path, backends=backends, envoy_edit=floors.envoy_edit(transport), transport=transport, answers=[chosen]
+        tmp_path, backends=backends, envoy_edit=floors.envoy_edit(transport), constant=transport, answers=[chosen]
     )
     before = {b: _served(b) for b in backends}
     with stack:
@@ -50,7 +50,7 @@ def test_an_ext_proc_sent_only_the_body_cannot_steer(backends, tmp_path: Path):
         tmp_path,
         backends=backends,
         envoy_edit=floors.envoy_edit("ext_proc_body"),
-        transport="ext_proc_body",
+        constant="ext_proc_body",
         answers=[chosen],
     )
     before = {b: _served(b) for b in backends}

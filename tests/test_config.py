@@ -69,3 +69,14 @@ def test_a_replica_store_needs_a_hash_key_every_replica_shares():
         config.load(parse(["--replica-store", "redis://127.0.0.1:6379/0"]), {})
     loaded = config.load(parse(["--replica-store", "redis://127.0.0.1:6379/0"]), {"KVROUTE_HASH_KEY": "cd" * 16})
     assert (loaded.replica_store, loaded.routing.hash_key) == ("redis://127.0.0.1:6379/0", bytes.fromhex("cd" * 16))
+
+
+def test_the_ext_authz_transport_serves_one_replica_without_tls():
+    """A request's access-log entry reaches one replica, which must be the one that decided it; and
+    the check port is plain HTTP, so it is not offered beside a TLS ext_proc port."""
+    store = ["--replica-store", "redis://127.0.0.1:6379/0"]
+    with pytest.raises(ValueError, match="one replica"):
+        config.load(parse(["--authz-port", "9004", *store]), {"KVROUTE_HASH_KEY": "cd" * 16})
+    with pytest.raises(ValueError, match="plain HTTP"):
+        config.load(parse(["--authz-port", "9004", "--grpc-tls-self-signed", "true"]), {})
+    assert config.load(parse(["--authz-port", "9004"]), {}).authz_port == 9004

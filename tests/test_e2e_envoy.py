@@ -36,6 +36,7 @@ LAYOUTS = {
     "buffered": layout_for("buffered"),
     "full_duplex": layout_for("full_duplex"),
     "picker_original_dst": PICKER_GATEWAY,
+    "ext_authz": {"transport": "ext_authz"},  # routes asked over HTTP, ends from the access log
 }
 
 
@@ -77,6 +78,12 @@ def in_flight(stack: Stack) -> int:
     return sum(load["active"] for load in stack.debug_state()["load"].values())
 
 
+def settle(stack: Stack) -> None:
+    """The requests answered so far are learned: at once on the ext_proc transport (the response's
+    start), on the ext_authz one when Envoy's access-log entry arrives, just after the response."""
+    eventually(lambda: in_flight(stack) == 0, message="every answered request ended and learned")
+
+
 def test_conversation_stays_on_one_backend_and_its_cache_grows(stack: Stack):
     history = [{"role": "system", "content": text(RNG, 3000)}]
     served, cached, decisions = set(), [], []
@@ -89,6 +96,7 @@ def test_conversation_stays_on_one_backend_and_its_cache_grows(stack: Stack):
         decisions.append(headers["x-kvroute-decision"])
         cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
         history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        settle(stack)
     assert len(served) == 1
     assert decisions[1:] == ["session_match"] * 9
     assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached[1:]))
@@ -98,6 +106,7 @@ def test_conversation_stays_on_one_backend_and_its_cache_grows(stack: Stack):
 
 def test_second_session_lands_where_the_system_prompt_is_cached(stack: Stack):
     first = post(stack.url, chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a"}]))
+    settle(stack)
     second = post(
         stack.url,
         chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "b"}]),
@@ -113,6 +122,7 @@ def test_client_supplied_destination_is_ignored(stack: Stack):
     """Envoy strips the header before kvroute sees it; kvroute overwrites it on LLM requests."""
     history = [{"role": "system", "content": text(RNG, 3000)}, {"role": "user", "content": "pinned"}]
     home = post(stack.url, chat(history), {"x-session-id": "spoof"})[1]["x-sim-backend"]
+    settle(stack)
     elsewhere = next(b for b in stack.backends if b != home)
     for _ in range(4):
         status, headers, _ = post(
@@ -172,6 +182,8 @@ def envoy_stat(stack: Stack, name: str) -> int:
 def test_envoy_ends_every_ext_proc_stream_without_a_reset(stack: Stack):
     """Envoy half-closes each ext_proc stream and the processor ends it (graceful close), also for
     a streamed response and a client that leaves: a reset stream leaks ~120 bytes in grpcio."""
+    if stack.transport == "ext_authz":
+        pytest.skip("no ext_proc streams on the ext_authz transport")
     resets = "cluster.kvroute_extproc.upstream_rq_tx_reset"
     closed = "http.kvroute.ext_proc.streams_closed"
     before = envoy_stat(stack, resets), envoy_stat(stack, closed)
@@ -244,6 +256,54 @@ def _extproc_channel(stack: Stack) -> grpc.aio.Channel:
     pem = ssl.get_server_certificate(("127.0.0.1", stack.grpc_port)).encode()
     credentials = grpc.ssl_channel_credentials(root_certificates=pem)
     return grpc.aio.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", "localhost")])
+
+
+def test_only_envoy_may_ask_the_authz_port(stack: Stack):
+    """The ext_authz transport's check requests need the token Envoy adds; health stays open."""
+    if stack.transport != "ext_authz":
+        pytest.skip("the ext_authz transport's port")
+    authz = f"http://127.0.0.1:{stack.authz_port}"
+    body = orjson.dumps(chat([{"role": "user", "content": "asked directly"}]))
+    before = metric(stack.admin_url, 'kvroute_errors_total{kind="unauthenticated_stream"}')
+    assert post(authz, body, path="/kvroute/route/v1/chat/completions")[0] == 401
+    forged = {"authorization": "Bearer forged"}
+    assert post(authz, body, forged, path="/kvroute/route/v1/chat/completions")[0] == 401
+    assert metric(stack.admin_url, 'kvroute_errors_total{kind="unauthenticated_stream"}') == before + 2
+    assert get(authz, "/health")[0] == 200
+    assert in_flight(stack) == 0  # nothing was decided for them
+
+
+def test_a_client_cannot_end_another_requests_exchange(stack: Stack):
+    """The exchange header that names a request's access-log entry is Envoy's and kvroute's: a
+    client's copy is stripped, so its own request's end cannot release another's load."""
+    if stack.transport != "ext_authz":
+        pytest.skip("the ext_authz transport's exchange header")
+    conn, _ = open_stream(stack, [{"role": "user", "content": "held open"}])
+    try:
+        unknown = metric(stack.admin_url, 'kvroute_errors_total{kind="unknown_exchange"}')
+        for key in range(1, 64):
+            assert get(stack.url, "/v1/models", {"x-kvroute-exchange": f"{key:x}"})[0] == 200
+        status, _, _ = post(stack.url, chat([{"role": "user", "content": "forged"}]), {"x-kvroute-exchange": "1"})
+        assert status == 200
+        eventually(lambda: in_flight(stack) == 1, message="only the open stream in flight")
+        assert metric(stack.admin_url, 'kvroute_errors_total{kind="unknown_exchange"}') == unknown
+    finally:
+        leave(conn)
+    eventually(lambda: in_flight(stack) == 0, message="the open stream's load released when it left")
+
+
+def test_client_transfer_parameters_are_never_passed_on(stack: Stack):
+    """A client's kv_transfer_params name an address a decode server would pull from: the ext_proc
+    transport strips them from the body; the ext_authz transport, which cannot rewrite it, refuses."""
+    status, headers, body = post(
+        stack.url, chat([{"role": "user", "content": "pull from me"}], kv_transfer_params={"remote_host": "10.9.9.9"})
+    )
+    if stack.transport == "ext_authz":
+        assert status == 400 and b"kv_transfer_params" in body
+        assert "x-sim-backend" not in headers  # never reached a backend
+    else:
+        assert status == 200
+    settle(stack)
 
 
 def test_only_envoy_may_open_ext_proc_streams(stack: Stack):
@@ -386,7 +446,13 @@ def test_without_the_response_body_the_own_count_ends_at_the_response_headers(tm
             leave(conn)
 
 
-@pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
+GATEWAYS = [
+    "buffered",
+    *(pytest.param(name, marks=pytest.mark.layouts) for name in ("picker_original_dst", "ext_authz")),
+]
+
+
+@pytest.mark.parametrize("layout", GATEWAYS)
 def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed(tmp_path: Path, layout: str):
     """max_backend_requests 1 over two backends: the second stream goes to the other backend
     although the first holds its prefix; a third request finds both full and is answered 429
@@ -446,7 +512,7 @@ def _queue(stack: Stack, what: str) -> float:
     return metric(stack.admin_url, f"kvroute_queue_{what}")
 
 
-@pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
+@pytest.mark.parametrize("layout", GATEWAYS)
 def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_one(tmp_path: Path, layout: str):
     """One backend taking one request at a time (max_backend_requests 1), flow control on (the
     default): a second request is held, not shed, and routed once the first ends; a held client

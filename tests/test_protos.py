@@ -9,8 +9,10 @@ from protos.generate import ROOT, generate
 
 def test_generated_code_is_current(tmp_path: Path):
     generate(tmp_path)
-    generated = sorted((tmp_path / "extproc" / "envoy" / "proto").glob("ext_proc_pb2*"))
-    assert [p.name for p in generated] == ["ext_proc_pb2.py", "ext_proc_pb2.pyi", "ext_proc_pb2_grpc.py"]
+    generated = sorted((tmp_path / "extproc" / "envoy" / "proto").glob("*_pb2*"))
+    assert [p.name for p in generated] == [
+        f"{name}_pb2{suffix}" for name in ("access_log", "ext_proc") for suffix in (".py", ".pyi", "_grpc.py")
+    ]
     for fresh in generated:
         committed = ROOT / "extproc" / "envoy" / "proto" / fresh.name
         assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run python protos/generate.py"
@@ -22,3 +24,11 @@ def test_service_path_is_envoys():
     service = ext_proc_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"]
     assert service.full_name == "envoy.service.ext_proc.v3.ExternalProcessor"
     assert service.methods_by_name["Process"].client_streaming
+
+
+def test_access_log_service_path_is_envoys():
+    from extproc.envoy.proto import access_log_pb2
+
+    service = access_log_pb2.DESCRIPTOR.services_by_name["AccessLogService"]
+    assert service.full_name == "envoy.service.accesslog.v3.AccessLogService"
+    assert service.methods_by_name["StreamAccessLogs"].client_streaming

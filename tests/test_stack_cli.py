@@ -22,7 +22,9 @@ pytestmark = pytest.mark.envoy
 
 
 @pytest.mark.parametrize(
-    "extra", [[], ["--no-ext-proc"], ["--no-graceful-close"]], ids=["kvroute", "round-robin", "resets"]
+    "extra",
+    [[], ["--no-ext-proc"], ["--no-graceful-close"], ["--transport", "ext_authz", "--authz-port", "9004"]],
+    ids=["kvroute", "round-robin", "resets", "ext_authz"],
 )
 def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):
     path = tmp_path / "envoy.yaml"

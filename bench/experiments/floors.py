@@ -33,7 +33,7 @@ from extproc.envoy.headers import DESTINATION_HEADER
 
 CASES = [(8_000, 1), (8_000, 16), (84_000, 1), (84_000, 16)]  # (body bytes, concurrency)
 # Stacks in the order each case runs them; "none": Envoy alone, "kvroute": the product.
-TRANSPORTS = ("none", "ext_proc", "ext_proc_request", "ext_authz_grpc", "ext_authz_http", "kvroute")
+TRANSPORTS = ("none", "ext_proc", "ext_proc_request", "ext_authz_grpc", "ext_authz_http", "kvroute", "kvroute_authz")
 # Not among them: "ext_proc_body", the external processor sent the buffered body only (its request
 # headers SKIPped, one message instead of three). It cannot route: Envoy passes the headers on at
 # once, its router picks the upstream host then, and the body reply's destination comes too late
@@ -61,7 +61,7 @@ def envoy_edit(transport: str) -> Callable[[dict[str, Any]], None] | None:
     """How the transport's Envoy differs from kvroute's own (None: not at all). The ext_authz
     filters take the ext_proc filter's place, forward the same headers, and call the same
     cluster (plain HTTP/1.1 with an HTTP health check for ext_authz_http)."""
-    if transport in ("none", "ext_proc", "kvroute"):
+    if transport in ("none", "ext_proc", "kvroute", "kvroute_authz"):
         return None
 
     def edit(bootstrap: dict[str, Any]) -> None:
@@ -106,11 +106,11 @@ def envoy_edit(transport: str) -> Callable[[dict[str, Any]], None] | None:
 class ConstantStack(Stack):
     """A stack whose router is a constant-answer server of the transport's protocol."""
 
-    transport: str = "ext_proc"
+    constant: str = "ext_proc"  # the floors' transport it answers (its Envoy is set by `envoy_edit`)
     answers: Sequence[str] = ()  # the backends its answers name, in turn (default: every one)
 
     def start_extproc(self) -> None:
-        protocol = "ext_proc" if self.transport.startswith("ext_proc") else self.transport
+        protocol = "ext_proc" if self.constant.startswith("ext_proc") else self.constant
         named = self.answers or self.backends
         argv = [sys.executable, "-m", "bench.harness.constant_routers", protocol, str(self.grpc_port), *named]
         process = self._spawn("extproc", argv)
@@ -122,7 +122,9 @@ def _stack(transport: str, workdir: Path, backends: list[str]) -> Stack:
         return Stack(workdir, backends=backends, ext_proc=False)
     if transport == "kvroute":
         return Stack(workdir, backends=backends)
-    return ConstantStack(workdir, backends=backends, envoy_edit=envoy_edit(transport), transport=transport)
+    if transport == "kvroute_authz":  # the product over its ext_authz transport (extproc/envoy/authz.py)
+        return Stack(workdir, backends=backends, transport="ext_authz")
+    return ConstantStack(workdir, backends=backends, envoy_edit=envoy_edit(transport), constant=transport)
 
 
 def _timed(stack: Stack, bodies: list[bytes], concurrency: int) -> dict[str, float | None]:
@@ -140,15 +142,17 @@ def _timed(stack: Stack, bodies: list[bytes], concurrency: int) -> dict[str, flo
     }
 
 
-def measure(requests: int, workdir: Path, rounds: int = 1) -> list[dict[str, Any]]:
-    """One row per round, case and transport."""
+def measure(
+    requests: int, workdir: Path, rounds: int = 1, transports: Sequence[str] = TRANSPORTS
+) -> list[dict[str, Any]]:
+    """One row per round, case and transport (Envoy alone, "none", always runs: the others' base)."""
     plain = Stack(workdir / "none", sims=4, sim_args=FAST_SIM, ext_proc=False)
     rows: list[dict[str, Any]] = []
     with plain:
         backends = list(plain.backends)
         stacks = {"none": plain}
         try:
-            for transport in TRANSPORTS[1:]:
+            for transport in (t for t in TRANSPORTS[1:] if t in transports):
                 stacks[transport] = _stack(transport, workdir / transport, backends).start()
             for round_ in range(1, rounds + 1):
                 for size, concurrency in CASES:
@@ -165,7 +169,7 @@ def measure(requests: int, workdir: Path, rounds: int = 1) -> list[dict[str, Any
     return rows
 
 
-def main(requests: int, rounds: int) -> None:
+def main(requests: int, rounds: int, transports: Sequence[str] = TRANSPORTS) -> None:
     with tempfile.TemporaryDirectory(prefix="kvroute-floors-") as tmp:
-        for row in measure(requests, Path(tmp), rounds):
+        for row in measure(requests, Path(tmp), rounds, transports):
             print(orjson.dumps(row).decode(), flush=True)

@@ -80,6 +80,7 @@ class Stack:
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)
     graceful_close: bool = True  # Envoy half-closes ext_proc streams (False: resets them; docs/envoy.md)
+    transport: str = "ext_proc"  # or "ext_authz": routes asked over HTTP, ends from the access log
     # The first backend prefills for the others (role prefill: a disaggregated fleet); simulated
     # backends then speak vLLM's kv_transfer_params hand-off (`kvroute-dev sim --kv-connector`).
     disaggregated: bool = False
@@ -94,6 +95,7 @@ class Stack:
         self.grpc_ports = [free_port() for _ in range(self.extproc_replicas)]
         self.admin_ports = [free_port() for _ in range(self.extproc_replicas)]
         self.control_ports = [free_port() for _ in range(self.extproc_replicas)]
+        self.authz_ports = [free_port() for _ in range(self.extproc_replicas)]
         self.hash_key = secrets.token_hex(16)  # replicas must hash alike
         self.control_token = secrets.token_hex(16)
         self.grpc_token = secrets.token_hex(16)
@@ -104,6 +106,11 @@ class Stack:
     def grpc_port(self) -> int:
         """The first ext_proc replica's ports (the only one's, usually)."""
         return self.grpc_ports[0]
+
+    @property
+    def authz_port(self) -> int:
+        """The first ext_proc replica's ext_authz port (the ext_authz transport)."""
+        return self.authz_ports[0]
 
     @property
     def admin_port(self) -> int:
@@ -190,6 +197,8 @@ class Stack:
         args += ["--control-token-file", self._secret("control.token", self.control_token)]
         args += ["--grpc-token-file", self._secret("grpc.token", self.grpc_token)]
         args += ["--decision-headers", "true"]  # a developer's stack shows why each request went where
+        if self.transport == "ext_authz":
+            args += ["--authz-port", str(self.authz_ports[replica])]
         if self.extproc_mtls:
             certs = self.mtls_files()
             args += ["--grpc-tls-cert-file", str(certs["server_cert"]), "--grpc-tls-key-file", str(certs["server_key"])]
@@ -235,6 +244,8 @@ class Stack:
             backend_cluster=self.backend_cluster,
             graceful_close=self.graceful_close,
             message_timeout_ms=message_timeout_ms(self.routing()),
+            transport=self.transport,
+            authz_ports=tuple(self.authz_ports),
         )
         config = self.workdir / "envoy.yaml"
         rendered = bootstrap(layout)

@@ -389,19 +389,23 @@ class Router:
                 self.attribution.served(decision, served, matched, block_tokens)
                 exchange.routed = served, matched * block_tokens
             if self.settings.decision_headers:  # never on errors
-                headers = (
-                    (
-                        "x-kvroute-decision",
-                        f"queued,{decision.label.value}" if exchange.queued else decision.label.value,
-                    ),
-                    ("x-kvroute-backend", backend),
-                    ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
-                    ("x-kvroute-cached-tokens", str(round(matched * block_tokens))),
-                )
-                if reservation is not None and reservation.predicted_s is not None:
-                    headers += (("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))),)
+                headers = self.decision_headers(exchange, backend, matched)
         exchange.outcome = Outcome(backend, learned, bool(served) and start.connect_failed, rerouted, headers)
         return exchange.outcome
+
+    def decision_headers(self, exchange: Exchange, backend: str, matched: int) -> tuple[tuple[str, str], ...]:
+        """What the client is told of its request's decision: why, where, how much of the prompt
+        was cached there (`matched` blocks) and the time to first token kvroute expected."""
+        decision, reservation = exchange.decision, exchange.reservation
+        headers: tuple[tuple[str, str], ...] = (
+            ("x-kvroute-decision", f"queued,{decision.label.value}" if exchange.queued else decision.label.value),
+            ("x-kvroute-backend", backend),
+            ("x-kvroute-prefix", f"{matched}/{decision.total_blocks}"),
+            ("x-kvroute-cached-tokens", str(round(matched * self.block_tokens()))),
+        )
+        if reservation is not None and reservation.predicted_s is not None:
+            headers += (("x-kvroute-ttft-ms", str(round(reservation.predicted_s * 1000))),)
+        return headers
 
     def engine_reported(self, exchange: Exchange, cached_tokens: int) -> None:
         """The engine's own count of the request's cached prompt tokens (its response's usage,

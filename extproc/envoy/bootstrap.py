@@ -20,7 +20,7 @@ import yaml
 from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.settings import SESSION_HEADERS, Settings
-from extproc.envoy.headers import DESTINATION_HEADER, LB_NAMESPACE, PENDING_HEADER
+from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, LB_NAMESPACE, PENDING_HEADER, ROUTE_PREFIX
 
 BODY_LIMIT = 32 * 1024 * 1024
 MAX_CONNECTIONS = 50_000
@@ -89,6 +89,17 @@ DESTINATION_SOURCES: dict[str, dict[str, Any]] = {
     "metadata": {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
 }
 BACKEND_CLUSTERS = ("override_host", "original_dst")
+TRANSPORTS = ("ext_proc", "ext_authz")
+# What an ext_authz answer may set: on the upstream request, and on the client's response.
+AUTHZ_UPSTREAM_HEADERS = (DESTINATION_HEADER, EXCHANGE_HEADER)
+AUTHZ_CLIENT_HEADERS = (
+    "x-kvroute-decision",
+    "x-kvroute-backend",
+    "x-kvroute-prefix",
+    "x-kvroute-cached-tokens",
+    "x-kvroute-ttft-ms",
+)
+AUTHZ_REFUSAL_HEADERS = ("retry-after", "x-kvroute-decision", "x-kvroute-queue", "content-type")
 # The files of a mutual-TLS set, by role: what `issue_mutual` writes, Envoy's bootstrap reads
 # (ca, client_*) and the ext_proc is given (ca, server_*); the chart's Secrets use the same keys.
 MUTUAL_FILES = {
@@ -138,6 +149,11 @@ class EnvoyLayout:
     backend_cluster: str = "override_host"
     # End each ext_proc stream with a half-close instead of a reset (GRACEFUL_CLOSE, above).
     graceful_close: bool = True
+    # How Envoy asks for each route (TRANSPORTS): "ext_proc" (a gRPC stream per request), or
+    # "ext_authz" (an HTTP/1.1 call per request to `authz_ports`, each request's end reported on the
+    # ext_proc port's access-log service; extproc/envoy/authz.py).
+    transport: str = "ext_proc"
+    authz_ports: Sequence[int] = (9004,)  # the ext_proc's authz_port, one per replica on the host
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -292,12 +308,88 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     }
 
 
+def _authz_cluster(layout: EnvoyLayout) -> dict[str, Any]:
+    """Plain HTTP/1.1 to the ext_proc's authz_port, connections kept alive and reused."""
+    return {
+        "name": "kvroute_authz",
+        **_discovery(layout.extproc_host),
+        "connect_timeout": "1s",
+        **_checked_and_unthrottled({"http_health_check": {"path": "/health"}}),
+        "load_assignment": _endpoints("kvroute_authz", [f"{layout.extproc_host}:{p}" for p in layout.authz_ports]),
+    }
+
+
+def _patterns(names: Iterable[str]) -> dict[str, Any]:
+    return {"patterns": [{"exact": name} for name in names]}
+
+
+def _authz_filter(layout: EnvoyLayout) -> dict[str, Any]:
+    """ext_authz over HTTP with the buffered body: the answer's destination header reaches the
+    upstream request before the router picks the host; a refusal's status reaches the client."""
+    token = [{"key": "authorization", "value": f"Bearer {layout.extproc_token}"}] if layout.extproc_token else []
+    return {
+        "name": "envoy.filters.http.ext_authz",
+        "typed_config": {
+            "@type": _TYPES + "extensions.filters.http.ext_authz.v3.ExtAuthz",
+            "transport_api_version": "V3",
+            "failure_mode_allow": layout.fail_open,
+            "status_on_error": {"code": 503},
+            "with_request_body": {"max_request_bytes": BODY_LIMIT, "allow_partial_message": False},
+            "allowed_headers": _patterns(layout.forward_headers),
+            "http_service": {
+                "server_uri": {
+                    "uri": f"http://{layout.extproc_host}:{layout.authz_ports[0]}",
+                    "cluster": "kvroute_authz",
+                    "timeout": f"{layout.message_timeout_ms / 1000:g}s",
+                },
+                "path_prefix": ROUTE_PREFIX,
+                "authorization_request": {"headers_to_add": token},
+                "authorization_response": {
+                    "allowed_upstream_headers": _patterns(AUTHZ_UPSTREAM_HEADERS),
+                    "allowed_client_headers": _patterns(AUTHZ_REFUSAL_HEADERS),
+                    "allowed_client_headers_on_success": _patterns(AUTHZ_CLIENT_HEADERS),
+                },
+            },
+        },
+    }
+
+
+def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
+    """The ext_authz transport's end of each routed request (the ones its answer named an
+    exchange for), streamed to the ext_proc's access-log service as each ends."""
+    grpc_service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "kvroute_extproc"}}
+    if layout.extproc_token:
+        grpc_service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {layout.extproc_token}"}]
+    return [
+        {
+            "name": "envoy.access_loggers.http_grpc",
+            "filter": {"header_filter": {"header": {"name": EXCHANGE_HEADER, "present_match": True}}},
+            "typed_config": {
+                "@type": _TYPES + "extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": "kvroute",
+                    "transport_api_version": "V3",
+                    "grpc_service": grpc_service,
+                    "buffer_size_bytes": 0,  # no batching: an entry goes at once (a next turn finds it learned)
+                },
+                "additional_request_headers_to_log": [EXCHANGE_HEADER],
+            },
+        }
+    ]
+
+
 def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
     strip = {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": _TYPES + "extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}, {"remove": PENDING_HEADER}]},
+            "mutations": {
+                "request_mutations": [
+                    {"remove": DESTINATION_HEADER},
+                    {"remove": PENDING_HEADER},
+                    {"remove": EXCHANGE_HEADER},
+                ]
+            },
         },
     }
     ext_proc: dict[str, Any] = {
@@ -326,7 +418,11 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": _TYPES + "extensions.filters.http.router.v3.Router"},
     }
-    return [strip, ext_proc, router] if layout.ext_proc else [strip, router]
+    if not layout.ext_proc:
+        return [strip, router]
+    if _checked("transport", layout.transport, TRANSPORTS) == "ext_authz":
+        return [strip, _authz_filter(layout), router]
+    return [strip, ext_proc, router]
 
 
 # A request the ext_proc took but never decided (it died, or its reply timed out, while the body was
@@ -353,7 +449,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         },
         "request_body_buffer_limit": BODY_LIMIT,
     }
-    routes = [_PENDING_ROUTE, route] if layout.ext_proc else [route]
+    routes = [_PENDING_ROUTE, route] if layout.ext_proc and layout.transport == "ext_proc" else [route]
     manager = {
         "@type": _TYPES + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvroute",
@@ -362,6 +458,8 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         "route_config": {"name": "llm", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": _http_filters(layout),
     }
+    if layout.ext_proc and layout.transport == "ext_authz":
+        manager["access_log"] = _access_log(layout)
     listener = {
         "name": "llm",
         "address": {"socket_address": {"address": layout.listen_host, "port_value": layout.listen_port}},
@@ -373,6 +471,8 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     clusters = [_backend_cluster(layout)]
     if layout.ext_proc:
         clusters.append(_extproc_cluster(layout))
+        if layout.transport == "ext_authz":
+            clusters.append(_authz_cluster(layout))
     return {
         "admin": {"address": {"socket_address": {"address": layout.admin_host, "port_value": layout.admin_port}}},
         "static_resources": {"listeners": [listener], "clusters": clusters},

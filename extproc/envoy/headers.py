@@ -14,3 +14,8 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # or times out meanwhile, a fail-open Envoy would send it on unrouted, past the queue; kvroute's
 # bootstrap answers a request still carrying it with a 503 instead. The decision removes it.
 PENDING_HEADER = "x-kvroute-pending"
+# The ext_authz transport (authz.py): names the exchange a request's access-log entry ends. kvroute
+# sets it on the upstream request; a client-supplied copy is stripped like the destination's.
+EXCHANGE_HEADER = "x-kvroute-exchange"
+# Its check requests' path: this prefix, then the request's own path (Envoy's path_prefix).
+ROUTE_PREFIX = "/kvroute/route"

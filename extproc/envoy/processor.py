@@ -169,22 +169,31 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._placer = placer
         self._tracer = tracer
 
+    @property
+    def router(self) -> Router:
+        return self._router
+
+    @property
+    def splits(self) -> bool:
+        """Whether requests may be split into prefill and decode legs (a disaggregated fleet)."""
+        return self._legs is not None
+
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = Stream()
-        context.add_done_callback(lambda _: self._closed(stream))  # type: ignore[arg-type]  # the stub wants its own private class
+        context.add_done_callback(lambda _: self.closed(stream))  # type: ignore[arg-type]  # the stub wants its own private class
         try:
             async with asyncio.timeout(self._max_stream_age_s):
                 async for reply in self._replies(request_iterator, stream):
                     yield reply
         except TimeoutError:  # a stream never closed must not hold its reservation forever
             self._metrics.errors.labels("stream_age_limit").inc()
-            self._closed(stream)
+            self.closed(stream)
 
-    def _closed(self, stream: Stream) -> None:
+    def closed(self, stream: Stream) -> None:
         """The stream ended, however it ended: release what it holds, and give its room to the
         next held request."""
         stream.close()
@@ -208,17 +217,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 if stream.response_duplex and msg.response_ended(message):
                     return  # end the stream first: see messages.response_ended
                 continue
-            parsed, body = None, None
+            body = None
             if stream.phase is Phase.BODY and message.WhichOneof("request") == "request_body":
                 body = message.request_body.body  # (a copy: read once)
-                parsed = await self._read_large(body, stream)
-                parsed, refused = await self._wait_turn(body, stream, parsed, len(body))
-                if refused is not None:
-                    yield refused
-                    continue
-                parsed = await self._placed(body, stream, parsed)
-            reply = self.handle(message, stream, parsed)
-            self._dispatched(stream)
+                reply = await self.decide_body(stream, body)
+            else:
+                reply = self.handle(message, stream)
             if body is not None and not reply.HasField("immediate_response"):  # this body decided it
                 handed = await self._handed_over(stream, body)
                 if handed is not None:
@@ -226,6 +230,24 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     response.body_mutation.body = handed
                     response.header_mutation.set_headers.append(msg.header("content-length", str(len(handed))))
             yield reply
+
+    async def decide_body(self, stream: Stream, body: bytes) -> pb.ProcessingResponse:
+        """A buffered LLM request's body decides (both transports: ext_authz.py too): read off the
+        loop when large, flow control's turn, adapter placement, the decision. The reply as the
+        ext_proc protocol sends it; a failure never stops the request, it only skips routing."""
+        parsed = await self._read_large(body, stream)
+        parsed, refused = await self._wait_turn(body, stream, parsed, len(body))
+        if refused is not None:
+            return refused
+        parsed = await self._placed(body, stream, parsed)
+        try:
+            reply = self._on_request_body(body, stream, parsed)
+        except Exception:
+            log.exception("ext_proc failed on request_body; the request continues unrouted")
+            self._metrics.errors.labels("internal").inc()
+            reply = msg.UNROUTED_BODY
+        self._dispatched(stream)
+        return reply
 
     async def _read_large(self, body: bytes, stream: Stream) -> Parsed | None:
         """Parsing and hashing a large body takes milliseconds to seconds: do it off the event
@@ -459,7 +481,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 stream.subset = msg.subset(message)
                 return self._on_request_headers(message.request_headers, stream)
             if kind == "request_body":
-                return self._on_request_body(message.request_body, stream, parsed)
+                return self._on_request_body(message.request_body.body, stream, parsed)
             if kind == "response_headers":
                 return self._on_response_headers(message, stream)
         except Exception:
@@ -473,14 +495,20 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if stream.phase is not Phase.HEADERS:  # one stream decides once: a repeated message changes nothing
             self._metrics.errors.labels("repeated_message").inc()
             return msg.CONTINUE_HEADERS
-        headers = stream.headers = msg.headers(message)
+        return self.request_headers(stream, msg.headers(message), message.end_of_stream)
+
+    def request_headers(self, stream: Stream, headers: dict[str, str], end_of_stream: bool) -> pb.ProcessingResponse:
+        """A request's headers (both transports): an LLM request waits for its body (phase BODY);
+        another path or method is passed through to the least loaded backend (PASSED); an LLM
+        request without a body is decided now."""
+        stream.headers = headers
         spoofed = DESTINATION_HEADER in headers
         if spoofed:
             self._metrics.errors.labels("client_destination_header").inc()
         path = headers.get(":path", "").partition("?")[0]
         if headers.get(":method") != "POST" or path not in LLM_PATHS:
             return self._passed_through(stream, spoofed)
-        if message.end_of_stream:
+        if end_of_stream:
             self._metrics.errors.labels("empty_body").inc()
             return self._routing_reply(stream, None, "request_headers")
         stream.advance(Phase.BODY)
@@ -511,10 +539,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return self._pool.backends
         return [b for b in self._pool.backends if b.address in stream.subset]
 
-    def _on_request_body(self, message: pb.HttpBody, stream: Stream, parsed: Parsed | None) -> pb.ProcessingResponse:
+    def _on_request_body(self, body: bytes, stream: Stream, parsed: Parsed | None) -> pb.ProcessingResponse:
         if stream.phase is not Phase.BODY:  # passed through, decided, or no headers before it
             return msg.CONTINUE_BODY
-        return self._routing_reply(stream, message.body, "request_body", parsed)
+        return self._routing_reply(stream, body, "request_body", parsed)
 
     def _routing_reply(
         self, stream: Stream, body: bytes | None, kind: str, parsed: Parsed | None = None

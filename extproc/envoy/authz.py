@@ -1,0 +1,212 @@
+"""The ext_authz transport: Envoy asks for each request's route over plain HTTP/1.1, and tells how
+each request ended through its gRPC access-log stream (docs/envoy.md#the-ext_authz-transport).
+
+Why: an ext_proc stream costs grpc.aio 380-410 µs of CPU per request before kvroute decides
+anything, an ext_authz HTTP call about 120 (docs/benchmarks.md, `bench floors`). The decision is
+the same code as the ext_proc path's (`Processor.request_headers`, `Processor.decide_body`): flow
+control, adapter placement, the core's lifecycle. What moves:
+
+- The route comes back as the 200's destination header, which Envoy's `allowed_upstream_headers`
+  puts on the upstream request before its router picks the host, with `EXCHANGE_HEADER` naming
+  the exchange; a refusal (429, 503) is the answer's own status, which Envoy sends the client.
+- Learning, and the release of what the request holds, come with its access-log entry, at the
+  request's end instead of its response's start; the upstream that served and its status are
+  the entry's. The decision headers go to the client with the decision, not the response.
+- The body cannot be rewritten: a request that carries `kv_transfer_params` is refused with a
+  400 (the ext_proc path strips them), and prefill/decode splitting needs the ext_proc path.
+- An entry that never comes (Envoy restarted, the log stream broke) is swept after
+  `max_stream_age_s`, like an ext_proc stream that never ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from extproc.core.exchange import ResponseStart
+from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
+from extproc.envoy.processor import Phase, Processor, Stream
+from extproc.envoy.proto import access_log_pb2 as als
+from extproc.envoy.proto import access_log_pb2_grpc as als_grpc
+from extproc.envoy.proto import ext_proc_pb2 as pb
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
+
+log = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 30.0
+
+
+def _destination(reply: pb.ProcessingResponse) -> str | None:
+    """The destination an ext_proc reply sets, if any."""
+    kind = reply.WhichOneof("response")
+    if kind not in ("request_headers", "request_body"):
+        return None
+    for option in getattr(reply, kind).response.header_mutation.set_headers:
+        if option.header.key == DESTINATION_HEADER:
+            return str((option.header.raw_value or option.header.value.encode()).decode())
+    return None
+
+
+def _immediate(reply: pb.ProcessingResponse) -> web.Response:
+    """An ext_proc immediate response (429, 503) as the ext_authz answer Envoy passes on."""
+    immediate = reply.immediate_response
+    headers = {
+        option.header.key: (option.header.raw_value or option.header.value.encode()).decode()
+        for option in immediate.headers.set_headers
+    }
+    return web.Response(status=immediate.status.code or 503, body=immediate.body, headers=headers)
+
+
+class Authz:
+    """The check handler and the access-log servicer's target: open exchanges by id."""
+
+    def __init__(
+        self,
+        processor: Processor,
+        pool: BackendPool,
+        metrics: Metrics,
+        token: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        max_age_s: float = 3600.0,
+    ) -> None:
+        self._processor = processor
+        self._router = processor.router
+        self._pool = pool
+        self._metrics = metrics
+        self._token = f"Bearer {token}".encode() if token else b""
+        self._clock = clock
+        self._max_age_s = max_age_s
+        self._ids = itertools.count(1)
+        self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=0)  # Envoy bounds the body (with_request_body)
+        app.router.add_route("*", ROUTE_PREFIX + "/{path:.*}", self.check)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def check(self, request: web.Request) -> web.Response:
+        """One request's route. Envoy sends its method, path (after ROUTE_PREFIX), the headers it
+        forwards and its buffered body."""
+        if self._token and not hmac.compare_digest(request.headers.get("authorization", "").encode(), self._token):
+            self._metrics.errors.labels("unauthenticated_stream").inc()
+            return web.Response(status=401)
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        headers[":method"] = request.method
+        headers[":path"] = request.path_qs[len(ROUTE_PREFIX) :] or "/"
+        body = await request.read()
+        stream = Stream()
+        reply = self._processor.request_headers(stream, headers, end_of_stream=not body)
+        if stream.phase is Phase.BODY:
+            reply = await self._processor.decide_body(stream, body)
+        if reply.HasField("immediate_response"):
+            self._processor.closed(stream)
+            return _immediate(reply)
+        if (
+            stream.exchange is not None
+            and stream.exchange.request is not None
+            and stream.exchange.request.transfer_params
+        ):
+            self._processor.closed(stream)  # the body cannot be rewritten here: never passed on
+            self._metrics.errors.labels("client_transfer_params").inc()
+            return web.Response(status=400, text="kv_transfer_params are not accepted from clients")
+        answer: dict[str, str] = {}
+        target = _destination(reply)
+        if target is not None:
+            answer[DESTINATION_HEADER] = target
+        exchange = stream.exchange
+        if exchange is None or exchange.decision.backend is None:  # passed through, or unrouted
+            self._processor.closed(stream)
+            return web.Response(headers=answer)
+        key = f"{next(self._ids):x}"
+        self._open[key] = (stream, self._clock())
+        answer[EXCHANGE_HEADER] = key
+        if self._router.settings.decision_headers and exchange.request is not None:  # (none when unread)
+            backend = exchange.decision.backend
+            answer.update(self._router.decision_headers(exchange, backend, exchange.predicted_blocks))
+        return web.Response(headers=answer)
+
+    def ended(self, entry: als.HTTPAccessLogEntry) -> None:
+        """A request's access-log entry: where it was served and with what status. The core
+        learns from a 2xx and the exchange releases what it held."""
+        common = entry.common_properties
+        if common.intermediate_log_entry:
+            return
+        key = entry.request.request_headers.get(EXCHANGE_HEADER)
+        opened = self._open.pop(key, None) if key else None
+        if opened is None:
+            self._metrics.errors.labels("unknown_exchange").inc()
+            return
+        stream = opened[0]
+        assert stream.exchange is not None  # (only decided exchanges are opened)
+        address = common.upstream_remote_address.socket_address
+        upstream = f"{address.address}:{address.port_value}" if address.address else ""
+        known = self._pool.canonical(upstream) if upstream else None
+        details = entry.response.response_code_details
+        start = ResponseStart(
+            upstream=known or upstream,
+            known=known is not None,
+            status=entry.response.response_code.value,
+            from_upstream=details == "via_upstream",
+            connect_failed=common.response_flags.upstream_connection_failure,
+        )
+        outcome = self._router.response_started(stream.exchange, start, self._clock())
+        if outcome.refused:
+            self._pool.mark_suspect(outcome.served)
+        self._processor.closed(stream)
+
+    def sweep(self) -> int:
+        """Close the exchanges whose entry never came within `max_age_s`; how many."""
+        cutoff = self._clock() - self._max_age_s
+        stale = [key for key, (_, decided) in self._open.items() if decided < cutoff]
+        for key in stale:
+            stream, _ = self._open.pop(key)
+            self._metrics.errors.labels("stream_age_limit").inc()
+            self._processor.closed(stream)
+        return len(stale)
+
+    async def sweep_forever(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sweep()
+
+    def close_all(self) -> None:
+        """Stopping: every open exchange releases what it holds."""
+        while self._open:
+            _, (stream, _) = self._open.popitem()
+            self._processor.closed(stream)
+
+    def state(self) -> dict[str, Any]:
+        return {"open_exchanges": len(self._open)}
+
+
+class AccessLogs(als_grpc.AccessLogServiceServicer):
+    """Envoy's gRPC access-log stream: each entry ends an exchange of the ext_authz path."""
+
+    def __init__(self, authz: Authz) -> None:
+        self._authz = authz
+
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[als.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext[als.StreamAccessLogsMessage, als.StreamAccessLogsResponse],
+    ) -> als.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                try:
+                    self._authz.ended(entry)
+                except Exception:  # one bad entry must not end the stream (and lose the rest)
+                    log.exception("access-log entry could not be applied")
+        return als.StreamAccessLogsResponse()

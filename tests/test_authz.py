@@ -1,0 +1,153 @@
+"""The ext_authz transport's check handler and access-log entries, on a real router and real
+protobuf entries, the check served by aiohttp's own test server (no Envoy: tests/test_e2e_envoy.py
+runs it through Envoy)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from extproc.core.backends import Backend
+from extproc.core.router import Router
+from extproc.core.settings import Settings
+from extproc.envoy.authz import Authz
+from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
+from extproc.envoy.processor import Processor
+from extproc.envoy.proto import access_log_pb2 as als
+from extproc.runtime.metrics import Metrics
+from extproc.runtime.pool import BackendPool
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}]})
+TOKEN = "s3cret"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def parts():
+    router = Router(Settings(hash_key=b"k" * 16, decision_headers=True))
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
+    metrics = Metrics(router, pool)
+    clock = Clock()
+    processor = Processor(router, pool, metrics, clock=clock)
+    return router, pool, metrics, clock, Authz(processor, pool, metrics, TOKEN, clock, max_age_s=60.0)
+
+
+def check(authz: Authz, body: bytes, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions"):
+    """One check call as Envoy makes it: (status, headers, body)."""
+
+    async def call() -> tuple[int, dict[str, str], bytes]:
+        async with TestClient(TestServer(authz.app())) as client:
+            sent = {"authorization": f"Bearer {TOKEN}", **(headers or {})}
+            response = await client.post(ROUTE_PREFIX + path, data=body, headers=sent)
+            return response.status, dict(response.headers), await response.read()
+
+    return asyncio.run(call())
+
+
+def entry(exchange: str, status: int, upstream: str, details: str = "via_upstream", **flags: bool):
+    """An access-log entry as Envoy streams it at a request's end."""
+    host, port = upstream.rsplit(":", 1)
+    return als.HTTPAccessLogEntry(
+        common_properties=als.AccessLogCommon(
+            upstream_remote_address=als.Address(socket_address=als.SocketAddress(address=host, port_value=int(port))),
+            response_flags=als.ResponseFlags(**flags),
+        ),
+        request=als.HTTPRequestProperties(request_headers={EXCHANGE_HEADER: exchange}),
+        response=als.HTTPResponseProperties(response_code={"value": status}, response_code_details=details),
+    )
+
+
+def active(router: Router) -> int:
+    return sum(active for _, active in router.loads.snapshot().values())
+
+
+def errors(metrics: Metrics, kind: str) -> float:
+    return metrics.registry.get_sample_value("kvroute_errors_total", {"kind": kind}) or 0.0
+
+
+def test_a_routed_request_is_learned_and_released_when_its_entry_comes(parts: Any):
+    router, _, _, _, authz = parts
+    status, headers, _ = check(authz, BODY, {"x-session-id": "conv"})
+    assert status == 200 and headers[DESTINATION_HEADER] in (A, B)
+    assert (
+        headers["x-kvroute-decision"] == "least_loaded" and headers["x-kvroute-backend"] == headers[DESTINATION_HEADER]
+    )
+    assert active(router) == 1 and router.stats.learned == 0  # nothing learned before the backend answered
+    authz.ended(entry(headers[EXCHANGE_HEADER], 200, headers[DESTINATION_HEADER]))
+    assert active(router) == 0 and router.stats.learned == 1
+    status, again, _ = check(authz, BODY, {"x-session-id": "conv"})
+    assert again["x-kvroute-decision"] == "session_match" and again[DESTINATION_HEADER] == headers[DESTINATION_HEADER]
+    authz.ended(entry(again[EXCHANGE_HEADER], 200, again[DESTINATION_HEADER]))
+    assert authz.state() == {"open_exchanges": 0}
+
+
+def test_an_error_or_a_failed_connection_releases_without_learning(parts: Any):
+    router, pool, _, _, authz = parts
+    _, first, _ = check(authz, BODY)
+    authz.ended(entry(first[EXCHANGE_HEADER], 503, first[DESTINATION_HEADER]))
+    _, second, _ = check(authz, BODY)
+    target = second[DESTINATION_HEADER]
+    authz.ended(
+        entry(
+            second[EXCHANGE_HEADER],
+            503,
+            target,
+            "upstream_reset_before_response_started",
+            upstream_connection_failure=True,
+        )
+    )
+    assert router.stats.learned == 0 and active(router) == 0
+    assert pool._suspects == {target}  # probed at once, as when the ext_proc path sees a refused connection
+
+
+def test_entries_it_did_not_open_change_nothing(parts: Any):
+    router, _, metrics, _, authz = parts
+    _, headers, _ = check(authz, BODY)
+    authz.ended(entry("ffff", 200, A))
+    authz.ended(entry(headers[EXCHANGE_HEADER] + "0", 200, A))
+    assert errors(metrics, "unknown_exchange") == 2
+    assert active(router) == 1 and router.stats.learned == 0
+
+
+def test_an_exchange_whose_entry_never_comes_is_swept(parts: Any):
+    router, _, metrics, clock, authz = parts
+    check(authz, BODY)
+    clock.now += 30
+    assert authz.sweep() == 0
+    clock.now += 31
+    assert authz.sweep() == 1
+    assert active(router) == 0 and errors(metrics, "stream_age_limit") == 1
+
+
+def test_without_the_token_nothing_is_decided(parts: Any):
+    router, _, metrics, _, authz = parts
+    status, _, _ = check(authz, BODY, {"authorization": "Bearer forged"})
+    assert status == 401 and active(router) == 0
+    assert errors(metrics, "unauthenticated_stream") == 1
+
+
+def test_other_paths_get_a_destination_and_nothing_to_end(parts: Any):
+    router, _, _, _, authz = parts
+    status, headers, _ = check(authz, b"", path="/v1/models")
+    assert status == 200 and headers[DESTINATION_HEADER] in (A, B)
+    assert EXCHANGE_HEADER not in headers and active(router) == 0
+
+
+def test_client_transfer_parameters_are_refused(parts: Any):
+    router, _, metrics, _, authz = parts
+    body = orjson.dumps({"model": "m", "prompt": "p", "kv_transfer_params": {"remote_host": "10.9.9.9"}})
+    status, headers, _ = check(authz, body, path="/v1/completions")
+    assert status == 400 and DESTINATION_HEADER not in headers
+    assert active(router) == 0 and errors(metrics, "client_transfer_params") == 1
