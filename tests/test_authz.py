@@ -151,3 +151,14 @@ def test_client_transfer_parameters_are_refused(parts: Any):
     status, headers, _ = check(authz, body, path="/v1/completions")
     assert status == 400 and DESTINATION_HEADER not in headers
     assert active(router) == 0 and errors(metrics, "client_transfer_params") == 1
+
+
+def test_a_next_turn_asked_before_the_last_ones_end_is_reported_follows_it(parts: Any):
+    """A client may send its next turn the instant the last one's response ends, before Envoy's
+    entry for it arrives: the turn follows its conversation all the same (the index still learns
+    nothing before the entry)."""
+    router, _, _, _, authz = parts
+    _, first, _ = check(authz, BODY, {"x-session-id": "quick"})
+    _, second, _ = check(authz, BODY, {"x-session-id": "quick"})
+    assert second["x-kvroute-decision"] == "session_match"
+    assert second[DESTINATION_HEADER] == first[DESTINATION_HEADER] and router.stats.learned == 0

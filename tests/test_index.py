@@ -185,3 +185,16 @@ def test_the_holders_of_a_first_block_are_exactly_the_backends_whose_picture_has
             named = set(index.holders(head, now))
             assert found <= named
             assert named == {b for b in (A, B) if index.lookup([head], [b], -1e9)[b] == 1}
+
+
+def test_room_made_ahead_of_learning_evicts_the_least_recent():
+    """A transport that learns at a request's end makes room for its blocks when it is sent, as
+    the engine's prefill evicts then: the least recent go; a later learn fills the room."""
+    index = LocalIndex(ttl_s=60, capacity_blocks=6, learn_share=1.0)
+    index.learn([1, 2, 3], A, 0)
+    index.learn([7, 8, 9], A, 1)
+    index.make_room(A, 2)
+    assert index.lookup([1, 2, 3], [A], 2) == {A: 1}  # its tail went first, as vLLM frees tails first
+    assert index.lookup([7, 8, 9], [A], 2) == {A: 3}
+    index.learn([4, 5], A, 3)
+    assert index.entries_by_backend()[A] == 6

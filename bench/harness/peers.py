@@ -27,6 +27,7 @@ from bench.harness.venvs import peers_venv
 
 ROUTERS = (
     "kvroute",
+    "kvroute-authz",
     "kvroute-precise",
     "kvroute-unshared",
     "envoy-round-robin",
@@ -40,6 +41,8 @@ VARIANTS = {
     # as kvroute routed before it weighed LoRA adapters: their slots cost nothing
     "kvroute-no-adapter-affinity": ("--adapter-load-cost", "0", "--adapter-evict-cost", "0"),
 }
+# kvroute whose Envoy asks each route over ext_authz instead of ext_proc (extproc/envoy/authz.py)
+AUTHZ = "kvroute-authz"
 # kvroute over a disaggregated fleet: the first backend prefills for the others, which decode (on
 # servers that speak vLLM's kv_transfer_params: `bench compare` starts them so when it runs)
 DISAGGREGATED = "kvroute-pd"
@@ -130,6 +133,7 @@ def _kvroute(
             replica_store_password=PASSWORD if store else "",
             graceful_close=graceful_close,
             disaggregated=name == DISAGGREGATED,
+            transport="ext_authz" if name == AUTHZ else "ext_proc",
         ).start()
     except BaseException:
         if store is not None:
@@ -170,7 +174,7 @@ def start(
         sources = ",".join(f"{adapter}={path}" for adapter, path in adapter_paths.items())
         args = ("--adapter-sources", sources, *extproc_args)
         return _kvroute(name, backends, workdir, args, replicas, graceful_close)
-    if name in ("kvroute", "kvroute-unshared", DISAGGREGATED, FLEXIBLE, *VARIANTS):
+    if name in ("kvroute", "kvroute-unshared", AUTHZ, DISAGGREGATED, FLEXIBLE, *VARIANTS):
         flexible = ("--pd-flexible", "true") if name == FLEXIBLE else ()
         args = (*VARIANTS.get(name, ()), *flexible, *extproc_args)
         return _kvroute(name, backends, workdir, args, replicas, graceful_close)

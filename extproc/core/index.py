@@ -77,6 +77,13 @@ class LocalIndex:
         if backend in self._backends:
             self._trim(backend, self._backends[backend], blocks)
 
+    def make_room(self, backend: str, count: int) -> None:
+        """`count` blocks will be stored there before they are learned: the least recent go now,
+        as the engine's prefill evicts them."""
+        blocks = self._backends.get(backend)
+        if blocks:
+            self._trim(backend, blocks, self._capacities.get(backend, self._capacity) - count)
+
     def _trim(self, backend: str, blocks: OrderedDict[int, float], capacity: int) -> None:
         for _ in range(len(blocks) - capacity):
             self._lost(blocks.popitem(last=False)[0], backend)

@@ -110,6 +110,11 @@ class IndexMode(Protocol):
         """The backend reported its KV cache size."""
         ...
 
+    def make_room(self, backend: str, blocks: int) -> None:
+        """The backend is about to store this many new blocks, which will be learned only later
+        (a transport that reports a request's end, not its response's start)."""
+        ...
+
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
         """One scrape of the backend's metrics, after the router took what every mode takes."""
         ...
@@ -206,6 +211,10 @@ class ApproximateMode:
     def set_capacity(self, backend: str, kv_tokens: int) -> None:
         if self.settings.capacity_auto:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
+
+    def make_room(self, backend: str, blocks: int) -> None:
+        """The engine evicts for them at the prefill: so does the picture, now."""
+        self.index.make_room(backend, blocks)
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
         value = self._shared.bytes_per_token.value
@@ -316,6 +325,9 @@ class PreciseMode:
 
     def set_capacity(self, backend: str, kv_tokens: int) -> None:
         """The engine's events bound the picture: its size is not needed."""
+
+    def make_room(self, backend: str, blocks: int) -> None:
+        """The engine's events report what its prefill evicts, when it does."""
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
         index = self.index

@@ -428,6 +428,19 @@ class Router:
                 replicas.bound(session, backend)
         return added
 
+    def sent(self, exchange: Exchange, now: float) -> None:
+        """For a transport that reports a request's end but not its response's start (ext_authz):
+        the request went to its backend, whose engine stores its uncached blocks at the prefill,
+        long before that end. The picture makes room for them now, and the conversation's next
+        turn, should it come before the end is reported, follows this one to its backend (the
+        session is bound, its prompt's size there not known yet). Nothing is learned."""
+        request, backend = exchange.request, exchange.decision.backend
+        if request is None or backend is None:
+            return
+        self.mode.make_room(backend, exchange.decision.total_blocks - exchange.predicted_blocks)
+        if request.session_key is not None:
+            self.sessions.bind(request.session_key, backend, now)
+
     def peer_learned(self, chain: Sequence[int], backend: str, when: float) -> None:
         """A sibling replica learned that a known backend holds this chain (at `when`, on this
         process's clock). Precise mode ignores it: every replica follows the engines' own events."""

@@ -132,6 +132,7 @@ class Authz:
             return web.Response(headers=answer)
         key = f"{next(self._ids):x}"
         self._open[key] = (stream, self._clock())
+        self._router.sent(exchange, self._clock())
         answer[EXCHANGE_HEADER] = key
         if self._router.settings.decision_headers and exchange.request is not None:  # (none when unread)
             backend = exchange.decision.backend
