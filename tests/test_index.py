@@ -193,8 +193,11 @@ def test_room_made_ahead_of_learning_evicts_the_least_recent():
     index = LocalIndex(ttl_s=60, capacity_blocks=6, learn_share=1.0)
     index.learn([1, 2, 3], A, 0)
     index.learn([7, 8, 9], A, 1)
-    index.make_room(A, 2)
+    index.make_room(A, [], 2)
     assert index.lookup([1, 2, 3], [A], 2) == {A: 1}  # its tail went first, as vLLM frees tails first
     assert index.lookup([7, 8, 9], [A], 2) == {A: 3}
     index.learn([4, 5], A, 3)
     assert index.entries_by_backend()[A] == 6
+    index.make_room(A, [1], 2)  # the request uses block 1 there: it is the most recent now
+    assert index.lookup([1], [A], 4) == {A: 1}
+    assert index.lookup([7, 8, 9], [A], 4) == {A: 1}  # 9 and 8 went instead

@@ -77,12 +77,17 @@ class LocalIndex:
         if backend in self._backends:
             self._trim(backend, self._backends[backend], blocks)
 
-    def make_room(self, backend: str, count: int) -> None:
-        """`count` blocks will be stored there before they are learned: the least recent go now,
-        as the engine's prefill evicts them."""
+    def make_room(self, backend: str, held: Sequence[int], count: int) -> None:
+        """A request is prefilling there that will be learned only later: the engine uses the
+        prefix it holds (`held`, which becomes its most recent) and stores `count` new blocks,
+        for which the least recent others go now."""
         blocks = self._backends.get(backend)
-        if blocks:
-            self._trim(backend, blocks, self._capacities.get(backend, self._capacity) - count)
+        if not blocks:
+            return
+        for block in reversed(held):
+            if block in blocks:
+                blocks.move_to_end(block)
+        self._trim(backend, blocks, self._capacities.get(backend, self._capacity) - count)
 
     def _trim(self, backend: str, blocks: OrderedDict[int, float], capacity: int) -> None:
         for _ in range(len(blocks) - capacity):

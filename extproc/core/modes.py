@@ -110,9 +110,10 @@ class IndexMode(Protocol):
         """The backend reported its KV cache size."""
         ...
 
-    def make_room(self, backend: str, blocks: int) -> None:
-        """The backend is about to store this many new blocks, which will be learned only later
-        (a transport that reports a request's end, not its response's start)."""
+    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
+        """A request is prefilling on the backend, to be learned only later (a transport that
+        reports a request's end, not its response's start): it uses the prefix `held` there and
+        stores this many new blocks."""
         ...
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
@@ -212,9 +213,10 @@ class ApproximateMode:
         if self.settings.capacity_auto:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
 
-    def make_room(self, backend: str, blocks: int) -> None:
-        """The engine evicts for them at the prefill: so does the picture, now."""
-        self.index.make_room(backend, blocks)
+    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
+        """The engine uses the prefix and evicts for the new blocks at the prefill: so does the
+        picture, now."""
+        self.index.make_room(backend, held, blocks)
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
         value = self._shared.bytes_per_token.value
@@ -326,7 +328,7 @@ class PreciseMode:
     def set_capacity(self, backend: str, kv_tokens: int) -> None:
         """The engine's events bound the picture: its size is not needed."""
 
-    def make_room(self, backend: str, blocks: int) -> None:
+    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
         """The engine's events report what its prefill evicts, when it does."""
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:

@@ -431,13 +431,15 @@ class Router:
     def sent(self, exchange: Exchange, now: float) -> None:
         """For a transport that reports a request's end but not its response's start (ext_authz):
         the request went to its backend, whose engine stores its uncached blocks at the prefill,
-        long before that end. The picture makes room for them now, and the conversation's next
+        long before that end, and uses the prefix it holds. The picture makes room for them and
+        counts that prefix as just used, now; and the conversation's next
         turn, should it come before the end is reported, follows this one to its backend (the
         session is bound, its prompt's size there not known yet). Nothing is learned."""
         request, backend = exchange.request, exchange.decision.backend
         if request is None or backend is None:
             return
-        self.mode.make_room(backend, exchange.decision.total_blocks - exchange.predicted_blocks)
+        held = self.chain_of(request)[: exchange.predicted_blocks]
+        self.mode.make_room(backend, held, exchange.decision.total_blocks - exchange.predicted_blocks)
         if request.session_key is not None:
             self.sessions.bind(request.session_key, backend, now)
 
