@@ -73,7 +73,7 @@ def test_the_route_span_continues_the_clients_trace_and_carries_the_decision(tra
     backend = sent[DESTINATION_HEADER]
     processor.handle(response_headers("200", "via_upstream", backend), stream)
     assert exporter.get_finished_spans() == ()  # open until the response ends
-    processor._closed(stream)
+    processor.closed(stream)
 
     span = finished(exporter, "kvroute.route")
     context = span.get_span_context()
@@ -104,7 +104,7 @@ def test_a_request_without_a_trace_starts_one_and_passes_it_on(traced):
     stream = Stream()
     processor.handle(request_headers(), stream)
     sent = set_headers(processor.handle(body(), stream).request_body.response.header_mutation)
-    processor._closed(stream)
+    processor.closed(stream)
     span = finished(exporter, "kvroute.route")
     assert span.parent is None
     assert sent["traceparent"].split("-")[1] == f"{span.get_span_context().trace_id:032x}"
@@ -116,12 +116,12 @@ def test_requests_not_for_a_model_and_untraced_processors_make_no_span(traced):
     processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0, tracer=tracer)
     stream = Stream()
     processor.handle(request_headers(path="/health", method="GET"), stream)
-    processor._closed(stream)
+    processor.closed(stream)
     untraced = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0)
     other = Stream()
     untraced.handle(request_headers(traceparent=TRACEPARENT), other)
     sent = set_headers(untraced.handle(body(), other).request_body.response.header_mutation)
-    untraced._closed(other)
+    untraced.closed(other)
     assert exporter.get_finished_spans() == () and "traceparent" not in sent
 
 
@@ -154,7 +154,7 @@ def test_time_held_by_flow_control_is_a_span_of_its_own_under_the_route_span(tra
         finally:
             running.cancel()
         assert replies[-1].immediate_response.status.code == 429
-        processor._closed(stream)
+        processor.closed(stream)
 
     asyncio.run(held())
     queue, route = finished(exporter, "kvroute.queue"), finished(exporter, "kvroute.route")
