@@ -42,9 +42,10 @@ def test_compare_smoke_all_routers(tmp_path: Path):
             extproc_replicas=2,  # kvroute's two replicas share through a Redis; kvroute-unshared's do not
         )
     )
-    assert set(results["routers"]) == set(ROUTERS) - {"kvroute-precise"}
+    assert set(results["routers"]) == set(ROUTERS) - {"kvroute-precise", "kvroute-authz"}
     assert results["extproc_replicas"] == 2
     assert "real vLLM" in results["skipped"]["kvroute-precise"]  # simulated backends have no tokenizer or events
+    assert "one ext_proc replica" in results["skipped"]["kvroute-authz"]
     oracle = results["oracle_hit_rate"]
     assert 0 < oracle < 1
     for name, row in results["routers"].items():
