@@ -146,3 +146,28 @@ def test_requests_with_no_healthy_candidate_are_not_held():
         assert room.goes_now([Backend("10.0.0.9:8000", healthy=False)])  # the router answers at once
 
     asyncio.run(main())
+
+
+def test_the_loop_sleeps_while_nothing_is_held_and_expires_what_is():
+    """Its 20 Hz tick only runs while something is held (alone, that timer was about half an
+    idle ext_proc's CPU); a request held later still expires at its TTL."""
+
+    class Counted(WaitingRoom):
+        ticks = 0
+
+        def _tick(self) -> None:
+            Counted.ticks += 1
+            super()._tick()
+
+    async def main() -> None:
+        settings = Settings(hash_key=bytes(16), queue_ttl_s=0.2)
+        room = Counted(lambda: settings, Fleet(0).room, WaitingRoomMetrics(CollectorRegistry()), clock)
+        loop = asyncio.create_task(room.run())
+        await asyncio.sleep(0.3)
+        assert Counted.ticks == 0
+        held = await asyncio.wait_for(room.wait(klass("a"), 1.0, 10, BACKENDS), 2.0)
+        assert isinstance(held, Held) and held.state is State.EXPIRED
+        assert Counted.ticks > 0
+        loop.cancel()
+
+    asyncio.run(main())

@@ -86,6 +86,7 @@ class WaitingRoom:
         self._queue = FlowQueue(self._limits, dict(self._weights))
         # each held request's wake-up and its own candidates (whose room its turn waits for)
         self._waiting: dict[Held, tuple[asyncio.Future[State], Sequence[Backend]]] = {}
+        self._holding = asyncio.Event()  # set while anything is held: `run` sleeps on it otherwise
         # the request dispatched last and when, until it has reserved its backend
         self._dispatching: tuple[Held, float] | None = None
         self._closing = False
@@ -156,6 +157,7 @@ class WaitingRoom:
             return held
         future: asyncio.Future[State] = asyncio.get_running_loop().create_future()
         self._waiting[held] = (future, candidates)
+        self._holding.set()
         self._metrics.held.labels(priority).inc()
         self.pump()
         try:
@@ -223,8 +225,13 @@ class WaitingRoom:
             self._queue.set_weights(dict(self._weights))
 
     async def run(self) -> None:
-        """Expire held requests past their TTL and dispatch into room that opened on its own."""
+        """Expire held requests past their TTL and dispatch into room that opened on its own,
+        every TICK_S while anything is held; with nothing held it waits for the next (a 20 Hz
+        timer alone cost an idle ext_proc about half its CPU: docs/benchmarks.md)."""
         while True:
+            if not len(self._queue):
+                self._holding.clear()
+                await self._holding.wait()
             await asyncio.sleep(TICK_S)
             try:
                 self._tick()
