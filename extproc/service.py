@@ -118,9 +118,10 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
 
     limit = config.max_message_bytes
     interceptors = []
-    if config.grpc_token_file:
+    token = read_token(config.grpc_token_file) if config.grpc_token_file else ""
+    if token:
         refused = metrics.errors.labels("unauthenticated_stream")
-        interceptors.append(TokenInterceptor(read_token(config.grpc_token_file), refused.inc))
+        interceptors.append(TokenInterceptor(token, refused.inc))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -146,7 +147,6 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)  # type: ignore[no-untyped-call]  # generated, untyped
     authz = None
     if config.authz_port:  # the ext_authz transport: routes over HTTP, ends from Envoy's access log
-        token = read_token(config.grpc_token_file) if config.grpc_token_file else ""
         authz = Authz(processor, pool, metrics, token, clock, config.max_stream_age_s)
         als_grpc.add_AccessLogServiceServicer_to_server(AccessLogs(authz), server)  # type: ignore[no-untyped-call]  # generated, untyped
     health_servicer = health.aio.HealthServicer()

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from extproc.core.exchange import ResponseStart
+from extproc.envoy import messages as msg
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import access_log_pb2 as als
@@ -52,17 +52,14 @@ def _destination(reply: pb.ProcessingResponse) -> str | None:
         return None
     for option in getattr(reply, kind).response.header_mutation.set_headers:
         if option.header.key == DESTINATION_HEADER:
-            return str((option.header.raw_value or option.header.value.encode()).decode())
+            return msg.text(option.header)
     return None
 
 
 def _immediate(reply: pb.ProcessingResponse) -> web.Response:
     """An ext_proc immediate response (429, 503) as the ext_authz answer Envoy passes on."""
     immediate = reply.immediate_response
-    headers = {
-        option.header.key: (option.header.raw_value or option.header.value.encode()).decode()
-        for option in immediate.headers.set_headers
-    }
+    headers = {option.header.key: msg.text(option.header) for option in immediate.headers.set_headers}
     return web.Response(status=immediate.status.code or 503, body=immediate.body, headers=headers)
 
 
@@ -151,21 +148,13 @@ class Authz:
             self._metrics.errors.labels("unknown_exchange").inc()
             return
         stream = opened[0]
-        assert stream.exchange is not None  # (only decided exchanges are opened)
         address = common.upstream_remote_address.socket_address
         upstream = f"{address.address}:{address.port_value}" if address.address else ""
-        known = self._pool.canonical(upstream) if upstream else None
-        details = entry.response.response_code_details
-        start = ResponseStart(
-            upstream=known or upstream,
-            known=known is not None,
-            status=entry.response.response_code.value,
-            from_upstream=details == "via_upstream",
-            connect_failed=common.response_flags.upstream_connection_failure,
+        response = entry.response
+        failed = common.response_flags.upstream_connection_failure
+        self._processor.responded(
+            stream, upstream, response.response_code.value, response.response_code_details, failed
         )
-        outcome = self._router.response_started(stream.exchange, start, self._clock())
-        if outcome.refused:
-            self._pool.mark_suspect(outcome.served)
         self._processor.closed(stream)
 
     def sweep(self) -> int:

@@ -308,6 +308,24 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     }
 
 
+def _bearer(layout: EnvoyLayout) -> list[dict[str, str]]:
+    """The token Envoy presents to the ext_proc, as gRPC metadata or an HTTP header (none: no token)."""
+    return [{"key": "authorization", "value": f"Bearer {layout.extproc_token}"}] if layout.extproc_token else []
+
+
+def _extproc_service(layout: EnvoyLayout) -> dict[str, Any]:
+    """The ext_proc's gRPC port, as its ext_proc filter and its access log call it."""
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "kvroute_extproc"}}
+    if layout.extproc_token:
+        service["initial_metadata"] = _bearer(layout)
+    return service
+
+
+def _asks_by_authz(layout: EnvoyLayout) -> bool:
+    """The layout's routing call is ext_authz (TRANSPORTS), with the access log that ends it."""
+    return layout.ext_proc and _checked("transport", layout.transport, TRANSPORTS) == "ext_authz"
+
+
 def _authz_cluster(layout: EnvoyLayout) -> dict[str, Any]:
     """Plain HTTP/1.1 to the ext_proc's authz_port, connections kept alive and reused."""
     return {
@@ -326,7 +344,6 @@ def _patterns(names: Iterable[str]) -> dict[str, Any]:
 def _authz_filter(layout: EnvoyLayout) -> dict[str, Any]:
     """ext_authz over HTTP with the buffered body: the answer's destination header reaches the
     upstream request before the router picks the host; a refusal's status reaches the client."""
-    token = [{"key": "authorization", "value": f"Bearer {layout.extproc_token}"}] if layout.extproc_token else []
     return {
         "name": "envoy.filters.http.ext_authz",
         "typed_config": {
@@ -343,7 +360,7 @@ def _authz_filter(layout: EnvoyLayout) -> dict[str, Any]:
                     "timeout": f"{layout.message_timeout_ms / 1000:g}s",
                 },
                 "path_prefix": ROUTE_PREFIX,
-                "authorization_request": {"headers_to_add": token},
+                "authorization_request": {"headers_to_add": _bearer(layout)},
                 "authorization_response": {
                     "allowed_upstream_headers": _patterns(AUTHZ_UPSTREAM_HEADERS),
                     "allowed_client_headers": _patterns(AUTHZ_REFUSAL_HEADERS),
@@ -357,9 +374,6 @@ def _authz_filter(layout: EnvoyLayout) -> dict[str, Any]:
 def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
     """The ext_authz transport's end of each routed request (the ones its answer named an
     exchange for), streamed to the ext_proc's access-log service as each ends."""
-    grpc_service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "kvroute_extproc"}}
-    if layout.extproc_token:
-        grpc_service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {layout.extproc_token}"}]
     return [
         {
             "name": "envoy.access_loggers.http_grpc",
@@ -369,7 +383,7 @@ def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
                 "common_config": {
                     "log_name": "kvroute",
                     "transport_api_version": "V3",
-                    "grpc_service": grpc_service,
+                    "grpc_service": _extproc_service(layout),
                     "buffer_size_bytes": 0,  # no batching: an entry goes at once (a next turn finds it learned)
                 },
                 "additional_request_headers_to_log": [EXCHANGE_HEADER],
@@ -396,14 +410,7 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _TYPES + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {
-                "envoy_grpc": {"cluster_name": "kvroute_extproc"},
-                **(
-                    {"initial_metadata": [{"key": "authorization", "value": f"Bearer {layout.extproc_token}"}]}
-                    if layout.extproc_token
-                    else {}
-                ),
-            },
+            "grpc_service": _extproc_service(layout),
             "forward_rules": {"allowed_headers": {"patterns": [{"exact": h} for h in layout.forward_headers]}},
             "failure_mode_allow": layout.fail_open,
             "message_timeout": f"{layout.message_timeout_ms / 1000:g}s",
@@ -420,9 +427,7 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
     }
     if not layout.ext_proc:
         return [strip, router]
-    if _checked("transport", layout.transport, TRANSPORTS) == "ext_authz":
-        return [strip, _authz_filter(layout), router]
-    return [strip, ext_proc, router]
+    return [strip, _authz_filter(layout) if _asks_by_authz(layout) else ext_proc, router]
 
 
 # A request the ext_proc took but never decided (it died, or its reply timed out, while the body was
@@ -449,7 +454,8 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         },
         "request_body_buffer_limit": BODY_LIMIT,
     }
-    routes = [_PENDING_ROUTE, route] if layout.ext_proc and layout.transport == "ext_proc" else [route]
+    authz = _asks_by_authz(layout)
+    routes = [_PENDING_ROUTE, route] if layout.ext_proc and not authz else [route]
     manager = {
         "@type": _TYPES + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvroute",
@@ -458,7 +464,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         "route_config": {"name": "llm", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": _http_filters(layout),
     }
-    if layout.ext_proc and layout.transport == "ext_authz":
+    if authz:
         manager["access_log"] = _access_log(layout)
     listener = {
         "name": "llm",
@@ -471,7 +477,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     clusters = [_backend_cluster(layout)]
     if layout.ext_proc:
         clusters.append(_extproc_cluster(layout))
-        if layout.transport == "ext_authz":
+        if authz:
             clusters.append(_authz_cluster(layout))
     return {
         "admin": {"address": {"socket_address": {"address": layout.admin_host, "port_value": layout.admin_port}}},

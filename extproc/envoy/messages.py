@@ -141,8 +141,13 @@ def queue_refused(reason: str) -> pb.ProcessingResponse:
     return QUEUE_REFUSED.get(reason, QUEUE_REFUSED["queue_full"])
 
 
+def text(value: pb.HeaderValue) -> str:
+    """A header's value as Envoy carries it (raw_value; `value` stays empty)."""
+    return value.raw_value.decode("latin-1")
+
+
 def headers(message: pb.HttpHeaders) -> dict[str, str]:
-    return {h.key: h.raw_value.decode("latin-1") for h in message.headers.headers}
+    return {h.key: text(h) for h in message.headers.headers}
 
 
 def served(message: pb.ProcessingRequest) -> str | None:

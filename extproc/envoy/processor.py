@@ -30,7 +30,7 @@ from extproc.core import handoff
 from extproc.core.backends import Backend
 from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
-from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.exchange import Exchange, Outcome, ResponseStart
 from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import TTFT_HEADERS, classify
 from extproc.core.placement import ADAPTER_WAIT_S
@@ -172,11 +172,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     @property
     def router(self) -> Router:
         return self._router
-
-    @property
-    def splits(self) -> bool:
-        """Whether requests may be split into prefill and decode legs (a disaggregated fleet)."""
-        return self._legs is not None
 
     async def Process(
         self,
@@ -634,6 +629,26 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._router.chain_of(request)
         return request
 
+    def responded(self, stream: Stream, upstream: str, status: int, details: str, connect_failed: bool) -> Outcome:
+        """The gateway's view of a decided request's response (both transports: its start here,
+        its end in ext_authz's access log) for the core: a refused connection makes the backend
+        suspect, and the route span is told."""
+        assert stream.exchange is not None  # (only decided requests get here)
+        known = self._pool.canonical(upstream) if upstream else None
+        start = ResponseStart(
+            upstream=known or upstream,
+            known=known is not None,
+            status=status,
+            from_upstream=details == "via_upstream",
+            connect_failed=connect_failed,
+        )
+        outcome = self._router.response_started(stream.exchange, start, self._clock())
+        if outcome.refused:
+            self._pool.mark_suspect(outcome.served)
+        if stream.span is not None and self._tracer is not None:
+            self._tracer.responded(stream.span, start.status, outcome.served)
+        return outcome
+
     def _on_response_headers(self, message: pb.ProcessingRequest, stream: Stream) -> pb.ProcessingResponse:
         """Translate Envoy's view of the response start for the core, and its answer back."""
         if stream.exchange is None:
@@ -641,19 +656,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         status = msg.headers(message.response_headers).get(":status", "")
         details = msg.attribute(message, "response.code_details") or ""
         upstream = msg.served(message) or msg.attribute(message, "upstream.address") or ""
-        known = self._pool.canonical(upstream)
-        start = ResponseStart(
-            upstream=known or upstream,
-            known=known is not None,
-            status=int(status) if status.isdigit() else 0,
-            from_upstream=details == "via_upstream",
-            connect_failed="connection_failure" in details,
-        )
-        outcome = self._router.response_started(stream.exchange, start, self._clock())
-        if outcome.refused:
-            self._pool.mark_suspect(outcome.served)
-        if stream.span is not None and self._tracer is not None:
-            self._tracer.responded(stream.span, start.status, outcome.served)
+        code = int(status) if status.isdigit() else 0
+        outcome = self.responded(stream, upstream, code, details, "connection_failure" in details)
         decision = stream.exchange.decision
         log.debug(
             "request %s: %s on %s, %d/%d blocks held, status %s",
