@@ -27,7 +27,7 @@ test: $(STAMP) lint
 
 # Your own loop, under a minute: everything but real vLLM, peer routers and Kubernetes.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and not peers and not k8s and not bench and not layouts and not observability"
+	$(BIN)/python -m pytest -q -m "not vllm and not peers and not k8s and not node and not bench and not layouts and not observability"
 
 # Regenerate what is derived from the settings' declarations (tests fail when these are stale).
 crd: $(STAMP)

@@ -1,6 +1,6 @@
 """Shared test set-up: hypothesis without deadlines (this machine is shared and noisy), one
-Kubernetes control plane for the whole session (started by the first `k8s` test that asks), and a
-Redis server per replica test."""
+Kubernetes control plane for the whole session (started by the first `k8s` test that asks), one
+real node likewise (the first `node` test), and a Redis server per replica test."""
 
 from __future__ import annotations
 
@@ -24,6 +24,19 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory):
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def node(tmp_path_factory: pytest.TempPathFactory):
+    """A real node (tests/node.py): the control plane, containerd, a kubelet, kube-scheduler,
+    kube-proxy and CoreDNS in a network namespace of its own, with the locally built images."""
+    from tests.node import Node
+
+    node = Node(tmp_path_factory.mktemp("node")).start()
+    try:
+        yield node
+    finally:
+        node.stop()
 
 
 @pytest.fixture

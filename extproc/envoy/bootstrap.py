@@ -191,8 +191,11 @@ def _round_robin() -> dict[str, Any]:
 
 
 def _checked_and_unthrottled(check: dict[str, Any]) -> dict[str, Any]:
-    """Active health checks, and circuit breakers high enough for one stream per LLM request."""
+    """Active health checks, and circuit breakers high enough for one stream per LLM request. A
+    host DNS no longer returns leaves at once rather than when its checks fail: a terminating
+    pod leaves its Service's answers first, while it still serves, and is gone when checks notice."""
     return {
+        "ignore_health_on_host_removal": True,
         "circuit_breakers": {
             "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
         },
