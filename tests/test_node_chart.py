@@ -13,11 +13,13 @@ import json
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from bench.harness.tiny_model import tokenizer_files
 from tests.controlplane import ROOT
 from tests.e2e import eventually, get, metric, post
 from tests.node import Node
@@ -30,6 +32,7 @@ SYSTEM, LLM, RELEASE = "kvroute-system", "llm", "kvr"
 SIMS = 3
 BODY = {"model": "sim-model", "max_tokens": 2}
 SMALL = {"requests": {"cpu": "10m", "memory": "32Mi"}}  # two cores for the whole node
+TOKENIZER_PATH = "/etc/kvroute/tokenizer"
 
 
 def simulator_objects() -> list[dict[str, Any]]:
@@ -44,8 +47,14 @@ def simulator_objects() -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] != "KVRoutingPolicy"]
 
 
-def chart_values(extproc_replicas: int) -> dict[str, Any]:
+def chart_values(extproc_replicas: int, tokenizer_config_map: str = "") -> dict[str, Any]:
+    """The chart's values for this node; with a tokenizer ConfigMap, precise mode reading it."""
     repository, tag = IMAGE_NAMES["kvroute"].rsplit(":", 1)
+    routing: dict[str, Any] = {"blockSize": 512, "decisionHeaders": True}
+    tokenizer: dict[str, Any] = {}
+    if tokenizer_config_map:
+        routing |= {"index": "precise", "tokenizerPath": TOKENIZER_PATH}
+        tokenizer = {"mountPath": TOKENIZER_PATH, "volume": {"configMap": {"name": tokenizer_config_map}}}
     return {
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "controller": {"replicas": 1, "resources": SMALL},
@@ -53,10 +62,11 @@ def chart_values(extproc_replicas: int) -> dict[str, Any]:
             "replicas": extproc_replicas,
             "resources": SMALL,
             "replicaStore": {"deploy": extproc_replicas > 1, "image": IMAGE_NAMES["redis"], "resources": SMALL},
+            "tokenizer": tokenizer,
         },
         "envoy": {"image": IMAGE_NAMES["envoy"], "replicas": 1, "resources": SMALL},
         # the x-kvroute-* answers these tests read (off by default: they name pod addresses)
-        "policy": {"routing": {"blockSize": 512, "decisionHeaders": True}},
+        "policy": {"routing": routing},
     }
 
 
@@ -69,9 +79,9 @@ class Release:
         self.cp = node.cp
         self.values = ROOT / "charts" / "kvroute" / "values.yaml"
 
-    def install(self, extproc_replicas: int, verb: str = "install") -> None:
-        values = self.node.workdir / f"values-{extproc_replicas}.yaml"
-        values.write_text(yaml.safe_dump(chart_values(extproc_replicas)))
+    def install(self, extproc_replicas: int, verb: str = "install", tokenizer_config_map: str = "") -> None:
+        values = self.node.workdir / f"values-{extproc_replicas}{tokenizer_config_map}.yaml"
+        values.write_text(yaml.safe_dump(chart_values(extproc_replicas, tokenizer_config_map)))
         chart = str(ROOT / "charts" / "kvroute")
         self.cp.helm(verb, RELEASE, chart, "-n", SYSTEM, "--create-namespace", "-f", str(values))
         self.wait_rolled_out()
@@ -272,3 +282,18 @@ def test_the_node_resolves_service_names_and_routes_cluster_ips(release: Release
     extproc_ip, api_ip = json.loads(release.exec(SYSTEM, pod["metadata"]["name"], "python", "-c", script))
     assert extproc_ip.startswith("10.96.") and api_ip == "10.96.0.1"
     assert get(f"http://{next(iter(release.ready_ips(LLM, 'app=vllm')))}:8000", "/health")[0] == 200
+
+
+def test_precise_mode_reads_the_tokenizer_from_its_mounted_volume(release: Release, tmp_path: Path):
+    """The chart's tokenizer volume as the kubelet mounts it (a ConfigMap, read-only, read by the
+    non-root ext_proc): every replica runs precise mode with it, and routing goes on."""
+    tokenizer_files(tmp_path / "tokenizer")
+    release.cp.kubectl("create", "configmap", "tiny-tokenizer", "-n", SYSTEM, f"--from-file={tmp_path / 'tokenizer'}")
+    release.install(extproc_replicas=3, verb="upgrade", tokenizer_config_map="tiny-tokenizer")
+    replicas = [f"http://{ip}:9003" for ip in release.ready_ips(SYSTEM, "app.kubernetes.io/component=extproc")]
+    assert len(replicas) == 3
+    for replica in replicas:
+        readyz = json.loads(get(replica, "/readyz")[2])
+        assert not any("tokenizer" in w for w in readyz["warnings"]), readyz
+        assert any("without KV events" in w for w in readyz["warnings"]), readyz  # precise; the simulators publish none
+    assert release.chat("precise on the node " * 100)["x-kvroute-decision"]

@@ -63,7 +63,7 @@ def test_the_product_imports_only_what_it_declares():
                 assert top in declared, f"{path.relative_to(ROOT)} imports {name}, not a product dependency"
 
 
-def test_the_image_context_leaves_out_bench_results_and_tests():
+def test_the_image_context_leaves_out_results_tests_and_all_of_bench_but_the_simulator():
     rules = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
 
     def included(relative: str) -> bool:
@@ -71,7 +71,8 @@ def test_the_image_context_leaves_out_bench_results_and_tests():
         for rule in rules:
             negate = rule.startswith("!")
             pattern = rule.lstrip("!").rstrip("/")
-            if fnmatch.fnmatch(relative, pattern) or fnmatch.fnmatch(relative.split("/")[0], pattern):
+            parents = ["/".join(relative.split("/")[:depth]) for depth in range(1, relative.count("/") + 2)]
+            if any(fnmatch.fnmatch(path, pattern) for path in parents):  # a folder's rule covers what it holds
                 keep = negate
         return keep
 
@@ -83,6 +84,11 @@ def test_the_image_context_leaves_out_bench_results_and_tests():
         "README.md",
         "extproc",
         "controller",
+        "bench",
+    }
+    # the simulator target's package, nothing else of the developer tools
+    assert {f for f in context if f.startswith("bench/")} == {"bench/__init__.py"} | {
+        f for f in tracked if f.startswith("bench/simulator/")
     }
     copied = [line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY")]
     assert all(included(source) for source in copied)  # everything the Dockerfile copies is in the context
