@@ -2,8 +2,8 @@
 #   product (the default, last stage): `kvroute extproc`, `kvroute controller` and the other
 #     subcommands; the product only.
 #   simulator (`--target simulator`): the vLLM simulator the tests and demos run as backends.
-# BASE is any Debian-based image with Python 3.11 and pip; tests/node/images builds one from Debian
-# packages, as the test node reaches no registry.
+# BASE is any Debian-based image with Python 3.11 and pip; tests/node_images.py builds one from
+# Debian packages, as the test node reaches no registry.
 ARG BASE=python:3.11-slim-bookworm
 
 FROM ${BASE} AS runtime

@@ -25,6 +25,7 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,16 @@ from typing import Any
 import yaml
 
 from bench.harness.processes import stop
-from tests.controlplane import ControlPlane
+from tests.controlplane import ControlPlane, binaries
 from tests.node_images import CACHE, IMAGE_NAMES, build_images, node_programs
 
 NODE_NAME = "kvroute-node"
 DNS_IP = "10.96.0.10"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 RUNS = CACHE / "node-runs"  # one record per live run, for `Node.sweep`
+# What the kubelet sets host-wide (its kernel defaults); a run puts them back when it stops.
+KUBELET_SYSCTLS = ("vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
+                   "kernel.keys.root_maxkeys", "kernel.keys.root_maxbytes")  # fmt: skip
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -77,11 +81,15 @@ class NodeNetwork:
         return ["nsenter", f"--net=/var/run/netns/{self.name}"]
 
     @classmethod
-    def create(cls) -> NodeNetwork:
+    def pick(cls) -> NodeNetwork:
+        """A network whose addresses nothing on the host uses yet (not created)."""
         taken = _run("ip", "-o", "addr").stdout + _run("ip", "route").stdout
-        free = [i for i in range(1, 255) if f"10.251.{i}." not in taken and f"10.252.{i}." not in taken]
-        network = cls(random.choice(free))
-        inside = f"kvrn{network.index}n"
+        return cls(
+            random.choice([i for i in range(1, 255) if f"10.251.{i}." not in taken and f"10.252.{i}." not in taken])
+        )
+
+    def create(self) -> None:
+        network, inside = self, f"kvrn{self.index}n"
         try:
             _run("ip", "netns", "add", network.name)
             _run("ip", "link", "add", network.host_link, "type", "veth", "peer", "name", inside)
@@ -96,7 +104,6 @@ class NodeNetwork:
         except BaseException:
             network.delete()
             raise
-        return network
 
     def delete(self) -> None:
         _run("ip", "link", "del", self.host_link, check=False)  # its route goes with it
@@ -116,19 +123,25 @@ class Node:
         self.processes: dict[str, subprocess.Popen] = {}
         self.socket = workdir / "containerd" / "containerd.sock"
         self.cgroup = ""
+        self.sysctls: dict[str, str] = {}
+        self.record = RUNS / f"{os.getpid()}.json"
 
     # --- start ---------------------------------------------------------------------------------
 
     def start(self) -> Node:
+        if (CGROUP_ROOT / "cgroup.controllers").exists():
+            raise RuntimeError("this node runs on cgroup v1 (or hybrid) hierarchies only; /sys/fs/cgroup is cgroup v2")
         images = build_images()
         self.workdir.mkdir(parents=True, exist_ok=True)
         Node.sweep()
+        self.network = NodeNetwork.pick()
+        self.cgroup = f"/{self.network.name}"
+        self.sysctls = {key: _sysctl(key) for key in KUBELET_SYSCTLS}  # the kubelet sets these host-wide
+        record = {"workdir": str(self.workdir.resolve()), "index": self.network.index, "sysctls": self.sysctls}
+        RUNS.mkdir(parents=True, exist_ok=True)
+        self.record.write_text(json.dumps({**record, "started": _started(os.getpid())}))
         try:
-            self.network = NodeNetwork.create()
-            self.cgroup = f"/{self.network.name}"
-            RUNS.joinpath(f"{os.getpid()}.json").write_text(
-                json.dumps({"workdir": str(self.workdir.resolve()), "index": self.network.index})
-            )
+            self.network.create()
             self.cp = ControlPlane(self.workdir / "controlplane", self.network).start()
             self._start_containerd()
             for archive in images.archives.values():
@@ -189,7 +202,7 @@ class Node:
                 "dataDir": str(cni / "ipam"),
             },
         }
-        conflist = {"cniVersion": "1.0.0", "name": "kvroute-node", "plugins": [bridge, {"type": "loopback"}]}
+        conflist = {"cniVersion": "1.0.0", "name": "kvroute-node", "plugins": [bridge]}
         (cni / "net.d" / "10-kvroute.conflist").write_text(json.dumps(conflist))
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         config = f"""version = 2
@@ -211,7 +224,10 @@ state = "{state / "state"}"
   runtime_type = "io.containerd.runc.v2"
 [{cri}.containerd.runtimes.runc.options]
   BinaryName = "{self.bin / "runc"}"
+  Root = "{state / "runc"}"
   SystemdCgroup = false
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{state / "opt"}"
 """
         (self.workdir / "containerd.toml").write_text(config)
         process = self._start(
@@ -244,6 +260,7 @@ state = "{state / "state"}"
             "clusterDomain": "cluster.local",
             "clusterDNS": [DNS_IP],
             "resolvConf": "",  # pods resolve through CoreDNS only: nothing upstream is reachable
+            "podLogsDir": str(self.workdir / "pod-logs"),
             "address": self.network.node_ip,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
@@ -283,7 +300,7 @@ state = "{state / "state"}"
         self._start("kube-proxy", [str(self.bin / "kube-proxy"), "--config", str(self.workdir / "kube-proxy.yaml")])
 
     def _wait_node_ready(self, timeout_s: float = 120.0) -> None:
-        self.wait(lambda: self._node_ready(), timeout_s, "the node to register Ready")
+        self.wait(self._node_ready, timeout_s, "the node to register Ready")
 
     def _node_ready(self) -> bool:
         assert self.cp is not None
@@ -298,7 +315,7 @@ state = "{state / "state"}"
         self.cp.apply(coredns_objects())
         self.cp.kubectl("rollout", "status", "deployment/coredns", "-n", "kube-system", "--timeout=120s")
 
-    def wait(self, ready: Any, timeout_s: float, what: str) -> None:
+    def wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Poll `ready()` until true; fail naming `what`, and which node process died, if any."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -318,98 +335,146 @@ state = "{state / "state"}"
 
     def _kill_pods(self) -> None:
         """SIGKILL every process in the node's cgroups (the containers and their sandboxes)."""
-        if not self.cgroup:
-            return
         for hierarchy in self._cgroup_hierarchies():
             top = hierarchy / self.cgroup.lstrip("/")
-            for procs in top.rglob("cgroup.procs") if top.exists() else ():
-                for pid in procs.read_text().split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
+            with contextlib.suppress(OSError):  # runc removes cgroups while we walk them
+                for procs in list(top.rglob("cgroup.procs")):
+                    with contextlib.suppress(OSError):
+                        for pid in procs.read_text().split():
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(int(pid), signal.SIGKILL)
 
     def _kill_leftovers(self) -> None:
-        """Whatever still names the work folder on its command line: containerd's shims (which
-        outlive it by design), and every node process of a run that was killed before its stop."""
+        """This run's node programs still alive: containerd's shims (which outlive it by design), and
+        all of them after a run killed before its stop. Only programs of the node's and the control
+        plane's builds that name the work folder on their command line."""
         needle = str(self.workdir.resolve()).encode()
+        builds = (str(self.programs), str(binaries()))
         for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and int(proc.name) != os.getpid():
+            if proc.name.isdigit():
                 with contextlib.suppress(OSError):
-                    if needle in (proc / "cmdline").read_bytes():
+                    if needle in (proc / "cmdline").read_bytes() and os.readlink(proc / "exe").startswith(builds):
                         os.kill(int(proc.name), signal.SIGKILL)
 
     def _unmount(self) -> None:
         """Everything the kubelet and containerd mounted under the work folder, deepest first."""
-        prefix = str(self.workdir.resolve())
+        prefix = str(self.workdir.resolve()) + "/"
         with open("/proc/self/mounts") as mounts:
             points = [line.split()[1].encode().decode("unicode_escape") for line in mounts]
         for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
             _run("umount", "-l", point, check=False)
 
     def _remove_cgroups(self) -> None:
-        if not self.cgroup:
-            return
         for hierarchy in self._cgroup_hierarchies():
             top = hierarchy / self.cgroup.lstrip("/")
-            if not top.exists():
-                continue
-            for directory in sorted(
-                (p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
-            ):
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
+            with contextlib.suppress(OSError):
+                for directory in sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()
             with contextlib.suppress(OSError):
                 top.rmdir()
 
+    def _remove_host_files(self) -> None:
+        """What the kubelet, containerd and CNI keep in fixed host folders for this run's pods:
+        log links into the work folder, CNI results and shim sockets of this run's sandboxes and
+        containers (sockets no process listens on any more), the device-plugin socket."""
+        for link in Path("/var/log/containers").glob("*.log"):
+            with contextlib.suppress(OSError):
+                if os.readlink(link).startswith(str(self.workdir.resolve())):
+                    link.unlink()
+        state = self.workdir / "containerd"
+        ids = {p.name for p in state.glob("*/io.containerd.grpc.v1.cri/sandboxes/*")}
+        for result in Path("/var/lib/cni/results").glob("*"):
+            if any(f"-{i}-" in result.name for i in ids):
+                result.unlink(missing_ok=True)
+        with open("/proc/net/unix") as table:
+            listening = {line.split()[-1] for line in table if line.split()[-1].startswith("/")}
+        for sock in Path("/run/containerd/s").glob("*"):
+            if str(sock) not in listening:
+                sock.unlink(missing_ok=True)
+        Path("/var/lib/kubelet/device-plugins/kubelet.sock").unlink(missing_ok=True)
+        for folder in ("/var/log/containers", "/var/lib/cni/results", "/var/lib/cni", "/run/containerd/s",
+                       "/run/containerd", "/var/lib/kubelet/device-plugins", "/var/lib/kubelet"):  # fmt: skip
+            with contextlib.suppress(OSError):
+                Path(folder).rmdir()  # only where nothing else is left
+
+    def _restore_sysctls(self) -> None:
+        for key, value in self.sysctls.items():
+            _run("sysctl", "-qw", f"{key}={value}", check=False)
+
     def stop(self) -> None:
-        for name in ("kube-proxy", "kube-scheduler", "kubelet"):
-            stop(self.processes.pop(name, None))
-        self._kill_pods()
-        stop(self.processes.pop("containerd", None))
-        if self.cp is not None:
-            self.cp.stop()
-        self._kill_leftovers()
-        for _ in range(20):  # the killed processes leave their cgroups once reaped
+        """Every step runs even when one before it failed; the first failure is raised at the end."""
+        steps: list[Callable[[], object]] = [
+            *(
+                lambda name=name: stop(self.processes.pop(name, None))
+                for name in ("kube-proxy", "kube-scheduler", "kubelet")
+            ),
+            self._kill_pods,
+            lambda: stop(self.processes.pop("containerd", None)),
+            lambda: self.cp.stop() if self.cp is not None else None,
+            self._kill_leftovers,
+            self._reap,
+            self._unmount,
+            self._remove_cgroups,
+            self._remove_host_files,
+            self._restore_sysctls,
+            lambda: self.network.delete() if self.network is not None else None,
+            lambda: self.record.unlink(missing_ok=True),
+        ]
+        failures = []
+        for step in steps:
+            try:
+                step()
+            except Exception as error:  # cleanup goes on; the first failure is raised below
+                failures.append(error)
+        self.network = None
+        if failures:
+            raise failures[0]
+
+    def _reap(self) -> None:
+        """The killed processes leave their cgroups once reaped; kill what is still there meanwhile."""
+        for _ in range(20):
             self._kill_pods()
             time.sleep(0.1)
-        self._unmount()
-        self._remove_cgroups()
-        if self.network is not None:
-            self.network.delete()
-            self.network = None
-        RUNS.joinpath(f"{os.getpid()}.json").unlink(missing_ok=True)
 
     @classmethod
     def sweep(cls) -> None:
-        """Stop what a run that was killed before its own stop left: each run records its work
-        folder and network while it lives, and a record whose process is gone is swept."""
-        RUNS.mkdir(parents=True, exist_ok=True)
-        for record in RUNS.glob("*.json"):
-            if Path(f"/proc/{record.stem}").exists():
+        """Stop what a run killed before its own stop left: each run records its work folder,
+        network and the host settings it changed while it lives; a record whose process is gone
+        (or whose PID now names another process) is swept."""
+        for path in RUNS.glob("*.json") if RUNS.exists() else ():
+            left = json.loads(path.read_text())
+            if _started(int(path.stem)) == left.get("started"):
                 continue
-            left = json.loads(record.read_text())
-            node = cls.__new__(cls)
-            node.workdir, node.processes, node.cp = Path(left["workdir"]), {}, None
+            node = cls(Path(left["workdir"]))
             node.network, node.cgroup = NodeNetwork(left["index"]), f"/kvroute-node-{left['index']}"
-            node._kill_pods()
-            node._kill_leftovers()
-            for _ in range(20):
-                node._kill_pods()
-                time.sleep(0.1)
-            node._unmount()
-            node._remove_cgroups()
-            node.network.delete()
-            record.unlink()
+            node.sysctls, node.record = left.get("sysctls", {}), path
+            node.stop()
+
+
+def _sysctl(key: str) -> str:
+    return _run("sysctl", "-n", key).stdout.strip()
+
+
+def _started(pid: int) -> str | None:
+    """A process's start time (field 22 of /proc/PID/stat), which tells a reused PID apart."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def coredns_objects() -> list[dict[str, Any]]:
-    """CoreDNS as a Deployment behind the kube-dns Service at DNS_IP: cluster.local only (nothing
-    upstream), as a non-root user on port 1053 (the Service maps 53 to it)."""
+    """CoreDNS as a Deployment behind the kube-dns Service at DNS_IP, with kubeadm's TTL and cache
+    (30 s: how long a pod that left a Service may still be in its answers, which the chart's
+    preStop waits must cover): cluster.local only (nothing upstream), as a non-root user on port
+    1053 (the Service maps 53 to it)."""
     ns, name = "kube-system", "coredns"
     labels = {"k8s-app": "kube-dns"}
     corefile = (
         ".:1053 {\n    errors\n    health :8080\n    ready :8181\n"
         "    kubernetes cluster.local in-addr.arpa ip6.arpa {\n        pods insecure\n"
-        "        fallthrough in-addr.arpa ip6.arpa\n    }\n    cache 5\n}\n"
+        "        fallthrough in-addr.arpa ip6.arpa\n        ttl 30\n    }\n    cache 30\n}\n"
     )
     rules = [
         {"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"], "verbs": ["list", "watch"]},

