@@ -131,7 +131,7 @@ class Node:
     def start(self) -> Node:
         if (CGROUP_ROOT / "cgroup.controllers").exists():
             raise RuntimeError("this node runs on cgroup v1 (or hybrid) hierarchies only; /sys/fs/cgroup is cgroup v2")
-        images = build_images()
+        archives = build_images(self.programs)
         self.workdir.mkdir(parents=True, exist_ok=True)
         Node.sweep()
         self.network = NodeNetwork.pick()
@@ -144,7 +144,7 @@ class Node:
             self.network.create()
             self.cp = ControlPlane(self.workdir / "controlplane", self.network).start()
             self._start_containerd()
-            for archive in images.archives.values():
+            for archive in archives.values():
                 self._ctr("images", "import", str(archive))
             self._start_kubelet()
             self._start("kube-scheduler", [str(self.bin / "kube-scheduler"), "--kubeconfig",
@@ -333,16 +333,20 @@ state = "{state / "state"}"
         """Each mounted cgroup v1 hierarchy (not the v2 'unified' one, which the kubelet does not use)."""
         return [p for p in CGROUP_ROOT.iterdir() if p.is_dir() and p.name != "unified" and not p.is_symlink()]
 
-    def _kill_pods(self) -> None:
-        """SIGKILL every process in the node's cgroups (the containers and their sandboxes)."""
+    def _kill_pods(self) -> int:
+        """SIGKILL every process in the node's cgroups (the containers and their sandboxes); how many
+        were still there."""
+        found = 0
         for hierarchy in self._cgroup_hierarchies():
             top = hierarchy / self.cgroup.lstrip("/")
             with contextlib.suppress(OSError):  # runc removes cgroups while we walk them
                 for procs in list(top.rglob("cgroup.procs")):
                     with contextlib.suppress(OSError):
                         for pid in procs.read_text().split():
+                            found += 1
                             with contextlib.suppress(ProcessLookupError):
                                 os.kill(int(pid), signal.SIGKILL)
+        return found
 
     def _kill_leftovers(self) -> None:
         """This run's node programs still alive: containerd's shims (which outlive it by design), and
@@ -432,9 +436,11 @@ state = "{state / "state"}"
             raise failures[0]
 
     def _reap(self) -> None:
-        """The killed processes leave their cgroups once reaped; kill what is still there meanwhile."""
+        """The killed processes leave their cgroups once reaped; kill what is still there meanwhile
+        (for up to 2 s)."""
         for _ in range(20):
-            self._kill_pods()
+            if not self._kill_pods():
+                return
             time.sleep(0.1)
 
     @classmethod

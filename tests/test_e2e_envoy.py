@@ -183,7 +183,7 @@ def test_envoy_ends_every_ext_proc_stream_without_a_reset(stack: Stack):
     """Envoy half-closes each ext_proc stream and the processor ends it (graceful close), also for
     a streamed response and a client that leaves: a reset stream leaks ~120 bytes in grpcio."""
     if stack.transport == "ext_authz":
-        pytest.skip("no ext_proc streams on the ext_authz transport")
+        pytest.skip("this layout asks by ext_authz, so Envoy opens no ext_proc stream whose close could be checked")
     resets = "cluster.kvroute_extproc.upstream_rq_tx_reset"
     closed = "http.kvroute.ext_proc.streams_closed"
     before = envoy_stat(stack, resets), envoy_stat(stack, closed)
@@ -261,7 +261,7 @@ def _extproc_channel(stack: Stack) -> grpc.aio.Channel:
 def test_only_envoy_may_ask_the_authz_port(stack: Stack):
     """The ext_authz transport's check requests need the token Envoy adds; health stays open."""
     if stack.transport != "ext_authz":
-        pytest.skip("the ext_authz transport's port")
+        pytest.skip("this layout uses ext_proc: there is no ext_authz check port to guard")
     authz = f"http://127.0.0.1:{stack.authz_port}"
     body = orjson.dumps(chat([{"role": "user", "content": "asked directly"}]))
     before = metric(stack.admin_url, 'kvroute_errors_total{kind="unauthenticated_stream"}')
@@ -277,7 +277,7 @@ def test_a_client_cannot_end_another_requests_exchange(stack: Stack):
     """The exchange header that names a request's access-log entry is Envoy's and kvroute's: a
     client's copy is stripped, so its own request's end cannot release another's load."""
     if stack.transport != "ext_authz":
-        pytest.skip("the ext_authz transport's exchange header")
+        pytest.skip("this layout uses ext_proc: no exchange header names a request's access-log entry")
     conn, _ = open_stream(stack, [{"role": "user", "content": "held open"}])
     try:
         unknown = metric(stack.admin_url, 'kvroute_errors_total{kind="unknown_exchange"}')
