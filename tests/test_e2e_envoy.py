@@ -495,6 +495,34 @@ def _ping_every_second(bootstrap: dict) -> None:
                 keepalive["connection_keepalive"] = {"interval": "1s", "timeout": "1s"}
 
 
+@pytest.mark.layouts  # full duplex: a gateway's layout
+def test_a_processor_frozen_for_seconds_keeps_its_streams(tmp_path: Path):
+    """A processor that cannot answer Envoy's keepalive ping for some seconds (a busy or throttled
+    node) must not lose its connection: a missed answer closes it, and a full-duplex request on it
+    then fails with a 500, since its body is with the processor. Frozen 18 s by SIGSTOP while its
+    request is in flight: Envoy pings every 10-11.5 s, so some ping goes unanswered for 6.5 s or
+    more, which a 5 s timeout did not allow (seen in CI on real vLLM); 20 s allows it."""
+    sims = ("--step-s", "0.5")  # 30 output tokens: the response starts after some 15 seconds
+    with Stack(tmp_path, sims=1, sim_args=sims, **layout_for("full_duplex")) as stack:
+        processor = stack.processes[stack.extproc_names[0]]
+        replies: list[tuple] = []
+        request = threading.Thread(
+            target=lambda: replies.append(post(stack.url, chat([{"role": "user", "content": "slow"}], max_tokens=30)))
+        )
+        request.start()
+        eventually(lambda: metric(stack.admin_url, "kvroute_backend_active_requests") == 1, message="the request routed")
+        processor.send_signal(signal.SIGSTOP)
+        try:
+            request.join(18)
+        finally:
+            processor.send_signal(signal.SIGCONT)
+        request.join(60)
+        status, headers, body = replies[0]
+        assert status == 200, body
+        assert headers.get("x-kvroute-decision") == "least_loaded"
+        assert envoy_stat(stack, "cluster.kvroute_extproc.upstream_cx_destroy_local_with_active_rq") == 0
+
+
 def test_a_request_that_waits_long_for_its_backend_keeps_its_ext_proc_stream(tmp_path: Path):
     """Envoy pings the ext_proc's connection (keepalive). A gRPC server by default counts a ping
     that comes while it has sent nothing for five minutes as a strike, and after two sends GOAWAY

@@ -112,7 +112,7 @@ def test_kvroute_splits_long_prompts_and_serves_short_and_forged_ones_whole(
             computed = counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
             body = {"model": "tiny-llama", "prompt": prompt, "temperature": 0, "max_tokens": OUTPUT_TOKENS}
             status, headers, answer = post(stack.url, body, path="/v1/completions")
-            assert status == 200, answer
+            assert status == 200, (answer, log_tails(stack.workdir))
             assert headers.get("x-kvroute-backend") == decode, log_tails(stack.workdir)  # routed, not let through
             # decoded from the prefill's blocks: at most the last partial block computed there
             assert counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") - computed <= 128

@@ -299,9 +299,12 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _TYPES + "extensions.upstreams.http.v3.HttpProtocolOptions",
-                # Keepalive pings notice a dead processor in seconds, not when TCP gives up.
+                # Keepalive pings notice a dead processor in seconds, not when TCP gives up. A
+                # missed answer closes the connection, and every full-duplex request on it fails
+                # (500: its body is with the processor), so the wait is gRPC's own default, 20 s:
+                # 5 s was missed on busy 2-core machines (a processor frozen that long, then alive).
                 "explicit_http_config": {
-                    "http2_protocol_options": {"connection_keepalive": {"interval": "10s", "timeout": "5s"}}
+                    "http2_protocol_options": {"connection_keepalive": {"interval": "10s", "timeout": "20s"}}
                 },
             }
         },
