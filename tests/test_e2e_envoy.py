@@ -510,7 +510,8 @@ def test_a_processor_frozen_for_seconds_keeps_its_streams(tmp_path: Path):
             target=lambda: replies.append(post(stack.url, chat([{"role": "user", "content": "slow"}], max_tokens=30)))
         )
         request.start()
-        eventually(lambda: metric(stack.admin_url, "kvroute_backend_active_requests") == 1, message="the request routed")
+        routed = lambda: metric(stack.admin_url, "kvroute_backend_active_requests") == 1  # noqa: E731
+        eventually(routed, message="the request routed")
         processor.send_signal(signal.SIGSTOP)
         try:
             request.join(18)
