@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -12,6 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from extproc.admin.app import Admin
 from extproc.core.backends import Backend
 from extproc.core.decision import Label
+from extproc.core.index import ENTRY_BYTES
+from extproc.core.request import parse_request
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.metrics import Metrics
@@ -152,5 +155,19 @@ def test_the_control_port_needs_the_token_and_the_monitoring_port_controls_nothi
         assert (await client.monitoring.get("/debug/state")).status == 404
         metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
         assert 'kvroute_errors_total{kind="unauthorized"} 6.0' in metrics
+
+    run(scenario)
+
+
+def test_locations_dropped_for_the_memory_bound_are_counted():
+    async def scenario(client: TestClient, admin: Admin, router: Router) -> None:
+        router.reconfigure(replace(router.settings, index_memory_mib=0.002))  # a few locations
+        for turn in range(4):
+            body = {**BODY, "messages": [*BODY["messages"], {"role": "user", "content": f"{turn}" * 3000}]}
+            router.learn(parse_request(orjson.dumps(body)), (A, B)[turn % 2], float(turn))
+        state = router.state()
+        assert state.index_shed > 0 and state.index_entries * ENTRY_BYTES <= 0.002 * 2**20
+        metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
+        assert f"kvroute_index_shed_total {float(state.index_shed)}" in metrics
 
     run(scenario)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import random
+import tracemalloc
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.core.churn import ChurnMeter
-from extproc.core.index import LocalIndex
+from extproc.core.index import ENTRY_BYTES, HEAD_BYTES, LocalIndex
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -201,3 +205,63 @@ def test_room_made_ahead_of_learning_evicts_the_least_recent():
     index.make_room(A, [1], 2)  # the request uses block 1 there: it is the most recent now
     assert index.lookup([1], [A], 4) == {A: 1}
     assert index.lookup([7, 8, 9], [A], 4) == {A: 1}  # 9 and 8 went instead
+
+
+def bytes_for(locations: int, heads: int) -> int:
+    return locations * ENTRY_BYTES + heads * HEAD_BYTES
+
+
+def test_past_its_bound_the_index_drops_the_coldest_locations_fleet_wide():
+    index = LocalIndex(ttl_s=1000, capacity_blocks=100, learn_share=1.0, max_bytes=bytes_for(200, 20))
+    for t in range(30):  # ten chains of ten blocks on each of three backends, A's oldest
+        backend = (A, B, C)[t // 10]
+        index.learn([1000 * t + i for i in range(10)], backend, float(t))
+    # 1 % below the bound, the slack that spares the next learnings a pass: B's oldest three went too
+    assert index.entries_by_backend() == {A: 0, B: 97, C: 100}
+    assert index.shed == 103 and index.memory_bytes() <= bytes_for(200, 20)
+    assert index.lookup([0, 1], [A], 40.0) == {A: 0}  # A's first chain went
+    assert index.holders(0, 40.0) == ()  # and its head with it: no candidate points at it
+    assert index.lookup([10000, 10001, 10002], [B], 40.0) == {B: 3}  # B lost its first chain's tail only
+    assert index.lookup([29000, 29001], [C], 40.0) == {C: 2}
+
+
+def test_the_bound_keeps_a_slack_so_learning_past_it_is_not_a_pass_per_request():
+    index = LocalIndex(ttl_s=1000, capacity_blocks=10_000, learn_share=1.0, max_bytes=bytes_for(1000, 1))
+    index.learn(list(range(1001)), A, 0.0)
+    shed = index.shed
+    assert shed > 0 and index.memory_bytes() <= bytes_for(990, 1)
+    index.learn([5000], B, 1.0)  # within the slack: nothing dropped
+    assert index.shed == shed
+
+
+def test_a_smaller_bound_configured_live_takes_effect_at_once():
+    index = LocalIndex(ttl_s=1000, capacity_blocks=100, learn_share=1.0)
+    for t in range(10):
+        index.learn([100 * t + i for i in range(10)], (A, B)[t % 2], float(t))
+    assert index.shed == 0
+    index.configure(1000, 100, {}, max_bytes=bytes_for(50, 5))
+    assert index.memory_bytes() <= bytes_for(50, 5) and index.shed >= 50
+
+
+@pytest.mark.parametrize(("backends", "chain"), [(64, 16), (8, 16), (64, 1), (4, 64)])
+def test_the_memory_bound_holds_in_bytes(backends: int, chain: int):
+    """The bound's estimates are upper ones: filled far past a 4 MiB bound, with LRUs that have
+    turned over (their dicts' tables grown), the index's memory by tracemalloc stays within it,
+    for long chains (locations) and one-block prompts (heads) alike."""
+    rng = random.Random(7)
+    names = [f"10.1.0.{i}:8000" for i in range(backends)]
+    bound = 4 * 2**20
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = LocalIndex(ttl_s=1e9, capacity_blocks=10**6, learn_share=1.0, max_bytes=bound)
+        for round_ in range(3 * bound // (ENTRY_BYTES * chain * backends)):
+            for name in names:
+                index.learn([rng.getrandbits(64) for _ in range(chain)], name, float(round_))
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.shed > 0
+    assert 0.5 * bound < used <= bound, used

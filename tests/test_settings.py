@@ -190,7 +190,8 @@ def test_every_setting_means_the_same_from_every_source(f, tmp_path):
         changes, unknown = policy.routing_changes({f.metadata["policy"]: value})
         assert not unknown and getattr(dataclasses.replace(Settings(), **changes), f.name) == expected
     else:
-        assert f.name in ("hash_key", "capacity_auto")  # the secret key, and what capacityBlocks "auto" sets
+        # the secret key, what capacityBlocks "auto" sets, and the process's own memory budget
+        assert f.name in ("hash_key", "capacity_auto", "index_memory_mib")
 
 
 def test_header_settings_refuse_what_is_no_header_name():

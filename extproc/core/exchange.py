@@ -132,6 +132,7 @@ class RouterState:
 
     index: str  # the index mode's name
     index_entries: int
+    index_shed: int  # locations dropped to keep the index within its memory bound, so far
     index_entries_by_backend: dict[str, int]
     sessions: int
     load: dict[str, BackendState]

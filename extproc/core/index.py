@@ -10,9 +10,17 @@ the chain and the number of candidates, never on the index size.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol
+
+# What the approximate-mode index costs the process, as its memory bound counts it (upper
+# estimates, by tracemalloc on LRUs that have turned over: tests/test_index.py, docs/benchmarks.md):
+# a (block, backend) location, its LRU entry and 64-bit key, 155-223 bytes as the dicts' power-of-two
+# tables fall; a chain's first block in the first-block map, about 110 more.
+ENTRY_BYTES = 240
+HEAD_BYTES = 112
 
 
 class LocationIndex(Protocol):
@@ -45,32 +53,89 @@ class LocationIndex(Protocol):
         """Locations held per backend (its size)."""
         ...
 
+    @property
+    def shed(self) -> int:
+        """Locations dropped so far to keep the process's index within its memory bound."""
+        ...
+
 
 class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity; and
     for each chain's first block, the backends holding it (so a large fleet's decision need not
-    ask every backend: shortlist.py)."""
+    ask every backend: shortlist.py). Over all backends it stays within `max_bytes` (as ENTRY_BYTES
+    and HEAD_BYTES count them): a thousand backends' capacities can add up to more memory than the
+    process has."""
 
-    __slots__ = ("_backends", "_capacities", "_capacity", "_heads", "_learn_share", "_next_vacuum", "_ttl")
+    __slots__ = (
+        "_backends",
+        "_capacities",
+        "_capacity",
+        "_heads",
+        "_learn_share",
+        "_max_bytes",
+        "_next_vacuum",
+        "_shed",
+        "_total",
+        "_ttl",
+    )
 
-    def __init__(self, ttl_s: float, capacity_blocks: int, learn_share: float = 0.5) -> None:
+    def __init__(
+        self, ttl_s: float, capacity_blocks: int, learn_share: float = 0.5, max_bytes: int | None = None
+    ) -> None:
         """`learn_share`: the most of a backend's capacity one response may teach (from the head),
-        so a single huge prompt cannot push everyone else's prefixes out of kvroute's picture."""
+        so a single huge prompt cannot push everyone else's prefixes out of kvroute's picture.
+        `max_bytes`: the bound over all backends (none: only each backend's capacity)."""
         self._ttl = ttl_s
         self._capacity = capacity_blocks
         self._learn_share = learn_share
+        self._max_bytes = max_bytes
         self._capacities: dict[str, int] = {}
         self._backends: dict[str, OrderedDict[int, float]] = {}
-        self._heads: dict[int, set[str]] = {}  # first block of a learned chain -> backends holding it
+        # first block of a learned chain -> the backend holding it, or the backends once several do
+        # (one name, not a set: most heads live on one backend, and short prompts are all head)
+        self._heads: dict[int, str | set[str]] = {}
         self._next_vacuum = float("inf")
+        self._total = 0  # locations held over all backends
+        self._shed = 0
 
-    def configure(self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int]) -> None:
+    def configure(
+        self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int], max_bytes: int | None = None
+    ) -> None:
         self._ttl = ttl_s
         self._capacity = capacity_blocks
         self._capacities = dict(capacities)
+        self._max_bytes = max_bytes
         self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
         for backend, blocks in self._backends.items():
             self._trim(backend, blocks, self._capacities.get(backend, capacity_blocks))
+        self._bound()
+
+    @property
+    def shed(self) -> int:
+        return self._shed
+
+    def memory_bytes(self) -> int:
+        """The index's memory as its bound counts it."""
+        return self._total * ENTRY_BYTES + len(self._heads) * HEAD_BYTES
+
+    def _bound(self) -> None:
+        """Past `max_bytes`, drop the coldest locations fleet-wide (the old ends of the backends'
+        LRUs, by last seen) down to 1 % below it, so the next few learnings need no pass."""
+        bound = self._max_bytes
+        if bound is None or self.memory_bytes() <= bound:
+            return
+        target = bound - bound // 100
+        fronts = [(next(iter(b.values())), i, name) for i, (name, b) in enumerate(self._backends.items()) if b]
+        heapq.heapify(fronts)
+        while self.memory_bytes() > target and fronts:
+            _, i, name = fronts[0]
+            blocks = self._backends[name]
+            self._lost(blocks.popitem(last=False)[0], name)
+            self._shed += 1
+            if blocks:
+                heapq.heapreplace(fronts, (next(iter(blocks.values())), i, name))
+            else:
+                heapq.heappop(fronts)
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacities[backend] = blocks
@@ -95,14 +160,23 @@ class LocalIndex:
 
     def _lost(self, block: int, backend: str) -> None:
         """The block left the backend's picture: if it heads a chain, the backend no longer holds it."""
+        self._total -= 1
         holding = self._heads.get(block)
-        if holding is not None:
-            holding.discard(backend)
-            if not holding:
+        if holding is None:
+            return
+        if isinstance(holding, str):
+            if holding == backend:
                 del self._heads[block]
+            return
+        holding.discard(backend)
+        if not holding:
+            del self._heads[block]
 
     def holders(self, block: int, now: float) -> Collection[str]:
-        return self._heads.get(block, ())
+        holding = self._heads.get(block)
+        if holding is None:
+            return ()
+        return (holding,) if isinstance(holding, str) else holding
 
     def lookup(self, chain: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
         if now >= self._next_vacuum:
@@ -134,12 +208,18 @@ class LocalIndex:
             blocks[block] = now
             blocks.move_to_end(block)
         added = len(blocks) - held
+        self._total += added
         if chain:
             holding = self._heads.get(chain[0])
             if holding is None:
-                holding = self._heads[chain[0]] = set()
-            holding.add(backend)
+                self._heads[chain[0]] = backend
+            elif isinstance(holding, str):
+                if holding != backend:
+                    self._heads[chain[0]] = {holding, backend}
+            else:
+                holding.add(backend)
         self._trim(backend, blocks, capacity)
+        self._bound()
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
         return added

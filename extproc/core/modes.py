@@ -161,7 +161,8 @@ class ApproximateMode:
         self._sized_at = self._shared.bytes_per_token.value
         settings = self.settings
         capacities = {b: self._blocks(t) for b, t in self._shared.kv_tokens.items()} if settings.capacity_auto else {}
-        self.index.configure(settings.location_ttl_s, settings.capacity_blocks, capacities)
+        bound = int(settings.index_memory_mib * 2**20)
+        self.index.configure(settings.location_ttl_s, settings.capacity_blocks, capacities, bound)
 
     def _blocks(self, kv_tokens: int) -> int:
         """A KV cache of so many tokens as CBR blocks, at the learned bytes per token."""

@@ -65,6 +65,12 @@ class PreciseIndex:
         # LoRA adapters the engines reported blocks for: a request naming one is keyed by it
         self.lora_names: set[str] = set()
 
+    @property
+    def shed(self) -> int:
+        """None: this picture mirrors what the engines report holding, so it is as large as their
+        caches (each backend bounded by `max_blocks`); the process's bound is approximate mode's."""
+        return 0
+
     def stored(self, backend: str, event: BlockStored) -> list[int]:
         """Add the event's blocks; returns the keys of those new there. Raises ValueError on a
         malformed event."""

@@ -568,6 +568,7 @@ class Router:
         return RouterState(
             index=self.mode.name,
             index_entries=sum(by_backend.values()),
+            index_shed=self.index.shed,
             index_entries_by_backend=by_backend,
             sessions=len(self.sessions),
             load={backend: self._backend_state(backend, r, a) for backend, (r, a) in self.loads.snapshot().items()},

@@ -240,6 +240,14 @@ class Settings:
         policy_value=_blocks_or_auto,
         schema="blocks_or_auto",
     )
+    index_memory_mib: float = _setting(
+        1024.0,
+        "Memory the approximate-mode index may use over all backends, in MiB, as upper estimates count "
+        "it (240 bytes a location, 112 more a chain's first block); past it the coldest locations "
+        "fleet-wide are dropped (kvroute_index_shed_total). Per process, not in a policy: it is the "
+        "process's own budget.",
+        POSITIVE,
+    )
     session_ttl_s: float = _setting(
         3600.0, "Seconds a session binding lives after its last use.", POSITIVE, "sessionTTLSeconds"
     )

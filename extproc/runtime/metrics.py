@@ -58,6 +58,11 @@ class _RouterCollector(Collector):
         )
         state = self._router.state()
         yield GaugeMetricFamily("kvroute_index_entries", "(block, backend) locations held", value=state.index_entries)
+        yield CounterMetricFamily(
+            "kvroute_index_shed",
+            "locations dropped, coldest first, to keep the index within indexMemoryMiB",
+            value=state.index_shed,
+        )
         yield GaugeMetricFamily("kvroute_sessions", "session bindings held", value=state.sessions)
         yield GaugeMetricFamily(
             "kvroute_bytes_per_token",
