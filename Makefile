@@ -25,9 +25,10 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
-# Your own loop, under a minute: everything but real vLLM, peer routers and Kubernetes.
+# Your own loop, under a minute: everything but real vLLM, peer routers and Kubernetes, in four
+# workers on two cores (its tests mostly wait on the Envoy, ext_proc and simulator processes they start).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and not peers and not k8s and not node and not bench and not layouts and not observability"
+	$(BIN)/python -m pytest -q -n 4 --dist worksteal -m "not vllm and not peers and not k8s and not node and not bench and not layouts and not observability"
 
 # Regenerate what is derived from the settings' declarations (tests fail when these are stale).
 crd: $(STAMP)

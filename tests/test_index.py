@@ -245,12 +245,12 @@ def test_a_smaller_bound_configured_live_takes_effect_at_once():
 
 @pytest.mark.parametrize(("backends", "chain"), [(64, 16), (8, 16), (64, 1), (4, 64)])
 def test_the_memory_bound_holds_in_bytes(backends: int, chain: int):
-    """The bound's estimates are upper ones: filled far past a 4 MiB bound, with LRUs that have
+    """The bound's estimates are upper ones: filled far past a 1 MiB bound, with LRUs that have
     turned over (their dicts' tables grown), the index's memory by tracemalloc stays within it,
     for long chains (locations) and one-block prompts (heads) alike."""
     rng = random.Random(7)
     names = [f"10.1.0.{i}:8000" for i in range(backends)]
-    bound = 4 * 2**20
+    bound = 2**20
     gc.collect()
     tracemalloc.start()
     try:
