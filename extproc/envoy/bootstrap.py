@@ -302,7 +302,8 @@ def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
                 # Keepalive pings notice a dead processor in seconds, not when TCP gives up. A
                 # missed answer closes the connection, and every full-duplex request on it fails
                 # (500: its body is with the processor), so the wait is gRPC's own default, 20 s:
-                # 5 s was missed on busy 2-core machines (a processor frozen that long, then alive).
+                # with 5 s, CI's real-vLLM run on a busy 2-core machine lost one so (cut after 14 s,
+                # as an unanswered ping at 10 s would be), and a processor frozen 18 s loses none.
                 "explicit_http_config": {
                     "http2_protocol_options": {"connection_keepalive": {"interval": "10s", "timeout": "20s"}}
                 },
