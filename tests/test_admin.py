@@ -13,7 +13,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from extproc.admin.app import Admin
 from extproc.core.backends import Backend
 from extproc.core.decision import Label
-from extproc.core.index import ENTRY_BYTES
 from extproc.core.request import parse_request
 from extproc.core.router import Router
 from extproc.core.settings import Settings
@@ -32,7 +31,7 @@ def run(scenario: Callable[[TestClient, Admin, Router], Awaitable[None]]) -> Non
         admin = Admin(router, pool, Metrics(router, pool), clock=lambda: 5.0)
         control = TestClient(TestServer(admin.control_app(TOKEN)), headers={"authorization": f"Bearer {TOKEN}"})
         async with control as client, TestClient(TestServer(admin.monitoring_app())) as monitoring:
-            client.monitoring = monitoring  # type: ignore[attr-defined]
+            client.monitoring = monitoring
             await scenario(client, admin, router)
 
     asyncio.run(main())
@@ -161,12 +160,12 @@ def test_the_control_port_needs_the_token_and_the_monitoring_port_controls_nothi
 
 def test_locations_dropped_for_the_memory_bound_are_counted():
     async def scenario(client: TestClient, admin: Admin, router: Router) -> None:
-        router.reconfigure(replace(router.settings, index_memory_mib=0.002))  # a few locations
-        for turn in range(4):
+        router.reconfigure(replace(router.settings, index_memory_mib=0.005))  # a few locations
+        for turn in range(8):
             body = {**BODY, "messages": [*BODY["messages"], {"role": "user", "content": f"{turn}" * 3000}]}
             router.learn(parse_request(orjson.dumps(body)), (A, B)[turn % 2], float(turn))
         state = router.state()
-        assert state.index_shed > 0 and state.index_entries * ENTRY_BYTES <= 0.002 * 2**20
+        assert state.index_shed > 0 and router.index.memory_bytes() <= 0.005 * 2**20
         metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
         assert f"kvroute_index_shed_total {float(state.index_shed)}" in metrics
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 import tracemalloc
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.core.churn import ChurnMeter
-from extproc.core.index import ENTRY_BYTES, HEAD_BYTES, LocalIndex
+from extproc.core.index import LOCATION_BYTES, SLACK_BYTES, LocalIndex
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -118,9 +119,9 @@ def test_configure_and_per_backend_capacity_trim_oldest_first():
     index.learn([5, 6, 7, 8], B, 0)
     index.set_capacity(A, 2)
     assert index.lookup([1, 2, 3, 4], [A], 1) == {A: 2}
-    index.configure(ttl_s=100, capacity_blocks=3, capacities={A: 2})
+    index.configure(ttl_s=100, capacity_blocks=3, capacities={A: 2}, max_bytes=None)
     assert index.entries_by_backend() == {A: 2, B: 3}
-    index.configure(ttl_s=1, capacity_blocks=3, capacities={A: 2})
+    index.configure(ttl_s=1, capacity_blocks=3, capacities={A: 2}, max_bytes=None)
     assert index.lookup([5, 6, 7], [B], 5) == {B: 0}
     assert sum(index.entries_by_backend().values()) == 0  # the shorter TTL's vacuum ran on that lookup
 
@@ -207,30 +208,74 @@ def test_room_made_ahead_of_learning_evicts_the_least_recent():
     assert index.lookup([7, 8, 9], [A], 4) == {A: 1}  # 9 and 8 went instead
 
 
-def bytes_for(locations: int, heads: int) -> int:
-    return locations * ENTRY_BYTES + heads * HEAD_BYTES
+def measured(index: LocalIndex) -> int:
+    """What memory_bytes should say, measured afresh from the index's containers."""
+    tables = sum(sys.getsizeof(blocks) for blocks in index._backends.values())
+    sets = sum(sys.getsizeof(h) for h in index._heads.values() if isinstance(h, set))
+    locations = sum(len(blocks) for blocks in index._backends.values())
+    return tables + sys.getsizeof(index._heads) + sets + locations * LOCATION_BYTES
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["learn", "learn", "learn", "room", "forget_before", "remove", "vacuum", "capacity"]),
+            st.tuples(st.integers(0, 5), st.integers(1, 4)),
+            st.sampled_from([A, B, C]),
+            st.integers(0, 3),
+        ),
+        max_size=60,
+    ),
+    st.integers(2_000, 20_000),
+)
+def test_the_memory_count_stays_exact_through_every_change(ops, bound):
+    """Whatever learns, makes room, forgets, removes, expires, trims or sheds: the index's count of
+    its memory equals a fresh measure of its containers, and stays within its bound."""
+    index = LocalIndex(ttl_s=5, capacity_blocks=8, learn_share=1.0, max_bytes=bound)
+    now = 0
+    for op, (head, length), backend, step in ops:
+        now += step
+        chain = [head, *(100 * (head + 1) + i for i in range(1, length))]
+        if op == "learn":
+            index.learn(chain, backend, now)
+        elif op == "room":
+            index.make_room(backend, chain[:1], 3 * step)
+        elif op == "forget_before":
+            index.forget_before(backend, now - 1)
+        elif op == "remove":
+            index.remove_backend(backend)
+        elif op == "vacuum":
+            index.vacuum(now)
+        else:
+            index.set_capacity(backend, 1 + step)
+        assert index.memory_bytes() == measured(index)
+        if op == "learn" and index.shed:
+            assert index.memory_bytes() <= bound
 
 
 def test_past_its_bound_the_index_drops_the_coldest_locations_fleet_wide():
-    index = LocalIndex(ttl_s=1000, capacity_blocks=100, learn_share=1.0, max_bytes=bytes_for(200, 20))
+    index = LocalIndex(ttl_s=1000, capacity_blocks=100, learn_share=1.0)
     for t in range(30):  # ten chains of ten blocks on each of three backends, A's oldest
-        backend = (A, B, C)[t // 10]
-        index.learn([1000 * t + i for i in range(10)], backend, float(t))
-    # 1 % below the bound, the slack that spares the next learnings a pass: B's oldest three went too
-    assert index.entries_by_backend() == {A: 0, B: 97, C: 100}
-    assert index.shed == 103 and index.memory_bytes() <= bytes_for(200, 20)
+        index.learn([1000 * t + i for i in range(10)], (A, B, C)[t // 10], float(t))
+    full = index.memory_bytes()
+    index.configure(1000, 100, {}, max_bytes=full * 2 // 3)  # room for about two backends' worth
+    entries = index.entries_by_backend()
+    assert index.memory_bytes() <= full * 2 // 3 and index.shed == 300 - sum(entries.values())
+    assert entries[C] == 100 and entries[A] < entries[B]  # the newest kept whole, the oldest went first
     assert index.lookup([0, 1], [A], 40.0) == {A: 0}  # A's first chain went
     assert index.holders(0, 40.0) == ()  # and its head with it: no candidate points at it
-    assert index.lookup([10000, 10001, 10002], [B], 40.0) == {B: 3}  # B lost its first chain's tail only
     assert index.lookup([29000, 29001], [C], 40.0) == {C: 2}
 
 
-def test_the_bound_keeps_a_slack_so_learning_past_it_is_not_a_pass_per_request():
-    index = LocalIndex(ttl_s=1000, capacity_blocks=10_000, learn_share=1.0, max_bytes=bytes_for(1000, 1))
-    index.learn(list(range(1001)), A, 0.0)
+def test_a_pass_goes_below_the_bound_so_the_next_learnings_need_none():
+    index = LocalIndex(ttl_s=1000, capacity_blocks=10**6, learn_share=1.0, max_bytes=2**20)
+    round_ = 0
+    while not index.shed:
+        index.learn([round_ * 100 + i for i in range(50)], (A, B)[round_ % 2], float(round_))
+        round_ += 1
     shed = index.shed
-    assert shed > 0 and index.memory_bytes() <= bytes_for(990, 1)
-    index.learn([5000], B, 1.0)  # within the slack: nothing dropped
+    assert index.memory_bytes() <= 2**20 - min(SLACK_BYTES, 2**20 // 10)
+    index.learn([10**9 + i for i in range(5)], C, float(round_))  # within the slack: nothing dropped
     assert index.shed == shed
 
 
@@ -239,26 +284,41 @@ def test_a_smaller_bound_configured_live_takes_effect_at_once():
     for t in range(10):
         index.learn([100 * t + i for i in range(10)], (A, B)[t % 2], float(t))
     assert index.shed == 0
-    index.configure(1000, 100, {}, max_bytes=bytes_for(50, 5))
-    assert index.memory_bytes() <= bytes_for(50, 5) and index.shed >= 50
+    index.configure(1000, 100, {}, max_bytes=index.memory_bytes() // 2)
+    assert index.shed >= 40
 
 
-@pytest.mark.parametrize(("backends", "chain"), [(64, 16), (8, 16), (64, 1), (4, 64)])
-def test_the_memory_bound_holds_in_bytes(backends: int, chain: int):
-    """The bound's estimates are upper ones: filled far past a 1 MiB bound, with LRUs that have
-    turned over (their dicts' tables grown), the index's memory by tracemalloc stays within it,
-    for long chains (locations) and one-block prompts (heads) alike."""
+def _fill(index: LocalIndex, backends: list[str], chain: int, rounds: int, heads: int | None) -> None:
     rng = random.Random(7)
-    names = [f"10.1.0.{i}:8000" for i in range(backends)]
+    for round_ in range(rounds):
+        for name in backends:
+            first = rng.randrange(heads) if heads else rng.getrandbits(64)  # heads: drawn from a pool
+            index.learn([first, *(rng.getrandbits(64) for _ in range(chain - 1))], name, float(round_))
+
+
+@pytest.mark.parametrize(
+    ("backends", "chain", "phases", "heads"),
+    [
+        (64, 16, 1, None),  # long chains spread evenly
+        (8, 16, 1, None),
+        (64, 1, 1, None),  # one-block prompts: every location heads a chain
+        (64, 1, 1, 1000),  # short prompts repeated over many backends: heads held by several
+        (1, 16, 8, None),  # traffic moving from backend to backend: emptied LRUs give their tables back
+    ],
+)
+def test_the_memory_bound_holds_in_bytes(backends: int, chain: int, phases: int, heads: int | None):
+    """Filled far past a 1 MiB bound, the index's memory by tracemalloc stays within it (its count
+    is its containers' own measure), for long chains and one-block prompts, heads shared by
+    several backends, and traffic that moves on and leaves LRUs emptied behind it."""
     bound = 2**20
+    rounds = 2 * bound // (LOCATION_BYTES * chain * backends)
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         index = LocalIndex(ttl_s=1e9, capacity_blocks=10**6, learn_share=1.0, max_bytes=bound)
-        for round_ in range(3 * bound // (ENTRY_BYTES * chain * backends)):
-            for name in names:
-                index.learn([rng.getrandbits(64) for _ in range(chain)], name, float(round_))
+        for phase in range(phases):
+            _fill(index, [f"10.1.{phase}.{i}:8000" for i in range(backends)], chain, rounds, heads)
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - before
     finally:

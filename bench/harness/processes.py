@@ -27,6 +27,20 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _share(low: int) -> tuple[int, int]:
+    """This process's share of the ports below `low`: pytest-xdist runs several test processes at
+    once (make test-fast), and two probing the same free port before either's child binds it
+    would collide; each worker (and the children it starts, which inherit its environment) draws
+    from a slice of its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if not worker.startswith("gw") or not worker[2:].isdigit() or count <= 1:
+        return LOWEST_PORT, low
+    width = (low - LOWEST_PORT) // count
+    start = LOWEST_PORT + int(worker[2:]) % count * width
+    return start, start + width
+
+
 def free_port() -> int:
     """A loopback port bindable now, below the ephemeral range (a port from that range may be
     taken as the source port of an outgoing connection before our server binds it: under a
@@ -36,8 +50,9 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+    start, end = _share(low)
     while True:
-        port = random.randrange(LOWEST_PORT, low)
+        port = random.randrange(start, end)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:

@@ -11,16 +11,24 @@ the chain and the number of candidates, never on the index size.
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
-# What the approximate-mode index costs the process, as its memory bound counts it (upper
-# estimates, by tracemalloc on LRUs that have turned over: tests/test_index.py, docs/benchmarks.md):
-# a (block, backend) location, its LRU entry and 64-bit key, 155-223 bytes as the dicts' power-of-two
-# tables fall; a chain's first block in the first-block map, about 110 more.
-ENTRY_BYTES = 240
-HEAD_BYTES = 112
+# The memory bound counts what the index's containers report (`sys.getsizeof`: each backend's LRU
+# with its table, which does not shrink as entries go, and its nodes; the first-block map and its
+# sets), kept up to date as they change, plus each location's objects: its key, a 64-bit int (36
+# bytes, 40 as allocated), and at most a last-seen float of its own (24; a chain learned at once
+# shares one).
+LOCATION_BYTES = 64
+# A pass that drops locations goes this far below the bound, so the next learnings need none;
+# small, as the pass holds the event loop (some 2 us a location).
+SLACK_BYTES = 256 * 1024
+# The most an LRU takes per entry as it grows (its table and node; 75-116 bytes measured): one
+# past twice that has lost most of its entries (shed, expired) and is copied into a right-sized
+# table, or the memory it keeps would not be given back.
+GROWN_ENTRY_BYTES = 116
 
 
 class LocationIndex(Protocol):
@@ -62,9 +70,8 @@ class LocationIndex(Protocol):
 class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity; and
     for each chain's first block, the backends holding it (so a large fleet's decision need not
-    ask every backend: shortlist.py). Over all backends it stays within `max_bytes` (as ENTRY_BYTES
-    and HEAD_BYTES count them): a thousand backends' capacities can add up to more memory than the
-    process has."""
+    ask every backend: shortlist.py). Over all backends it stays within `max_bytes` (memory_bytes):
+    a thousand backends' capacities can add up to more memory than the process has."""
 
     __slots__ = (
         "_backends",
@@ -74,7 +81,10 @@ class LocalIndex:
         "_learn_share",
         "_max_bytes",
         "_next_vacuum",
+        "_set_bytes",
         "_shed",
+        "_sizes",
+        "_table_bytes",
         "_total",
         "_ttl",
     )
@@ -97,9 +107,12 @@ class LocalIndex:
         self._next_vacuum = float("inf")
         self._total = 0  # locations held over all backends
         self._shed = 0
+        self._sizes: dict[str, int] = {}  # each backend's LRU's size as last measured
+        self._table_bytes = 0  # their sum
+        self._set_bytes = 0  # the first-block map's sets' sizes
 
     def configure(
-        self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int], max_bytes: int | None = None
+        self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int], *, max_bytes: int | None
     ) -> None:
         self._ttl = ttl_s
         self._capacity = capacity_blocks
@@ -108,6 +121,7 @@ class LocalIndex:
         self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
         for backend, blocks in self._backends.items():
             self._trim(backend, blocks, self._capacities.get(backend, capacity_blocks))
+        self._resized(list(self._backends))
         self._bound()
 
     @property
@@ -115,32 +129,54 @@ class LocalIndex:
         return self._shed
 
     def memory_bytes(self) -> int:
-        """The index's memory as its bound counts it."""
-        return self._total * ENTRY_BYTES + len(self._heads) * HEAD_BYTES
+        """The index's memory as its bound counts it: its containers' own measure, and the keys."""
+        return self._table_bytes + sys.getsizeof(self._heads) + self._set_bytes + self._total * LOCATION_BYTES
+
+    def _resized(self, backends: Iterable[str]) -> None:
+        """Measure these backends' LRUs again after a change; one whose table has outgrown its
+        entries is copied into a right-sized one first (the old table is given back)."""
+        for name in backends:
+            blocks = self._backends.get(name)
+            if blocks is None:
+                continue
+            size = sys.getsizeof(blocks)
+            if size > 2 * GROWN_ENTRY_BYTES * len(blocks) + 4096:
+                blocks = self._backends[name] = OrderedDict(blocks)
+                size = sys.getsizeof(blocks)
+            self._table_bytes += size - self._sizes.get(name, 0)
+            self._sizes[name] = size
 
     def _bound(self) -> None:
         """Past `max_bytes`, drop the coldest locations fleet-wide (the old ends of the backends'
-        LRUs, by last seen) down to 1 % below it, so the next few learnings need no pass."""
+        LRUs, by last seen) down to SLACK_BYTES below it."""
         bound = self._max_bytes
         if bound is None or self.memory_bytes() <= bound:
             return
-        target = bound - bound // 100
+        target = bound - min(SLACK_BYTES, bound // 10)
         fronts = [(next(iter(b.values())), i, name) for i, (name, b) in enumerate(self._backends.items()) if b]
         heapq.heapify(fronts)
-        while self.memory_bytes() > target and fronts:
-            _, i, name = fronts[0]
-            blocks = self._backends[name]
-            self._lost(blocks.popitem(last=False)[0], name)
-            self._shed += 1
-            if blocks:
-                heapq.heapreplace(fronts, (next(iter(blocks.values())), i, name))
-            else:
-                heapq.heappop(fronts)
+        touched: set[str] = set()
+        while fronts and self.memory_bytes() > target:
+            # what the pops give back shows only once the touched LRUs are measured again (below)
+            for _ in range(max(1, (self.memory_bytes() - target) // (4 * LOCATION_BYTES))):
+                if not fronts:
+                    break
+                _, i, name = fronts[0]
+                blocks = self._backends[name]
+                self._lost(blocks.popitem(last=False)[0], name)
+                self._shed += 1
+                touched.add(name)
+                if blocks:
+                    heapq.heapreplace(fronts, (next(iter(blocks.values())), i, name))
+                else:
+                    heapq.heappop(fronts)
+            self._resized(touched)
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacities[backend] = blocks
         if backend in self._backends:
             self._trim(backend, self._backends[backend], blocks)
+            self._resized((backend,))
 
     def make_room(self, backend: str, held: Sequence[int], count: int) -> None:
         """A request is prefilling there that will be learned only later: the engine uses the
@@ -153,9 +189,10 @@ class LocalIndex:
             if block in blocks:
                 blocks.move_to_end(block)
         self._trim(backend, blocks, self._capacities.get(backend, self._capacity) - count)
+        self._resized((backend,))
 
     def _trim(self, backend: str, blocks: OrderedDict[int, float], capacity: int) -> None:
-        for _ in range(len(blocks) - capacity):
+        for _ in range(len(blocks) - max(0, capacity)):
             self._lost(blocks.popitem(last=False)[0], backend)
 
     def _lost(self, block: int, backend: str) -> None:
@@ -168,9 +205,12 @@ class LocalIndex:
             if holding == backend:
                 del self._heads[block]
             return
+        self._set_bytes -= sys.getsizeof(holding)
         holding.discard(backend)
-        if not holding:
-            del self._heads[block]
+        if len(holding) == 1:  # back to one holder: its name
+            self._heads[block] = next(iter(holding))
+        else:
+            self._set_bytes += sys.getsizeof(holding)
 
     def holders(self, block: int, now: float) -> Collection[str]:
         holding = self._heads.get(block)
@@ -215,10 +255,14 @@ class LocalIndex:
                 self._heads[chain[0]] = backend
             elif isinstance(holding, str):
                 if holding != backend:
-                    self._heads[chain[0]] = {holding, backend}
-            else:
+                    holding = self._heads[chain[0]] = {holding, backend}
+                    self._set_bytes += sys.getsizeof(holding)
+            elif backend not in holding:
+                self._set_bytes -= sys.getsizeof(holding)
                 holding.add(backend)
+                self._set_bytes += sys.getsizeof(holding)
         self._trim(backend, blocks, capacity)
+        self._resized((backend,))
         self._bound()
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
@@ -227,6 +271,7 @@ class LocalIndex:
     def remove_backend(self, backend: str) -> None:
         for block in list(self._backends.pop(backend, ())):
             self._lost(block, backend)
+        self._table_bytes -= self._sizes.pop(backend, 0)
 
     def forget_before(self, backend: str, moment: float) -> None:
         blocks = self._backends.get(backend)
@@ -238,13 +283,16 @@ class LocalIndex:
                 else:
                     self._lost(block, backend)
             self._backends[backend] = kept
+            self._resized((backend,))
 
     def vacuum(self, now: float) -> int:
         """Pop expired entries from the old end of each LRU; each entry is popped at most once."""
         cutoff = now - self._ttl
         removed = 0
         oldest = float("inf")
+        touched = []
         for backend, blocks in self._backends.items():
+            held = len(blocks)
             while blocks:
                 block, seen = next(iter(blocks.items()))
                 if seen >= cutoff:
@@ -253,6 +301,9 @@ class LocalIndex:
                 del blocks[block]
                 self._lost(block, backend)
                 removed += 1
+            if len(blocks) < held:
+                touched.append(backend)
+        self._resized(touched)
         self._next_vacuum = oldest + self._ttl
         return removed
 

@@ -162,7 +162,7 @@ class ApproximateMode:
         settings = self.settings
         capacities = {b: self._blocks(t) for b, t in self._shared.kv_tokens.items()} if settings.capacity_auto else {}
         bound = int(settings.index_memory_mib * 2**20)
-        self.index.configure(settings.location_ttl_s, settings.capacity_blocks, capacities, bound)
+        self.index.configure(settings.location_ttl_s, settings.capacity_blocks, capacities, max_bytes=bound)
 
     def _blocks(self, kv_tokens: int) -> int:
         """A KV cache of so many tokens as CBR blocks, at the learned bytes per token."""

@@ -242,10 +242,10 @@ class Settings:
     )
     index_memory_mib: float = _setting(
         1024.0,
-        "Memory the approximate-mode index may use over all backends, in MiB, as upper estimates count "
-        "it (240 bytes a location, 112 more a chain's first block); past it the coldest locations "
-        "fleet-wide are dropped (kvroute_index_shed_total). Per process, not in a policy: it is the "
-        "process's own budget.",
+        "Memory the approximate-mode index may use over all backends, in MiB (its containers' own "
+        "measure, and 64 bytes a location for its key and last-seen time); past it the coldest "
+        "locations fleet-wide are dropped (kvroute_index_shed_total). Per process, not in a policy: "
+        "it is the process's own budget.",
         POSITIVE,
     )
     session_ttl_s: float = _setting(
