@@ -26,7 +26,7 @@ from extproc.envoy.processor import Processor
 from extproc.envoy.proto import access_log_pb2_grpc as als_grpc
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
-from extproc.envoy.tls import server_credentials
+from extproc.envoy.tls import server_credentials, server_ssl_context
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.placer import PLACEMENT_INTERVAL_S, AdapterPlacer, PlacementCollector
@@ -196,7 +196,9 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             checks = web.AppRunner(authz.app(), access_log=None, handler_cancellation=True)
             await checks.setup()
             cleanup.push_async_callback(checks.cleanup)
-            await web.TCPSite(checks, config.grpc_host, config.authz_port).start()
+            files = (config.grpc_tls_cert_file, config.grpc_tls_key_file, config.grpc_tls_client_ca_file)
+            tls = server_ssl_context(*files)
+            await web.TCPSite(checks, config.grpc_host, config.authz_port, ssl_context=tls).start()
         cleanup.callback(room.drain)  # before the server stops: what is held is answered, not cut
         # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.
         processor_service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name

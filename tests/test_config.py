@@ -71,12 +71,15 @@ def test_a_replica_store_needs_a_hash_key_every_replica_shares():
     assert (loaded.replica_store, loaded.routing.hash_key) == ("redis://127.0.0.1:6379/0", bytes.fromhex("cd" * 16))
 
 
-def test_the_ext_authz_transport_serves_one_replica_without_tls():
+def test_the_ext_authz_transport_serves_one_replica_and_tls_from_files():
     """A request's access-log entry reaches one replica, which must be the one that decided it; and
-    the check port is plain HTTP, so it is not offered beside a TLS ext_proc port."""
+    the check port takes the gRPC port's TLS from its files (tests/test_extproc_tls.py), never a
+    self-signed certificate made at start."""
     store = ["--replica-store", "redis://127.0.0.1:6379/0"]
     with pytest.raises(ValueError, match="one replica"):
         config.load(parse(["--authz-port", "9004", *store]), {"KVROUTE_HASH_KEY": "cd" * 16})
-    with pytest.raises(ValueError, match="plain HTTP"):
+    with pytest.raises(ValueError, match="not from a self-signed certificate"):
         config.load(parse(["--authz-port", "9004", "--grpc-tls-self-signed", "true"]), {})
     assert config.load(parse(["--authz-port", "9004"]), {}).authz_port == 9004
+    files = ["--grpc-tls-cert-file", "c", "--grpc-tls-key-file", "k", "--grpc-tls-client-ca-file", "ca"]
+    assert config.load(parse(["--authz-port", "9004", *files]), {}).grpc_tls_client_ca_file == "ca"

@@ -4,6 +4,8 @@ TLS (a certificate kvroute made at start), and plaintext clients refused."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import ssl
 
 import grpc
 import pytest
@@ -124,3 +126,41 @@ def test_mutual_tls_settings(tmp_path):
     assert {p.name for p in files.values()} == {"ca.crt", "server.crt", "server.key", "client.crt", "client.key"}
     assert oct(files["server_key"].stat().st_mode & 0o777) == "0o600"
     assert server_credentials(str(files["server_cert"]), str(files["server_key"]), "", str(files["ca"])) is not None
+
+
+def _authz_health(port: int, context: ssl.SSLContext | None) -> int | str:
+    """GET /health on the ext_authz port: its status, or why there was none."""
+    conn = (
+        http.client.HTTPSConnection("127.0.0.1", port, timeout=5, context=context)
+        if context is not None
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    )
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException) as error:
+        return type(error).__name__
+    finally:
+        conn.close()
+
+
+def test_the_ext_authz_port_takes_the_same_mutual_tls(tmp_path):
+    """The faster transport's HTTP port is as closed as the gRPC port: Envoy routes through it over
+    mutual TLS; a plaintext client, one without a certificate and one with another CA's get no
+    answer; the stack's own client certificate gets one."""
+    with Stack(tmp_path / "stack", sims=2, extproc_mtls=True, transport="ext_authz") as stack:
+        status, headers, _ = post(stack.url, {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and headers["x-kvroute-decision"] == "least_loaded"
+        own = stack.mtls_files()
+        stranger = issue_mutual(tmp_path / "stranger", ["127.0.0.1"])
+
+        def client(certificates: dict | None) -> ssl.SSLContext:
+            context = ssl.create_default_context(cafile=str(own["ca"]))
+            if certificates is not None:
+                context.load_cert_chain(str(certificates["client_cert"]), str(certificates["client_key"]))
+            return context
+
+        assert _authz_health(stack.authz_port, None) != 200  # plaintext
+        assert _authz_health(stack.authz_port, client(None)) != 200  # no certificate
+        assert _authz_health(stack.authz_port, client(stranger)) != 200  # another CA's
+        assert _authz_health(stack.authz_port, client(own)) == 200

@@ -270,12 +270,13 @@ _TLS_TO_EXTPROC: dict[str, Any] = {
 }
 
 
-def _extproc_transport(layout: EnvoyLayout) -> dict[str, Any]:
-    """Plaintext HTTP/2, TLS without verification, or mutual TLS against the private CA."""
+def _extproc_transport(layout: EnvoyLayout, alpn: str = "h2") -> dict[str, Any]:
+    """Plaintext, TLS without verification, or mutual TLS against the private CA; HTTP/2 to the
+    gRPC port, HTTP/1.1 (`alpn`) to the ext_authz port."""
     if layout.extproc_mtls_dir:
         folder = layout.extproc_mtls_dir.rstrip("/")
-        context = {
-            "alpn_protocols": ["h2"],
+        context: dict[str, Any] = {
+            "alpn_protocols": [alpn],
             "tls_certificates": [
                 {
                     "certificate_chain": {"filename": f"{folder}/{MUTUAL_FILES['client_cert']}"},
@@ -284,9 +285,12 @@ def _extproc_transport(layout: EnvoyLayout) -> dict[str, Any]:
             ],
             "validation_context": {"trusted_ca": {"filename": f"{folder}/{MUTUAL_FILES['ca']}"}},
         }
-        socket = {**_TLS_TO_EXTPROC, "typed_config": {**_TLS_TO_EXTPROC["typed_config"], "common_tls_context": context}}
-        return {"transport_socket": socket}
-    return {"transport_socket": _TLS_TO_EXTPROC} if layout.extproc_tls else {}
+    elif layout.extproc_tls:
+        context = {"alpn_protocols": [alpn]}
+    else:
+        return {}
+    socket = {**_TLS_TO_EXTPROC, "typed_config": {**_TLS_TO_EXTPROC["typed_config"], "common_tls_context": context}}
+    return {"transport_socket": socket}
 
 
 def _extproc_cluster(layout: EnvoyLayout) -> dict[str, Any]:
@@ -340,6 +344,7 @@ def _authz_cluster(layout: EnvoyLayout) -> dict[str, Any]:
         **_discovery(layout.extproc_host),
         "connect_timeout": "1s",
         **_checked_and_unthrottled({"http_health_check": {"path": "/health"}}),
+        **_extproc_transport(layout, alpn="http/1.1"),
         "load_assignment": _endpoints("kvroute_authz", [f"{layout.extproc_host}:{p}" for p in layout.authz_ports]),
     }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from pathlib import Path
 
 import grpc
@@ -117,3 +118,17 @@ def server_credentials(
             [pair], root_certificates=Path(client_ca_file).read_bytes(), require_client_auth=True
         )
     return grpc.ssl_server_credentials([pair])
+
+
+def server_ssl_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext | None:
+    """The same TLS for the ext_authz HTTP port (the ext_proc's faster transport) as
+    `server_credentials` gives the gRPC port, from the files; mutual with `client_ca_file`.
+    None: plaintext."""
+    if not cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        context.load_verify_locations(client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

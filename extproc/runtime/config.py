@@ -34,7 +34,8 @@ class ExtProcConfig:
     authz_port: int = _key(
         0,
         "ext_authz HTTP port, the faster transport (Envoy asks each request's route over HTTP/1.1 and reports "
-        "its end on the gRPC port's access-log service; docs/envoy.md); 0: off. One replica only",
+        "its end on the gRPC port's access-log service; docs/envoy.md), with the gRPC port's TLS files if "
+        "given; 0: off. One replica only",
     )
     admin_host: str = _key("127.0.0.1", "admin HTTP listen address")
     admin_port: int = _key(9003, "monitoring HTTP port: /metrics, /healthz, /readyz (read-only, no auth)")
@@ -200,8 +201,11 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
             "authz_port serves one replica (a request's access-log entry must reach the replica that decided "
             "it): with replica_store, use the ext_proc transport"
         )
-    if values.get("authz_port") and (values.get("grpc_tls_cert_file") or values.get("grpc_tls_self_signed")):
-        raise ValueError("authz_port is plain HTTP (with the gRPC token): with TLS, use the ext_proc transport")
+    if values.get("authz_port") and values.get("grpc_tls_self_signed"):
+        raise ValueError(
+            "authz_port takes its TLS from grpc_tls_cert_file (and grpc_tls_client_ca_file for mutual TLS), "
+            "not from a self-signed certificate"
+        )
     if values.get("policy") and values["policy"].count("/") != 1:
         raise ValueError(f"policy must be NAMESPACE/NAME, got {values['policy']!r}")
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
