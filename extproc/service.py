@@ -147,7 +147,18 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)  # type: ignore[no-untyped-call]  # generated, untyped
     authz = None
     if config.authz_port:  # the ext_authz transport: routes over HTTP, ends from Envoy's access log
-        authz = Authz(processor, pool, metrics, token, clock, config.max_stream_age_s)
+        authz = Authz(
+            processor,
+            pool,
+            metrics,
+            token,
+            clock,
+            config.max_stream_age_s,
+            replica=link.replica if link is not None else "",
+            forward=link.forward_end if link is not None else None,
+        )
+        if link is not None:
+            link.on_end = authz.ended_elsewhere
         als_grpc.add_AccessLogServiceServicer_to_server(AccessLogs(authz), server)  # type: ignore[no-untyped-call]  # generated, untyped
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -90,7 +90,7 @@ def test_a_routed_request_is_learned_and_released_when_its_entry_comes(parts: An
     status, again, _ = check(authz, BODY, {"x-session-id": "conv"})
     assert again["x-kvroute-decision"] == "session_match" and again[DESTINATION_HEADER] == headers[DESTINATION_HEADER]
     authz.ended(entry(again[EXCHANGE_HEADER], 200, again[DESTINATION_HEADER]))
-    assert authz.state() == {"open_exchanges": 0}
+    assert authz.state() == {"open_exchanges": 0, "forwarded_ends": 0}
 
 
 def test_an_error_or_a_failed_connection_releases_without_learning(parts: Any):
@@ -162,3 +162,26 @@ def test_a_next_turn_asked_before_the_last_ones_end_is_reported_follows_it(parts
     _, second, _ = check(authz, BODY, {"x-session-id": "quick"})
     assert second["x-kvroute-decision"] == "session_match"
     assert second[DESTINATION_HEADER] == first[DESTINATION_HEADER] and router.stats.learned == 0
+
+
+def test_with_siblings_an_entry_goes_to_the_replica_that_decided_it(parts: Any):
+    """Exchange ids name their replica; an entry for a sibling's exchange is forwarded to it (the
+    link's `forward_end`) and applied there; one that cannot be forwarded, or names no replica,
+    is counted unknown."""
+    router, pool, metrics, clock, _ = parts
+    sent: list[tuple[str, bytes]] = []
+    mine = Authz(Processor(router, pool, metrics, clock=clock), pool, metrics, TOKEN, clock, 60.0, "r1", None)
+    sibling = Authz(
+        Processor(router, pool, metrics, clock=clock), pool, metrics, TOKEN, clock, 60.0, "r2",
+        lambda replica, data: sent.append((replica, data)) is None,
+    )  # fmt: skip
+    _, headers, _ = check(mine, BODY)
+    key = headers[EXCHANGE_HEADER]
+    assert key.startswith("r1.") and active(router) == 1
+    sibling.ended(entry(key, 200, headers[DESTINATION_HEADER]))  # its log stream reached the sibling
+    assert [replica for replica, _ in sent] == ["r1"] and sibling.forwarded == 1
+    mine.ended_elsewhere(sent[0][1])  # as the store hands it over
+    assert active(router) == 0 and router.stats.learned == 1
+    mine.ended_elsewhere(b"\xff not an entry")
+    sibling.ended(entry("ffff", 200, A))
+    assert errors(metrics, "unknown_exchange") == 2

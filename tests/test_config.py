@@ -71,13 +71,12 @@ def test_a_replica_store_needs_a_hash_key_every_replica_shares():
     assert (loaded.replica_store, loaded.routing.hash_key) == ("redis://127.0.0.1:6379/0", bytes.fromhex("cd" * 16))
 
 
-def test_the_ext_authz_transport_serves_one_replica_and_tls_from_files():
-    """A request's access-log entry reaches one replica, which must be the one that decided it; and
-    the check port takes the gRPC port's TLS from its files (tests/test_extproc_tls.py), never a
-    self-signed certificate made at start."""
+def test_the_ext_authz_transport_takes_tls_from_files():
+    """The check port takes the gRPC port's TLS from its files (tests/test_extproc_tls.py), never a
+    self-signed certificate made at start; with a replica store it serves replicas
+    (tests/test_replicas_envoy.py)."""
     store = ["--replica-store", "redis://127.0.0.1:6379/0"]
-    with pytest.raises(ValueError, match="one replica"):
-        config.load(parse(["--authz-port", "9004", *store]), {"KVROUTE_HASH_KEY": "cd" * 16})
+    assert config.load(parse(["--authz-port", "9004", *store]), {"KVROUTE_HASH_KEY": "cd" * 16}).authz_port == 9004
     with pytest.raises(ValueError, match="not from a self-signed certificate"):
         config.load(parse(["--authz-port", "9004", "--grpc-tls-self-signed", "true"]), {})
     assert config.load(parse(["--authz-port", "9004"]), {}).authz_port == 9004

@@ -110,3 +110,34 @@ def test_killing_a_replica_or_the_store_under_load_loses_no_request(stack: Stack
         for b in state["load"].values()
     )
     eventually(lambda: all(idle(stack.debug_state(r)) for r in range(2)), message="reservations back to zero")
+
+
+def test_the_ext_authz_transport_ends_each_request_on_the_replica_that_decided_it(tmp_path, redis_server):
+    """The faster transport with replicas: Envoy asks the check calls round robin, but streams its
+    access log to whichever replica that stream reached; an entry for a sibling's request goes to
+    it through the store. Every request is routed, and once all have ended no replica holds any
+    load or open exchange, and entries were forwarded."""
+    stack = Stack(
+        tmp_path / "stack",
+        sims=4,
+        extproc_replicas=REPLICAS,
+        replica_store=redis_server.url,
+        replica_store_password=PASSWORD,
+        transport="ext_authz",
+    )
+    with stack:
+        eventually(lambda: all(connected(stack, r) for r in range(REPLICAS)), message="replicas share")
+        for i in range(12):
+            status, headers, _ = post(stack.url, chat([{"role": "user", "content": f"question {i}"}]))
+            assert status == 200 and headers.get("x-kvroute-decision"), headers
+        assert all(decisions(stack, r) >= 1 for r in range(REPLICAS))  # each replica decided some
+
+        def settled(state: dict) -> bool:
+            idle = all(load["active"] == 0 and load["reserved_blocks"] == 0 for load in state["load"].values())
+            return idle and state["authz"]["open_exchanges"] == 0
+
+        everywhere(stack, settled, "every request ended on the replica that decided it")
+        forwarded = sum(stack.debug_state(r)["authz"]["forwarded_ends"] for r in range(REPLICAS))
+        assert forwarded >= 1
+        unknown = 'kvroute_errors_total{kind="unknown_exchange"}'
+        assert sum(metric(f"http://127.0.0.1:{stack.admin_ports[r]}", unknown) for r in range(REPLICAS)) == 0

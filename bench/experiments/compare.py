@@ -106,8 +106,6 @@ def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str
             skipped[name] = "needs a trace that names LoRA adapters"
         if options.extproc_replicas == 1 and base == "kvroute-unshared":
             skipped[name] = "the same as kvroute with one replica"
-        if options.extproc_replicas > 1 and base == peers.AUTHZ:
-            skipped[name] = "the ext_authz transport serves one ext_proc replica"
     return [r for r in options.routers if r not in skipped], skipped
 
 

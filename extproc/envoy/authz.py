@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from google.protobuf.message import DecodeError
 
 from extproc.envoy import messages as msg
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
@@ -74,7 +75,12 @@ class Authz:
         token: str = "",
         clock: Callable[[], float] = time.monotonic,
         max_age_s: float = 3600.0,
+        replica: str = "",
+        forward: Callable[[str, bytes], bool] | None = None,
     ) -> None:
+        """`replica` and `forward`, with siblings: exchange ids name the replica that decided them,
+        and an entry for a sibling's is sent to it (`forward(replica, entry)`, False if it could
+        not be), since Envoy's log stream reaches whichever replica it reached."""
         self._processor = processor
         self._router = processor.router
         self._pool = pool
@@ -83,6 +89,9 @@ class Authz:
         self._clock = clock
         self._max_age_s = max_age_s
         self._ids = itertools.count(1)
+        self._replica = replica
+        self._forward = forward
+        self.forwarded = 0
         self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
 
     def app(self) -> web.Application:
@@ -127,7 +136,7 @@ class Authz:
         if exchange is None or exchange.decision.backend is None:  # passed through, or unrouted
             self._processor.closed(stream)
             return web.Response(headers=answer)
-        key = f"{next(self._ids):x}"
+        key = f"{self._replica}.{next(self._ids):x}" if self._replica else f"{next(self._ids):x}"
         self._open[key] = (stream, self._clock())
         self._router.sent(exchange, self._clock())
         answer[EXCHANGE_HEADER] = key
@@ -145,6 +154,10 @@ class Authz:
         key = entry.request.request_headers.get(EXCHANGE_HEADER)
         opened = self._open.pop(key, None) if key else None
         if opened is None:
+            owner, forward = key.partition(".")[0] if key and "." in key else "", self._forward
+            if owner not in ("", self._replica) and forward is not None and forward(owner, entry.SerializeToString()):
+                self.forwarded += 1
+                return
             self._metrics.errors.labels("unknown_exchange").inc()
             return
         stream = opened[0]
@@ -156,6 +169,15 @@ class Authz:
             stream, upstream, response.response_code.value, response.response_code_details, failed
         )
         self._processor.closed(stream)
+
+    def ended_elsewhere(self, data: bytes) -> None:
+        """An entry a sibling's log stream got for an exchange this replica decided."""
+        try:
+            entry = als.HTTPAccessLogEntry.FromString(data)
+        except DecodeError:
+            self._metrics.errors.labels("unknown_exchange").inc()
+            return
+        self.ended(entry)
 
     def sweep(self) -> int:
         """Close the exchanges whose entry never came within `max_age_s`; how many."""
@@ -179,7 +201,7 @@ class Authz:
             self._processor.closed(stream)
 
     def state(self) -> dict[str, Any]:
-        return {"open_exchanges": len(self._open)}
+        return {"open_exchanges": len(self._open), "forwarded_ends": self.forwarded}
 
 
 class AccessLogs(als_grpc.AccessLogServiceServicer):

@@ -63,6 +63,7 @@ MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes
 DIGEST_BYTES = 16
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
 MAX_BANDS = 64  # a sibling's flow shares with more bands, or more flows a band than any replica tracks, are refused
+ENDS_TTL_MS = 60_000  # a replica's inbox of request ends lives this long after the last one sent to it
 FLOWS_PERIOD_S = 0.1  # flow shares are sent on change at most this often (they change with every dispatch)
 
 
@@ -136,6 +137,13 @@ class RedisLink:
     ) -> None:
         """`flows`: flow control's queue, whose fairness and bound the replicas then hold together."""
         self.replica = os.urandom(8).hex()
+        # The ext_authz transport's request ends (access-log entries), sent to the replica that
+        # decided each: Envoy streams them to whichever replica its log stream reached.
+        self._group = group
+        self._ends_key = f"{group}:ends:{self.replica}"
+        self._ends_out: deque[tuple[str, bytes]] = deque()
+        self._ends_from = b"0-0"  # the last end read, across reconnections
+        self.on_end: Callable[[bytes], None] | None = None
         self._router = router
         self._pool = pool
         self._client = client
@@ -158,7 +166,7 @@ class RedisLink:
         self._peer_flows: dict[str, tuple[float, Shares]] = {}
         self.connected = False
         self.problem = "connecting"  # why not connected, for /readyz
-        self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors"), 0)
+        self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors", "ends_forwarded"), 0)
         self.lag_s = 0.0  # how old the last sibling learning or binding was when applied here
 
     # Router hooks: called on the hot path, never wait.
@@ -167,6 +175,15 @@ class RedisLink:
 
     def bound(self, session: bytes, backend: str) -> None:
         self._send(msgpack.packb((BOUND, self.replica, backend, session)))
+
+    def forward_end(self, replica: str, entry: bytes) -> bool:
+        """Send a request's end to the sibling that decided it; False with the store away (the
+        sibling's sweep then releases that request's load)."""
+        if not self.connected or replica == self.replica or len(self._ends_out) >= OUTBOX:
+            return False
+        self._ends_out.append((replica, entry))
+        self._wake.set()
+        return True
 
     def _send(self, message: bytes) -> None:
         if not self.connected:
@@ -291,13 +308,21 @@ class RedisLink:
             after = b"(" + last
 
     async def _follow(self, events_from: bytes, load_from: bytes, offset: float) -> None:
-        ids: dict[KeyT, StreamIdT] = {self._events_key: events_from, self._load_key: load_from}
+        ids: dict[KeyT, StreamIdT] = {
+            self._events_key: events_from,
+            self._load_key: load_from,
+            self._ends_key: self._ends_from,
+        }
         while not _cancelled():
             replies = cast(list[tuple[bytes, _Entries]], await self._client.xread(ids, count=READ_BATCH, block=1000))
             for stream, entries in replies:
                 key = stream.decode() if isinstance(stream, bytes) else stream
                 for applied, (entry_id, fields) in enumerate(entries, 1):
-                    self._apply(entry_id, fields, offset)
+                    if key == self._ends_key:
+                        self._ended(fields)
+                        self._ends_from = entry_id
+                    else:
+                        self._apply(entry_id, fields, offset)
                     ids[key] = entry_id
                     if applied % APPLY_SLICE == 0:
                         await asyncio.sleep(0)  # a backlog must not hold the requests being routed
@@ -376,20 +401,36 @@ class RedisLink:
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
             self.counts["bad"] += 1
 
+    def _ended(self, fields: dict[bytes, bytes]) -> None:
+        """A request this replica decided ended, as a sibling's access-log stream reported it."""
+        entry = fields.get(b"e")
+        if entry is None or self.on_end is None:
+            self.counts["bad"] += 1
+            return
+        self.on_end(entry)
+
     async def _write(self) -> None:
         while not _cancelled():
             await self._wake.wait()
             self._wake.clear()
             batch = list(self._outbox)
             self._outbox.clear()
-            if not batch:
+            ends = list(self._ends_out)
+            self._ends_out.clear()
+            if not batch and not ends:
                 continue
             async with self._client.pipeline(transaction=False) as pipe:
                 for message in batch:
                     pipe.xadd(self._events_key, {"m": message}, maxlen=self._max_events, approximate=True)
-                pipe.pexpire(self._events_key, self._ttl_ms)
+                if batch:
+                    pipe.pexpire(self._events_key, self._ttl_ms)
+                for replica, entry in ends:
+                    key = f"{self._group}:ends:{replica}"
+                    pipe.xadd(key, {"e": entry}, maxlen=OUTBOX, approximate=True)
+                    pipe.pexpire(key, ENDS_TTL_MS)  # a sibling that went away: its key goes too
                 await pipe.execute()
             self.counts["sent"] += len(batch)
+            self.counts["ends_forwarded"] += len(ends)
 
     async def _publish_load(self) -> None:
         """This replica's load vector: on change, at most every load_period_s; at least every

@@ -35,7 +35,7 @@ class ExtProcConfig:
         0,
         "ext_authz HTTP port, the faster transport (Envoy asks each request's route over HTTP/1.1 and reports "
         "its end on the gRPC port's access-log service; docs/envoy.md), with the gRPC port's TLS files if "
-        "given; 0: off. One replica only",
+        "given; 0: off. With replica_store, each request's end reaches the replica that decided it through the store",
     )
     admin_host: str = _key("127.0.0.1", "admin HTTP listen address")
     admin_port: int = _key(9003, "monitoring HTTP port: /metrics, /healthz, /readyz (read-only, no auth)")
@@ -196,11 +196,6 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
         raise ValueError("grpc_tls_client_ca_file needs grpc_tls_cert_file: clients verify the server too")
     if values.get("replica_store") and "hash_key" not in values["routing"]:
         raise ValueError("replica_store needs an explicit hash_key, the same on every replica")
-    if values.get("authz_port") and values.get("replica_store"):
-        raise ValueError(
-            "authz_port serves one replica (a request's access-log entry must reach the replica that decided "
-            "it): with replica_store, use the ext_proc transport"
-        )
     if values.get("authz_port") and values.get("grpc_tls_self_signed"):
         raise ValueError(
             "authz_port takes its TLS from grpc_tls_cert_file (and grpc_tls_client_ca_file for mutual TLS), "
