@@ -151,6 +151,10 @@ async def test_bytes_per_token_counts_every_replicas_requests(redis_server):
         for replica in (first, second):  # the engines' counters start here
             for backend in (b.address for b in FLEET):
                 replica.router.bytes_per_token.engine_tokens(backend, 1000.0)
+        # The sibling's first report of the first replica's bytes is only a baseline: wait for it,
+        # or under a busy machine that report could come after the requests and count none of them.
+        baseline = [(first.link.replica, b.address) for b in FLEET]
+        await until(lambda: all(key in second.link._peer_sent for key in baseline))
         for turn in range(20):
             backend = first.serve(chat([], "bytes", f"question {turn}"), now())  # a session: all on one backend
         sent = first.router.bytes_per_token.sent[backend]
