@@ -152,6 +152,22 @@ def test_one_response_teaches_at_most_half_the_capacity_from_the_head():
     assert index.lookup([1, 2, 3], [A, B], 2) == {A: 3, B: 3}  # what others taught is still there
 
 
+def apply(index: LocalIndex, op: str, chain: list[int], backend: str, now: float, step: int) -> None:
+    """One operation of the property tests below."""
+    if op == "learn":
+        index.learn(chain, backend, now)
+    elif op == "room":
+        index.make_room(backend, chain[:1], 3 * step)
+    elif op == "forget_before":
+        index.forget_before(backend, now - 1)
+    elif op == "remove":
+        index.remove_backend(backend)
+    elif op == "vacuum":
+        index.vacuum(now)
+    else:
+        index.set_capacity(backend, 1 + step)
+
+
 @given(
     st.lists(
         st.tuples(
@@ -174,17 +190,9 @@ def test_the_holders_of_a_first_block_are_exactly_the_backends_whose_picture_has
     for op, (head, length), backend, step in ops:
         now += step
         chain = [head, *(100 * (head + 1) + i for i in range(1, length))]
+        apply(index, op, chain, backend, now, step)
         if op == "learn":
-            index.learn(chain, backend, now)
             heads.add(chain[0])
-        elif op == "forget_before":
-            index.forget_before(backend, now - 1)
-        elif op == "remove":
-            index.remove_backend(backend)
-        elif op == "vacuum":
-            index.vacuum(now)
-        else:
-            index.set_capacity(backend, 1 + step)
         for head in heads:
             found = {b for b in (A, B) if index.lookup([head], [b], now)[b] == 1}
             named = set(index.holders(head, now))
@@ -235,19 +243,7 @@ def test_the_memory_count_stays_exact_through_every_change(ops, bound):
     now = 0
     for op, (head, length), backend, step in ops:
         now += step
-        chain = [head, *(100 * (head + 1) + i for i in range(1, length))]
-        if op == "learn":
-            index.learn(chain, backend, now)
-        elif op == "room":
-            index.make_room(backend, chain[:1], 3 * step)
-        elif op == "forget_before":
-            index.forget_before(backend, now - 1)
-        elif op == "remove":
-            index.remove_backend(backend)
-        elif op == "vacuum":
-            index.vacuum(now)
-        else:
-            index.set_capacity(backend, 1 + step)
+        apply(index, op, [head, *(100 * (head + 1) + i for i in range(1, length))], backend, now, step)
         assert index.memory_bytes() == measured(index)
         if op == "learn" and index.shed:
             assert index.memory_bytes() <= bound

@@ -23,16 +23,21 @@ SYSTEM = text(RNG, 6000)
 REPLICAS = 3
 
 
-@pytest.fixture
-def stack(tmp_path, redis_server):
-    running = Stack(
+def sharing(tmp_path, redis_server, **layout: str) -> Stack:
+    """Three replicas sharing through the test's Redis, in front of four simulated backends."""
+    return Stack(
         tmp_path / "stack",
         sims=4,
         extproc_replicas=REPLICAS,
         replica_store=redis_server.url,
         replica_store_password=PASSWORD,
+        **layout,
     )
-    with running:
+
+
+@pytest.fixture
+def stack(tmp_path, redis_server):
+    with sharing(tmp_path, redis_server) as running:
         eventually(lambda: all(connected(running, r) for r in range(REPLICAS)), message="replicas share")
         yield running
 
@@ -117,15 +122,7 @@ def test_the_ext_authz_transport_ends_each_request_on_the_replica_that_decided_i
     access log to whichever replica that stream reached; an entry for a sibling's request goes to
     it through the store. Every request is routed, and once all have ended no replica holds any
     load or open exchange, and entries were forwarded."""
-    stack = Stack(
-        tmp_path / "stack",
-        sims=4,
-        extproc_replicas=REPLICAS,
-        replica_store=redis_server.url,
-        replica_store_password=PASSWORD,
-        transport="ext_authz",
-    )
-    with stack:
+    with sharing(tmp_path, redis_server, transport="ext_authz") as stack:
         eventually(lambda: all(connected(stack, r) for r in range(REPLICAS)), message="replicas share")
         for i in range(12):
             status, headers, _ = post(stack.url, chat([{"role": "user", "content": f"question {i}"}]))
