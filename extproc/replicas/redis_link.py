@@ -139,8 +139,8 @@ class RedisLink:
         self.replica = os.urandom(8).hex()
         # The ext_authz transport's request ends (access-log entries), sent to the replica that
         # decided each: Envoy streams them to whichever replica its log stream reached.
-        self._group = group
-        self._ends_key = f"{group}:ends:{self.replica}"
+        self._ends_prefix = f"{group}:ends:"  # + a replica: its inbox
+        self._ends_key = self._ends_prefix + self.replica
         self._ends_out: deque[tuple[str, bytes]] = deque()
         self._ends_from = b"0-0"  # the last end read, across reconnections
         self.on_end: Callable[[bytes], None] | None = None
@@ -425,7 +425,7 @@ class RedisLink:
                 if batch:
                     pipe.pexpire(self._events_key, self._ttl_ms)
                 for replica, entry in ends:
-                    key = f"{self._group}:ends:{replica}"
+                    key = self._ends_prefix + replica
                     pipe.xadd(key, {"e": entry}, maxlen=OUTBOX, approximate=True)
                     pipe.pexpire(key, ENDS_TTL_MS)  # a sibling that went away: its key goes too
                 await pipe.execute()
