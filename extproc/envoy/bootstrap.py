@@ -10,6 +10,7 @@ what it is: docs/envoy.md.
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,14 @@ import yaml
 from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.settings import SESSION_HEADERS, Settings
-from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, LB_NAMESPACE, PENDING_HEADER, ROUTE_PREFIX
+from extproc.envoy.headers import (
+    DESTINATION_HEADER,
+    EXCHANGE_HEADER,
+    LB_NAMESPACE,
+    LLM_PATHS,
+    PENDING_HEADER,
+    ROUTE_PREFIX,
+)
 
 BODY_LIMIT = 32 * 1024 * 1024
 MAX_CONNECTIONS = 50_000
@@ -100,6 +108,10 @@ AUTHZ_CLIENT_HEADERS = (
     "x-kvroute-ttft-ms",
 )
 AUTHZ_REFUSAL_HEADERS = ("retry-after", "x-kvroute-decision", "x-kvroute-queue", "content-type")
+# How Envoy batches the ext_authz transport's access-log entries (the requests' ends): sent when
+# this many bytes are buffered or this long after the first, whichever comes first.
+ACCESS_LOG_BUFFER_BYTES = 16 * 1024
+ACCESS_LOG_FLUSH = "0.005s"
 # The files of a mutual-TLS set, by role: what `issue_mutual` writes, Envoy's bootstrap reads
 # (ca, client_*) and the ext_proc is given (ca, server_*); the chart's Secrets use the same keys.
 MUTUAL_FILES = {
@@ -396,7 +408,11 @@ def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
                     "log_name": "kvroute",
                     "transport_api_version": "V3",
                     "grpc_service": _extproc_service(layout),
-                    "buffer_size_bytes": 0,  # no batching: an entry goes at once (a next turn finds it learned)
+                    # Entries of the last few milliseconds go together: one gRPC message each would
+                    # cost the ext_proc about a fifth of its CPU per request (docs/benchmarks.md,
+                    # issue 34), and a request's end learned 5 ms later changes no decision.
+                    "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
+                    "buffer_flush_interval": ACCESS_LOG_FLUSH,
                 },
                 "additional_request_headers_to_log": [EXCHANGE_HEADER],
             },
@@ -455,6 +471,22 @@ _PENDING_ROUTE: dict[str, Any] = {
 }
 
 
+def _unasked(route: dict[str, Any], authz: bool) -> list[dict[str, Any]]:
+    """`route` for LLM requests, then a copy for every other path or method with the routing call
+    switched off: kvroute would not read it, only name the least loaded backend, and the cluster's
+    round robin over the same members does as well without the call's cost (issue 34). Only with
+    override_host: an ORIGINAL_DST cluster has nowhere to send a request the router did not name."""
+    filter_name, per_route = (
+        ("envoy.filters.http.ext_authz", "extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute")
+        if authz
+        else ("envoy.filters.http.ext_proc", "extensions.filters.http.ext_proc.v3.ExtProcPerRoute")
+    )
+    post = {"name": ":method", "string_match": {"exact": "POST"}}
+    asked = [copy.deepcopy({**route, "match": {"path": path, "headers": [post]}}) for path in LLM_PATHS]
+    other = {**route, "typed_per_filter_config": {filter_name: {"@type": _TYPES + per_route, "disabled": True}}}
+    return [*asked, copy.deepcopy(other)]
+
+
 def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     """The whole bootstrap as a dict; `layout.ext_proc=False` gives plain round robin (for comparisons)."""
     route = {
@@ -468,6 +500,8 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     }
     authz = _asks_by_authz(layout)
     routes = [_PENDING_ROUTE, route] if layout.ext_proc and not authz else [route]
+    if layout.ext_proc and layout.backend_cluster == "override_host":
+        routes = [r for r in routes if r is not route] + _unasked(route, authz)
     manager = {
         "@type": _TYPES + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvroute",

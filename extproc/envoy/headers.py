@@ -19,3 +19,5 @@ PENDING_HEADER = "x-kvroute-pending"
 EXCHANGE_HEADER = "x-kvroute-exchange"
 # Its check requests' path: this prefix, then the request's own path (Envoy's path_prefix).
 ROUTE_PREFIX = "/kvroute/route"
+# The requests kvroute routes by their prompt (POST): any other path or method is not read.
+LLM_PATHS = ("/v1/chat/completions", "/v1/completions")

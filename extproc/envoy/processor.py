@@ -38,7 +38,7 @@ from extproc.core.request import PromptRequest
 from extproc.core.router import Router
 from extproc.core.usage import CachedTokens
 from extproc.envoy import messages as msg
-from extproc.envoy.headers import DESTINATION_HEADER
+from extproc.envoy.headers import DESTINATION_HEADER, LLM_PATHS
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.runtime.metrics import Metrics
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 # mode) costs about 1 us per token, so there the limit is 16 KiB.
 OFFLOAD_BYTES = 256 * 1024
 OFFLOAD_BYTES_PRECISE = 16 * 1024
-LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_LLM_PATHS = frozenset(LLM_PATHS)
 # The 429 for a decision that refused the request, by its label.
 _REFUSALS = {Label.SHED: msg.SHED, Label.SHED_SLO: msg.SHED_SLO}
 HELD_BYTES = 64 * 1024 * 1024  # a full-duplex body beyond this is routed unread and passed on as it comes
@@ -501,7 +501,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if spoofed:
             self._metrics.errors.labels("client_destination_header").inc()
         path = headers.get(":path", "").partition("?")[0]
-        if headers.get(":method") != "POST" or path not in LLM_PATHS:
+        if headers.get(":method") != "POST" or path not in _LLM_PATHS:
             return self._passed_through(stream, spoofed)
         if end_of_stream:
             self._metrics.errors.labels("empty_body").inc()
