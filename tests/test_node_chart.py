@@ -240,6 +240,7 @@ def test_a_rolling_update_of_the_extproc_under_steady_traffic_fails_no_request(r
     kvroute rather than failed open (a stream Envoy opens to a stopped replica would be), thanks to
     the preStop wait, readiness and the drain on SIGTERM."""
     outcomes: list[tuple[int, bool]] = []  # (status, routed by kvroute rather than failed open)
+    failures: list[str] = []  # what each other answer said, for the assertion's message
     stop = threading.Event()
     envoy = release.envoy
 
@@ -247,10 +248,14 @@ def test_a_rolling_update_of_the_extproc_under_steady_traffic_fails_no_request(r
         i = 0
         while not stop.is_set():
             try:
-                status, headers, _ = post(envoy, {**BODY, "messages": [{"role": "user", "content": f"steady {i}"}]})
+                status, headers, body = post(envoy, {**BODY, "messages": [{"role": "user", "content": f"steady {i}"}]})
                 outcomes.append((status, "x-kvroute-backend" in headers))
-            except OSError:  # a reset or a timeout is a failed request, not the end of the traffic
+                if outcomes[-1] != (200, True):
+                    kvroute = {k: v for k, v in headers.items() if k.startswith("x-kvroute")}
+                    failures.append(f"{time.strftime('%H:%M:%S')} {status} {kvroute} {body[:200]!r}")
+            except OSError as exc:  # a reset or a timeout is a failed request, not the end of the traffic
                 outcomes.append((0, False))
+                failures.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
             i += 1
 
     thread = threading.Thread(target=traffic, daemon=True)
@@ -267,7 +272,7 @@ def test_a_rolling_update_of_the_extproc_under_steady_traffic_fails_no_request(r
         thread.join(60)
     assert not before & after  # every replica was replaced
     assert len(outcomes) > 20
-    assert Counter(outcomes) == {(200, True): len(outcomes)}
+    assert Counter(outcomes) == {(200, True): len(outcomes)}, failures
 
 
 def test_the_node_resolves_service_names_and_routes_cluster_ips(release: Release):

@@ -188,6 +188,22 @@ async def test_a_replica_that_dies_stops_counting_and_one_that_starts_replays(re
 
 
 @in_loop
+async def test_a_replica_that_stops_first_forwards_the_ends_it_was_given(redis_server):
+    """A request's end (an access-log entry, ext_authz transport) that reached a replica as it
+    stops still reaches the sibling that decided the request: the link sends what is queued before
+    its goodbye, or that sibling would count the request in flight until its sweep."""
+    async with replicas(redis_server, 1) as (decider,):
+        ended: list[bytes] = []
+        decider.link.on_end = ended.append
+        stopping = Replica(redis_server, group=decider.group)
+        await until(lambda: stopping.link.connected)
+        stopping.task.cancel()  # stopping: its writer gets no turn before it is cancelled too
+        assert stopping.link.forward_end(decider.link.replica, b"an entry")
+        await stopping.stop()
+        await until(lambda: ended == [b"an entry"])
+
+
+@in_loop
 async def test_routing_goes_on_while_the_store_is_away_and_sharing_resumes(redis_server):
     async with replicas(redis_server, 2) as (first, second):
         redis_server.stop()

@@ -413,12 +413,16 @@ class RedisLink:
         while not _cancelled():
             await self._wake.wait()
             self._wake.clear()
-            batch = list(self._outbox)
-            self._outbox.clear()
-            ends = list(self._ends_out)
-            self._ends_out.clear()
-            if not batch and not ends:
-                continue
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Send what is queued: learning and bindings to the shared stream, request ends to the
+        siblings that decided them."""
+        batch = list(self._outbox)
+        self._outbox.clear()
+        ends = list(self._ends_out)
+        self._ends_out.clear()
+        if batch or ends:
             async with self._client.pipeline(transaction=False) as pipe:
                 for message in batch:
                     pipe.xadd(self._events_key, {"m": message}, maxlen=self._max_events, approximate=True)
@@ -429,8 +433,8 @@ class RedisLink:
                     pipe.xadd(key, {"e": entry}, maxlen=OUTBOX, approximate=True)
                     pipe.pexpire(key, ENDS_TTL_MS)  # a sibling that went away: its key goes too
                 await pipe.execute()
-            self.counts["sent"] += len(batch)
-            self.counts["ends_forwarded"] += len(ends)
+        self.counts["sent"] += len(batch)
+        self.counts["ends_forwarded"] += len(ends)
 
     async def _publish_load(self) -> None:
         """This replica's load vector: on change, at most every load_period_s; at least every
@@ -482,9 +486,13 @@ class RedisLink:
             await pipe.execute()
 
     async def _goodbye(self) -> None:
-        """On a clean stop, an empty load vector: siblings drop this replica's load at once."""
+        """On a clean stop, what is still queued (above all the ends of siblings' requests, which
+        they would otherwise count in flight until their sweep), then an empty load vector:
+        siblings drop this replica's load at once."""
         if self.connected:
             self.connected = False
+            with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._flush(), 1.0)
             with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._add_load(LOAD, {}), 1.0)
 
