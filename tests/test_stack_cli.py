@@ -23,8 +23,8 @@ pytestmark = pytest.mark.envoy
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--no-ext-proc"], ["--no-graceful-close"], ["--transport", "ext_authz", "--authz-port", "9004"]],
-    ids=["kvroute", "round-robin", "resets", "ext_authz"],
+    [[], ["--no-ext-proc"], ["--transport", "ext_proc"], ["--transport", "ext_proc", "--no-graceful-close"]],
+    ids=["kvroute", "round-robin", "ext_proc", "resets"],
 )
 def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):
     path = tmp_path / "envoy.yaml"
@@ -43,8 +43,27 @@ def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):
 
 
 def test_envoy_config_refuses_hostnames():
-    with pytest.raises(ValueError):
+    with pytest.raises(SystemExit) as refused:
         main(["envoy-config", "--backend", "vllm.internal:8000"])
+    assert "vllm.internal" in str(refused.value.code)
+
+
+def test_the_default_transport_is_ext_authz_and_says_what_needs_ext_proc(tmp_path, capsys):
+    """The default asks over ext_authz; a flag only the ext_proc transport serves is refused with
+    the flag to add, not written into a bootstrap whose routing silently falls back to round robin."""
+    path = tmp_path / "envoy.yaml"
+    main(["envoy-config", "--backend", "10.0.0.1:8000", "-o", str(path)])
+    filters = [f["name"] for f in _manager(yaml.safe_load(path.read_text()))["http_filters"]]
+    assert "envoy.filters.http.ext_authz" in filters and "envoy.filters.http.ext_proc" not in filters
+    for extra in (["--body-mode", "full_duplex"], ["--destination-from", "metadata"], ["--extproc-tls"]):
+        with pytest.raises(SystemExit) as refused:
+            main(["envoy-config", "--backend", "10.0.0.1:8000", *extra])
+        assert "needs --transport ext_proc" in str(refused.value.code), extra
+        main(["envoy-config", "--backend", "10.0.0.1:8000", "--transport", "ext_proc", *extra, "-o", str(path)])
+
+
+def _manager(bootstrap: dict) -> dict:
+    return bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
 
 
 def _closed(port: int) -> bool:
@@ -62,12 +81,13 @@ def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm(pd: bool):
         text=True,
     )
     try:
-        lines = [process.stdout.readline() for _ in range(5)]
+        lines = [process.stdout.readline() for _ in range(6)]
         assert lines[0].startswith(f"kvroute is up: http://127.0.0.1:{port}"), lines
         assert lines[1].startswith("control API: http://127.0.0.1:") and "control.token" in lines[1]
         backends = re.findall(r"127\.0\.0\.1:(\d+)", lines[2])
         assert len(backends) == 2
-        assert "curl" in lines[3] + lines[4]
+        assert lines[3].startswith(f"Envoy asks kvroute over {'ext_proc' if pd else 'ext_authz'}"), lines
+        assert "curl" in lines[4] + lines[5]
         content = "long " * 1000 if pd else "hi"  # disaggregated: over the 1,024 uncached tokens that split
         status, headers, _ = post(
             f"http://127.0.0.1:{port}", {"model": "sim-model", "messages": [{"role": "user", "content": content}]}

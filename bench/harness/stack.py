@@ -80,7 +80,9 @@ class Stack:
     fail_open: bool = True  # False: Envoy fails requests while the ext_proc is down
     backend_cluster: str = "override_host"  # or "original_dst" (the ext_proc then names one address)
     graceful_close: bool = True  # Envoy half-closes ext_proc streams (False: resets them; docs/envoy.md)
-    transport: str = "ext_proc"  # or "ext_authz": routes asked over HTTP, ends from the access log
+    # Tests take the ext_proc transport unless they say otherwise (`kvroute-dev up` and the product
+    # default to ext_authz: EnvoyLayout); "ext_authz": routes asked over HTTP, ends from the access log.
+    transport: str = "ext_proc"
     # The first backend prefills for the others (role prefill: a disaggregated fleet); simulated
     # backends then speak vLLM's kv_transfer_params hand-off (`kvroute-dev sim --kv-connector`).
     disaggregated: bool = False

@@ -32,6 +32,7 @@ import grpc
 from aiohttp import web
 from google.protobuf.message import DecodeError
 
+from extproc.core.backends import Backend, Role
 from extproc.envoy import messages as msg
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
@@ -44,6 +45,10 @@ from extproc.runtime.pool import BackendPool
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 30.0
+_UNSPLIT = (
+    "Envoy asks over ext_authz, which cannot hand a prefill over: every request is served whole "
+    "(`kvroute envoy-config --transport ext_proc`, the chart's envoy.transport: ext_proc)"
+)
 
 
 def _destination(reply: pb.ProcessingResponse) -> str | None:
@@ -93,6 +98,8 @@ class Authz:
         self._forward = forward
         self.forwarded = 0
         self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
+        self._roles: tuple[tuple[Backend, ...], bool] = ((), False)  # a backend set, and whether it prefills
+        self.unsplit = 0  # requests served whole in a fleet with prefill servers: see `warnings`
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=0)  # Envoy bounds the body (with_request_body)
@@ -136,6 +143,8 @@ class Authz:
         if exchange is None or exchange.decision.backend is None:  # passed through, or unrouted
             self._processor.closed(stream)
             return web.Response(headers=answer)
+        if self._disaggregated():
+            self._unsplit()
         key = f"{self._replica}.{next(self._ids):x}" if self._replica else f"{next(self._ids):x}"
         self._open[key] = (stream, self._clock())
         self._router.sent(exchange, self._clock())
@@ -144,6 +153,25 @@ class Authz:
             backend = exchange.decision.backend
             answer.update(self._router.decision_headers(exchange, backend, exchange.predicted_blocks))
         return web.Response(headers=answer)
+
+    def _disaggregated(self) -> bool:
+        """The fleet has prefill servers (worked out once per backend set)."""
+        backends = self._pool.backends
+        if self._roles[0] is not backends:
+            self._roles = backends, any(b.role is Role.PREFILL for b in backends)
+        return self._roles[1]
+
+    def _unsplit(self) -> None:
+        """A request a disaggregated fleet would have split, served whole: this transport cannot
+        rewrite the body with the prefill's transfer parameters. Counted, and said once."""
+        if not self.unsplit:
+            log.warning("the fleet has prefill servers, but %s", _UNSPLIT)
+        self.unsplit += 1
+        self._metrics.disaggregation.labels("transport").inc()
+
+    def warnings(self) -> list[str]:
+        """For /readyz: a disaggregated fleet asked over this transport."""
+        return [f"prefill/decode: {_UNSPLIT}"] if self.unsplit and self._disaggregated() else []
 
     def ended(self, entry: als.HTTPAccessLogEntry) -> None:
         """A request's access-log entry: where it was served and with what status. The core

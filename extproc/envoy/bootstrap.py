@@ -161,10 +161,12 @@ class EnvoyLayout:
     backend_cluster: str = "override_host"
     # End each ext_proc stream with a half-close instead of a reset (GRACEFUL_CLOSE, above).
     graceful_close: bool = True
-    # How Envoy asks for each route (TRANSPORTS): "ext_proc" (a gRPC stream per request), or
-    # "ext_authz" (an HTTP/1.1 call per request to `authz_ports`, each request's end reported on the
-    # ext_proc port's access-log service; extproc/envoy/authz.py).
-    transport: str = "ext_proc"
+    # How Envoy asks for each route (TRANSPORTS): "ext_authz" (an HTTP/1.1 call per request to
+    # `authz_ports`, each request's end reported on the ext_proc port's access-log service;
+    # extproc/envoy/authz.py), the default as it costs both sides about half the CPU; or "ext_proc"
+    # (a gRPC stream per request), which prefill/decode splitting and the gateway-like layouts
+    # (full-duplex bodies, metadata, self-signed TLS) need.
+    transport: str = "ext_authz"
     authz_ports: Sequence[int] = (9004,)  # the ext_proc's authz_port, one per replica on the host
 
 
@@ -344,9 +346,26 @@ def _extproc_service(layout: EnvoyLayout) -> dict[str, Any]:
     return service
 
 
+# What only the ext_proc transport can do: layout field -> (its values the ext_authz transport
+# cannot serve, why).
+_EXT_PROC_ONLY = {
+    "body_mode": (("full_duplex", "full_duplex_request"), "an ext_authz call always buffers the body"),
+    "destination_from": (("metadata",), "an ext_authz answer sets headers, not dynamic metadata"),
+    "extproc_tls": ((True,), "a certificate the ext_proc made at start is refused on its authz port"),
+}
+
+
 def _asks_by_authz(layout: EnvoyLayout) -> bool:
-    """The layout's routing call is ext_authz (TRANSPORTS), with the access log that ends it."""
-    return layout.ext_proc and _checked("transport", layout.transport, TRANSPORTS) == "ext_authz"
+    """The layout's routing call is ext_authz (TRANSPORTS), with the access log that ends it;
+    refused with what the ext_authz transport cannot do (--transport ext_proc does it)."""
+    if not layout.ext_proc or _checked("transport", layout.transport, TRANSPORTS) != "ext_authz":
+        return False
+    for name, (values, why) in _EXT_PROC_ONLY.items():
+        value = getattr(layout, name)
+        if value in values:  # named as `kvroute envoy-config` flags
+            flag = "--" + name.replace("_", "-") + ("" if value is True else f" {value}")
+            raise ValueError(f"{flag} needs --transport ext_proc: {why}")
+    return True
 
 
 def _authz_cluster(layout: EnvoyLayout) -> dict[str, Any]:

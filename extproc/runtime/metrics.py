@@ -141,8 +141,9 @@ class Metrics:
         self.disaggregation = Counter(
             "kvroute_disaggregation",
             "Requests a disaggregated fleet split (split: prefill leg done, decoded with its KV blocks) or "
-            "served whole although split was chosen, by why (status, timeout, connect, parameters); and "
-            "requests whose client-set kv_transfer_params were stripped",
+            "served whole although split was chosen, by why (status, timeout, connect, parameters; transport: "
+            "Envoy asks over ext_authz, which cannot split); and requests whose client-set kv_transfer_params "
+            "were stripped",
             ["outcome"],
             registry=self.registry,
         )

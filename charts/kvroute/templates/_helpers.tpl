@@ -52,3 +52,20 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 - {name: grpc, port: 9002, targetPort: grpc, appProtocol: kubernetes.io/h2c}
 {{- end -}}
 {{- end }}
+
+{{- /* How this release's Envoy asks kvroute (envoy.transport); a disaggregated policy needs ext_proc. */}}
+{{- define "kvroute.transport" -}}
+{{- $transport := .Values.envoy.transport -}}
+{{- if not (has $transport (list "ext_authz" "ext_proc")) -}}
+{{ fail (printf "envoy.transport is ext_authz or ext_proc, not %q" $transport) }}
+{{- end -}}
+{{- if and (has .Values.policy.role (list "prefill" "decode")) (eq $transport "ext_authz") -}}
+{{ fail "policy.role makes a disaggregated fleet: set envoy.transport: ext_proc (the ext_authz transport cannot hand a prefill over)" }}
+{{- end -}}
+{{- $transport -}}
+{{- end }}
+
+{{- /* The ext_proc serves this release's Envoy on its ext_authz port. */}}
+{{- define "kvroute.authz" -}}
+{{- if and .Values.envoy.enabled (eq (include "kvroute.transport" .) "ext_authz") }}true{{ end -}}
+{{- end }}
