@@ -12,6 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from extproc.core.backends import Backend, Role
+from extproc.core.engine import EngineSample
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy.authz import Authz
@@ -129,6 +130,34 @@ def test_an_exchange_whose_entry_never_comes_is_swept(parts: Any):
     clock.now += 31
     assert authz.sweep() == 1
     assert active(router) == 0 and errors(metrics, "stream_age_limit") == 1
+
+
+def test_requests_no_engine_holds_whose_entry_never_came_are_released(parts: Any):
+    """An entry lost on the way (a log stream cut as a replica stopped) would leave its request
+    counted in flight for an hour, and enough of them saturate a backend in kvroute's picture:
+    a request decided 30 s before an engine sample, beyond what that sample counted running or
+    waiting there, is released (oldest first); one the engine may still hold is not."""
+    router, _, metrics, clock, authz = parts
+    headers = {}
+    for i in range(3):  # three requests, all to one backend (a conversation)
+        _, headers[i], _ = check(authz, BODY, {"x-session-id": "conv"})
+        clock.now += 1
+    backend = headers[0][DESTINATION_HEADER]
+    assert {h[DESTINATION_HEADER] for h in headers.values()} == {backend} and active(router) == 3
+
+    def sample(running: int, waiting: int) -> None:
+        router.engine_sample(backend, EngineSample(running, waiting, 0.1, None, None, None), clock.now)
+
+    sample(0, 0)  # the engine holds none, but all three were sent within the last 30 s
+    assert authz.sweep() == 0 and active(router) == 3
+    clock.now += 31
+    sample(1, 0)  # 32-34 s later: one is still running there (this fleet's or another client's)
+    assert authz.sweep() == 2 and active(router) == 1
+    assert errors(metrics, "unreported_end") == 2
+    authz.ended(entry(headers[2][EXCHANGE_HEADER], 200, backend))  # the newest one was kept
+    assert active(router) == 0 and errors(metrics, "unknown_exchange") == 0
+    authz.ended(entry(headers[0][EXCHANGE_HEADER], 200, backend))  # a released one's entry, late
+    assert errors(metrics, "unknown_exchange") == 1
 
 
 def test_without_the_token_nothing_is_decided(parts: Any):

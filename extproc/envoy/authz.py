@@ -14,8 +14,9 @@ control, adapter placement, the core's lifecycle. What moves:
   the entry's. The decision headers go to the client with the decision, not the response.
 - The body cannot be rewritten: a request that carries `kv_transfer_params` is refused with a
   400 (the ext_proc path strips them), and prefill/decode splitting needs the ext_proc path.
-- An entry that never comes (Envoy restarted, the log stream broke) is swept after
-  `max_stream_age_s`, like an ext_proc stream that never ended.
+- An entry that never comes (Envoy restarted, the log stream broke) is swept once the engines'
+  counts show nobody serves its request (`_unreported`), at the latest after `max_stream_age_s`,
+  like an ext_proc stream that never ended.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ from extproc.runtime.pool import BackendPool
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 30.0
+# An exchange decided this long before its backend's latest engine sample, beyond the requests that
+# sample counted running or waiting there, is not being served: its entry was lost (a log stream
+# cut as a replica stopped: Envoy does not send an entry again).
+UNREPORTED_S = 30.0
 _UNSPLIT = (
     "Envoy asks over ext_authz, which cannot hand a prefill over: every request is served whole "
     "(`kvroute envoy-config --transport ext_proc`, the chart's envoy.transport: ext_proc)"
@@ -208,14 +213,40 @@ class Authz:
         self.ended(entry)
 
     def sweep(self) -> int:
-        """Close the exchanges whose entry never came within `max_age_s`; how many."""
+        """Close the exchanges whose entry never came within `max_age_s`, and those the engines
+        cannot be serving (`_unreported`); how many."""
         cutoff = self._clock() - self._max_age_s
         stale = [key for key, (_, decided) in self._open.items() if decided < cutoff]
         for key in stale:
-            stream, _ = self._open.pop(key)
-            self._metrics.errors.labels("stream_age_limit").inc()
-            self._processor.closed(stream)
-        return len(stale)
+            self._close(key, "stream_age_limit")
+        unreported = self._unreported()
+        for key in unreported:
+            self._close(key, "unreported_end")
+        return len(stale) + len(unreported)
+
+    def _close(self, key: str, kind: str) -> None:
+        stream, _ = self._open.pop(key)
+        self._metrics.errors.labels(kind).inc()
+        self._processor.closed(stream)
+
+    def _unreported(self) -> list[str]:
+        """Per backend, the oldest exchanges decided UNREPORTED_S before its engine's latest sample,
+        beyond the requests that sample counted running or waiting. Those counts are the whole
+        fleet's (every replica's and other clients' requests), so only requests no engine holds are
+        taken; one the engine finished while Envoy still streams its response to a slow client may
+        be among them: it is released early, and its entry, when it comes, counted unknown."""
+        by_backend: dict[str, list[tuple[float, str]]] = {}
+        for key, (stream, decided) in self._open.items():
+            exchange = stream.exchange
+            backend = exchange.decision.backend if exchange is not None else None
+            if backend is not None:
+                by_backend.setdefault(backend, []).append((decided, key))
+        lost = []
+        for backend, opened in by_backend.items():
+            load = self._router.loads.get(backend)
+            old = sorted(item for item in opened if item[0] < load.engine_at - UNREPORTED_S)
+            lost += [key for _, key in old[: max(0, len(old) - load.engine_requests)]]
+        return lost
 
     async def sweep_forever(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
         while True:
