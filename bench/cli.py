@@ -118,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     soak.add_argument("--concurrency", type=int, default=32)
     soak.add_argument("--extproc-env", action="append", default=[], help="NAME=VALUE for the ext_proc (repeatable)")
     soak.add_argument("--body-mode", choices=tuple(BODY_MODES), default="buffered")
+    soak.add_argument("--transport", choices=TRANSPORTS, default="ext_proc", help="how Envoy asks kvroute")
     soak.set_defaults(run=_soak)
     stall = bench.add_parser("stall", help="event-loop stall from one 16 MiB body of tiny parts (JSON line)")
     stall.set_defaults(run=_stall)
@@ -473,7 +474,8 @@ def _decisions(args: argparse.Namespace) -> None:
 def _soak(args: argparse.Namespace) -> None:
     from bench.experiments import soak
 
-    soak.main(args.requests, args.concurrency, dict(item.split("=", 1) for item in args.extproc_env), args.body_mode)
+    env = dict(item.split("=", 1) for item in args.extproc_env)
+    soak.main(args.requests, args.concurrency, env, args.body_mode, args.transport)
 
 
 def _stall(_args: argparse.Namespace) -> None:

@@ -77,9 +77,11 @@ def main(
     concurrency: int = 32,
     extproc_env: dict[str, str] | None = None,
     body_mode: str = "buffered",
+    transport: str = "ext_proc",
 ) -> dict[str, Any]:
     """Run the soak; print and return the RSS samples and the prediction. `body_mode` is Envoy's
-    (full_duplex: as picker gateways run it, the response stream included)."""
+    (full_duplex: as picker gateways run it, the response stream included); `transport` how it
+    asks kvroute."""
     extproc_env = extproc_env or {}
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-soak-"))
     extproc_args = ["--capacity-auto", "false", "--capacity-blocks", str(CAPACITY_BLOCKS)]
@@ -87,7 +89,13 @@ def main(
     per_session = bytes_per_session()
     env = {**os.environ, **extproc_env}
     stack = Stack(
-        workdir, sims=BACKENDS, sim_args=FAST_SIM, extproc_args=extproc_args, extproc_env=env, **layout_for(body_mode)
+        workdir,
+        sims=BACKENDS,
+        sim_args=FAST_SIM,
+        extproc_args=extproc_args,
+        extproc_env=env,
+        transport=transport,
+        **layout_for(body_mode),
     )
     with stack:
         pid = stack.processes["extproc"].pid
@@ -126,6 +134,7 @@ def main(
         "bytes_per_session": round(per_session, 1),
         "extproc_env": extproc_env,
         "body_mode": body_mode,
+        "transport": transport,
     }
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     return result
