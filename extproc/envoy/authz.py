@@ -15,7 +15,8 @@ control, adapter placement, the core's lifecycle. What moves:
 - The body cannot be rewritten: a request that carries `kv_transfer_params` is refused with a
   400 (the ext_proc path strips them), and prefill/decode splitting needs the ext_proc path.
 - An entry that never comes (Envoy restarted, the log stream broke) is swept once the engines'
-  counts show nobody serves its request (`_unreported`), at the latest after `max_stream_age_s`,
+  counts show nobody serves its request at two sweeps in a row (`_unreported`), at the latest
+  after `max_stream_age_s`,
   like an ext_proc stream that never ended.
 """
 
@@ -104,6 +105,7 @@ class Authz:
         self.forwarded = 0
         self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
         self._roles: tuple[tuple[Backend, ...], bool] = ((), False)  # a backend set, and whether it prefills
+        self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
         self.unsplit = 0  # requests served whole in a fleet with prefill servers: see `warnings`
 
     def app(self) -> web.Application:
@@ -219,7 +221,11 @@ class Authz:
         stale = [key for key, (_, decided) in self._open.items() if decided < cutoff]
         for key in stale:
             self._close(key, "stream_age_limit")
-        unreported = self._unreported()
+        # Only what two sweeps in a row found unserved: a request the engine has just finished
+        # while its entry is on the way would be found once, a lost one every time.
+        found = self._unreported()
+        unreported = [key for key in found if key in self._suspects]
+        self._suspects = set(found) - set(unreported)
         for key in unreported:
             self._close(key, "unreported_end")
         return len(stale) + len(unreported)
@@ -230,11 +236,11 @@ class Authz:
         self._processor.closed(stream)
 
     def _unreported(self) -> list[str]:
-        """Per backend, the oldest exchanges decided UNREPORTED_S before its engine's latest sample,
-        beyond the requests that sample counted running or waiting. Those counts are the whole
-        fleet's (every replica's and other clients' requests), so only requests no engine holds are
-        taken; one the engine finished while Envoy still streams its response to a slow client may
-        be among them: it is released early, and its entry, when it comes, counted unknown."""
+        """Open exchanges no engine serves: per backend, the oldest of those decided UNREPORTED_S
+        before its engine's latest sample, beyond the requests that sample counted running or
+        waiting. Those counts are the whole fleet's (every replica's and other clients' requests),
+        so only requests no engine holds are taken; one the engine finished while Envoy still
+        streams its response to a slow client may be among them."""
         by_backend: dict[str, list[tuple[float, str]]] = {}
         for key, (stream, decided) in self._open.items():
             exchange = stream.exchange
