@@ -108,12 +108,6 @@ AUTHZ_CLIENT_HEADERS = (
     "x-kvroute-ttft-ms",
 )
 AUTHZ_REFUSAL_HEADERS = ("retry-after", "x-kvroute-decision", "x-kvroute-queue", "content-type")
-# How Envoy batches the ext_authz transport's access-log entries (the requests' ends): sent when
-# this many bytes (some ten entries) are buffered, else at the next flush, which Envoy runs on a
-# fixed period whether anything is buffered or not: every 5 ms cost an idle Envoy 0.018-0.021 of a
-# core (0.0013-0.002 without batching), every 20 ms 0.003-0.004 (docs/benchmarks.md, issue 34).
-ACCESS_LOG_BUFFER_BYTES = 4 * 1024
-ACCESS_LOG_FLUSH = "0.02s"
 # The files of a mutual-TLS set, by role: what `issue_mutual` writes, Envoy's bootstrap reads
 # (ca, client_*) and the ext_proc is given (ca, server_*); the chart's Secrets use the same keys.
 MUTUAL_FILES = {
@@ -429,11 +423,12 @@ def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
                     "log_name": "kvroute",
                     "transport_api_version": "V3",
                     "grpc_service": _extproc_service(layout),
-                    # Entries of the last few milliseconds go together: one gRPC message each cost
-                    # the ext_proc about a fifth of its CPU per request (docs/benchmarks.md, issue
-                    # 34), and a request's end learned 20 ms later changes next to no decision.
-                    "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
-                    "buffer_flush_interval": ACCESS_LOG_FLUSH,
+                    # No batching: an entry goes at once. Batches save the ext_proc about 100 us a
+                    # request at hundreds a second, but Envoy flushes them on a fixed period (every
+                    # 5 ms cost it 0.018 of a core idle), and the request's end, which releases
+                    # its load, comes that much later: its conversation's next turn, sent as the
+                    # response ends, then meets its backend busier by it (docs/benchmarks.md).
+                    "buffer_size_bytes": 0,
                 },
                 "additional_request_headers_to_log": [EXCHANGE_HEADER],
             },
