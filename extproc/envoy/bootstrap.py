@@ -427,7 +427,7 @@ def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
                     # request at hundreds a second, but Envoy flushes them on a fixed period (every
                     # 5 ms cost it 0.018 of a core idle), and the request's end, which releases
                     # its load, comes that much later: its conversation's next turn, sent as the
-                    # response ends, then meets its backend busier by it (docs/benchmarks.md).
+                    # response ends, may meet its backend busier by it (docs/benchmarks.md).
                     "buffer_size_bytes": 0,
                 },
                 "additional_request_headers_to_log": [EXCHANGE_HEADER],
