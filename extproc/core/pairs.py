@@ -18,7 +18,7 @@ that costs strictly less: between equals a hand-off adds the transfer and gains 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from extproc.core.backends import Backend, Role
 from extproc.core.load import LoadTracker
@@ -26,11 +26,15 @@ from extproc.core.load import LoadTracker
 PREFILLS = frozenset({Role.PREFILL, Role.BOTH})
 
 
+def disaggregated(backends: Iterable[Backend]) -> bool:
+    """The fleet has prefill backends (every backend `both` is an ordinary, aggregated fleet)."""
+    return any(b.role is Role.PREFILL for b in backends)
+
+
 def prefill_candidates(backends: Sequence[Backend], model: str, decode: str, flexible: bool) -> list[Backend]:
     """Healthy backends that may prefill for a request of `model` decoded on `decode`; none in a
-    fleet without prefill backends (every backend `both` is an ordinary, aggregated fleet) unless
-    it is `flexible`."""
-    if not flexible and not any(b.role is Role.PREFILL for b in backends):
+    fleet without prefill backends (`disaggregated`) unless it is `flexible`."""
+    if not flexible and not disaggregated(backends):
         return []
     return [b for b in backends if b.role in PREFILLS and b.healthy and b.serves(model) and b.address != decode]
 

@@ -16,8 +16,7 @@ control, adapter placement, the core's lifecycle. What moves:
   400 (the ext_proc path strips them), and prefill/decode splitting needs the ext_proc path.
 - An entry that never comes (Envoy restarted, the log stream broke) is swept once the engines'
   counts show nobody serves its request at two sweeps in a row (`_unreported`), at the latest
-  after `max_stream_age_s`,
-  like an ext_proc stream that never ended.
+  after `max_stream_age_s`, like an ext_proc stream that never ended.
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ import grpc
 from aiohttp import web
 from google.protobuf.message import DecodeError
 
-from extproc.core.backends import Backend, Role
+from extproc.core.backends import Backend
+from extproc.core.pairs import disaggregated
 from extproc.envoy import messages as msg
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
@@ -165,7 +165,7 @@ class Authz:
         """The fleet has prefill servers (worked out once per backend set)."""
         backends = self._pool.backends
         if self._roles[0] is not backends:
-            self._roles = backends, any(b.role is Role.PREFILL for b in backends)
+            self._roles = backends, disaggregated(backends)
         return self._roles[1]
 
     def _unsplit(self) -> None:

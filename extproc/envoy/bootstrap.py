@@ -515,9 +515,9 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         "request_body_buffer_limit": BODY_LIMIT,
     }
     authz = _asks_by_authz(layout)
-    routes = [_PENDING_ROUTE, route] if layout.ext_proc and not authz else [route]
-    if layout.ext_proc and layout.backend_cluster == "override_host":
-        routes = [r for r in routes if r is not route] + _unasked(route, authz)
+    pending = [_PENDING_ROUTE] if layout.ext_proc and not authz else []
+    asked = layout.ext_proc and layout.backend_cluster == "override_host"
+    routes = [*pending, *(_unasked(route, authz) if asked else [route])]
     manager = {
         "@type": _TYPES + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvroute",
