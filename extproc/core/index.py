@@ -2,8 +2,8 @@
 
 Behind the small `LocationIndex` interface so a precise or shared index can replace the
 in-process one; cache turnover is measured outside the index (churn.py). The in-process index
-keeps one LRU map per backend (block hash -> last seen): a backend's KV cache is finite and
-evicts, so must our picture of it.
+keeps one LRU per backend (block hash -> last seen; block_lru.py, some 45 bytes a location): a
+backend's KV cache is finite and evicts, so must our picture of it.
 A lookup walks the chain on each candidate only until the first miss, so its cost depends on
 the chain and the number of candidates, never on the index size.
 """
@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
-# The memory bound counts what the index's containers report (`sys.getsizeof`: each backend's LRU
-# with its table, which does not shrink as entries go, and its nodes; the first-block map and its
-# sets), kept up to date as they change, plus each location's objects: its key, a 64-bit int (36
-# bytes, 40 as allocated), and at most a last-seen float of its own (24; a chain learned at once
-# shares one).
-LOCATION_BYTES = 64
+from extproc.core.block_lru import LOCATION_MOST_BYTES, LRU_FIXED_BYTES, BlockLRU
+
+# The memory bound counts each location at the most it can take in a backend's BlockLRU (three
+# slots of 20 bytes, as a table emptier than a third is rebuilt smaller, and two log entries of 4),
+# each LRU's fixed part, the first-block map and its sets as `sys.getsizeof` reports them, and
+# the one object a location may have: a chain head's key there (a 60-bit int). A BlockLRU's actual
+# use is lower (about 45 bytes a location, half to two thirds filled), so the bound is kept.
+LOCATION_BYTES = LOCATION_MOST_BYTES
+LRU_BYTES = LRU_FIXED_BYTES
+HEAD_KEY_BYTES = 32
 # A pass that drops locations goes this far below the bound, so the next learnings need none;
-# small, as the pass holds the event loop (some 2 us a location).
+# small, as the pass holds the event loop (some 1 us a location).
 SLACK_BYTES = 256 * 1024
-# The most an LRU takes per entry as it grows (its table and node; 75-116 bytes measured): one
-# past twice that has lost most of its entries (shed, expired) and is copied into a right-sized
-# table, or the memory it keeps would not be given back.
-GROWN_ENTRY_BYTES = 116
 
 
 class LocationIndex(Protocol):
@@ -71,7 +70,8 @@ class LocalIndex:
     """In-process index: per-backend LRU of block hash -> last seen, with TTL and capacity; and
     for each chain's first block, the backends holding it (so a large fleet's decision need not
     ask every backend: shortlist.py). Over all backends it stays within `max_bytes` (memory_bytes):
-    a thousand backends' capacities can add up to more memory than the process has."""
+    a thousand backends' capacities can add up to more memory than the process has. Block hashes
+    are 60-bit chain hashes (chain.HASH_MASK)."""
 
     __slots__ = (
         "_backends",
@@ -83,8 +83,6 @@ class LocalIndex:
         "_next_vacuum",
         "_set_bytes",
         "_shed",
-        "_sizes",
-        "_table_bytes",
         "_total",
         "_ttl",
     )
@@ -100,15 +98,13 @@ class LocalIndex:
         self._learn_share = learn_share
         self._max_bytes = max_bytes
         self._capacities: dict[str, int] = {}
-        self._backends: dict[str, OrderedDict[int, float]] = {}
+        self._backends: dict[str, BlockLRU] = {}
         # first block of a learned chain -> the backend holding it, or the backends once several do
         # (one name, not a set: most heads live on one backend, and short prompts are all head)
         self._heads: dict[int, str | set[str]] = {}
         self._next_vacuum = float("inf")
-        self._total = 0  # locations held over all backends
         self._shed = 0
-        self._sizes: dict[str, int] = {}  # each backend's LRU's size as last measured
-        self._table_bytes = 0  # their sum
+        self._total = 0  # locations held over all backends
         self._set_bytes = 0  # the first-block map's sets' sizes
 
     def configure(
@@ -120,8 +116,7 @@ class LocalIndex:
         self._max_bytes = max_bytes
         self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
         for backend, blocks in self._backends.items():
-            self._trim(backend, blocks, self._capacities.get(backend, capacity_blocks))
-        self._resized(list(self._backends))
+            self._trim(backend, blocks, self._limit(backend))
         self._bound()
 
     @property
@@ -129,22 +124,12 @@ class LocalIndex:
         return self._shed
 
     def memory_bytes(self) -> int:
-        """The index's memory as its bound counts it: its containers' own measure, and the keys."""
-        return self._table_bytes + sys.getsizeof(self._heads) + self._set_bytes + self._total * LOCATION_BYTES
+        """The index's memory as its bound counts it: at least what it takes (LOCATION_BYTES)."""
+        lrus = self._total * LOCATION_BYTES + len(self._backends) * LRU_BYTES
+        return lrus + sys.getsizeof(self._heads) + self._set_bytes + len(self._heads) * HEAD_KEY_BYTES
 
-    def _resized(self, backends: Iterable[str]) -> None:
-        """Measure these backends' LRUs again after a change; one whose table has outgrown its
-        entries is copied into a right-sized one first (the old table is given back)."""
-        for name in backends:
-            blocks = self._backends.get(name)
-            if blocks is None:
-                continue
-            size = sys.getsizeof(blocks)
-            if size > 2 * GROWN_ENTRY_BYTES * len(blocks) + 4096:
-                blocks = self._backends[name] = OrderedDict(blocks)
-                size = sys.getsizeof(blocks)
-            self._table_bytes += size - self._sizes.get(name, 0)
-            self._sizes[name] = size
+    def _limit(self, backend: str) -> int:
+        return self._capacities.get(backend, self._capacity)
 
     def _bound(self) -> None:
         """Past `max_bytes`, drop the coldest locations fleet-wide (the old ends of the backends'
@@ -153,30 +138,26 @@ class LocalIndex:
         if bound is None or self.memory_bytes() <= bound:
             return
         target = bound - min(SLACK_BYTES, bound // 10)
-        fronts = [(next(iter(b.values())), i, name) for i, (name, b) in enumerate(self._backends.items()) if b]
+        fronts = [(b.oldest_seen(), i, name) for i, (name, b) in enumerate(self._backends.items()) if b]
         heapq.heapify(fronts)
-        touched: set[str] = set()
         while fronts and self.memory_bytes() > target:
-            # what the pops give back shows only once the touched LRUs are measured again (below)
-            for _ in range(max(1, (self.memory_bytes() - target) // (4 * LOCATION_BYTES))):
-                if not fronts:
-                    break
+            for _ in range(-(-(self.memory_bytes() - target) // LOCATION_BYTES)):  # each gives that back, or more
                 _, i, name = fronts[0]
                 blocks = self._backends[name]
-                self._lost(blocks.popitem(last=False)[0], name)
+                self._lost(blocks.pop_oldest(), name)
                 self._shed += 1
-                touched.add(name)
                 if blocks:
-                    heapq.heapreplace(fronts, (next(iter(blocks.values())), i, name))
+                    heapq.heapreplace(fronts, (blocks.oldest_seen(), i, name))
                 else:
                     heapq.heappop(fronts)
-            self._resized(touched)
+                    if not fronts:
+                        break
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacities[backend] = blocks
-        if backend in self._backends:
-            self._trim(backend, self._backends[backend], blocks)
-            self._resized((backend,))
+        lru = self._backends.get(backend)
+        if lru is not None:
+            self._trim(backend, lru, blocks)
 
     def make_room(self, backend: str, held: Sequence[int], count: int) -> None:
         """A request is prefilling there that will be learned only later: the engine uses the
@@ -185,15 +166,13 @@ class LocalIndex:
         blocks = self._backends.get(backend)
         if not blocks:
             return
-        for block in reversed(held):
-            if block in blocks:
-                blocks.move_to_end(block)
-        self._trim(backend, blocks, self._capacities.get(backend, self._capacity) - count)
-        self._resized((backend,))
+        blocks.move_to_end(reversed(held))
+        self._trim(backend, blocks, self._limit(backend) - count)
 
-    def _trim(self, backend: str, blocks: OrderedDict[int, float], capacity: int) -> None:
+    def _trim(self, backend: str, blocks: BlockLRU, capacity: int) -> None:
+        blocks.limit = self._limit(backend)
         for _ in range(len(blocks) - max(0, capacity)):
-            self._lost(blocks.popitem(last=False)[0], backend)
+            self._lost(blocks.pop_oldest(), backend)
 
     def _lost(self, block: int, backend: str) -> None:
         """The block left the backend's picture: if it heads a chain, the backend no longer holds it."""
@@ -225,29 +204,18 @@ class LocalIndex:
         matched: dict[str, int] = {}
         for backend in backends:
             blocks = self._backends.get(backend)
-            count = 0
-            if blocks:
-                for block in chain:
-                    seen = blocks.get(block)
-                    if seen is None or seen < cutoff:
-                        break
-                    count += 1
-            matched[backend] = count
+            matched[backend] = blocks.held_prefix(chain, cutoff) if blocks else 0
         return matched
 
     def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
+        capacity = self._limit(backend)
         blocks = self._backends.get(backend)
         if blocks is None:
-            blocks = self._backends[backend] = OrderedDict()
-        capacity = self._capacities.get(backend, self._capacity)
+            blocks = self._backends[backend] = BlockLRU(capacity)
         chain = chain[: max(1, int(capacity * self._learn_share))]
         # Tail first, so the head of the prefix is the most recently used and is evicted last,
         # as in vLLM, which frees a sequence's blocks from the tail.
-        held = len(blocks)
-        for block in reversed(chain):
-            blocks[block] = now
-            blocks.move_to_end(block)
-        added = len(blocks) - held
+        added = blocks.use(reversed(chain), now)
         self._total += added
         if chain:
             holding = self._heads.get(chain[0])
@@ -262,48 +230,36 @@ class LocalIndex:
                 holding.add(backend)
                 self._set_bytes += sys.getsizeof(holding)
         self._trim(backend, blocks, capacity)
-        self._resized((backend,))
         self._bound()
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
         return added
 
     def remove_backend(self, backend: str) -> None:
-        for block in list(self._backends.pop(backend, ())):
+        blocks = self._backends.pop(backend, None)
+        for block in blocks.keys() if blocks else ():
             self._lost(block, backend)
-        self._table_bytes -= self._sizes.pop(backend, 0)
 
     def forget_before(self, backend: str, moment: float) -> None:
         blocks = self._backends.get(backend)
         if blocks:  # a full pass, not from the old end: a sibling replica's learning may arrive late
-            kept: OrderedDict[int, float] = OrderedDict()
-            for block, seen in blocks.items():
-                if seen > moment:
-                    kept[block] = seen
-                else:
-                    self._lost(block, backend)
-            self._backends[backend] = kept
-            self._resized((backend,))
+            for block in blocks.seen_until(moment):
+                blocks.remove(block)
+                self._lost(block, backend)
 
     def vacuum(self, now: float) -> int:
         """Pop expired entries from the old end of each LRU; each entry is popped at most once."""
         cutoff = now - self._ttl
         removed = 0
         oldest = float("inf")
-        touched = []
         for backend, blocks in self._backends.items():
-            held = len(blocks)
             while blocks:
-                block, seen = next(iter(blocks.items()))
+                seen = blocks.oldest_seen()
                 if seen >= cutoff:
                     oldest = min(oldest, seen)
                     break
-                del blocks[block]
-                self._lost(block, backend)
+                self._lost(blocks.pop_oldest(), backend)
                 removed += 1
-            if len(blocks) < held:
-                touched.append(backend)
-        self._resized(touched)
         self._next_vacuum = oldest + self._ttl
         return removed
 

@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from redis.typing import KeyT, StreamIdT
 
 from extproc.core.backends import Backend
+from extproc.core.chain import HASH_MASK
 from extproc.core.load import PeerLoads
 from extproc.core.router import Router
 from extproc.core.settings import MAX_FLOW_ID, MAX_QUEUE_FLOWS
@@ -65,6 +66,11 @@ OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are drop
 MAX_BANDS = 64  # a sibling's flow shares with more bands, or more flows a band than any replica tracks, are refused
 ENDS_TTL_MS = 60_000  # a replica's inbox of request ends lives this long after the last one sent to it
 FLOWS_PERIOD_S = 0.1  # flow shares are sent on change at most this often (they change with every dispatch)
+
+
+def _is_hash(value: object) -> bool:
+    """A block hash as this replica makes them (60 bits): the index keeps nothing else."""
+    return type(value) is int and 0 <= value <= HASH_MASK
 
 
 class FlowShares(Protocol):
@@ -390,7 +396,7 @@ class RedisLink:
                 return  # a backend this replica does not route to (yet): nothing to apply
             when = int(entry_id.split(b"-")[0]) / 1000 + offset
             now = self._clock()
-            if kind == LEARNED and len(payload) <= MAX_CHAIN and all(type(h) is int for h in payload):
+            if kind == LEARNED and len(payload) <= MAX_CHAIN and all(_is_hash(h) for h in payload):
                 self._router.peer_learned(payload, backend, min(when, now))
             elif kind == BOUND and isinstance(payload, bytes) and len(payload) == DIGEST_BYTES:
                 self._router.peer_bound(payload, backend, min(when, now))

@@ -1,0 +1,92 @@
+"""BlockLRU answers as an OrderedDict of block -> last seen would, through any sequence of changes."""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.core.block_lru import LOCATION_MOST_BYTES, LRU_FIXED_BYTES, BlockLRU
+from extproc.core.chain import HASH_MASK
+
+# few distinct homes' worth of keys, so probes collide, run on and shift back; and the largest keys
+KEYS = st.one_of(st.integers(0, 40), st.integers(HASH_MASK - 40, HASH_MASK), st.integers(0, HASH_MASK))
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["use", "use", "use", "move", "pop", "pop", "remove", "forget"]),
+        st.lists(KEYS, max_size=30),
+        st.integers(0, 3),
+    ),
+    max_size=80,
+)
+
+
+class Model:
+    """The reference: what the index kept before BlockLRU (an OrderedDict, oldest first)."""
+
+    def __init__(self) -> None:
+        self.blocks: OrderedDict[int, float] = OrderedDict()
+
+    def use(self, blocks: list[int], now: float) -> int:
+        added = 0
+        for block in blocks:
+            added += block not in self.blocks
+            self.blocks[block] = now
+            self.blocks.move_to_end(block)
+        return added
+
+    def held_prefix(self, chain: list[int], cutoff: float) -> int:
+        held = 0
+        for block in chain:
+            seen = self.blocks.get(block)
+            if seen is None or seen < cutoff:
+                break
+            held += 1
+        return held
+
+
+@settings(max_examples=300)
+@given(OPS, st.integers(1, 200))
+def test_block_lru_answers_as_an_ordered_dict(ops, limit):
+    lru, model = BlockLRU(limit), Model()
+    now = 0.0
+    for op, blocks, step in ops:
+        now += step
+        if op == "use":
+            assert lru.use(blocks, now) == model.use(blocks, now)
+        elif op == "move":
+            lru.move_to_end(blocks)
+            for block in blocks:
+                if block in model.blocks:
+                    model.blocks.move_to_end(block)
+        elif op == "pop":
+            for _ in range(min(step * 5, len(model.blocks))):
+                assert lru.oldest_seen() == next(iter(model.blocks.values()))
+                assert lru.pop_oldest() == model.blocks.popitem(last=False)[0]
+        elif op == "remove":
+            for block in blocks:
+                assert lru.remove(block) == (model.blocks.pop(block, None) is not None)
+        else:
+            gone = sorted(b for b, seen in model.blocks.items() if seen <= now - 2)
+            assert sorted(lru.seen_until(now - 2)) == gone
+        assert len(lru) == len(model.blocks)
+        assert sorted(lru.keys()) == sorted(model.blocks)
+        for cutoff in (0.0, now - 2):
+            for chain in (blocks, list(model.blocks), list(reversed(model.blocks))):
+                assert lru.held_prefix(chain, cutoff) == model.held_prefix(chain, cutoff)
+        assert lru.nbytes() + sys.getsizeof(lru) <= LOCATION_MOST_BYTES * len(lru) + LRU_FIXED_BYTES
+    order = [lru.pop_oldest() for _ in range(len(lru))]
+    assert order == list(model.blocks)
+
+
+def test_a_table_emptied_gives_its_memory_back_and_one_at_its_limit_stops_growing():
+    lru = BlockLRU(limit=3000)
+    for start in range(0, 3000, 30):
+        lru.use(range(start * 7919, start * 7919 + 30), float(start))
+    full = lru.nbytes()
+    assert full <= 40 * 3000  # about 20 bytes a slot, two thirds filled, and the log
+    for _ in range(2990):
+        lru.pop_oldest()
+    assert lru.nbytes() < full / 50
