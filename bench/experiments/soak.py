@@ -29,7 +29,7 @@ from extproc.core.sessions import SessionTable
 BACKENDS = 4
 CAPACITY_BLOCKS = 8192  # per backend
 SESSION_CAPACITY = 50_000
-BYTES_PER_ENTRY = 126.5  # `kvroute-dev bench core` at 1 M entries (docs/benchmarks.md)
+BYTES_PER_ENTRY = 48.9  # `kvroute-dev bench core` at 1 M entries (docs/benchmarks.md)
 WARMUP = 2_000
 FAST_SIM = ["--token-s", "0", "--step-s", "0", "--default-max-tokens", "1"]
 

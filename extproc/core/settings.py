@@ -242,8 +242,9 @@ class Settings:
     )
     index_memory_mib: float = _setting(
         1024.0,
-        "Memory the approximate-mode index may use over all backends, in MiB (its containers' own "
-        "measure, and 64 bytes a location for its key and last-seen time); past it the coldest "
+        "Memory the approximate-mode index may use over all backends, in MiB (each location counted "
+        "at the most it can take, 72 bytes, where it takes some 50; each backend's table's fixed part; "
+        "the chain heads' map as measured); past it the coldest "
         "locations fleet-wide are dropped (kvroute_index_shed_total). Per process, not in a policy: "
         "it is the process's own budget.",
         POSITIVE,

@@ -1,5 +1,5 @@
 """Bytes per (block, backend) location in approximate mode's index once its LRUs have turned over,
-by tracemalloc: random 64-bit chains learned round after round over N backends until the index's
+by tracemalloc: random 60-bit chains (as chain.HASH_MASK makes them) learned round after round over N backends until the index's
 memory bound (or, unbounded, each backend's capacity) makes it drop entries. Run from the clone:
 `.venv/bin/python results/index-memory-35/measure.py`."""
 
@@ -19,7 +19,7 @@ def run(backends: int, rounds: int, chain: int, max_bytes: int | None, capacity:
     index = LocalIndex(ttl_s=1e9, capacity_blocks=capacity, learn_share=1.0, max_bytes=max_bytes)
     for r in range(rounds):
         for name in names:
-            index.learn([rng.getrandbits(64) for _ in range(chain)], name, float(r))
+            index.learn([rng.getrandbits(60) for _ in range(chain)], name, float(r))
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
