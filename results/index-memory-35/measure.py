@@ -1,6 +1,7 @@
 """Bytes per (block, backend) location in approximate mode's index once its LRUs have turned over,
-by tracemalloc: random 60-bit chains (as chain.HASH_MASK makes them) learned round after round over N backends until the index's
-memory bound (or, unbounded, each backend's capacity) makes it drop entries. Run from the clone:
+by tracemalloc: random 60-bit chains (as chain.HASH_MASK makes them) learned round after round
+over N backends until the index's memory bound (or, unbounded, each backend's capacity) makes it
+drop entries. Run from the clone:
 `.venv/bin/python results/index-memory-35/measure.py`."""
 
 import gc
