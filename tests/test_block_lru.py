@@ -1,7 +1,9 @@
-"""BlockLRU answers as an OrderedDict of block -> last seen would, through any sequence of changes."""
+"""BlockLRU answers as an OrderedDict of block -> last seen would, through any sequence of changes,
+and its bisecting lookup as a walk would on chains of prefix hashes."""
 
 from __future__ import annotations
 
+import random
 import sys
 from collections import OrderedDict
 
@@ -33,7 +35,7 @@ class Model:
         added = 0
         for block in blocks:
             added += block not in self.blocks
-            self.blocks[block] = now
+            self.blocks[block] = max(now, self.blocks.get(block, now))  # older news keeps the later time
             self.blocks.move_to_end(block)
         return added
 
@@ -74,8 +76,8 @@ def test_block_lru_answers_as_an_ordered_dict(ops, limit):
         assert len(lru) == len(model.blocks)
         assert sorted(lru.keys()) == sorted(model.blocks)
         for cutoff in (0.0, now - 2):
-            for chain in (blocks, list(model.blocks), list(reversed(model.blocks))):
-                assert lru.held_prefix(chain, cutoff) == model.held_prefix(chain, cutoff)
+            for block in (*blocks, *model.blocks):  # one block is a chain of one
+                assert lru.held_chain([block], cutoff) == model.held_prefix([block], cutoff)
         assert lru.nbytes() + sys.getsizeof(lru) <= LOCATION_MOST_BYTES * len(lru) + LRU_FIXED_BYTES
     order = [lru.pop_oldest() for _ in range(len(lru))]
     assert order == list(model.blocks)
@@ -90,3 +92,52 @@ def test_a_table_emptied_gives_its_memory_back_and_one_at_its_limit_stops_growin
     for _ in range(2990):
         lru.pop_oldest()
     assert lru.nbytes() < full / 50
+
+
+CHAINS = st.lists(
+    st.tuples(
+        st.sampled_from(["use", "use", "use", "move", "pop", "forget"]),
+        st.tuples(st.integers(0, 5), st.integers(1, 12)),  # which conversation, how far into it
+        st.integers(-2, 3),  # time step: a sibling's news may be older
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300)
+@given(CHAINS, st.integers(1, 40))
+def test_bisecting_a_chain_of_prefix_hashes_finds_what_a_walk_finds(ops, limit):
+    """Six conversations of twelve blocks, some sharing their first blocks; each block's key names
+    its whole prefix, as chain hashes do. Whatever is learned (from the head, sometimes with older
+    times), moved ahead of a prefill, evicted or forgotten, bisection counts what a walk counts."""
+    rng = random.Random(0)
+    names: dict[tuple[int, ...], int] = {}
+    chains = []
+    for conversation in range(6):
+        path = (conversation % 3, *(conversation * 100 + i for i in range(11)))  # three shared heads
+        chains.append([names.setdefault(path[: i + 1], rng.getrandbits(60)) for i in range(12)])
+    lru, model = BlockLRU(limit), Model()
+    now = 10.0
+    for op, (which, length), step in ops:
+        now += step
+        prefix = chains[which][:length]
+        if op == "use":
+            lru.use(reversed(prefix), now)
+            model.use(list(reversed(prefix)), now)
+        elif op == "move":
+            lru.move_to_end(reversed(prefix))
+            for block in reversed(prefix):
+                if block in model.blocks:
+                    model.blocks.move_to_end(block)
+        elif op == "pop":
+            for _ in range(min(length, len(model.blocks))):
+                assert lru.pop_oldest() == model.blocks.popitem(last=False)[0]
+        else:
+            for block in lru.seen_until(now - 3):
+                lru.remove(block)
+                del model.blocks[block]
+        while len(model.blocks) > limit:  # its owner trims it to its limit, oldest first
+            assert lru.pop_oldest() == model.blocks.popitem(last=False)[0]
+        for chain in chains:
+            for cutoff in (0.0, now - 2, now):
+                assert lru.held_chain(chain, cutoff) == model.held_prefix(chain, cutoff)

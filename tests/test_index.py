@@ -30,7 +30,7 @@ def test_lookup_stops_at_a_gap():
     index.learn([1, 2], A, 0)
     index.learn([1, 2, 3, 4], A, 0)
     index.remove_backend(B)
-    assert index.lookup([1, 2, 7, 4], [A], 0) == {A: 2}
+    assert index.lookup([1, 2, 7, 8], [A], 0) == {A: 2}  # leaves A's chain at its third block
 
 
 def test_expired_locations_do_not_count():
@@ -88,12 +88,15 @@ def test_remove_backend_drops_everything_at_once():
     )
 )
 def test_lookup_matches_a_simple_model(ops):
-    """Against a brute-force model of the same rules (TTL 5, capacity 6, LRU)."""
+    """Against a brute-force model of the same rules (TTL 5, capacity 6, LRU). Each generated list
+    is a prompt's blocks; its chain names each prefix, as chain hashes do."""
     index = LocalIndex(ttl_s=5, capacity_blocks=6, learn_share=1.0)
     model: dict[str, dict[int, float]] = {A: {}, B: {}}
+    names: dict[tuple[int, ...], int] = {}
     now = 0
-    for chain, backend, step in ops:
+    for prompt, backend, step in ops:
         now += step
+        chain = [names.setdefault(tuple(prompt[: i + 1]), len(names) + 1) for i in range(len(prompt))]
         index.learn(chain, backend, now)
         blocks = model[backend]
         for block in reversed(chain):
@@ -101,7 +104,7 @@ def test_lookup_matches_a_simple_model(ops):
             blocks[block] = now
         while len(blocks) > 6:
             del blocks[next(iter(blocks))]
-        probe = [*chain, 99]
+        probe = [*chain, names.setdefault((*prompt, 99), len(names) + 1)]
         expected = {}
         for name, held in model.items():
             count = 0
@@ -302,10 +305,10 @@ def _fill(index: LocalIndex, backends: list[str], chain: int, rounds: int, heads
     ],
 )
 def test_the_memory_bound_holds_in_bytes(backends: int, chain: int, phases: int, heads: int | None):
-    """Filled far past a 1 MiB bound, the index's memory by tracemalloc stays within it (its count
+    """Filled far past a 512 KiB bound, the index's memory by tracemalloc stays within it (its count
     is its containers' own measure), for long chains and one-block prompts, heads shared by
     several backends, and traffic that moves on and leaves LRUs emptied behind it."""
-    bound = 2**20
+    bound = 2**19
     rounds = 2 * bound // (LOCATION_BYTES * chain * backends)  # twice the bound's worth of locations
     gc.collect()
     tracemalloc.start()

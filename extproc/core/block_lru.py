@@ -64,22 +64,30 @@ class BlockLRU:
         """Memory its arrays hold, as allocated."""
         return sum(map(sys.getsizeof, (self._keys, self._seen, self._prev, self._next)))
 
-    def held_prefix(self, chain: Sequence[int], cutoff: float) -> int:
-        """How many leading blocks of the chain it holds, last seen at or after `cutoff`."""
-        keys, seen, homes = self._keys, self._seen, self._homes
-        held = 0
-        for block in chain:
-            slot = block % homes
-            key = keys[slot]
-            while key != block:
-                if key == EMPTY:
-                    return held
-                slot += 1
-                key = keys[slot]
-            if seen[slot] < cutoff:
-                return held
-            held += 1
-        return held
+    def held_chain(self, chain: Sequence[int], cutoff: float) -> int:
+        """How many leading blocks of the chain it holds, last seen at or after `cutoff`; by
+        bisection, not a walk, as the chain's blocks are prefix hashes: a block held names its whole
+        prefix, which is then held too and seen at least as late (each learning uses a chain from
+        its head, the head last, and never moves a last-seen time back), so "held and seen since
+        `cutoff`" holds for the chain's first blocks and for none after them."""
+        fresh = self._fresh
+        if not chain or not fresh(chain[0], cutoff):
+            return 0
+        low, high = 0, len(chain)  # fresh at low; high is past the end, or not fresh
+        if fresh(chain[high - 1], cutoff):
+            return high
+        high -= 1
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fresh(chain[middle], cutoff):
+                low = middle
+            else:
+                high = middle
+        return high
+
+    def _fresh(self, block: int, cutoff: float) -> bool:
+        slot = self._find(block)
+        return slot >= 0 and self._seen[slot] >= cutoff
 
     def _find(self, block: int) -> int:
         keys = self._keys
@@ -112,22 +120,23 @@ class BlockLRU:
                     if slot == len(keys) - 1:  # the last slot stays free, so probes end
                         self._spare()
                     keys[slot] = block
+                    seen[slot] = now
                     self.count += 1
                     added += 1
                     break
                 slot += 1
                 key = keys[slot]
-            else:  # held already: out of its place in the order (it is not the last)
-                if slot == last:
+            else:  # held already: seen again (a sibling's older news keeps the later time)
+                if seen[slot] < now:
                     seen[slot] = now
+                if slot == last:
                     continue
-                before, behind = prev[slot], after[slot]
+                before, behind = prev[slot], after[slot]  # out of its place in the order
                 if before == NIL:
                     first = behind
                 else:
                     after[before] = behind
                 prev[behind] = before
-            seen[slot] = now
             prev[slot] = last
             after[slot] = NIL
             if last == NIL:

@@ -204,7 +204,7 @@ class LocalIndex:
         matched: dict[str, int] = {}
         for backend in backends:
             blocks = self._backends.get(backend)
-            matched[backend] = blocks.held_prefix(chain, cutoff) if blocks else 0
+            matched[backend] = blocks.held_chain(chain, cutoff) if blocks else 0
         return matched
 
     def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
