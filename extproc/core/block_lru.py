@@ -100,43 +100,45 @@ class BlockLRU:
             key = keys[slot]
         return slot
 
-    def use(self, blocks: Iterable[int], now: float) -> int:
-        """Mark each block (added if absent) seen at `now` and most recent, in this order, so the
-        last is the most recent. Returns how many were added."""
+    def use(self, blocks: Iterable[int], now: float, *, add: bool = True) -> int:
+        """Mark each block seen at `now` (a later time it has stays) and most recent, in this
+        order, so the last is the most recent; one it does not hold is added, or with `add` false
+        skipped. Returns how many were added."""
         keys, seen, prev, after, homes = self._keys, self._seen, self._prev, self._next, self._homes
         first, last = self._first, self._last
         added = 0
         for block in blocks:
             slot = block % homes
             key = keys[slot]
-            while key != block:
-                if key == EMPTY:
-                    if (self.count + 1) * FILL_DEN > homes * FILL_NUM:
-                        self._first, self._last = first, last
-                        self._rebuild(self._grown(self.count + 1))
-                        keys, seen, prev, after, homes = self._keys, self._seen, self._prev, self._next, self._homes
-                        first, last = self._first, self._last
-                        slot = self._free(block)
-                    if slot == len(keys) - 1:  # the last slot stays free, so probes end
-                        self._spare()
-                    keys[slot] = block
-                    seen[slot] = now
-                    self.count += 1
-                    added += 1
-                    break
+            while key != block and key != EMPTY:
                 slot += 1
                 key = keys[slot]
-            else:  # held already: seen again (a sibling's older news keeps the later time)
+            if key == block:  # held already: out of its place in the order
                 if seen[slot] < now:
                     seen[slot] = now
                 if slot == last:
                     continue
-                before, behind = prev[slot], after[slot]  # out of its place in the order
+                before, behind = prev[slot], after[slot]
                 if before == NIL:
                     first = behind
                 else:
                     after[before] = behind
                 prev[behind] = before
+            elif add:
+                if (self.count + 1) * FILL_DEN > homes * FILL_NUM:
+                    self._first, self._last = first, last
+                    self._rebuild(self._grown(self.count + 1))
+                    keys, seen, prev, after, homes = self._keys, self._seen, self._prev, self._next, self._homes
+                    first, last = self._first, self._last
+                    slot = self._free(block)
+                if slot == len(keys) - 1:  # the last slot stays free, so probes end
+                    self._spare()
+                keys[slot] = block
+                seen[slot] = now
+                self.count += 1
+                added += 1
+            else:
+                continue
             prev[slot] = last
             after[slot] = NIL
             if last == NIL:
@@ -175,30 +177,7 @@ class BlockLRU:
 
     def move_to_end(self, blocks: Iterable[int]) -> None:
         """Make those of the blocks it holds the most recent, in this order; last seen unchanged."""
-        keys, prev, after, homes = self._keys, self._prev, self._next, self._homes
-        first, last = self._first, self._last
-        for block in blocks:
-            slot = block % homes
-            key = keys[slot]
-            while key != block:
-                if key == EMPTY:
-                    break
-                slot += 1
-                key = keys[slot]
-            else:
-                if slot == last:
-                    continue
-                before, behind = prev[slot], after[slot]
-                if before == NIL:
-                    first = behind
-                else:
-                    after[before] = behind
-                prev[behind] = before
-                prev[slot] = last
-                after[slot] = NIL
-                after[last] = slot
-                last = slot
-        self._first, self._last = first, last
+        self.use(blocks, float("-inf"), add=False)
 
     def oldest_seen(self) -> float:
         """When the least recent block was last seen; the table is not empty."""
