@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from extproc.core.block_lru import LOCATION_MOST_BYTES
 from extproc.core.churn import ChurnMeter
-from extproc.core.index import HEAD_KEY_BYTES, LOCATION_BYTES, SLACK_BYTES, LocalIndex
+from extproc.core.index import HEAD_KEY_BYTES, SLACK_BYTES, LocalIndex
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -309,7 +310,7 @@ def test_the_memory_bound_holds_in_bytes(backends: int, chain: int, phases: int,
     is its containers' own measure), for long chains and one-block prompts, heads shared by
     several backends, and traffic that moves on and leaves LRUs emptied behind it."""
     bound = 2**19
-    rounds = 2 * bound // (LOCATION_BYTES * chain * backends)  # twice the bound's worth of locations
+    rounds = 2 * bound // (LOCATION_MOST_BYTES * chain * backends)  # twice the bound's worth of locations
     gc.collect()
     tracemalloc.start()
     try:

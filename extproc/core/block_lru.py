@@ -161,7 +161,7 @@ class BlockLRU:
             self._prev[after] = before
 
     def _free(self, block: int) -> int:
-        """The slot a new block takes (the table has room: just rebuilt)."""
+        """The slot a new block takes (the table has room: just rebuilt, or being rebuilt)."""
         keys = self._keys
         slot = block % self._homes
         while keys[slot] != EMPTY:
@@ -257,9 +257,7 @@ class BlockLRU:
         last = NIL
         for old in order:
             block = old_keys[old]
-            slot = block % homes
-            while keys[slot] != EMPTY:
-                slot += 1
+            slot = self._free(block)
             if slot == len(keys) - 1:
                 self._spare()
             keys[slot] = block

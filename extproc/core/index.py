@@ -2,10 +2,10 @@
 
 Behind the small `LocationIndex` interface so a precise or shared index can replace the
 in-process one; cache turnover is measured outside the index (churn.py). The in-process index
-keeps one LRU per backend (block hash -> last seen; block_lru.py, some 45 bytes a location): a
+keeps one LRU per backend (block hash -> last seen; block_lru.py, some 50 bytes a location): a
 backend's KV cache is finite and evicts, so must our picture of it.
-A lookup walks the chain on each candidate only until the first miss, so its cost depends on
-the chain and the number of candidates, never on the index size.
+A lookup bisects the chain on each candidate, so its cost depends on the chain's length and the
+number of candidates, never on the index size.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from typing import Protocol
 
 from extproc.core.block_lru import LOCATION_MOST_BYTES, LRU_FIXED_BYTES, BlockLRU
 
-# The memory bound counts each location at the most it can take in a backend's BlockLRU (three
-# slots of 20 bytes, as a table emptier than a third is rebuilt smaller, and two log entries of 4),
-# each LRU's fixed part, the first-block map and its sets as `sys.getsizeof` reports them, and
-# the one object a location may have: a chain head's key there (a 60-bit int). A BlockLRU's actual
-# use is lower (about 45 bytes a location, half to two thirds filled), so the bound is kept.
-LOCATION_BYTES = LOCATION_MOST_BYTES
-LRU_BYTES = LRU_FIXED_BYTES
+# The memory bound counts each location at the most it can take in a backend's BlockLRU
+# (LOCATION_MOST_BYTES: three slots of 24 bytes, as a table emptier than a third is rebuilt
+# smaller), each LRU's fixed part, the first-block map and its sets as `sys.getsizeof` reports
+# them, and the one object a location may have: a chain head's key there (a 60-bit int). A
+# BlockLRU's actual use is lower (about 50 bytes a location), so the bound is kept.
 HEAD_KEY_BYTES = 32
 # A pass that drops locations goes this far below the bound, so the next learnings need none;
 # small, as the pass holds the event loop (some 1 us a location).
@@ -124,8 +122,8 @@ class LocalIndex:
         return self._shed
 
     def memory_bytes(self) -> int:
-        """The index's memory as its bound counts it: at least what it takes (LOCATION_BYTES)."""
-        lrus = self._total * LOCATION_BYTES + len(self._backends) * LRU_BYTES
+        """The index's memory as its bound counts it: at least what it takes."""
+        lrus = self._total * LOCATION_MOST_BYTES + len(self._backends) * LRU_FIXED_BYTES
         return lrus + sys.getsizeof(self._heads) + self._set_bytes + len(self._heads) * HEAD_KEY_BYTES
 
     def _limit(self, backend: str) -> int:
@@ -141,7 +139,7 @@ class LocalIndex:
         fronts = [(b.oldest_seen(), i, name) for i, (name, b) in enumerate(self._backends.items()) if b]
         heapq.heapify(fronts)
         while fronts and self.memory_bytes() > target:
-            for _ in range(-(-(self.memory_bytes() - target) // LOCATION_BYTES)):  # each gives that back, or more
+            for _ in range(-(-(self.memory_bytes() - target) // LOCATION_MOST_BYTES)):  # each gives that back, or more
                 _, i, name = fronts[0]
                 blocks = self._backends[name]
                 self._lost(blocks.pop_oldest(), name)
