@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -15,31 +14,22 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from extproc.admin.app import Admin
-from extproc.core.router import Router
-from extproc.core.saturation import has_room
-from extproc.core.settings import Settings
 from extproc.envoy.auth import TokenInterceptor
 from extproc.envoy.authz import AccessLogs, Authz
-from extproc.envoy.processor import Processor
+from extproc.envoy.dispatch import PolicyDispatch
 from extproc.envoy.proto import access_log_pb2_grpc as als_grpc
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.envoy.tls import server_credentials, server_ssl_context
 from extproc.runtime.config import ExtProcConfig, read_token
-from extproc.runtime.metrics import Metrics
-from extproc.runtime.placer import PLACEMENT_INTERVAL_S, AdapterPlacer, PlacementCollector
-from extproc.runtime.pool import BackendPool
+from extproc.runtime.metrics import PolicyLabelled
 from extproc.runtime.prefill import PrefillLegs
-from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
-from extproc.vllm.feeds import EngineCollector, EngineFeeds
-from extproc.vllm.index_mode import IndexModeSwitch
-from extproc.vllm.scraper import EngineScraper
-from extproc.vllm.subscriber import EventSubscriber
+from extproc.units import build_unit
 
 if TYPE_CHECKING:
-    from extproc.kube.objectives import ObjectiveWatcher
     from extproc.runtime.tracing import RequestTracer
 
 log = logging.getLogger("kvroute")
@@ -51,14 +41,6 @@ log = logging.getLogger("kvroute")
 # connection: each request waiting that long for its backend's response lost its response phase.
 # A ping costs next to nothing: the gateway's are accepted at any rate, with calls in flight or not.
 KEEPALIVE_TOLERANCE = (("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1))
-
-
-def priorities(settings: Settings, objectives: ObjectiveWatcher | None) -> dict[str, int]:
-    """Each objective's priority: the policy's objectivePriorities, overridden by InferenceObjectives."""
-    merged = dict(settings.objective_priorities)
-    if objectives is not None:
-        merged.update(objectives.priorities())
-    return merged
 
 
 def tracer_from_environment() -> RequestTracer | None:
@@ -73,48 +55,19 @@ def tracer_from_environment() -> RequestTracer | None:
 
 async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set."""
-    router = Router(config.routing)
-    pool = BackendPool(config.backends, router.remove_backend, config.unhealthy_after)
-    index_mode = IndexModeSwitch(router)
-    index_mode.apply(config.routing)
-    follower = None
-    objectives = None
-    if config.policy:  # the Kubernetes client is loaded only by processes that follow a policy
-        from extproc.kube.follower import PolicyFollower, load_kubernetes_config
-        from extproc.kube.objectives import ObjectiveWatcher
-
-        namespace, name = config.policy.split("/")
-        await load_kubernetes_config()
-        follower = PolicyFollower(namespace, name, config.routing, router, pool, index_mode.apply)
-        objectives = ObjectiveWatcher(namespace, lambda: follower.pool if follower is not None else None)
-    policy = follower.state if follower is not None else None
-    scraper = EngineScraper(router, pool)
-    subscriber = EventSubscriber(router, pool) if config.kv_events else None
-    feeds = EngineFeeds(router, index_mode, scraper, subscriber)
-    metrics = Metrics(router, pool, policy)
-    metrics.registry.register(EngineCollector(feeds))
-    clock = time.monotonic
-    room = WaitingRoom(
-        lambda: router.settings,
-        lambda backends: has_room(
-            router.loads, [b.address for b in backends if b.healthy], router.settings, clock(), router.block_tokens()
-        ),
-        WaitingRoomMetrics(metrics.registry),
-        clock,
-    )
-    link = None
-    if config.replica_store:  # siblings share learning, sessions and load through the store
-        from extproc.replicas.redis_link import ReplicaCollector, connect
-
-        group = config.replica_group or f"kvroute:{config.policy or 'default'}"
-        link = connect(router, pool, config.replica_store, config.replica_store_password_file, group, room.queue)
-        router.join(link, secrets.randbelow(1 << 30))
-        metrics.registry.register(ReplicaCollector(link))
     legs = PrefillLegs()  # split requests' prefill legs (a disaggregated fleet's)
-    # LoRA adapters the policy places (none: idle); with siblings, one replica moves an adapter
-    placer = AdapterPlacer(router, pool, claim=link.claim if link is not None else None)
-    metrics.registry.register(PlacementCollector(placer.placement))
     tracer = tracer_from_environment()
+    configured = config.units()
+    several = len(configured) > 1
+    units = [await build_unit(config, unit, several, legs, tracer) for unit in configured]
+    first = units[0]
+    processor, metrics, link = first.processor, first.metrics, first.link
+    registry = metrics.registry
+    dispatch = None
+    if several:  # the first policy's processor takes every stream, and hands each to its model's
+        dispatch = processor.routes = PolicyDispatch([unit.processor for unit in units])
+        registry = CollectorRegistry()
+        registry.register(PolicyLabelled([(unit.name, unit.metrics.registry) for unit in units]))
 
     limit = config.max_message_bytes
     interceptors = []
@@ -131,28 +84,14 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             *KEEPALIVE_TOLERANCE,
         ],
     )
-    processor = Processor(
-        router,
-        pool,
-        metrics,
-        clock=clock,
-        max_stream_age_s=config.max_stream_age_s,
-        fallback=config.destination_fallback,
-        waiting_room=room,
-        priorities=lambda: priorities(router.settings, objectives),
-        prefill_legs=legs,
-        placer=placer,
-        tracer=tracer,
-    )
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)  # type: ignore[no-untyped-call]  # generated, untyped
     authz = None
     if config.authz_port:  # the ext_authz transport: routes over HTTP, ends from Envoy's access log
         authz = Authz(
             processor,
-            pool,
             metrics,
             token,
-            clock,
+            time.monotonic,
             config.max_stream_age_s,
             replica=link.replica if link is not None else "",
             forward=link.forward_end if link is not None else None,
@@ -171,24 +110,19 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         server.add_insecure_port(address)
     else:
         server.add_secure_port(address, credentials)
-    admin = Admin(
-        router,
-        pool,
+    admin = Admin(  # the process's own (ext_authz's) state goes with the first policy's
+        first.router,
+        first.pool,
         metrics,
-        policy,
+        first.policy,
         lease_ttl_s=config.lease_ttl_s,
-        details=lambda: {
-            **feeds.state(),
-            "queue": room.state(),
-            **({} if link is None else {"replicas": link.state()}),
-            **({} if authz is None else {"authz": authz.state()}),
-        },
-        warnings=lambda: [
-            *feeds.warnings(),
-            *(() if link is None else link.warnings()),
-            *(() if authz is None else authz.warnings()),
-        ],
+        details=lambda: {**first.details(), **({} if authz is None else {"authz": authz.state()})},
+        warnings=lambda: [*first.warnings(), *(() if authz is None else authz.warnings())],
+        name=first.name,
     )
+    if dispatch is not None:
+        others = [(u.name, u.router, u.pool, u.policy, u.details, u.warnings) for u in units[1:]]
+        admin.serve_also(others, lambda model: dispatch.owner(model).router, registry)
     async with contextlib.AsyncExitStack() as cleanup:  # torn down in reverse, each step whatever failed before
         if tracer is not None:  # last: the spans of requests answered while stopping are exported too
             cleanup.push_async_callback(asyncio.to_thread, tracer.shutdown)
@@ -220,41 +154,26 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             files = (config.grpc_tls_cert_file, config.grpc_tls_key_file, config.grpc_tls_client_ca_file)
             tls = server_ssl_context(*files)
             await web.TCPSite(checks, config.grpc_host, config.authz_port, ssl_context=tls).start()
-        cleanup.callback(room.drain)  # before the server stops: what is held is answered, not cut
+        for unit in units:  # before the server stops: what is held is answered, not cut
+            cleanup.callback(unit.room.drain)
         # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.
         processor_service = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
         for service in ("", "liveness", "readiness", processor_service):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         admin.serving = True
-        tasks += [
-            asyncio.create_task(
-                pool.probe_forever(config.health_interval_s, config.health_timeout_s, config.health_probes_per_s)
-            ),
-            asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))),
-            asyncio.create_task(room.run()),
-            asyncio.create_task(placer.run(PLACEMENT_INTERVAL_S)),
-        ]
-        if config.engine_scrape_interval_s > 0:
-            tasks.append(asyncio.create_task(scraper.run(config.engine_scrape_interval_s, config.engine_scrapes_per_s)))
-        if subscriber is not None:
-            tasks.append(asyncio.create_task(subscriber.run()))
-        if follower is not None:
-            tasks.append(asyncio.create_task(follower.run()))
-        if objectives is not None:
-            tasks.append(asyncio.create_task(objectives.run()))
-        if link is not None:
-            tasks.append(asyncio.create_task(link.run()))
+        tasks.append(asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))))
+        tasks += [asyncio.create_task(task) for unit in units for task in unit.tasks(config)]
         if authz is not None:
             tasks.append(asyncio.create_task(authz.sweep_forever()))
         cleanup.push_async_callback(health_servicer.enter_graceful_shutdown)
         cleanup.callback(setattr, admin, "serving", False)
         log.info(
-            "ext_proc on %s:%d, admin on http://%s:%d, %d backends",
+            "ext_proc on %s:%d, admin on http://%s:%d, %s",
             config.grpc_host,
             config.grpc_port,
             config.admin_host,
             config.admin_port,
-            len(config.backends),
+            ", ".join(f"policy {u.name}: {len(u.pool.backends)} backends" for u in units),
         )
         await stop.wait()
 

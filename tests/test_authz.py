@@ -42,7 +42,7 @@ def parts():
     metrics = Metrics(router, pool)
     clock = Clock()
     processor = Processor(router, pool, metrics, clock=clock)
-    return router, pool, metrics, clock, Authz(processor, pool, metrics, TOKEN, clock, max_age_s=60.0)
+    return router, pool, metrics, clock, Authz(processor, metrics, TOKEN, clock, max_age_s=60.0)
 
 
 def check(authz: Authz, body: bytes, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions"):
@@ -221,9 +221,9 @@ def test_with_siblings_an_entry_goes_to_the_replica_that_decided_it(parts: Any):
     is counted unknown."""
     router, pool, metrics, clock, _ = parts
     sent: list[tuple[str, bytes]] = []
-    mine = Authz(Processor(router, pool, metrics, clock=clock), pool, metrics, TOKEN, clock, 60.0, "r1", None)
+    mine = Authz(Processor(router, pool, metrics, clock=clock), metrics, TOKEN, clock, 60.0, "r1", None)
     sibling = Authz(
-        Processor(router, pool, metrics, clock=clock), pool, metrics, TOKEN, clock, 60.0, "r2",
+        Processor(router, pool, metrics, clock=clock), metrics, TOKEN, clock, 60.0, "r2",
         lambda replica, data: sent.append((replica, data)) is None,
     )  # fmt: skip
     _, headers, _ = check(mine, BODY)

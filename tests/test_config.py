@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import yaml
 
 from extproc.core.backends import Backend, Role
 from extproc.runtime import config
@@ -82,3 +83,52 @@ def test_the_ext_authz_transport_takes_tls_from_files():
     assert config.load(parse(["--authz-port", "9004"]), {}).authz_port == 9004
     files = ["--grpc-tls-cert-file", "c", "--grpc-tls-key-file", "k", "--grpc-tls-client-ca-file", "ca"]
     assert config.load(parse(["--authz-port", "9004", *files]), {}).grpc_tls_client_ca_file == "ca"
+
+
+def test_several_policies_followed_or_listed_each_become_a_unit(tmp_path):
+    followed = config.load(parse(["--policy", "llm/chat,llm/code", "--block-size", "1024"]), {})
+    assert [(u.name, u.follow, u.routing.block_size) for u in followed.units()] == [
+        ("llm/chat", "llm/chat", 1024),
+        ("llm/code", "llm/code", 1024),
+    ]
+    one = config.load(parse(["--policy", "llm/chat", "--backend", "10.0.0.1:8000"]), {})
+    assert [(u.name, u.follow, len(u.backends)) for u in one.units()] == [("llm/chat", "llm/chat", 1)]
+    assert [u.name for u in config.load(parse([]), {}).units()] == ["default"]
+    path = tmp_path / "policies.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "routing": {"block_size": 1024, "session_ttl_s": 60.0},
+                "policies": [
+                    {"name": "chat", "backends": [{"address": "10.0.0.1:8000", "models": ["a"]}]},
+                    {"name": "code", "backends": ["10.0.0.2:8000"], "routing": {"block_size": 256}},
+                ],
+            }
+        )
+    )
+    listed = config.load(parse(["--config", str(path)]), {}).units()
+    assert [(u.name, u.follow, u.routing.block_size, u.routing.session_ttl_s) for u in listed] == [
+        ("chat", "", 1024, 60.0),
+        ("code", "", 256, 60.0),  # its own setting over the shared ones
+    ]
+    assert listed[0].backends[0].models == frozenset({"a"})
+
+
+@pytest.mark.parametrize(
+    ("document", "flags", "message"),
+    [
+        ({"policies": [{"name": "a"}, {"name": "a"}]}, [], "distinct names"),
+        ({"policies": [{"backends": []}]}, [], "needs a name"),
+        ({"policies": [{"name": "a", "selector": {}}]}, [], "needs a name"),
+        ({"policies": [{"name": "a", "routing": {"block_size": 12}}]}, [], "block_size"),
+        ({"policies": [{"name": "a"}]}, ["--backend", "10.0.0.1:1"], "replace policy and backends"),
+        ({"policies": "a"}, [], "must be a list"),
+        ({}, ["--policy", "llm/a,llm/a"], "NAMESPACE/NAME"),
+        ({}, ["--policy", "llm/a,b"], "NAMESPACE/NAME"),
+    ],
+)
+def test_bad_policy_lists_are_refused(tmp_path, document, flags, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(document))
+    with pytest.raises(ValueError, match=message):
+        config.load(parse(["--config", str(path), *flags]), {})

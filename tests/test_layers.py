@@ -1,6 +1,6 @@
 """The code's layers import only downwards, and each command loads only what it runs.
 
-core <- runtime <- adapters (envoy, admin, kube, vllm, replicas) <- service <- cli; the operator
+core <- runtime <- adapters (envoy, admin, kube, vllm, replicas) <- units <- service <- cli; the operator
 (controller) beside the adapters, sharing the KVRoutingPolicy contract with the follower through
 the core (extproc/core/policy.py), so dependencies between the two point one way: controller ->
 extproc, never back (the CLI on top starts either). bench and the generators (tools) use the
@@ -29,6 +29,15 @@ ALLOWED = {
     "extproc.kube": {"extproc.core", "extproc.runtime"},
     "extproc.vllm": {"extproc.core", "extproc.runtime"},
     "extproc.replicas": {"extproc.core", "extproc.runtime"},
+    # one policy's parts, assembled (several may run side by side)
+    "extproc.units": {
+        "extproc.core",
+        "extproc.runtime",
+        "extproc.envoy",
+        "extproc.kube",
+        "extproc.vllm",
+        "extproc.replicas",
+    },
     "extproc.service": {
         "extproc.core",
         "extproc.runtime",
@@ -37,6 +46,7 @@ ALLOWED = {
         "extproc.kube",
         "extproc.vllm",
         "extproc.replicas",
+        "extproc.units",
     },
     "extproc.cli": {"extproc.core", "extproc.runtime", "extproc.envoy", "extproc.service", "controller.operator"},
     "controller": {"extproc.core"},

@@ -13,7 +13,7 @@ from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import RequestClass
 from extproc.core.settings import Settings
 from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
-from extproc.service import priorities
+from extproc.units import priorities
 
 BACKENDS = [Backend("10.0.0.1:8000")]
 

@@ -41,6 +41,9 @@ def settings_reference() -> str:
         "|---|---|---|---|---|",
     ]
     for name, text in PROCESS_HELP.items():
+        if name == "policies":  # a structured list: the file only
+            lines.append(f"| `{name}` | - | - | none | {text} |")
+            continue
         flag = "--backend" if name == "backends" else "--" + name.replace("_", "-")
         default = "none" if name == "backends" else default_text(DEFAULTS[name])
         lines.append(f"| `{name}` | `KVROUTE_{name.upper()}` | `{flag}` | {default} | {text} |")

@@ -9,6 +9,10 @@ configured). Control endpoints:
 Leases end by themselves `lease_ttl_s` after they were opened. A dry run reserves nothing and is
 not counted as a decision. `/v1/notify` with {"body", "headers"?, "backend"} and no lease teaches
 the index directly (a gateway that routed on its own).
+
+A process serving several policies (`Admin.serve_also`) answers for each: a body goes to the
+policy its model chooses, a lease is found in whichever policy holds it, /debug/state lists every
+policy's state under its name, and /readyz is ready while any policy has a routable backend.
 """
 
 from __future__ import annotations
@@ -17,16 +21,16 @@ import asyncio
 import hmac
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from extproc.core.errors import InvalidRequest
-from extproc.core.exchange import ResponseStart
+from extproc.core.exchange import Exchange, ResponseStart
 from extproc.core.leases import LeaseTable
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
@@ -37,6 +41,23 @@ from extproc.runtime.pool import BackendPool
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+# A policy's name, router, pool, watch, and its details and warnings (see Admin.__init__).
+PolicyParts = tuple[str, Router, BackendPool, PolicyState | None, Callable[[], dict[str, Any]], Callable[[], list[str]]]
+
+
+@dataclass(slots=True)
+class ServedPolicy:
+    """One policy as the HTTP adapter answers for it: its routing state and its open leases."""
+
+    name: str
+    router: Router
+    pool: BackendPool
+    policy: PolicyState | None
+    leases: LeaseTable
+    details: Callable[[], dict[str, Any]]
+    warnings: Callable[[], list[str]]
 
 
 class Admin:
@@ -52,17 +73,49 @@ class Admin:
         lease_ttl_s: float = 300.0,
         details: Callable[[], dict[str, Any]] = dict,
         warnings: Callable[[], list[str]] = list,
+        name: str = "default",
     ) -> None:
         """`details` adds to /debug/state and `warnings` to /readyz (the engine feeds' view)."""
-        self._details = details
-        self._warnings = warnings
-        self._router = router
-        self._pool = pool
         self._metrics = metrics
-        self._policy = policy
+        self._registry = metrics.registry
         self._clock = clock
-        self.leases = LeaseTable(lease_ttl_s)
+        self._lease_ttl_s = lease_ttl_s
+        self._served = [ServedPolicy(name, router, pool, policy, LeaseTable(lease_ttl_s), details, warnings)]
+        self._owner: Callable[[str], Router] | None = None
         self.serving = False
+
+    @property
+    def leases(self) -> LeaseTable:
+        """The first policy's open leases."""
+        return self._served[0].leases
+
+    def serve_also(
+        self,
+        policies: list[
+            tuple[str, Router, BackendPool, PolicyState | None, Callable[[], dict[str, Any]], Callable[[], list[str]]]
+        ],
+        owner: Callable[[str], Router],
+        registry: CollectorRegistry,
+    ) -> None:
+        """More policies in this process: `owner` names the router deciding a model's requests,
+        `registry` exposes every policy's metrics (labelled by policy)."""
+        ttl = self._lease_ttl_s
+        self._served += [ServedPolicy(n, r, p, s, LeaseTable(ttl), d, w) for n, r, p, s, d, w in policies]
+        self._owner = owner
+        self._registry = registry
+
+    def _for_model(self, model: str) -> ServedPolicy:
+        if self._owner is None:
+            return self._served[0]
+        router = self._owner(model)
+        return next(served for served in self._served if served.router is router)
+
+    def _lease(self, lease_id: str) -> tuple[ServedPolicy, Exchange] | None:
+        for served in self._served:
+            exchange = served.leases.get(lease_id)
+            if exchange is not None:
+                return served, exchange
+        return None
 
     def monitoring_app(self) -> web.Application:
         """The admin port: read-only, unauthenticated, for probes and scrapers."""
@@ -95,53 +148,34 @@ class Admin:
         return app
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self._metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, _request: web.Request) -> web.Response:
         return _json({"status": "ok"})
 
     async def readyz(self, _request: web.Request) -> web.Response:
-        """Ready when gRPC serves and at least one backend is routable. A lost policy watch is
-        reported but keeps readiness: routing on the last known backends beats failing open."""
+        """Ready when gRPC serves and at least one backend is routable (with several policies,
+        in any: one model's empty pool must not take the others' router out of service). A lost
+        policy watch is reported but keeps readiness: routing on the last known backends beats
+        failing open."""
         problems = []
         if not self.serving:
             problems.append("gRPC server not serving")
-        if self._pool.healthy_count() == 0:
+        several = len(self._served) > 1
+        empty = [served.name for served in self._served if served.pool.healthy_count() == 0]
+        if len(empty) == len(self._served):
             problems.append("no healthy backend")
-        warnings = []
-        if self._policy is not None and not self._policy.connected:
-            warnings.append(f"policy watch down ({self._policy.last_error}); routing with the last known backends")
-        if self._pool.last_probe_error is not None:
-            warnings.append(f"backend probes failing ({self._pool.last_probe_error}); health may be stale")
-        if self._policy is not None and self._policy.unknown_fields:
-            warnings.append(f"policy spec.routing fields ignored: {', '.join(self._policy.unknown_fields)}")
-        warnings.extend(self._warnings())
+        warnings = [f"policy {name}: no healthy backend" for name in empty] if several and problems == [] else []
+        for served in self._served:
+            prefix = f"policy {served.name}: " if several else ""
+            warnings += [prefix + warning for warning in _warnings(served)]
         body = {"ready": not problems, "problems": problems, "warnings": warnings}
         return _json(body, 503 if problems else 200)
 
     async def state(self, _request: web.Request) -> web.Response:
-        settings = self._router.settings
-        return _json(
-            {
-                **self._router.state().as_json(),
-                **self._details(),
-                "backends": [
-                    {"address": b.address, "healthy": b.healthy, "models": sorted(b.models)}
-                    for b in self._pool.backends
-                ],
-                "settings": {f.name: getattr(settings, f.name) for f in fields(settings) if not f.metadata["secret"]},
-                "open_leases": len(self.leases),
-                "policy": None
-                if self._policy is None
-                else {
-                    "name": self._policy.name,
-                    "connected": self._policy.connected,
-                    "generation": self._policy.generation,
-                    "last_error": self._policy.last_error,
-                    "unknown_fields": self._policy.unknown_fields,
-                },
-            }
-        )
+        if len(self._served) == 1:
+            return _json(_state(self._served[0]))
+        return _json({"policies": {served.name: _state(served) for served in self._served}})
 
     def _bad_request(self, message: str) -> web.HTTPBadRequest:
         self._metrics.errors.labels("invalid_request").inc()
@@ -158,50 +192,62 @@ class Admin:
             raise self._bad_request("expected a JSON object")
         return payload
 
-    def _prompt(self, payload: dict[str, Any]) -> PromptRequest:
-        """{"body": <request object or JSON text>, "headers": {...}} -> parsed request, or a 400."""
+    def _prompt(self, payload: dict[str, Any]) -> tuple[ServedPolicy, PromptRequest]:
+        """{"body": <request object or JSON text>, "headers": {...}} -> the policy serving its
+        model and the request as it parses it, or a 400."""
         try:
             if "body" not in payload:
                 raise InvalidRequest('expected {"body": ..., "headers": {...}}')
             headers = {str(k).lower(): str(v) for k, v in (payload.get("headers") or {}).items()}
             body = payload["body"]
-            raw = body.encode() if isinstance(body, str) else body
-            return self._router.parse(raw, headers)
+            loaded = orjson.loads(body) if isinstance(body, str) else body
+            model = loaded.get("model") if isinstance(loaded, dict) else None
+            served = self._for_model(model if isinstance(model, str) else "")
+            return served, served.router.parse(loaded, headers)
         except (InvalidRequest, AttributeError) as exc:
             raise self._bad_request(str(exc)) from None
+        except orjson.JSONDecodeError as exc:
+            raise self._bad_request(f"body is not valid JSON: {exc}") from None
 
     async def query(self, request: web.Request) -> web.Response:
         """Decide; unless a dry run, reserve the load and hold it under a lease."""
         payload = await self._payload(request)
-        parsed = self._prompt(payload)
+        served, parsed = self._prompt(payload)
+        router, backends = served.router, served.pool.backends
         if payload.get("dry_run"):
-            return _json(self._router.query(parsed, self._pool.backends, self._clock()).explain())
-        if self.leases.full():
+            return _json(router.query(parsed, backends, self._clock()).explain())
+        if served.leases.full():
             return _json({"error": "too many open leases; release or let them expire"}, 503)
-        exchange = self._router.begin(parsed, self._pool.backends, self._clock())
+        exchange = router.begin(parsed, backends, self._clock())
         answer = exchange.decision.explain()
         if exchange.decision.backend is None:
             exchange.end()
         else:
-            answer["lease"] = self.leases.open(exchange, self._clock())
+            answer["lease"] = served.leases.open(exchange, self._clock())
         return _json(answer)
 
     async def notify(self, request: web.Request) -> web.Response:
-        """The response started on `backend` (a known one): 2xx teaches the index."""
+        """The response started on `backend` (a known one of the request's policy): 2xx teaches the index."""
         payload = await self._payload(request)
         backend = payload.get("backend")
-        if not isinstance(backend, str) or not self._pool.is_known(backend):
-            return _json({"error": f"unknown backend {backend!r}"}, 400)
         if "lease" not in payload:
-            learned = self._router.learn(self._prompt(payload), backend, self._clock())
+            served, parsed = self._prompt(payload)
+            if not isinstance(backend, str) or not served.pool.is_known(backend):
+                return _json({"error": f"unknown backend {backend!r}"}, 400)
+            learned = served.router.learn(parsed, backend, self._clock())
             return _json({"backend": backend, "learned_blocks": learned})
-        exchange = self.leases.get(str(payload["lease"]))
-        if exchange is None:
+        found = self._lease(str(payload["lease"]))
+        if not isinstance(backend, str) or not any(s.pool.is_known(backend) for s in self._served):
+            return _json({"error": f"unknown backend {backend!r}"}, 400)
+        if found is None:
             return _json({"error": "no such lease (released or expired)"}, 404)
+        served, exchange = found
+        if not served.pool.is_known(backend):
+            return _json({"error": f"unknown backend {backend!r}"}, 400)
         status = payload.get("status", 200)
         if not isinstance(status, int):
             raise self._bad_request("status must be an integer")
-        outcome = self._router.response_started(
+        outcome = served.router.response_started(
             exchange, ResponseStart(upstream=backend, known=True, status=status, from_upstream=True), self._clock()
         )
         return _json({"backend": outcome.served, "learned": outcome.learned, "headers": dict(outcome.headers)})
@@ -209,7 +255,8 @@ class Admin:
     async def release(self, request: web.Request) -> web.Response:
         """The request ended: release its load (idempotent: a second release is a 404)."""
         payload = await self._payload(request)
-        if self.leases.close(str(payload.get("lease"))) is None:
+        lease = str(payload.get("lease"))
+        if not any(served.leases.close(lease) is not None for served in self._served):
             return _json({"error": "no such lease (released or expired)"}, 404)
         return _json({"released": True})
 
@@ -217,4 +264,42 @@ class Admin:
         """End leases whose gateway never came back, even when no API call arrives."""
         while True:
             await asyncio.sleep(interval_s)
-            self.leases.expire(self._clock())
+            for served in self._served:
+                served.leases.expire(self._clock())
+
+
+def _warnings(served: ServedPolicy) -> list[str]:
+    """A policy's readiness warnings: its watch, its probes, its feeds'."""
+    policy, pool = served.policy, served.pool
+    warnings = []
+    if policy is not None and not policy.connected:
+        warnings.append(f"policy watch down ({policy.last_error}); routing with the last known backends")
+    if pool.last_probe_error is not None:
+        warnings.append(f"backend probes failing ({pool.last_probe_error}); health may be stale")
+    if policy is not None and policy.unknown_fields:
+        warnings.append(f"policy spec.routing fields ignored: {', '.join(policy.unknown_fields)}")
+    return warnings + served.warnings()
+
+
+def _state(served: ServedPolicy) -> dict[str, Any]:
+    """A policy's /debug/state."""
+    router, policy = served.router, served.policy
+    settings = router.settings
+    return {
+        **router.state().as_json(),
+        **served.details(),
+        "backends": [
+            {"address": b.address, "healthy": b.healthy, "models": sorted(b.models)} for b in served.pool.backends
+        ],
+        "settings": {f.name: getattr(settings, f.name) for f in fields(settings) if not f.metadata["secret"]},
+        "open_leases": len(served.leases),
+        "policy": None
+        if policy is None
+        else {
+            "name": policy.name,
+            "connected": policy.connected,
+            "generation": policy.generation,
+            "last_error": policy.last_error,
+            "unknown_fields": policy.unknown_fields,
+        },
+    }

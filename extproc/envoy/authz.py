@@ -81,7 +81,6 @@ class Authz:
     def __init__(
         self,
         processor: Processor,
-        pool: BackendPool,
         metrics: Metrics,
         token: str = "",
         clock: Callable[[], float] = time.monotonic,
@@ -93,8 +92,6 @@ class Authz:
         and an entry for a sibling's is sent to it (`forward(replica, entry)`, False if it could
         not be), since Envoy's log stream reaches whichever replica it reached."""
         self._processor = processor
-        self._router = processor.router
-        self._pool = pool
         self._metrics = metrics
         self._token = f"Bearer {token}".encode() if token else b""
         self._clock = clock
@@ -104,7 +101,8 @@ class Authz:
         self._forward = forward
         self.forwarded = 0
         self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
-        self._roles: tuple[tuple[Backend, ...], bool] = ((), False)  # a backend set, and whether it prefills
+        # per policy's pool: its backend set, and whether it prefills
+        self._roles: dict[int, tuple[tuple[Backend, ...], bool]] = {}
         self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
         self.unsplit = 0  # requests served whole in a fleet with prefill servers: see `warnings`
 
@@ -150,23 +148,26 @@ class Authz:
         if exchange is None or exchange.decision.backend is None:  # passed through, or unrouted
             self._processor.closed(stream)
             return web.Response(headers=answer)
-        if self._disaggregated():
+        owner = self._processor.owner_of(stream)  # the policy that decided it
+        if self._disaggregated(owner.pool):
             self._unsplit()
         key = f"{self._replica}.{next(self._ids):x}" if self._replica else f"{next(self._ids):x}"
         self._open[key] = (stream, self._clock())
-        self._router.sent(exchange, self._clock())
+        router = owner.router
+        router.sent(exchange, self._clock())
         answer[EXCHANGE_HEADER] = key
-        if self._router.settings.decision_headers and exchange.request is not None:  # (none when unread)
+        if router.settings.decision_headers and exchange.request is not None:  # (none when unread)
             backend = exchange.decision.backend
-            answer.update(self._router.decision_headers(exchange, backend, exchange.predicted_blocks))
+            answer.update(router.decision_headers(exchange, backend, exchange.predicted_blocks))
         return web.Response(headers=answer)
 
-    def _disaggregated(self) -> bool:
-        """The fleet has prefill servers (worked out once per backend set)."""
-        backends = self._pool.backends
-        if self._roles[0] is not backends:
-            self._roles = backends, disaggregated(backends)
-        return self._roles[1]
+    def _disaggregated(self, pool: BackendPool) -> bool:
+        """The policy's fleet has prefill servers (worked out once per backend set)."""
+        backends = pool.backends
+        known = self._roles.get(id(pool))
+        if known is None or known[0] is not backends:
+            known = self._roles[id(pool)] = backends, disaggregated(backends)
+        return known[1]
 
     def _unsplit(self) -> None:
         """A request a disaggregated fleet would have split, served whole: this transport cannot
@@ -178,7 +179,10 @@ class Authz:
 
     def warnings(self) -> list[str]:
         """For /readyz: a disaggregated fleet asked over this transport."""
-        return [f"prefill/decode: {_UNSPLIT}"] if self.unsplit and self._disaggregated() else []
+        routes = self._processor.routes
+        processors = (self._processor,) if routes is None else routes.processors
+        split = any(self._disaggregated(processor.pool) for processor in processors)
+        return [f"prefill/decode: {_UNSPLIT}"] if self.unsplit and split else []
 
     def ended(self, entry: als.HTTPAccessLogEntry) -> None:
         """A request's access-log entry: where it was served and with what status. The core
@@ -241,15 +245,15 @@ class Authz:
         waiting. Those counts are the whole fleet's (every replica's and other clients' requests),
         so only requests no engine holds are taken; one the engine finished while Envoy still
         streams its response to a slow client may be among them."""
-        by_backend: dict[str, list[tuple[float, str]]] = {}
+        by_backend: dict[tuple[Processor, str], list[tuple[float, str]]] = {}
         for key, (stream, decided) in self._open.items():
             exchange = stream.exchange
             backend = exchange.decision.backend if exchange is not None else None
             if backend is not None:
-                by_backend.setdefault(backend, []).append((decided, key))
+                by_backend.setdefault((self._processor.owner_of(stream), backend), []).append((decided, key))
         lost = []
-        for backend, opened in by_backend.items():
-            load = self._router.loads.get(backend)
+        for (owner, backend), opened in by_backend.items():
+            load = owner.router.loads.get(backend)
             old = sorted(item for item in opened if item[0] < load.engine_at - UNREPORTED_S)
             lost += [key for _, key in old[: max(0, len(old) - load.engine_requests)]]
         return lost

@@ -50,6 +50,7 @@ from extproc.runtime.waiting_room import WaitingRoom
 if TYPE_CHECKING:  # the SDK is loaded only when tracing is on (service.py)
     from opentelemetry.trace import Span
 
+    from extproc.envoy.dispatch import PolicyDispatch
     from extproc.runtime.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Stream:
         "headers",
         "held",
         "held_bytes",
+        "owner",
         "phase",
         "request_duplex",
         "response_duplex",
@@ -120,6 +122,7 @@ class Stream:
         self.dispatched: Held | None = None  # held by flow control, its turn came, its backend not yet reserved
         self.span: Span | None = None  # its route span, with tracing on
         self.usage: CachedTokens | None = None  # the engine's count of its cached tokens, read from the response body
+        self.owner: Processor | None = None  # several policies: the one its model chose (none: the one it came to)
 
     def advance(self, phase: Phase) -> None:
         """Move to `phase`; raises RuntimeError on a move the protocol's order does not allow."""
@@ -149,6 +152,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         prefill_legs: PrefillLegs | None = None,
         placer: AdapterPlacer | None = None,
         tracer: RequestTracer | None = None,
+        routes: PolicyDispatch | None = None,
     ) -> None:
         """`fallback`: name the second choice after a comma (kvroute's own override_host Envoy
         retries it); off, as by default, for gateways whose ORIGINAL_DST cluster takes the
@@ -156,7 +160,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         decided at once); `priorities`: each defined objective's priority; `prefill_legs`: runs
         the prefill leg of requests split in a disaggregated fleet (none: never split); `placer`:
         loads a placed LoRA adapter a request names when no server has it (none: never);
-        `tracer`: a span per LLM request (none: tracing off)."""
+        `tracer`: a span per LLM request (none: tracing off); `routes`: the process serves several
+        policies, and a request's body hands it to the processor of its model's (this one
+        takes every stream first)."""
         self._router = router
         self._pool = pool
         self._metrics = metrics
@@ -168,10 +174,23 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._legs = prefill_legs
         self._placer = placer
         self._tracer = tracer
+        self.routes = routes
 
     @property
     def router(self) -> Router:
         return self._router
+
+    @property
+    def pool(self) -> BackendPool:
+        return self._pool
+
+    def owner_of(self, stream: Stream) -> Processor:
+        """The processor whose policy decides the stream: its model's, once its body was read."""
+        return stream.owner or self
+
+    def may_hold(self, stream: Stream) -> bool:
+        """Whether this policy's flow control would hold a request arriving now."""
+        return self._room is not None and self._room.may_hold(self._candidates(stream))
 
     async def Process(
         self,
@@ -191,6 +210,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     def closed(self, stream: Stream) -> None:
         """The stream ended, however it ended: release what it holds, and give its room to the
         next held request."""
+        owner = stream.owner
+        if owner is not None and owner is not self:
+            owner.closed(stream)
+            return
         stream.close()
         self._dispatched(stream)
         if self._room is not None:
@@ -203,11 +226,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], stream: Stream
     ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
+            owner = stream.owner or self  # several policies: the one the body chose, from then on
             if message.HasField("protocol_config"):  # the stream's first message says how bodies come
                 stream.request_duplex = message.protocol_config.request_body_mode == msg.DUPLEX
                 stream.response_duplex = message.protocol_config.response_body_mode == msg.DUPLEX
             if stream.request_duplex:
-                for reply in await self._duplex(message, stream):
+                for reply in await owner._duplex(message, stream):
                     yield reply
                 if stream.response_duplex and msg.response_ended(message):
                     return  # end the stream first: see messages.response_ended
@@ -215,22 +239,26 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             body = None
             if stream.phase is Phase.BODY and message.WhichOneof("request") == "request_body":
                 body = message.request_body.body  # (a copy: read once)
-                reply = await self.decide_body(stream, body)
+                reply = await owner.decide_body(stream, body)
             else:
-                reply = self.handle(message, stream)
+                reply = owner.handle(message, stream)
             if body is not None and not reply.HasField("immediate_response"):  # this body decided it
-                handed = await self._handed_over(stream, body)
+                handed = await self.owner_of(stream)._handed_over(stream, body)
                 if handed is not None:
                     response = reply.request_body.response
                     response.body_mutation.body = handed
                     response.header_mutation.set_headers.append(msg.header("content-length", str(len(handed))))
             yield reply
 
-    async def decide_body(self, stream: Stream, body: bytes) -> pb.ProcessingResponse:
+    async def decide_body(self, stream: Stream, body: bytes, parsed: Parsed | None = None) -> pb.ProcessingResponse:
         """A buffered LLM request's body decides (both transports: ext_authz.py too): read off the
-        loop when large, flow control's turn, adapter placement, the decision. The reply as the
-        ext_proc protocol sends it; a failure never stops the request, it only skips routing."""
-        parsed = await self._read_large(body, stream)
+        loop when large (`parsed`: already read), its policy's processor chosen by its model,
+        flow control's turn, adapter placement, the decision. The reply as the ext_proc protocol
+        sends it; a failure never stops the request, it only skips routing."""
+        if parsed is None:
+            owner, parsed = await self._owned(stream, body)
+            if owner is not self:
+                return await owner.decide_body(stream, body, parsed)
         parsed, refused = await self._wait_turn(body, stream, parsed, len(body))
         if refused is not None:
             return refused
@@ -243,6 +271,31 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             reply = msg.UNROUTED_BODY
         self._dispatched(stream)
         return reply
+
+    async def _owned(self, stream: Stream, body: bytes) -> tuple[Processor, Parsed | None]:
+        """The processor that decides the body, and the body as read if it was. One policy: this
+        one, the body read here only if large. Several: the body is read now, for its model,
+        and by the processor of the policy serving that model (its settings, its tokenizer)."""
+        routes = self.routes
+        if routes is None:
+            return self, await self._read_large(body, stream)
+        if len(body) > (OFFLOAD_BYTES_PRECISE if routes.precise() else OFFLOAD_BYTES):
+            parsed = await asyncio.to_thread(self._read_routed, routes, body, stream)
+        else:
+            parsed = self._read_routed(routes, body, stream)
+        return self.owner_of(stream), parsed
+
+    def _read_routed(self, routes: PolicyDispatch, body: bytes, stream: Stream) -> Parsed:
+        """Several policies: the JSON decoded once, its model choosing the stream's owner, which
+        reads the rest. An undecodable body stays here, and is read here for its error."""
+        try:
+            loaded = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return self._read(body, stream.headers)
+        model = loaded.get("model") if isinstance(loaded, dict) else None
+        owner = routes.owner(model) if isinstance(model, str) else self
+        stream.owner = owner
+        return owner._read(loaded, stream.headers)
 
     async def _read_large(self, body: bytes, stream: Stream) -> Parsed | None:
         """Parsing and hashing a large body takes milliseconds to seconds: do it off the event
@@ -312,10 +365,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return await self._release(stream, end_of_stream=True)
 
     async def _release(self, stream: Stream, end_of_stream: bool, read: bool = True) -> list[pb.ProcessingResponse]:
-        """Decide on the held body, then send the held headers reply and the body back."""
+        """Decide on the held body (by its policy's processor), then send the held headers reply
+        and the body back."""
         body = b"".join(stream.held or ())
         stream.held = [body]  # one copy while it may wait (a failure still hands it back)
-        parsed = await self._read_large(body, stream) if read else None
+        owner, parsed = await self._owned(stream, body) if read else (self, None)
+        return await owner._release_read(stream, body, end_of_stream, read, parsed)
+
+    async def _release_read(
+        self, stream: Stream, body: bytes, end_of_stream: bool, read: bool, parsed: Parsed | None
+    ) -> list[pb.ProcessingResponse]:
         parsed, refused = await self._wait_turn(body if read else None, stream, parsed, stream.held_bytes)
         if refused is not None:
             stream.held, stream.held_bytes = None, 0
@@ -509,7 +568,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         stream.advance(Phase.BODY)
         if self._tracer is not None:
             stream.span = self._tracer.start(headers)
-        if self._room is None or not self._room.may_hold(self._candidates(stream)):
+        if not (self.may_hold(stream) if self.routes is None else self.routes.may_hold(stream)):
             return msg.UNMARKED_HEADERS
         return msg.PENDING_HEADERS
 
@@ -537,6 +596,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     def _on_request_body(self, body: bytes, stream: Stream, parsed: Parsed | None) -> pb.ProcessingResponse:
         if stream.phase is not Phase.BODY:  # passed through, decided, or no headers before it
             return msg.CONTINUE_BODY
+        if self.routes is not None and stream.owner is None:  # several policies: its model's decides
+            parsed = self._read_routed(self.routes, body, stream)
+            owner = self.owner_of(stream)
+            if owner is not self:
+                return owner._on_request_body(body, stream, parsed)
         return self._routing_reply(stream, body, "request_body", parsed)
 
     def _routing_reply(
@@ -618,10 +682,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         request.ttft_objective_s = request_class.ttft_s - (0.0 if held is None else self._clock() - held.arrived)
         request.sheddable = request_class.priority < 0
 
-    def _read(self, body: bytes, headers: dict[str, str]) -> Parsed:
+    def _read(self, body: bytes | Mapping[str, Any], headers: dict[str, str]) -> Parsed:
         """Parse, tokenize (precise mode) and hash a body, or say why it cannot be routed by it; may
         run in a worker thread (the router's parse and chain touch no shared state but the
-        tokenizer's own locked cache)."""
+        tokenizer's own locked cache). `body` may be its JSON, already decoded."""
         try:
             request = self._router.parse(body, headers)
         except InvalidRequest as exc:
@@ -633,6 +697,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """The gateway's view of a decided request's response (both transports: its start here,
         its end in ext_authz's access log) for the core: a refused connection makes the backend
         suspect, and the route span is told."""
+        owner = stream.owner
+        if owner is not None and owner is not self:
+            return owner.responded(stream, upstream, status, details, connect_failed)
         assert stream.exchange is not None  # (only decided requests get here)
         known = self._pool.canonical(upstream) if upstream else None
         start = ResponseStart(

@@ -98,14 +98,43 @@ class ExtProcConfig:
         "", "key prefix of the replicas that share a picture (default: kvroute:<policy> or kvroute:default)"
     )
     log_level: str = _key("info", "debug, info, warning, error")
-    policy: str = _key("", "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes)")
+    policy: str = _key(
+        "",
+        "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes); several, comma-separated: each "
+        "request goes to the policy whose backends list its model (docs/design.md#several-policies-in-one-ext_proc)",
+    )
+    policies: tuple[UnitConfig, ...] = _key(
+        (),
+        "without Kubernetes, several policies in one ext_proc (YAML only): a list of {name, backends, routing}, "
+        "each routing over the top-level one; instead of `policy` and `backends`",
+    )
     routing: Settings = field(default_factory=Settings)
 
+    def units(self) -> tuple[UnitConfig, ...]:
+        """The policies this process serves, each with the backends and settings it starts with
+        (a followed policy's come from its status, live); one when nothing says otherwise."""
+        if self.policies:
+            return self.policies
+        followed = [name for name in self.policy.split(",") if name]
+        if len(followed) > 1:
+            return tuple(UnitConfig(name, name, (), self.routing) for name in followed)
+        return (UnitConfig(self.policy or "default", self.policy, self.backends, self.routing),)
 
+
+@dataclass(frozen=True, slots=True)
+class UnitConfig:
+    """One policy an ext_proc serves: its name (metrics' `policy` label, replica group), the
+    KVRoutingPolicy it follows if any, its first backends and its routing settings."""
+
+    name: str
+    follow: str
+    backends: tuple[Backend, ...]
+    routing: Settings
+
+
+_STRUCTURED = ("backends", "policies", "routing")  # keys that are not one value of text
 # process key -> how it is read from text, by the type of its default
-_PROCESS_KEYS = {
-    f.name: text_parser(type(f.default)) for f in fields(ExtProcConfig) if f.name not in ("backends", "routing")
-}
+_PROCESS_KEYS = {f.name: text_parser(type(f.default)) for f in fields(ExtProcConfig) if f.name not in _STRUCTURED}
 DEFAULTS = {f.name: f.default for f in fields(ExtProcConfig) if f.name in _PROCESS_KEYS}
 PROCESS_HELP = {f.name: f.metadata["help"] for f in fields(ExtProcConfig) if f.name != "routing"}
 _ROUTING_KEYS = {f.name for f in fields(Settings)}
@@ -183,7 +212,7 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
         k.removeprefix("routing_"): v for k, v in flags.items() if k.startswith("routing_") and v is not None
     }
     values = _merge(values, cli)
-    unknown = set(values) - set(_PROCESS_KEYS) - {"backends", "routing"}
+    unknown = set(values) - set(_PROCESS_KEYS) - set(_STRUCTURED)
     if unknown:
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
     if values.get("control_port") and not values.get("control_token_file"):
@@ -201,11 +230,36 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
             "authz_port takes its TLS from grpc_tls_cert_file (and grpc_tls_client_ca_file for mutual TLS), "
             "not from a self-signed certificate"
         )
-    if values.get("policy") and values["policy"].count("/") != 1:
-        raise ValueError(f"policy must be NAMESPACE/NAME, got {values['policy']!r}")
+    followed = (values.get("policy") or "").split(",")
+    if values.get("policy") and any(name.count("/") != 1 or len(set(followed)) < len(followed) for name in followed):
+        raise ValueError(f"policy must be NAMESPACE/NAME, or several comma-separated, got {values['policy']!r}")
+    policies = _policies(values.pop("policies", None) or [], values)
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
     routing = Settings.from_mapping(values.pop("routing"))
-    return ExtProcConfig(backends=backends, routing=routing, **values)
+    return ExtProcConfig(backends=backends, policies=policies, routing=routing, **values)
+
+
+def _policies(items: Any, values: Mapping[str, Any]) -> tuple[UnitConfig, ...]:
+    """The YAML `policies` list: each {name, backends, routing}, its routing over the top-level
+    one (so a shared hash_key, say, is set once)."""
+    if not items:
+        return ()
+    if values.get("policy") or values.get("backends"):
+        raise ValueError("policies replace policy and backends: give one or the other")
+    if not isinstance(items, list) or not all(isinstance(item, Mapping) for item in items):
+        raise ValueError("policies must be a list of {name, backends, routing} mappings")
+    units = []
+    for item in items:
+        unknown = set(item) - {"name", "backends", "routing"}
+        name = str(item.get("name") or "")
+        if unknown or not name:
+            raise ValueError(f"policy {name!r}: needs a name, and has only name, backends, routing; got {sorted(item)}")
+        backends = tuple(parse_backend(b) for b in item.get("backends") or [])
+        routing = Settings.from_mapping({**values["routing"], **(item.get("routing") or {})})
+        units.append(UnitConfig(name, "", backends, routing))
+    if len({unit.name for unit in units}) < len(units):
+        raise ValueError("policies need distinct names")
+    return tuple(units)
 
 
 def default_text(value: Any) -> str:

@@ -7,7 +7,7 @@ the adapters count their own failures and time the decision path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -148,3 +148,23 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_RouterCollector(router, pool, policy))
+
+
+class PolicyLabelled(Collector):
+    """Several policies' metrics in one exposition: each policy keeps its own registry, and each
+    of its samples gains a `policy` label here, so one family holds every policy's series."""
+
+    def __init__(self, registries: Sequence[tuple[str, CollectorRegistry]]) -> None:
+        self._registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for policy, registry in self._registries:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    labels = {**sample.labels, "policy": policy}
+                    merged.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+        yield from families.values()
