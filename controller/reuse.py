@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Pod annotation the chart sets on ext_proc pods: the policy (namespace/name) they serve.
+# Pod annotation the chart sets on ext_proc pods: the policy (namespace/name) they serve, or
+# several, comma-separated (one ext_proc serving several labels its metrics by policy).
 POLICY_ANNOTATION = "kvroute.io/policy"
 ADMIN_PORT = "admin"  # the ext_proc container's port serving /metrics
 
@@ -44,8 +45,9 @@ _FAMILIES = {
 }
 
 
-def parse(text: str) -> ReplicaReuse:
-    """The attribution counters of one replica's `/metrics` text; ValueError if it is not
+def parse(text: str, policy: str = "") -> ReplicaReuse:
+    """The attribution counters of one replica's `/metrics` text, `policy`'s alone where the
+    replica serves several (its samples carry a `policy` label); ValueError if it is not
     Prometheus text or holds none of them."""
     sums = {"prompt": 0.0, "available": 0.0, "routed": 0.0}
     delivered: dict[str, float] = {}
@@ -56,7 +58,7 @@ def parse(text: str) -> ReplicaReuse:
             continue
         found = True
         for sample in family.samples:
-            if not sample.name.endswith("_total"):
+            if not sample.name.endswith("_total") or sample.labels.get("policy", policy) != policy:
                 continue
             if field == "delivered":
                 backend = sample.labels.get("backend", "")
@@ -102,7 +104,8 @@ def extproc_endpoints(policy: str, pods: Iterable[Mapping[str, Any]]) -> list[tu
     out = []
     for pod in pods:
         port = pod["ports"].get(ADMIN_PORT)
-        if pod.get("policy") == policy and pod["ready"] and pod["ip"] and port:
+        served = (pod.get("policy") or "").split(",")
+        if policy in served and pod["ready"] and pod["ip"] and port:
             host = f"[{pod['ip']}]" if ":" in pod["ip"] else pod["ip"]
             out.append((pod["name"], f"http://{host}:{port}"))
     return sorted(out)

@@ -51,16 +51,17 @@ class ReuseReader:
         pods = [pod for namespace_pods in self._reconciler.pods.values() for pod in namespace_pods]
         for namespace, policies in list(self._reconciler.policies.items()):
             for policy in list(policies):
-                endpoints = extproc_endpoints(f"{namespace}/{policy['name']}", pods)
+                name = f"{namespace}/{policy['name']}"
+                endpoints = extproc_endpoints(name, pods)
                 if not endpoints:
                     continue
-                read = await asyncio.gather(*(self._read(http, pod, url) for pod, url in endpoints))
+                read = await asyncio.gather(*(self._read(http, pod, url, name) for pod, url in endpoints))
                 replicas = [replica for replica in read if replica is not None]
                 if not replicas:  # none answered: the last sums stand rather than zeros
                     continue
                 self._reconciler.set_reuse(namespace, policy["name"], summary(replicas, len(endpoints)))
 
-    async def _read(self, http: aiohttp.ClientSession, pod: str, url: str) -> ReplicaReuse | None:
+    async def _read(self, http: aiohttp.ClientSession, pod: str, url: str, policy: str) -> ReplicaReuse | None:
         try:
             async with http.get(f"{url}/metrics") as response:
                 if response.status != 200:
@@ -68,7 +69,7 @@ class ReuseReader:
                 body = await response.content.read(MAX_METRICS_BYTES + 1)
                 if len(body) > MAX_METRICS_BYTES:
                     raise ValueError(f"metrics larger than {MAX_METRICS_BYTES} bytes")
-                replica = parse(body.decode("utf-8", "replace"))
+                replica = parse(body.decode("utf-8", "replace"), policy)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self.errors += 1
             if pod not in self._failing:

@@ -666,3 +666,37 @@ def test_slo_admission_refuses_a_sheddable_request_predicted_late_and_routes_the
         assert status == 200 and int(headers["x-kvroute-ttft-ms"]) > 1
         status, headers, _ = post(stack.url, body)
         assert status == 200 and "x-kvroute-ttft-ms" in headers
+
+
+@pytest.mark.parametrize(
+    "layout", ["buffered", "ext_authz", pytest.param("full_duplex", marks=pytest.mark.layouts)]
+)
+def test_one_extproc_serves_two_models_policies_each_on_its_own_backends(tmp_path: Path, layout: str):
+    """Two policies in one ext_proc (a YAML `policies` list), each over two simulated backends that
+    serve only its model: every request lands on its model's backends, a conversation's turns find
+    their prefix there, each policy counts its own decisions, and a model neither serves gets the
+    engine's own 404."""
+    with Stack(tmp_path, sims=4, policy_models=("model-a", "model-b"), **LAYOUTS[layout]) as stack:
+        owned = stack.model_backends()
+        for model in ("model-a", "model-b"):
+            history = [{"role": "system", "content": SYSTEM}]
+            for turn in range(3):
+                history.append({"role": "user", "content": f"{model} turn {turn}"})
+                body = {"model": model, "messages": history, "max_tokens": 8}
+                status, headers, answer = post(stack.url, body, {"x-session-id": f"conv-{model}"})
+                assert status == 200, answer
+                assert headers["x-kvroute-backend"] in owned[model]
+                history.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+            assert headers["x-kvroute-decision"] in ("session_match", "prefix_match")
+        eventually(lambda: all(in_flight_of(stack, model) == 0 for model in owned), message="every request ended")
+        decided = {model: metric(stack.admin_url, f'kvroute_learned_total{{policy="{model}"}}') for model in owned}
+        assert decided == {"model-a": 3, "model-b": 3}
+        status, _, answer = post(stack.url, {"model": "model-c", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 404 and "does not exist" in str(answer)
+        assert metric(stack.admin_url, 'kvroute_decisions_total{decision="no_candidates",policy="model-a"}') == 1
+
+
+def in_flight_of(stack: Stack, policy: str) -> int:
+    """Requests one of the ext_proc's policies counts in flight."""
+    state = stack.debug_state()["policies"][policy]
+    return sum(load["active"] for load in state["load"].values())

@@ -341,6 +341,74 @@ def test_routing_goes_on_while_the_api_server_is_away_and_following_resumes(clus
     cluster.cp.kubectl("delete", "pod", "sim-4", "-n", NS, "--wait=false")
 
 
+def test_one_extproc_follows_two_policies_and_routes_each_model_to_its_own(cluster: Cluster):
+    """A second policy (its own selector, `spec.models`, its own block size) beside the chart's:
+    one ext_proc, with its chart ServiceAccount, follows both; each model's requests land on its
+    policy's pods, each policy's settings and backends are its own in /debug/state, and a pod of
+    the second policy that leaves is dropped from it alone."""
+    other_ip, model = "127.0.0.8", "code-model"
+    sim = spawn(
+        dev_command("sim", "--host", other_ip, "--port", str(PORT), "--model", model), cluster.workdir / "sim-code.log"
+    )
+    policy = {
+        "apiVersion": "kvroute.io/v1alpha1",
+        "kind": "KVRoutingPolicy",
+        "metadata": {"name": "code", "namespace": NS},
+        "spec": {
+            "selector": {"matchLabels": {"app": "code"}},
+            "targetPort": "http",
+            "models": [model],
+            "routing": {"blockSize": 256},
+        },
+    }
+    extproc_kubeconfig = cluster.cp.kubeconfig_for(SYSTEM, f"{RELEASE}-extproc")
+    stack = Stack(
+        cluster.workdir / "two-policies",
+        backends=[f"{ip}:{PORT}" for ip in [*SIM_IPS, other_ip]],  # Envoy's cluster: every pod of both
+        policy=f"{NS}/default,{NS}/code",
+        extproc_env={**cluster.cp.env(extproc_kubeconfig), "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_http(f"http://{other_ip}:{PORT}/health", process=sim)
+        cluster.cp.apply([policy])
+        cluster.add_pod("code-0", other_ip, app="code")
+        eventually(lambda: cluster.ready("code") == {f"{other_ip}:{PORT}"}, timeout_s=60, message="published")
+        default = cluster.ready()
+        with stack:
+
+            def followed() -> dict[str, Any]:
+                return stack.debug_state()["policies"]
+
+            eventually(
+                lambda: {b["address"] for b in followed()[f"{NS}/code"]["backends"]} == {f"{other_ip}:{PORT}"}
+                and {b["address"] for b in followed()[f"{NS}/default"]["backends"]} == default,
+                timeout_s=30,
+                message="both policies followed",
+            )
+            state = followed()
+            assert state[f"{NS}/code"]["settings"]["block_size"] == 256
+            assert state[f"{NS}/default"]["settings"]["block_size"] == 512
+            for turn in range(3):
+                content = f"turn {turn} " + "code history " * 60
+                body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+                status, headers, text = post(stack.url, body, {"x-session-id": "code-conversation"})
+                assert status == 200 and headers["x-kvroute-backend"] == f"{other_ip}:{PORT}", text
+                status, headers, text = post(
+                    stack.url, {**BODY, "messages": [{"role": "user", "content": content}]}, {"x-session-id": "chat"}
+                )
+                assert status == 200 and headers["x-kvroute-backend"] in default, text
+            metrics = get(stack.admin_url, "/metrics")[2].decode()
+            assert f'kvroute_learned_total{{policy="{NS}/code"}} 3.0' in metrics
+            assert f'kvroute_learned_total{{policy="{NS}/default"}} 3.0' in metrics
+            cluster.cp.kubectl("delete", "pod", "code-0", "-n", NS, "--wait=false")
+            eventually(lambda: followed()[f"{NS}/code"]["backends"] == [], timeout_s=30, message="dropped")
+            assert {b["address"] for b in followed()[f"{NS}/default"]["backends"]} == default
+    finally:
+        stop(sim)
+        cluster.cp.kubectl("delete", "kvrp", "code", "-n", NS, "--ignore-not-found")
+        cluster.cp.kubectl("delete", "pod", "code-0", "-n", NS, "--ignore-not-found", "--wait=false")
+
+
 def test_precise_mode_without_a_tokenizer_warns_on_the_policy_and_keeps_routing(cluster: Cluster, tmp_path: Path):
     cp = cluster.cp
 

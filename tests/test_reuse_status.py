@@ -7,14 +7,14 @@ from __future__ import annotations
 import datetime
 
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from test_attribution import sample
 from test_router import FLEET, A, chat, make_router, serve
 
 from controller import logic
 from controller.reuse import ReplicaReuse, extproc_endpoints, leading, parse, summary
 from extproc.core.router import Router
-from extproc.runtime.metrics import Metrics
+from extproc.runtime.metrics import Metrics, PolicyLabelled
 from extproc.runtime.pool import BackendPool
 
 
@@ -77,8 +77,30 @@ def test_ready_ext_proc_pods_of_the_policy_are_read_on_their_admin_port():
         pod("c", "llm/other"),
         pod("d", "llm/default", ready=False),
         pod("e", None),
+        pod("f", "llm/chat,llm/default", ip="10.0.0.6"),  # one ext_proc serving two policies
     ]
-    assert extproc_endpoints("llm/default", pods) == [("a", "http://[fd00::1]:9003"), ("b", "http://10.0.0.1:9003")]
+    assert extproc_endpoints("llm/default", pods) == [
+        ("a", "http://[fd00::1]:9003"),
+        ("b", "http://10.0.0.1:9003"),
+        ("f", "http://10.0.0.6:9003"),
+    ]
+    assert extproc_endpoints("llm/chat", pods) == [("f", "http://10.0.0.6:9003")]
+
+
+def test_an_extproc_serving_several_policies_gives_each_its_own_sums():
+    """Its /metrics labels every sample with the policy: each policy reads back its own."""
+    chat_router, code_router = busy_router("s"), make_router()
+    serve(code_router, chat([], session="code"), 0.0)
+    registry = CollectorRegistry()
+    pages = [
+        (n, Metrics(r, BackendPool(FLEET, r.remove_backend, 2)).registry)
+        for n, r in (("llm/chat", chat_router), ("llm/code", code_router))
+    ]
+    registry.register(PolicyLabelled(pages))
+    text = generate_latest(registry).decode()
+    for name, router in (("llm/chat", chat_router), ("llm/code", code_router)):
+        assert parse(text, name) == parse(metrics_page(router))
+    assert parse(text, "llm/chat").prompt != parse(text, "llm/code").prompt
 
 
 def test_only_the_replica_no_live_peer_outranks_works():

@@ -69,6 +69,9 @@ class Stack:
     ext_proc: bool = True
     envoy_concurrency: int = 1
     policy: str = ""  # NAMESPACE/NAME: the ext_proc follows this KVRoutingPolicy instead of `backends`
+    # One policy per model, in one ext_proc: the backends split evenly between them in this order,
+    # each policy named after its model and its backends listing it (a YAML `policies` list).
+    policy_models: Sequence[str] = ()
     extproc_env: dict[str, str] | None = None  # e.g. the KUBECONFIG of its ServiceAccount
     extproc_replicas: int = 1  # ext_proc processes behind Envoy; more than one need `replica_store`
     replica_store: str = ""  # redis:// URL the replicas share their picture through
@@ -171,8 +174,11 @@ class Stack:
             groups = (
                 [[p] for p in self.sim_ports] if self.separate_sims else ([self.sim_ports] if self.sim_ports else [])
             )
+            if self.policy_models and self.sim_ports:  # one simulator process per model, serving it
+                share = len(self.sim_ports) // len(self.policy_models)
+                groups = [self.sim_ports[i * share : (i + 1) * share] for i in range(len(self.policy_models))]
             for i, ports in enumerate(groups):
-                self.start_sim(i, ports)
+                self.start_sim(i, ports, ["--model", self.policy_models[i]] if self.policy_models else [])
             if self.ext_proc:
                 self.start_extproc()
             self.start_envoy()
@@ -181,10 +187,10 @@ class Stack:
             raise
         return self
 
-    def start_sim(self, index: int, ports: Sequence[int]) -> None:
+    def start_sim(self, index: int, ports: Sequence[int], extra: Sequence[str] = ()) -> None:
         args = [a for p in ports for a in ("--port", str(p))]
         connector = ["--kv-connector"] if self.disaggregated else []
-        process = self._spawn(f"sim{index}", dev_command("sim", *args, *connector, *self.sim_args))
+        process = self._spawn(f"sim{index}", dev_command("sim", *args, *connector, *self.sim_args, *extra))
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health", process=process)
 
@@ -211,6 +217,8 @@ class Stack:
             args += ["--destination-fallback", "true"]
         if self.policy:
             args += ["--policy", self.policy]
+        elif self.policy_models:
+            args += ["--config", str(self.write_policies())]
         else:
             for i, backend in enumerate(self.backends):
                 args += ["--backend", f"{backend}@prefill" if self.disaggregated and i == 0 else backend]
@@ -223,6 +231,21 @@ class Stack:
         argv = kvroute_command("extproc", *args, *self.extproc_args)
         process = self._spawn(self.extproc_names[replica], argv, env)
         wait_http(f"http://127.0.0.1:{self.admin_ports[replica]}/readyz", process=process)
+
+    def model_backends(self) -> dict[str, list[str]]:
+        """`policy_models`' backends, by model."""
+        share = len(self.backends) // len(self.policy_models)
+        return {model: list(self.backends[i * share : (i + 1) * share]) for i, model in enumerate(self.policy_models)}
+
+    def write_policies(self) -> Path:
+        """The ext_proc's config file listing one policy per model."""
+        policies = [
+            {"name": model, "backends": [{"address": address, "models": [model]} for address in addresses]}
+            for model, addresses in self.model_backends().items()
+        ]
+        path = self.workdir / "policies.yaml"
+        path.write_text(yaml.safe_dump({"policies": policies}))
+        return path
 
     def routing(self) -> Settings:
         """The ext_proc's routing settings as its flags and environment set them (read by the
