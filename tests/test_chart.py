@@ -222,6 +222,31 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
     assert [p["port"] for p in from_envoy] == ([9002, 9004] if asks else [9002])
 
 
+def test_extra_policies_are_created_and_followed_by_the_same_extproc(helm, tmp_path):
+    extra = [
+        {"name": "code", "selector": {"matchLabels": {"app": "vllm-code"}}, "models": ["code-model"]},
+        {"name": "small", "selector": {"matchLabels": {"app": "vllm-small"}}, "routing": {"blockSize": 256}},
+    ]
+    docs = template(helm, tmp_path, {"policy": {"extra": extra}})
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "KVRoutingPolicy"}
+    assert set(policies) == {"default", "code", "small"}
+    assert policies["code"]["spec"] == {
+        "selector": {"matchLabels": {"app": "vllm-code"}},
+        "targetPort": "http",
+        "models": ["code-model"],
+    }
+    assert policies["small"]["spec"]["routing"] == {"blockSize": 256}
+    assert all(p["metadata"]["namespace"] == "llm" for p in policies.values())
+    (extproc,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc"]
+    pod = extproc["spec"]["template"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--policy") + 1] == "llm/default,llm/code,llm/small"
+    assert pod["metadata"]["annotations"]["kvroute.io/policy"] == "llm/default,llm/code,llm/small"
+    picker = {"policy": {"namespace": "kvroute", "extra": extra}, "inferencePool": {"enabled": True}}
+    with pytest.raises(AssertionError, match="one picker per InferencePool"):
+        template(helm, tmp_path, {**picker, "envoy": {"enabled": False}})
+
+
 def test_a_disaggregated_policy_needs_the_ext_proc_transport(helm, tmp_path):
     with pytest.raises(AssertionError, match=r"envoy\.transport: ext_proc"):
         template(helm, tmp_path, {"policy": {"role": "decode"}})

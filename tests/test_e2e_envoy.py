@@ -668,9 +668,7 @@ def test_slo_admission_refuses_a_sheddable_request_predicted_late_and_routes_the
         assert status == 200 and "x-kvroute-ttft-ms" in headers
 
 
-@pytest.mark.parametrize(
-    "layout", ["buffered", "ext_authz", pytest.param("full_duplex", marks=pytest.mark.layouts)]
-)
+@pytest.mark.parametrize("layout", ["buffered", "ext_authz", pytest.param("full_duplex", marks=pytest.mark.layouts)])
 def test_one_extproc_serves_two_models_policies_each_on_its_own_backends(tmp_path: Path, layout: str):
     """Two policies in one ext_proc (a YAML `policies` list), each over two simulated backends that
     serve only its model: every request lands on its model's backends, a conversation's turns find

@@ -380,8 +380,10 @@ def test_one_extproc_follows_two_policies_and_routes_each_model_to_its_own(clust
                 return stack.debug_state()["policies"]
 
             eventually(
-                lambda: {b["address"] for b in followed()[f"{NS}/code"]["backends"]} == {f"{other_ip}:{PORT}"}
-                and {b["address"] for b in followed()[f"{NS}/default"]["backends"]} == default,
+                lambda: (
+                    {b["address"] for b in followed()[f"{NS}/code"]["backends"]} == {f"{other_ip}:{PORT}"}
+                    and {b["address"] for b in followed()[f"{NS}/default"]["backends"]} == default
+                ),
                 timeout_s=30,
                 message="both policies followed",
             )

@@ -69,3 +69,16 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 {{- define "kvroute.authz" -}}
 {{- if and .Values.envoy.enabled (eq (include "kvroute.transport" .) "ext_authz") }}true{{ end -}}
 {{- end }}
+
+{{- /* Every policy the ext_proc follows, NAMESPACE/NAME comma-separated: the chart's, then policy.extra. */}}
+{{- define "kvroute.policies" -}}
+{{- $namespace := .Values.policy.namespace -}}
+{{- $names := list (printf "%s/%s" $namespace .Values.policy.name) -}}
+{{- range .Values.policy.extra -}}
+{{- if $.Values.inferencePool.enabled -}}
+{{ fail "policy.extra: a gateway asks one picker per InferencePool; deploy one release per pool" }}
+{{- end -}}
+{{- $names = append $names (printf "%s/%s" $namespace (required "policy.extra[].name" .name)) -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end }}
