@@ -107,6 +107,16 @@ def _parser() -> argparse.ArgumentParser:
     idle.add_argument("--seconds", type=float, default=20.0, help="measured window (default: %(default)s)")
     idle.add_argument("--unbounded", action="store_true", help="the feeds without their rates (as before them)")
     idle.set_defaults(run=_idle)
+    policies = bench.add_parser(
+        "policies", help="two models' policies in one ext_proc against one ext_proc each: hit rate, CPU (JSON lines)"
+    )
+    policies.add_argument("--rounds", type=int, default=2, help="rounds, setups alternating (default: %(default)s)")
+    policies.add_argument("--sessions", type=int, default=60, help="agentic sessions per model (default: %(default)s)")
+    policies.add_argument("--capacity-ratio", type=float, default=0.5, help="each model's cache over its working set")
+    policies.add_argument(
+        "--concurrency", type=int, default=16, help="closed-loop clients in all (default: %(default)s)"
+    )
+    policies.set_defaults(run=_policies)
     decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
@@ -431,6 +441,12 @@ def _idle(args: argparse.Namespace) -> None:
 
     for size in (int(n) for n in args.backends.split(",") if n.strip()):
         print(orjson.dumps(idle.run(size, args.seconds, unbounded=args.unbounded)).decode(), flush=True)
+
+
+def _policies(args: argparse.Namespace) -> None:
+    from bench.experiments import policies
+
+    policies.main(args.rounds, args.sessions, args.capacity_ratio, args.concurrency)
 
 
 def _core(args: argparse.Namespace) -> None:
