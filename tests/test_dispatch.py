@@ -24,7 +24,7 @@ from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics, PolicyLabelled
 from extproc.runtime.pool import BackendPool
 from tests.test_authz import TOKEN, check, entry
-from tests.test_processor import body, duplex, request_headers, response_headers, set_headers
+from tests.test_processor import Ending, body, duplex, request_headers, response_headers, set_headers
 
 A1, A2, B1, B2 = "10.0.1.1:8000", "10.0.1.2:8000", "10.0.2.1:8000", "10.0.2.2:8000"
 
@@ -142,13 +142,6 @@ def test_the_whole_stream_runs_on_the_chosen_policy(policies):
     """Process(): every message after the body goes to the policy the body chose, and the
     stream's end releases its load there."""
     a, b = policies
-
-    class Ending:
-        def __init__(self) -> None:
-            self.callbacks: list = []
-
-        def add_done_callback(self, callback) -> None:
-            self.callbacks.append(callback)
 
     context = Ending()
 

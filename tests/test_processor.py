@@ -54,6 +54,16 @@ def body(data: bytes = BODY) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
 
 
+class Ending:
+    """grpc's context: done callbacks run once the stream has ended."""
+
+    def __init__(self) -> None:
+        self.callbacks: list = []
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+
 def broken(*_args: object, **_kwargs: object) -> object:
     """Stands in for any internal step, failing."""
     raise RuntimeError("boom")
@@ -503,15 +513,6 @@ def test_full_duplex_ends_the_stream_itself_once_the_response_has_ended(parts, e
         for message in tail:
             yield message
         await asyncio.Event().wait()  # Envoy would reset the stream, later
-
-    class Ending:
-        """grpc's context: done callbacks run once the stream has ended."""
-
-        def __init__(self) -> None:
-            self.callbacks: list = []
-
-        def add_done_callback(self, callback) -> None:
-            self.callbacks.append(callback)
 
     context = Ending()
 
