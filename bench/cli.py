@@ -117,6 +117,21 @@ def _parser() -> argparse.ArgumentParser:
         "--concurrency", type=int, default=16, help="closed-loop clients in all (default: %(default)s)"
     )
     policies.set_defaults(run=_policies)
+    fleet = bench.add_parser(
+        "fleet",
+        help="a simulated fleet of many backends, models and tenants, through Envoy, then the core (JSON lines)",
+    )
+    fleet.add_argument("--backends", type=int, default=1000, help="simulated backends (default: %(default)s)")
+    fleet.add_argument("--models", type=int, default=4, help="models, one policy each (default: %(default)s)")
+    fleet.add_argument(
+        "--sessions", type=int, default=500, help="agentic sessions per model and level (default: %(default)s)"
+    )
+    fleet.add_argument("--tenants", type=int, default=8, help="tenants the sessions belong to (default: %(default)s)")
+    fleet.add_argument(
+        "--concurrency", default="16,64,256", help="closed-loop clients per level (default: %(default)s)"
+    )
+    fleet.add_argument("--no-core", action="store_true", help="skip the run through the routing core alone")
+    fleet.set_defaults(run=_fleet)
     decisions = bench.add_parser("decisions", help="a trace through the routing core alone: decisions' digest")
     decisions.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL")
     decisions.add_argument("--limit", type=int, default=3000, help="first N requests (default: 3000)")
@@ -441,6 +456,13 @@ def _idle(args: argparse.Namespace) -> None:
 
     for size in (int(n) for n in args.backends.split(",") if n.strip()):
         print(orjson.dumps(idle.run(size, args.seconds, unbounded=args.unbounded)).decode(), flush=True)
+
+
+def _fleet(args: argparse.Namespace) -> None:
+    from bench.experiments import fleet
+
+    levels = [int(n) for n in args.concurrency.split(",") if n.strip()]
+    fleet.main(args.backends, args.models, args.sessions, args.tenants, levels, core=not args.no_core)
 
 
 def _policies(args: argparse.Namespace) -> None:

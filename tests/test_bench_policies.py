@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from bench.experiments import policies
+from bench.workloads import models
 
 pytestmark = pytest.mark.bench
 
 
 def test_both_setups_serve_every_request_of_both_models(tmp_path: Path):
-    requests = policies.trace(tmp_path, sessions=6)
+    requests = models.generate(policies.MODELS, sessions=6)
     assert {r.adapter for r in requests} == set(policies.MODELS) and len({r.session_id for r in requests}) == 12
     sim_args = ["--capacity-blocks", str(policies.capacity_blocks(requests, 2.0, 2))]
     rows = [policies.run_setup(setup, requests, tmp_path / setup, sim_args, 4) for setup in ("one", "two")]

@@ -51,7 +51,7 @@ class _Tokenizer:
 
 
 @dataclass(slots=True)
-class _Engine:
+class EngineCache:
     """One backend's KV cache in precise mode: vLLM's block pool, reporting as events."""
 
     pool: BlockPool
@@ -84,12 +84,12 @@ def run(path: Path, limit: int, out: Path | None = None, mode: str = "approximat
     requests = trace.read(path, limit)
     builder = PromptBuilder("sim-model", 4.0, 16)
     router = Router(Settings(hash_key=bytes(16), capacity_blocks=3000))
-    engines: dict[str, _Engine] = {}
+    engines: dict[str, EngineCache] = {}
     if mode == "precise":
         router.use_precise(_Tokenizer())
         for backend in BACKENDS:
             size = SMALL_ENGINE_BLOCKS if backend is BACKENDS[1] else ENGINE_BLOCKS
-            engines[backend.address] = _Engine(BlockPool(size))
+            engines[backend.address] = EngineCache(BlockPool(size))
             sample = EngineSample(0, 0, 0.0, 1.0, size * ENGINE_BLOCK_TOKENS, ENGINE_BLOCK_TOKENS)
             router.engine_sample(backend.address, sample, 0.0)  # the block size, before any event
     else:
@@ -212,7 +212,7 @@ def engine_hit_rate(
     fleet = tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))  # as the pool hands them over
     routers = [Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings)) for _ in range(replicas)]
     fanout = _Fanout(routers if shared else routers[:1], lag)
-    engines = {backend.address: _Engine(BlockPool(blocks)) for backend in fleet}
+    engines = {backend.address: EngineCache(BlockPool(blocks)) for backend in fleet}
     offsets = random.Random(replicas)  # each replica process starts its turn counter at random
     for router in routers:
         if replicas > 1 and shared:

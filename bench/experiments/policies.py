@@ -1,13 +1,14 @@
 """`kvroute-dev bench policies`: two models' policies in one ext_proc against one ext_proc each.
 
 The same trace in both setups: the agentic workload generated twice (a seed per model), each copy
-asking for its own model, merged by time. Four simulated backends, two per model (each simulator
-process serves only its model), with a cache of `capacity_ratio` times its model's working set:
+asking for its own model, merged by time (bench/workloads/models.py). Four simulated backends,
+two per model (each simulator process serves only its model), with a cache of `capacity_ratio`
+times its model's working set:
 - `one`: one Envoy and one ext_proc serving both policies (a YAML `policies` list);
 - `two`: one Envoy and one ext_proc per model, each client sending a model's requests to its own.
 
 Each run starts cold (new simulators, new ext_procs). Reported per setup: the engines' hit rate
-(their own prefix-cache counters, both models together and each), and the ext_procs' CPU per
+(their per-request count of cached prompt tokens, both models together and each), and the ext_procs' CPU per
 request (every ext_proc process's, from /proc, over the replay). The setups alternate, so a
 difference the rounds do not repeat is noise.
 """
@@ -15,7 +16,6 @@ difference the rounds do not repeat is noise.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,26 +25,13 @@ import orjson
 from bench.harness.processes import cpu_seconds
 from bench.harness.replay import Pacing, replay
 from bench.harness.stack import Stack
-from bench.workloads import skew
+from bench.workloads import models
 from bench.workloads.prompts import PromptBuilder
-from bench.workloads.trace import BLOCK_TOKENS, TraceRequest, read, working_set_blocks
+from bench.workloads.trace import BLOCK_TOKENS, TraceRequest, working_set_blocks
 
 MODELS = ("model-a", "model-b")
 SIM_BLOCK_TOKENS = 16  # the simulator's default block size
 CHARS_PER_TOKEN = 4.0  # the simulator counts four characters a token
-
-
-def trace(workdir: Path, sessions: int) -> list[TraceRequest]:
-    """The agentic shape with `sessions` sessions per model, one copy per model (its own seed,
-    its own session ids), merged by time and indexed in that order."""
-    shape = dataclasses.replace(skew.SHAPES["agentic"], light_sessions=sessions)
-    merged: list[TraceRequest] = []
-    for seed, model in enumerate(MODELS):
-        path = workdir / f"{model}.jsonl"
-        skew.write(path, shape, seed=seed + 1)
-        merged += [dataclasses.replace(r, adapter=model, session_id=f"{model}:{r.session_id}") for r in read(path)]
-    merged.sort(key=lambda r: (r.timestamp_ms, r.adapter or "", r.index))
-    return [dataclasses.replace(r, index=i) for i, r in enumerate(merged)]
 
 
 def capacity_blocks(requests: list[TraceRequest], ratio: float, backends_per_model: int) -> int:
@@ -76,13 +63,13 @@ def run_setup(
                     *(
                         replay(
                             stack.url,
-                            [r for r in requests if r.adapter in models],
+                            [r for r in requests if r.adapter in served],
                             builder,
                             Pacing(concurrency=share),
                             stack.backends,
-                            label=f"{setup}:{','.join(models)}",
+                            label=f"{setup}:{','.join(served)}",
                         )
-                        for models, stack in stacks.items()
+                        for served, stack in stacks.items()
                     )
                 )
             )
@@ -130,7 +117,7 @@ def main(rounds: int, sessions: int, capacity_ratio: float, concurrency: int) ->
     """Alternate the setups for `rounds` rounds; one JSON line per run."""
     with tempfile.TemporaryDirectory(prefix="kvroute-policies-") as directory:
         workdir = Path(directory)
-        requests = trace(workdir, sessions)
+        requests = models.generate(MODELS, sessions)
         sim_args = ["--capacity-blocks", str(capacity_blocks(requests, capacity_ratio, 2))]
         for round_number in range(rounds):
             for setup in ("one", "two") if round_number % 2 == 0 else ("two", "one"):

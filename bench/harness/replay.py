@@ -172,8 +172,10 @@ async def replay(
     pacing: Pacing,
     backends: Sequence[str] = (),
     label: str = "replay",
+    headers: Callable[[TraceRequest], dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Run the trace through `url`; return the run's summary with every record."""
+    """Run the trace through `url`; return the run's summary with every record. `headers`: each
+    request's own headers beyond its session's (its tenant's, say)."""
     groups = chains(list(requests))
     records: list[Record] = []
     timeout = aiohttp.ClientTimeout(total=600)
@@ -193,7 +195,8 @@ async def replay(
                 if time.monotonic() >= deadline:
                     return
                 sent_at = time.perf_counter()
-                record = await send(session, url, request, builder.body(request))
+                extra = headers(request) if headers is not None else None
+                record = await send(session, url, request, builder.body(request), extra)
                 record.sent_at = sent_at
                 records.append(record)
                 progress.update()

@@ -64,6 +64,11 @@ def read(path: Path, limit: int | None = None, max_input_tokens: int | None = No
     return truncate(out, max_input_tokens) if max_input_tokens else out
 
 
+def from_records(records: list[dict[str, Any]]) -> list[TraceRequest]:
+    """Requests from trace records already in memory (a generated workload's), in their order."""
+    return [_parse(index, record) for index, record in enumerate(records)]
+
+
 def truncate(requests: list[TraceRequest], max_input_tokens: int) -> list[TraceRequest]:
     """Keep at most `max_input_tokens` of each prompt (whole leading blocks), for backends with a
     short context or slow prefill. Prefix sharing among the kept blocks is unchanged."""
