@@ -27,7 +27,7 @@ import asyncio
 import statistics
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,9 @@ def through_envoy(
                     "concurrency": concurrency,
                     "requests": len(requests),
                     "ok": ok,
+                    "failed": dict(
+                        Counter(_failure(record) for record in summary["records"] if record["status"] != 200)
+                    ),
                     "requests_per_s": round(ok / wall, 1) if wall else None,
                     "e2e_p50_ms": summary["e2e_p50_ms"],
                     "e2e_p99_ms": summary["e2e_p99_ms"],
@@ -104,6 +107,13 @@ def through_envoy(
                 }
             )
     return rows
+
+
+def _failure(record: dict[str, Any]) -> str:
+    """What a failed request got: its status and kvroute's decision, or the client's error."""
+    if record["status"]:
+        return f"{record['status']} {record['decision'] or ''}".strip()
+    return str(record["error"]).split(":", 1)[0]
 
 
 def through_core(backends: int, models: int, sessions: int, tenants: int, window: int = 64) -> dict[str, Any]:
