@@ -122,7 +122,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     )
     if dispatch is not None:
         others = [(u.name, u.router, u.pool, u.policy, u.details, u.warnings) for u in units[1:]]
-        admin.serve_also(others, lambda model: dispatch.owner(model).router, registry)
+        admin.serve_also(others, lambda model: dispatch.serving(model).router, registry)
     async with contextlib.AsyncExitStack() as cleanup:  # torn down in reverse, each step whatever failed before
         if tracer is not None:  # last: the spans of requests answered while stopping are exported too
             cleanup.push_async_callback(asyncio.to_thread, tracer.shutdown)

@@ -242,6 +242,10 @@ def test_extra_policies_are_created_and_followed_by_the_same_extproc(helm, tmp_p
     args = pod["spec"]["containers"][0]["args"]
     assert args[args.index("--policy") + 1] == "llm/default,llm/code,llm/small"
     assert pod["metadata"]["annotations"]["kvroute.io/policy"] == "llm/default,llm/code,llm/small"
+    existing = template(helm, tmp_path, {"policy": {"extra": extra, "create": False}})
+    assert not [d for d in existing if d["kind"] == "KVRoutingPolicy"]  # named, followed, not created
+    with pytest.raises(AssertionError, match="llm/code is named twice"):
+        template(helm, tmp_path, {"policy": {"extra": [*extra, {"name": "code", "selector": {}}]}})
     picker = {"policy": {"namespace": "kvroute", "extra": extra}, "inferencePool": {"enabled": True}}
     with pytest.raises(AssertionError, match="one picker per InferencePool"):
         template(helm, tmp_path, {**picker, "envoy": {"enabled": False}})

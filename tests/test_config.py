@@ -111,6 +111,9 @@ def test_several_policies_followed_or_listed_each_become_a_unit(tmp_path):
         ("chat", "", 1024, 60.0),
         ("code", "", 256, 60.0),  # its own setting over the shared ones
     ]
+    keyed = {"policies": [{"name": "a", "routing": {"hash_key": "ab" * 16}}], "replica_store": "redis://127.0.0.1:1/0"}
+    path.write_text(yaml.safe_dump(keyed))  # each policy's own key will do
+    assert config.load(parse(["--config", str(path)]), {}).units()[0].routing.hash_key == bytes.fromhex("ab" * 16)
     assert listed[0].backends[0].models == frozenset({"a"})
 
 
@@ -125,6 +128,9 @@ def test_several_policies_followed_or_listed_each_become_a_unit(tmp_path):
         ({"policies": "a"}, [], "must be a list"),
         ({}, ["--policy", "llm/a,llm/a"], "NAMESPACE/NAME"),
         ({}, ["--policy", "llm/a,b"], "NAMESPACE/NAME"),
+        ({}, ["--policy", "llm/a, llm/b"], "NAMESPACE/NAME"),
+        ({}, ["--policy", "llm/a,llm/b", "--backend", "10.0.0.1:1"], "give policy or backends"),
+        ({"policies": [{"name": "a"}]}, ["--replica-store", "redis://127.0.0.1:1/0"], "policy 'a': replica_store"),
     ],
 )
 def test_bad_policy_lists_are_refused(tmp_path, document, flags, message):

@@ -24,7 +24,7 @@ from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics, PolicyLabelled
 from extproc.runtime.pool import BackendPool
 from tests.test_authz import TOKEN, check, entry
-from tests.test_processor import Ending, body, duplex, request_headers, response_headers, set_headers
+from tests.test_processor import Ending, body, broken, duplex, request_headers, response_headers, set_headers
 
 A1, A2, B1, B2 = "10.0.1.1:8000", "10.0.1.2:8000", "10.0.2.1:8000", "10.0.2.2:8000"
 
@@ -199,7 +199,7 @@ def test_the_control_api_answers_for_the_policy_of_each_model(policies):
     registry.register(PolicyLabelled([("llm/a", a.metrics.registry), ("llm/b", b.metrics.registry)]))
     dispatch = a.processor.routes
     assert dispatch is not None
-    admin.serve_also([("llm/b", b.router, b.pool, None, dict, list)], lambda m: dispatch.owner(m).router, registry)
+    admin.serve_also([("llm/b", b.router, b.pool, None, dict, list)], lambda m: dispatch.serving(m).router, registry)
 
     async def scenario() -> None:
         control = TestClient(TestServer(admin.control_app(TOKEN)), headers={"authorization": f"Bearer {TOKEN}"})
@@ -227,3 +227,47 @@ def test_the_control_api_answers_for_the_policy_of_each_model(policies):
             assert 'policy="llm/a"' in text and 'policy="llm/b"' in text
 
     asyncio.run(scenario())
+
+
+def test_requests_whose_model_is_not_read_go_where_unlisted_models_go(policies):
+    """No body, or a body that is not JSON: decided by the policy with a backend that lists no
+    model (it serves any), as an unlisted model's request is, and counted there."""
+    a, b = policies
+    b.pool.replace([*b.pool.backends, Backend("10.0.2.3:8000")])
+    stream, target = decide(a.processor, b"{not json")
+    assert target.split(",")[0] in {B1, B2, "10.0.2.3:8000"} and (a.decisions(), b.decisions()) == (0, 1)
+    assert b.metrics.errors.labels("invalid_request")._value.get() == 1
+    a.processor.closed(stream)
+    empty = Stream()
+    reply = a.processor.handle(request_headers(eos=True), empty)
+    assert set_headers(reply.request_headers.response.header_mutation)[DESTINATION_HEADER].split(",")[0] in {
+        B1,
+        B2,
+        "10.0.2.3:8000",
+    }
+    assert b.metrics.errors.labels("empty_body")._value.get() == 1 and b.decisions() == 2
+    a.processor.closed(empty)
+    assert b.active() == 0
+
+
+def test_a_full_duplex_failure_fails_open_in_the_policy_that_took_the_stream(policies):
+    """The body chose policy b, whose decision then fails: the held body is handed back unrouted
+    by b (its turn, its error count), not by the first policy."""
+    a, b = policies
+    b.processor._routing_reply = broken  # type: ignore[method-assign]
+    stream = Stream()
+    stream.request_duplex = stream.response_duplex = True
+    data = chat("model-b")
+
+    async def replies() -> list[list[pb.ProcessingResponse]]:
+        messages = [
+            duplex(request_headers()),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True)),
+        ]
+        return [await a.processor._duplex(m, stream) for m in messages]
+
+    _, released = asyncio.run(replies())
+    assert released[0].WhichOneof("response") == "request_headers"
+    assert b"".join(r.request_body.response.body_mutation.streamed_response.body for r in released[1:]) == data
+    assert b.metrics.errors.labels("internal")._value.get() == 1
+    assert a.metrics.errors.labels("internal")._value.get() == 0

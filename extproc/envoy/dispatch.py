@@ -25,38 +25,48 @@ class PolicyDispatch:
         if not processors:
             raise ValueError("dispatch needs at least one policy")
         self._processors = tuple(processors)
-        self._seen: tuple[tuple[Backend, ...], ...] = ()
-        self._by_model: dict[str, Processor] = {}
-        self._any = self._processors[0]
+        # the backend sets it was worked out from, model -> processor, and the processor for a
+        # model no policy lists: replaced as one, so a worker thread reads a consistent map
+        self._map: tuple[tuple[tuple[Backend, ...], ...], dict[str, Processor], Processor] = ((), {}, processors[0])
 
     @property
     def processors(self) -> tuple[Processor, ...]:
         """Every policy's, in order."""
         return self._processors
 
-    def owner(self, model: str) -> Processor:
-        """The processor that decides a request for `model`."""
+    def refresh(self) -> None:
+        """Work the map out again if a policy's backend set changed. On the event loop only: it
+        reads the pools, whose views are not thread-safe."""
         current = tuple(p.pool.backends for p in self._processors)
-        if len(current) != len(self._seen) or any(a is not b for a, b in zip(current, self._seen, strict=True)):
-            self._rebuild(current)
-        return self._by_model.get(model, self._any)
-
-    def _rebuild(self, current: tuple[tuple[Backend, ...], ...]) -> None:
+        seen = self._map[0]
+        if len(current) == len(seen) and all(a is b for a, b in zip(current, seen, strict=True)):
+            return
         by_model: dict[str, Processor] = {}
         for processor, backends in zip(self._processors, current, strict=True):
             for backend in backends:
                 for model in backend.models:
                     by_model.setdefault(model, processor)
-        self._any = next(
+        unlisted = next(
             (p for p, backends in zip(self._processors, current, strict=True) if any(not b.models for b in backends)),
             self._processors[0],
         )
-        self._by_model, self._seen = by_model, current
+        self._map = (current, by_model, unlisted)
+
+    def owner(self, model: str) -> Processor:
+        """The processor that decides a request for `model` ("": a request whose model is not
+        known), by the map as `refresh` last left it. Safe from a worker thread."""
+        _, by_model, unlisted = self._map
+        return by_model.get(model, unlisted)
 
     def may_hold(self, stream: Stream) -> bool:
         """Whether some policy's flow control would hold a request arriving now (its model is not
         read yet): the request is then marked pending (Processor.request_headers)."""
         return any(p.may_hold(stream) for p in self._processors)
+
+    def serving(self, model: str) -> Processor:
+        """`owner`, on a map brought up to date first (on the event loop only)."""
+        self.refresh()
+        return self.owner(model)
 
     def precise(self) -> bool:
         """Some policy tokenizes (precise mode): bodies are then read off the loop from a smaller size."""

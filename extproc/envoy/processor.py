@@ -279,6 +279,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         routes = self.routes
         if routes is None:
             return self, await self._read_large(body, stream)
+        routes.refresh()  # here, on the loop: the pools' views are not read from worker threads
         if len(body) > (OFFLOAD_BYTES_PRECISE if routes.precise() else OFFLOAD_BYTES):
             parsed = await asyncio.to_thread(self._read_routed, routes, body, stream)
         else:
@@ -287,15 +288,25 @@ class Processor(pb_grpc.ExternalProcessorServicer):
 
     def _read_routed(self, routes: PolicyDispatch, body: bytes, stream: Stream) -> Parsed:
         """Several policies: the JSON decoded once, its model choosing the stream's owner, which
-        reads the rest. An undecodable body stays here, and is read here for its error."""
+        reads the rest. A body without a model (or not JSON) goes to the policy for unlisted
+        models, which reads it for its error. May run in a worker thread: the choice reads only
+        the map `routes.refresh` made on the loop."""
         try:
             loaded = orjson.loads(body)
         except orjson.JSONDecodeError:
-            return self._read(body, stream.headers)
+            return self._unread(stream)._read(body, stream.headers)
         model = loaded.get("model") if isinstance(loaded, dict) else None
-        owner = routes.owner(model) if isinstance(model, str) else self
+        owner = routes.owner(model if isinstance(model, str) else "")
         stream.owner = owner
         return owner._read(loaded, stream.headers)
+
+    def _unread(self, stream: Stream) -> Processor:
+        """The processor deciding a request whose model is not read (no body, a body too large
+        to hold, not JSON): with several policies, the one unlisted models go to."""
+        if self.routes is None or stream.owner is not None:
+            return self.owner_of(stream)
+        stream.owner = self.routes.owner("")
+        return stream.owner
 
     async def _read_large(self, body: bytes, stream: Stream) -> Parsed | None:
         """Parsing and hashing a large body takes milliseconds to seconds: do it off the event
@@ -335,8 +346,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return [self.handle(message, stream)]
         except Exception:
             log.exception("ext_proc failed on %s in full-duplex mode; the request continues unrouted", kind)
-            self._metrics.errors.labels("internal").inc()
-            return self._fail_open(message, stream, kind)
+            owner = self.owner_of(stream)  # several policies: the one that holds its turn, if any
+            owner._metrics.errors.labels("internal").inc()
+            return owner._fail_open(message, stream, kind)
 
     def _read_usage(self, stream: Stream, chunk: bytes) -> None:
         """The engine's count of the request's cached tokens, if this chunk completes it: the
@@ -369,7 +381,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         and the body back."""
         body = b"".join(stream.held or ())
         stream.held = [body]  # one copy while it may wait (a failure still hands it back)
-        owner, parsed = await self._owned(stream, body) if read else (self, None)
+        if not read and self.routes is not None:
+            self.routes.refresh()
+        owner, parsed = await self._owned(stream, body) if read else (self._unread(stream), None)
         return await owner._release_read(stream, body, end_of_stream, read, parsed)
 
     async def _release_read(
@@ -563,8 +577,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if headers.get(":method") != "POST" or path not in _LLM_PATHS:
             return self._passed_through(stream, spoofed)
         if end_of_stream:
-            self._metrics.errors.labels("empty_body").inc()
-            return self._routing_reply(stream, None, "request_headers")
+            if self.routes is not None:
+                self.routes.refresh()
+            owner = self._unread(stream)
+            owner._metrics.errors.labels("empty_body").inc()
+            return owner._routing_reply(stream, None, "request_headers")
         stream.advance(Phase.BODY)
         if self._tracer is not None:
             stream.span = self._tracer.start(headers)
@@ -597,6 +614,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if stream.phase is not Phase.BODY:  # passed through, decided, or no headers before it
             return msg.CONTINUE_BODY
         if self.routes is not None and stream.owner is None:  # several policies: its model's decides
+            self.routes.refresh()
             parsed = self._read_routed(self.routes, body, stream)
             owner = self.owner_of(stream)
             if owner is not self:

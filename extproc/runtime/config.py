@@ -223,7 +223,7 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
         raise ValueError("grpc_tls_self_signed or a certificate file, not both")
     if values.get("grpc_tls_client_ca_file") and not values.get("grpc_tls_cert_file"):
         raise ValueError("grpc_tls_client_ca_file needs grpc_tls_cert_file: clients verify the server too")
-    if values.get("replica_store") and "hash_key" not in values["routing"]:
+    if values.get("replica_store") and "hash_key" not in values["routing"] and not values.get("policies"):
         raise ValueError("replica_store needs an explicit hash_key, the same on every replica")
     if values.get("authz_port") and values.get("grpc_tls_self_signed"):
         raise ValueError(
@@ -231,12 +231,20 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
             "not from a self-signed certificate"
         )
     followed = (values.get("policy") or "").split(",")
-    if values.get("policy") and any(name.count("/") != 1 or len(set(followed)) < len(followed) for name in followed):
+    if values.get("policy") and (len(set(followed)) < len(followed) or not all(map(_namespaced, followed))):
         raise ValueError(f"policy must be NAMESPACE/NAME, or several comma-separated, got {values['policy']!r}")
+    if len(followed) > 1 and values.get("backends"):
+        raise ValueError("several policies take their backends from their status: give policy or backends")
     policies = _policies(values.pop("policies", None) or [], values)
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
     routing = Settings.from_mapping(values.pop("routing"))
     return ExtProcConfig(backends=backends, policies=policies, routing=routing, **values)
+
+
+def _namespaced(name: str) -> bool:
+    """NAMESPACE/NAME, each part non-empty and without spaces."""
+    namespace, _, rest = name.partition("/")
+    return bool(namespace and rest) and "/" not in rest and not any(c.isspace() for c in name)
 
 
 def _policies(items: Any, values: Mapping[str, Any]) -> tuple[UnitConfig, ...]:
@@ -255,7 +263,10 @@ def _policies(items: Any, values: Mapping[str, Any]) -> tuple[UnitConfig, ...]:
         if unknown or not name:
             raise ValueError(f"policy {name!r}: needs a name, and has only name, backends, routing; got {sorted(item)}")
         backends = tuple(parse_backend(b) for b in item.get("backends") or [])
-        routing = Settings.from_mapping({**values["routing"], **(item.get("routing") or {})})
+        merged = {**values["routing"], **(item.get("routing") or {})}
+        if values.get("replica_store") and "hash_key" not in merged:
+            raise ValueError(f"policy {name!r}: replica_store needs an explicit hash_key, the same on every replica")
+        routing = Settings.from_mapping(merged)
         units.append(UnitConfig(name, "", backends, routing))
     if len({unit.name for unit in units}) < len(units):
         raise ValueError("policies need distinct names")

@@ -78,7 +78,11 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 {{- if $.Values.inferencePool.enabled -}}
 {{ fail "policy.extra: a gateway asks one picker per InferencePool; deploy one release per pool" }}
 {{- end -}}
-{{- $names = append $names (printf "%s/%s" $namespace (required "policy.extra[].name" .name)) -}}
+{{- $name := printf "%s/%s" $namespace (required "policy.extra[].name" .name) -}}
+{{- if has $name $names -}}
+{{ fail (printf "policy.extra: %s is named twice" $name) }}
+{{- end -}}
+{{- $names = append $names $name -}}
 {{- end -}}
 {{- join "," $names -}}
 {{- end }}
