@@ -56,7 +56,7 @@ def test_a_prefix_held_outside_the_window_is_still_found(mode):
     body["messages"].append({"role": "user", "content": "go"})
     if mode == "precise":
         router.use_precise(decisions._Tokenizer())
-        engine = decisions._Engine(decisions.BlockPool(1000))
+        engine = decisions.EngineCache(decisions.BlockPool(1000))
         sample = decisions.EngineSample(0, 0, 0.0, 1.0, 128_000, decisions.ENGINE_BLOCK_TOKENS)
         router.engine_sample(far, sample, 0.0)
         tokens = decisions.prompt_tokens(body) or []
