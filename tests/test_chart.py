@@ -251,6 +251,13 @@ def test_extra_policies_are_created_and_followed_by_the_same_extproc(helm, tmp_p
         template(helm, tmp_path, {**picker, "envoy": {"enabled": False}})
 
 
+def test_envoy_fails_open_unless_told_not_to(helm, tmp_path):
+    for fail_open in (True, False):
+        docs = template(helm, tmp_path, {"envoy": {"failOpen": fail_open}})
+        bootstrap = envoy_bootstrap(docs, tmp_path)
+        assert f"failure_mode_allow: {str(fail_open).lower()}" in bootstrap
+
+
 def test_a_disaggregated_policy_needs_the_ext_proc_transport(helm, tmp_path):
     with pytest.raises(AssertionError, match=r"envoy\.transport: ext_proc"):
         template(helm, tmp_path, {"policy": {"role": "decode"}})
