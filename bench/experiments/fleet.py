@@ -49,7 +49,6 @@ from extproc.core.router import Router
 from extproc.core.settings import Settings
 
 INSTANT_SIM = ["--token-s", "0", "--step-s", "0", "--default-max-tokens", "1"]
-CHARS_PER_TOKEN = 4.0  # the simulator's
 ENGINE_BLOCKS = 4096  # each in-process engine's KV cache in the core run, in 128-token blocks
 
 
@@ -62,7 +61,7 @@ def through_envoy(
 ) -> list[dict[str, Any]]:
     """One row per concurrency level (module docstring)."""
     names = model_names(models)
-    builder = PromptBuilder(names[0], CHARS_PER_TOKEN, max_output_tokens=1)
+    builder = PromptBuilder(names[0], workload.CHARS_PER_TOKEN, max_output_tokens=1)
     stack = Stack(workdir, sims=backends, sim_args=INSTANT_SIM, policy_models=names, transport="ext_authz")
     rows = []
     with stack:
@@ -120,7 +119,7 @@ def through_core(backends: int, models: int, sessions: int, tenants: int, window
     """The routing core alone over the same fleet (module docstring); one row."""
     names = model_names(models)
     requests = workload.generate(names, sessions, tenants, seed=1)
-    builder = PromptBuilder(names[0], CHARS_PER_TOKEN, max_output_tokens=1)
+    builder = PromptBuilder(names[0], workload.CHARS_PER_TOKEN, max_output_tokens=1)
     share = backends // models
     fleets = {
         name: tuple(Backend(f"10.{m}.{i // 250}.{i % 250}:8000", frozenset({name})) for i in range(share))

@@ -31,7 +31,6 @@ from bench.workloads.trace import BLOCK_TOKENS, TraceRequest, working_set_blocks
 
 MODELS = ("model-a", "model-b")
 SIM_BLOCK_TOKENS = 16  # the simulator's default block size
-CHARS_PER_TOKEN = 4.0  # the simulator counts four characters a token
 
 
 def capacity_blocks(requests: list[TraceRequest], ratio: float, backends_per_model: int) -> int:
@@ -44,7 +43,7 @@ def run_setup(
     setup: str, requests: list[TraceRequest], workdir: Path, sim_args: list[str], concurrency: int
 ) -> dict[str, Any]:
     """One cold run of `setup` (`one` or `two`); its hit rates and ext_proc CPU per request."""
-    builder = PromptBuilder(MODELS[0], CHARS_PER_TOKEN, max_output_tokens=16)
+    builder = PromptBuilder(MODELS[0], models.CHARS_PER_TOKEN, max_output_tokens=16)
     if setup == "one":
         stacks = {MODELS: Stack(workdir / "one", sims=4, sim_args=sim_args, policy_models=MODELS)}
     else:

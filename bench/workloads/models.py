@@ -17,6 +17,7 @@ from bench.workloads.trace import TraceRequest, from_records
 
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 ID_SPACE = 1 << 32  # hash ids one copy's sessions may use
+CHARS_PER_TOKEN = 4.0  # the simulator's, for the prompt builder
 
 
 def generate(models: Sequence[str], sessions: int, tenants: int = 1, seed: int = 0) -> list[TraceRequest]:

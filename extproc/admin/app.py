@@ -91,9 +91,7 @@ class Admin:
 
     def serve_also(
         self,
-        policies: list[
-            tuple[str, Router, BackendPool, PolicyState | None, Callable[[], dict[str, Any]], Callable[[], list[str]]]
-        ],
+        policies: list[PolicyParts],
         owner: Callable[[str], Router],
         registry: CollectorRegistry,
     ) -> None:

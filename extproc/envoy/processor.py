@@ -17,6 +17,7 @@ cache, and hands the body back to Envoy in chunks (and every response body chunk
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -291,10 +292,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         reads the rest. A body without a model (or not JSON) goes to the policy for unlisted
         models, which reads it for its error. May run in a worker thread: the choice reads only
         the map `routes.refresh` made on the loop."""
-        try:
+        loaded: Any = body
+        with contextlib.suppress(orjson.JSONDecodeError):  # else read again by its owner, for its error
             loaded = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return self._unread(stream)._read(body, stream.headers)
         model = loaded.get("model") if isinstance(loaded, dict) else None
         owner = routes.owner(model if isinstance(model, str) else "")
         stream.owner = owner
@@ -302,10 +302,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
 
     def _unread(self, stream: Stream) -> Processor:
         """The processor deciding a request whose model is not read (no body, a body too large
-        to hold, not JSON): with several policies, the one unlisted models go to."""
+        to hold): with several policies, the one unlisted models go to. On the event loop."""
         if self.routes is None or stream.owner is not None:
             return self.owner_of(stream)
-        stream.owner = self.routes.owner("")
+        stream.owner = self.routes.serving("")
         return stream.owner
 
     async def _read_large(self, body: bytes, stream: Stream) -> Parsed | None:
@@ -381,8 +381,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         and the body back."""
         body = b"".join(stream.held or ())
         stream.held = [body]  # one copy while it may wait (a failure still hands it back)
-        if not read and self.routes is not None:
-            self.routes.refresh()
         owner, parsed = await self._owned(stream, body) if read else (self._unread(stream), None)
         return await owner._release_read(stream, body, end_of_stream, read, parsed)
 
@@ -577,8 +575,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if headers.get(":method") != "POST" or path not in _LLM_PATHS:
             return self._passed_through(stream, spoofed)
         if end_of_stream:
-            if self.routes is not None:
-                self.routes.refresh()
             owner = self._unread(stream)
             owner._metrics.errors.labels("empty_body").inc()
             return owner._routing_reply(stream, None, "request_headers")
