@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from extproc.core.backends import Backend, Role
 from extproc.core.decision import Label
-from tests.test_router import chat, make_router, ok
+from extproc.core.engine import EngineSample
+from extproc.core.router import Router
+from tests.test_router import chat, make_router, ok, serve
 
 DECODE, OTHER_DECODE = Backend("10.0.1.1:8000", role=Role.DECODE), Backend("10.0.1.2:8000", role=Role.DECODE)
 PREFILL, OTHER_PREFILL = Backend("10.0.2.1:8000", role=Role.PREFILL), Backend("10.0.2.2:8000", role=Role.PREFILL)
@@ -100,3 +102,64 @@ def test_a_flexible_fleet_splits_only_where_the_prefill_costs_strictly_less_than
     rigid.loads.reserve(left.address, 10_000)
     exchange = rigid.begin(chat([], user_text="deep"), [left], 3)
     assert rigid.prefill_leg(exchange, fleet, 3) is None
+
+
+KV_TOKENS = 100_000  # each engine's KV cache, in tokens
+DECODES = [DECODE, OTHER_DECODE, PREFILL]
+
+
+def report(router: Router, backend: Backend, kv_usage: float, now: float, running: int = 1) -> None:
+    """One scrape of `backend`: `running` requests pinning `kv_usage` of its KV cache."""
+    router.engine_sample(backend.address, EngineSample(running, 0, kv_usage, 100.0, KV_TOKENS, 16), now)
+
+
+def test_a_decode_backend_whose_running_requests_fill_its_kv_cache_loses_new_requests():
+    router = make_router(pd_threshold_tokens=256)
+    report(router, DECODE, 0.999, 0)  # one long conversation pins nearly all of it
+    report(router, OTHER_DECODE, 0.2, 0)  # as many running, room to spare
+    for i in range(4):
+        exchange = router.begin(chat([], user_text=f"new {i}"), DECODES, 0.1)
+        decision = exchange.decision
+        assert decision.backend == OTHER_DECODE.address
+        full = next(c for c in decision.candidates if c.backend == DECODE.address)
+        assert full.kv_room_cost > 0 and decision.explain()["candidates"][0]["kv_room_cost"] > 0
+        if i == 0:  # equal costs but for this term (later ones follow the prompt head's home)
+            assert decision.label is Label.KV_ROOM
+        exchange.end()
+
+
+def test_a_conversation_leaves_its_decode_backend_when_waiting_for_room_costs_more_than_moving():
+    router = make_router(pd_threshold_tokens=256, kv_room_cost=2)  # a block short outweighs one recomputed
+    report(router, DECODE, 0.2, 0)
+    report(router, OTHER_DECODE, 0.2, 0)
+    first = serve(router, chat([], session="s1"), 0.1, DECODES)
+    stays = serve(router, chat([{"role": "assistant", "content": "a"}], session="s1", user_text="b"), 0.2, DECODES)
+    assert stays.backend == first.backend and stays.label is Label.SESSION_MATCH
+    home = DECODE if first.backend == DECODE.address else OTHER_DECODE
+    report(router, home, 0.9999, 0.3)  # its cache is now pinned by others' running requests
+    history = [
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "c"},
+    ]
+    moved = router.begin(chat(history, session="s1", user_text="d"), DECODES, 0.4).decision
+    assert moved.backend != home.address and moved.label is Label.KV_ROOM
+
+
+def test_kv_room_is_weighed_only_with_a_fresh_sample_in_fleets_that_split():
+    def costs(router: Router, fleet: list[Backend], now: float) -> list[float]:
+        return [c.kv_room_cost for c in router.begin(chat([], user_text=f"q{now}"), fleet, now).decision.candidates]
+
+    router = make_router(pd_threshold_tokens=256)
+    report(router, DECODE, 1.0, 0)
+    assert max(costs(router, DECODES, 1)) > 0
+    assert costs(router, DECODES, 10) == [0, 0]  # the sample is too old to say anything
+    aggregated = [Backend(DECODE.address), Backend(OTHER_DECODE.address)]  # role both: never split
+    report(router, DECODE, 1.0, 20)
+    assert costs(router, aggregated, 20) == [0, 0]
+    flexible = make_router(pd_threshold_tokens=256, pd_flexible=True)  # ... unless any may prefill for another
+    report(flexible, DECODE, 1.0, 0)
+    assert max(costs(flexible, aggregated, 1)) > 0
+    for off in (make_router(pd_threshold_tokens=256, kv_room_cost=0), make_router(pd_threshold_tokens=0)):
+        report(off, DECODE, 1.0, 0)
+        assert costs(off, DECODES, 1) == [0, 0]

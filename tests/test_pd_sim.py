@@ -6,6 +6,7 @@ tests/test_vllm_pd.py."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -100,3 +101,32 @@ def test_a_clients_own_transfer_parameters_never_reach_a_decode_server(servers: 
     pulled = {"model": MODEL, "prompt": direct, "max_tokens": 4, "kv_transfer_params": kept(direct)}
     assert post(f"http://{decode}", pulled, path="/v1/completions")[0] == 200
     assert transferred(decode) >= before + 100 - BLOCK
+
+
+def test_a_request_decodes_where_running_requests_leave_kv_room_for_its_prompt(tmp_path: Path):
+    """Two decode servers, each running one request of someone else's (sent to them directly), as
+    many as each other: one of them fills its KV cache. A long prompt through kvroute decodes on the
+    other, and the label says the KV room chose (rules.kv_room)."""
+    flags = ("--model", MODEL, "--block-size", str(BLOCK), "--kv-connector", "--capacity-blocks", "96")
+    with sim_servers(tmp_path / "sim.log", 3, *flags, "--step-s", "0.05") as (prefill, full, roomy):
+        extra = ("--backend", f"{prefill}@prefill", *FLAGS)
+        with Stack(tmp_path, backends=[full, roomy], extproc_args=extra) as stack, ThreadPoolExecutor(2) as pool:
+            running = [  # 1,200 + 150 tokens pin 76-85 of 96 blocks there; 40 + 150 pin 3-12 here
+                pool.submit(
+                    post, f"http://{b}", {"model": MODEL, "prompt": prompt(b, n), "max_tokens": 150}, None, path
+                )
+                for b, n, path in ((full, 1200, "/v1/completions"), (roomy, 40, "/v1/completions"))
+            ]
+
+            def seen() -> bool:
+                load = stack.debug_state()["load"]
+                return load.get(full, {}).get("engine_kv_usage", 0) > 0.8 and all(
+                    load.get(b, {}).get("engine_requests") == 1 for b in (full, roomy)
+                )
+
+            eventually(seen, message="both engines' running requests seen by kvroute")
+            ask = {"model": MODEL, "prompt": prompt("room ", 600), "max_tokens": 4}  # 38 blocks: more than fit there
+            status, headers, answer = post(stack.url, ask, path="/v1/completions")
+            assert status == 200, (answer, log_tails(stack.workdir))
+            assert headers.get("x-kvroute-backend") == roomy and headers.get("x-kvroute-decision") == "kv_room"
+            assert all(f.result()[0] == 200 for f in running)

@@ -36,6 +36,9 @@ class Label(StrEnum):
     # the cheapest candidate, cheapest because its LoRA adapter is running there or a slot is free
     # (adapters.py): without that term another one would have been chosen
     ADAPTER_AFFINITY = "adapter_affinity"
+    # the cheapest candidate, cheapest because the others' engines lack KV room for the prompt
+    # (rules.kv_room, fleets that split requests): without that term another one would have been chosen
+    KV_ROOM = "kv_room"
 
 
 _NO_CHURN: Mapping[str, float] = MappingProxyType({})
@@ -65,6 +68,9 @@ class DecisionInputs(NamedTuple):
     sheddable: bool = False  # it may be refused rather than served late
     ttft: TTFTModel | None = None  # each backend's predicted time to first token (ttft.py)
     adapter: str | None = None  # the LoRA adapter the request names, if an engine has reported it
+    # blocks each candidate's engine has free of running requests, where the fleet splits requests
+    # and a fresh sample says (rules.kv_room); None: KV usage not weighed
+    kv_room: Mapping[str, float] | None = None
 
     def held(self, backend: str) -> int:
         """Blocks the picture (before trust) shows on the backend."""
@@ -86,7 +92,8 @@ class CandidateCost:
     adapter: Affinity | None = None  # how it stands for the request's LoRA adapter (None: no adapter)
     prefill_cost: float = 0.0  # each term's share of `cost`: the prefill it would compute,
     load_cost: float = 0.0  # the work waiting there,
-    adapter_cost: float = 0.0  # and its LoRA adapter's slot
+    adapter_cost: float = 0.0  # its LoRA adapter's slot,
+    kv_room_cost: float = 0.0  # and its engine's KV room
 
 
 class Decision(NamedTuple):
@@ -127,6 +134,7 @@ class Decision(NamedTuple):
                     "prefill_cost": round(c.prefill_cost, 4),
                     "load_cost": round(c.load_cost, 4),
                     **({} if c.adapter is None else {"adapter": c.adapter.value, "adapter_cost": c.adapter_cost}),
+                    **({"kv_room_cost": round(c.kv_room_cost, 4)} if c.kv_room_cost else {}),
                 }
                 for c in self.candidates
             ],

@@ -13,6 +13,7 @@ from extproc.core import rules
 from extproc.core.adapters import AdapterBook
 from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
+from extproc.core.pairs import disaggregated
 from extproc.core.request import PromptRequest
 from extproc.core.rules import Admission, CandidateFilter, CostTerm, PickRule, Standing
 
@@ -27,20 +28,35 @@ class CandidateMemo:
     """The filters' answer per model for one backend set, kept while the pool hands over the same
     tuple (it makes a new one when the set or its health changes): a large fleet's decision then
     does not check every backend's model and role again. Only answers that depend on nothing but
-    the backends and the model are kept (no LoRA adapter named)."""
+    the backends and the model are kept (no LoRA adapter named), and whether the set has prefill
+    backends."""
 
-    __slots__ = ("_backends", "_by_model")
+    __slots__ = ("_backends", "_by_model", "_disaggregated")
 
     def __init__(self) -> None:
         self._backends: tuple[Backend, ...] | None = None
         self._by_model: dict[str, tuple[list[str], dict[str, int]]] = {}
+        self._disaggregated: bool | None = None
 
     def get(self, backends: tuple[Backend, ...], model: str) -> tuple[list[str], dict[str, int]] | None:
-        if backends is not self._backends:
-            self._backends = backends  # held, so its id cannot be reused while it is the key
-            self._by_model = {}
-            return None
-        return self._by_model.get(model)
+        return self._by_model.get(model) if self._holds(backends) else None
+
+    def disaggregated(self, backends: Sequence[Backend]) -> bool:
+        """`pairs.disaggregated`, once per backend set handed over as a tuple."""
+        if not isinstance(backends, tuple):
+            return disaggregated(backends)
+        if not self._holds(backends) or self._disaggregated is None:
+            self._disaggregated = disaggregated(backends)
+        return self._disaggregated
+
+    def _holds(self, backends: tuple[Backend, ...]) -> bool:
+        """Whether the answers kept are this set's; if not, start keeping this set's."""
+        if backends is self._backends:
+            return True
+        self._backends = backends  # held, so its id cannot be reused while it is the key
+        self._by_model = {}
+        self._disaggregated = None
+        return False
 
     def put(self, model: str, candidates: list[str]) -> tuple[list[str], dict[str, int]]:
         if len(self._by_model) >= MEMO_MODELS:
@@ -154,7 +170,7 @@ def assemble(adapters: AdapterBook) -> Pipeline:
     affinity = rules.AdapterAffinity(adapters)
     return Pipeline(
         filters=(rules.serving_the_model, affinity.listing),
-        terms=(rules.prefill_cost, rules.load_cost, affinity.cost),
+        terms=(rules.prefill_cost, rules.load_cost, affinity.cost, rules.kv_room),
         admission=((rules.backend_limit, Label.SHED), (rules.ttft_objective, Label.SHED_SLO)),
         rules=(rules.session_binding, rules.prefix_stickiness, rules.prefix_home),
     )

@@ -175,16 +175,36 @@ class Router:
                 session_backend, session_blocks = binding
         home = self.homes.get(chain[0]) if chain else None
         bound = (session_backend, session_blocks, home)
+        splitting = self._splitting(backends)
         if self._shortlisting(adapter, candidates):
             kept = set(self.index.holders(chain[0], now)) if chain else set()
             kept.update(b for b in (session_backend, home) if b is not None)
             short = shortlist(candidates, kept, self._turn, positions)
-            decision = self._weigh(request, adapter, short, chain, bound, now)
+            decision = self._weigh(request, adapter, short, chain, bound, splitting, now)
             if decision.backend is not None:
                 return decision
             # every shortlisted backend refused it (its limit, the TTFT objective): the whole
             # fleet is weighed before the request is refused
-        return self._weigh(request, adapter, candidates, chain, bound, now)
+        return self._weigh(request, adapter, candidates, chain, bound, splitting, now)
+
+    def _splitting(self, backends: Sequence[Backend]) -> bool:
+        """Requests to these backends may be split (pairs.py): decode backends then hold
+        long-running requests' contexts, and their KV room is weighed (rules.kv_room)."""
+        settings = self.settings
+        if settings.pd_threshold_tokens <= 0 or settings.kv_room_cost <= 0:
+            return False
+        return settings.pd_flexible or self.pipeline.memo.disaggregated(backends)
+
+    def _kv_room(self, candidates: Sequence[str], now: float) -> dict[str, float]:
+        """Blocks of the current chains each candidate's engine has free of running requests, by
+        its last fresh sample and its reported cache size (none where either is missing)."""
+        per_block = self.block_tokens()
+        room: dict[str, float] = {}
+        for backend in candidates:
+            load, tokens = self.loads.get(backend), self._kv_tokens.get(backend)
+            if tokens and per_block > 0 and load.engine_fresh(now):
+                room[backend] = (1.0 - load.engine_kv_usage) * tokens / per_block
+        return room
 
     def _candidates(
         self, request: PromptRequest, backends: Sequence[Backend], adapter: str | None
@@ -207,9 +227,10 @@ class Router:
         candidates: list[str],
         chain: Sequence[int],
         bound: tuple[str | None, int, str | None],
+        splitting: bool,
         now: float,
     ) -> Decision:
-        """The pipeline's decision among these candidates."""
+        """The pipeline's decision among these candidates; `splitting`: with their KV room."""
         session_backend, session_blocks, home = bound
         picture, matched, home = self.mode.picture(chain, candidates, home, now)
         churn = self.churn.rates(candidates, now)
@@ -236,6 +257,7 @@ class Router:
             sheddable=request.sheddable,
             ttft=self.ttft,
             adapter=adapter,
+            kv_room=self._kv_room(candidates, now) if splitting else None,
         )
         return self.pipeline.decide(inputs)
 

@@ -5,6 +5,9 @@ Cost terms, summed per candidate, in blocks of prefill:
     load:    w * (reserved_b + active_request_cost * active_b)
     adapter: 0 where the request's LoRA adapter runs, adapter_load_cost where a slot is free,
              adapter_evict_cost where every slot holds another (AdapterAffinity; none without one)
+    kv room: kv_room_cost * blocks of the prompt beyond what b's running requests leave free of
+             its KV cache (kv_room; only in fleets that split requests, where decode backends
+             hold long-running requests' contexts)
 where novel_b is the part of the prompt b has not cached, churn_b how fast b's cache has been
 turning over lately relative to the busiest candidate (0 to 1: new blocks there evict useful
 ones sooner), active_b the backend's in-flight requests (kvroute's own, or the engine's running +
@@ -34,7 +37,7 @@ is taken. A head no cache shows any more goes to its home. Otherwise the cheapes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
@@ -45,12 +48,15 @@ from extproc.core.decision import CandidateCost, DecisionInputs, Label, overload
 from extproc.core.request import PromptRequest
 
 _MATCHED = attrgetter("matched")
+_ADAPTER_COST = attrgetter("adapter_cost")
+_KV_ROOM_COST = attrgetter("kv_room_cost")
 
 
-def _adapter_decided(chosen: CandidateCost, ranked: Sequence[CandidateCost]) -> bool:
-    """Another candidate as cheap or cheaper but for its adapter term: that term chose."""
-    base = chosen.cost - chosen.adapter_cost
-    return any(c.adapter_cost > chosen.adapter_cost and c.cost - c.adapter_cost <= base for c in ranked)
+def _decided_by(term: Callable[[CandidateCost], float], chosen: CandidateCost, ranked: Sequence[CandidateCost]) -> bool:
+    """Another candidate as cheap or cheaper but for this cost term: the term chose."""
+    own = term(chosen)
+    base = chosen.cost - own
+    return any(term(c) > own and c.cost - term(c) <= base for c in ranked)
 
 
 @dataclass(slots=True)
@@ -73,9 +79,12 @@ class Standing:
 
     def within_gates(self, candidate: CandidateCost) -> bool:
         """It may win outright: not past both balance gates, and not waiting for an adapter slot
-        (then its cost decides, the evicting term included; with that term 0 slots do not matter)."""
+        (then its cost decides, the evicting term included; with that term 0 slots do not matter),
+        nor for KV room."""
         inputs = self.inputs
         if candidate.adapter is Affinity.EVICT and inputs.settings.adapter_evict_cost > 0:
+            return False
+        if candidate.kv_room_cost > 0:  # it would wait there for room: its cost decides
             return False
         return not overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
 
@@ -164,6 +173,23 @@ class AdapterAffinity:
             candidate.cost += extra
 
 
+def kv_room(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
+    """Where the engine's running requests leave too little of its KV cache for the prompt, the
+    request waits for some of them to finish (or preempts one, which recomputes it): each block
+    short counts as one of prefill. Running counts alone miss this on decode backends, where a few
+    long conversations can fill the cache. Candidates without a fresh sample are not charged."""
+    room = inputs.kv_room
+    weight = inputs.settings.kv_room_cost
+    if room is None or weight <= 0:
+        return
+    need = inputs.total_blocks
+    for candidate in candidates:
+        free = room.get(candidate.backend)
+        if free is not None and need > free:
+            candidate.kv_room_cost = term = weight * (need - free)
+            candidate.cost += term
+
+
 def backend_limit(inputs: DecisionInputs, candidates: list[CandidateCost]) -> list[CandidateCost]:
     """A backend with `max_backend_requests` in flight takes no more (0: no limit)."""
     limit = inputs.settings.max_backend_requests
@@ -231,8 +257,10 @@ def cheapest(standing: Standing) -> tuple[CandidateCost, Label]:
     ranked = standing.ranked
     tied = [c for c in ranked if c.cost <= ranked[0].cost]
     chosen = tied[standing.inputs.turn % len(tied)]
-    if standing.inputs.adapter is not None and _adapter_decided(chosen, ranked):
+    if standing.inputs.adapter is not None and _decided_by(_ADAPTER_COST, chosen, ranked):
         return chosen, Label.ADAPTER_AFFINITY
+    if standing.inputs.kv_room is not None and _decided_by(_KV_ROOM_COST, chosen, ranked):
+        return chosen, Label.KV_ROOM
     session = standing.session
     if standing.session_full or (session is not None and chosen is not session):
         return chosen, Label.LOAD_OVERRIDE

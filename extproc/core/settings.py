@@ -471,6 +471,16 @@ class Settings:
         POSITIVE,
         "prefillTimeoutSeconds",
     )
+    kv_room_cost: float = _setting(
+        1.0,
+        "In fleets that split requests (prefill backends, or flexibleDisaggregation): cost, in blocks of "
+        "prefill, of each block of a request's prompt that does not fit in what the engine's running "
+        "requests leave free of its KV cache (vllm:kv_cache_usage_perc of its cache size): there it waits "
+        "for running requests to finish, or preempts one. So a long decode goes where its context fits. "
+        "0: KV usage is not weighed.",
+        NON_NEGATIVE,
+        "kvRoomCost",
+    )
     queue_max_requests: int = _setting(
         1024,
         "Requests flow control holds at most, in all priority bands together; when full, the newest "

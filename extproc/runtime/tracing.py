@@ -94,6 +94,7 @@ class RequestTracer:
             "kvroute.candidates.prefill_cost": [c.prefill_cost for c in candidates],
             "kvroute.candidates.load_cost": [c.load_cost for c in candidates],
             "kvroute.candidates.adapter_cost": [c.adapter_cost for c in candidates],
+            "kvroute.candidates.kv_room_cost": [c.kv_room_cost for c in candidates],
             "kvroute.candidates.matched_blocks": [c.matched for c in candidates],
             "kvroute.candidates.active": [c.active for c in candidates],
         }
