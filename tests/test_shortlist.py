@@ -5,6 +5,7 @@ and home backend, and a window moving round the fleet; small fleets weigh everyo
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
@@ -80,6 +81,39 @@ def test_new_prompts_on_an_idle_fleet_go_round_all_of_it():
     router = make_router()
     placed = Counter(served(router, new_prompt(i), FLEET, float(i)) for i in range(80))
     assert len(placed) == len(FLEET) and max(placed.values()) <= 3
+
+
+class Siblings:
+    """Replicas telling each other at once what they learn and bind (the replay's fan-out, lag 0)."""
+
+    def __init__(self, routers: list[Router]) -> None:
+        self.routers = routers
+        self.sender: Router | None = None
+        for router in routers:
+            router.join(self, 0)  # the same offset: only what they hear keeps them apart
+
+    def learned(self, backend: str, chain: Sequence[int]) -> None:
+        for router in self.routers:
+            if router is not self.sender:
+                router.peer_learned(chain, backend, 0.0)
+
+    def bound(self, session: bytes, backend: str) -> None:
+        for router in self.routers:
+            if router is not self.sender:
+                router.peer_bound(session, backend, 0.0)
+
+
+def test_replicas_taking_turns_spread_new_conversations_round_the_fleet_as_one_router_does():
+    """Each replica's rotation counts its siblings' bindings too: without that, two replicas from
+    the same offset send their conversations to the same backends in pairs."""
+    fleet = FLEET[:8]  # below the shortlist: ties are rotated among all of them
+    # no turnover cost: what a sibling learned there does not break the ties, only the rotation does
+    siblings = Siblings([make_router(eviction_cost_weight=0), make_router(eviction_cost_weight=0)])
+    placed = []
+    for i in range(8):
+        siblings.sender = siblings.routers[i % 2]
+        placed.append(served(siblings.sender, new_prompt(i, f"conversation {i}"), fleet, float(i)))
+    assert len(set(placed)) == len(fleet), placed
 
 
 def test_at_or_below_the_threshold_every_candidate_is_weighed():

@@ -193,6 +193,7 @@ def engine_hit_rate(
     replicas: int = 1,
     lag: int = 0,
     shared: bool = True,
+    offsets: int = 0,
     **settings: Any,
 ) -> float:
     """Replay `limit` requests of an agent trace (its own session ids) in file order on `backends`
@@ -202,7 +203,8 @@ def engine_hit_rate(
     Approximate mode learns from its own routing; precise mode gets the engines' events.
     `replicas`: that many routers take the requests in turn (as Envoy spreads its streams), sharing
     what they learn and bind `lag` requests later and their load at once (`_Fanout`), or nothing
-    (`shared` false: replicas each on its own, for comparison)."""
+    (`shared` false: replicas each on its own, for comparison). `offsets` seeds the replicas'
+    random turn offsets (0: as pinned since they were introduced)."""
     requests = trace.read(path, limit, max_input_tokens)
     builder = PromptBuilder("sim-model", 4.0, 16)
     bodies = [builder.body(request) for request in requests]
@@ -213,10 +215,10 @@ def engine_hit_rate(
     routers = [Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings)) for _ in range(replicas)]
     fanout = _Fanout(routers if shared else routers[:1], lag)
     engines = {backend.address: EngineCache(BlockPool(blocks)) for backend in fleet}
-    offsets = random.Random(replicas)  # each replica process starts its turn counter at random
+    turns = random.Random(replicas + 1000 * offsets)  # each replica process starts its turn counter at random
     for router in routers:
         if replicas > 1 and shared:
-            router.join(fanout, offsets.randrange(1 << 30))
+            router.join(fanout, turns.randrange(1 << 30))
         if mode == "precise":
             router.use_precise(_Tokenizer())
         for backend in fleet:

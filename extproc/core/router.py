@@ -101,7 +101,9 @@ class Router:
         """Route as one of several replicas, told through `replicas`. `turn` (random per process)
         starts the counter that rotates ties and moves the shortlist's window: replicas started
         together would otherwise rotate in step and send their new conversations to the same few
-        backends (bench.experiments.decisions.engine_hit_rate with replicas)."""
+        backends (bench.experiments.decisions.engine_hit_rate with replicas). The counter also
+        advances with each sibling's binding (`peer_bound`), so the replicas rotate through the
+        fleet's turns as one router does through its own, each from its own offset."""
         self.replicas = replicas
         self._turn = turn
 
@@ -471,7 +473,10 @@ class Router:
         self.mode.peer_learned(chain, backend, when)
 
     def peer_bound(self, session: bytes, backend: str, when: float) -> None:
-        """A sibling replica bound a session (by digest) to a known backend."""
+        """A sibling replica bound a session (by digest) to a known backend: a turn of the fleet's,
+        counted in this replica's rotation too: without it replicas' independent counters spread
+        new conversations as unevenly as chance (docs/benchmarks.md#replicas)."""
+        self._turn += 1
         self.sessions.bind_digest(session, backend, when)
 
     def forget(self, session_key: str) -> bool:
