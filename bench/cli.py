@@ -461,6 +461,8 @@ def _sim(args: argparse.Namespace) -> None:
 def _handoff(args: argparse.Namespace) -> None:
     from bench.experiments import handoff
 
+    if args.prompts < 1:
+        raise SystemExit("kvroute-dev bench handoff: --prompts must be at least 1")
     print(orjson.dumps(handoff.run(args.prompts, args.output_tokens, args.seed)).decode(), flush=True)
 
 

@@ -103,7 +103,9 @@ class Router:
         together would otherwise rotate in step and send their new conversations to the same few
         backends (bench.experiments.decisions.engine_hit_rate with replicas). The counter also
         advances with each sibling's binding (`peer_bound`), so the replicas rotate through the
-        fleet's turns as one router does through its own, each from its own offset."""
+        fleet's turns as one router does through its own, each from its own offset. Only requests
+        that bind a conversation are shared turns: requests without a session move only their own
+        replica's counter."""
         self.replicas = replicas
         self._turn = turn
 
@@ -205,7 +207,8 @@ class Router:
         for backend in candidates:
             load, tokens = self.loads.get(backend), self._kv_tokens.get(backend)
             if tokens and per_block > 0 and load.engine_fresh(now):
-                room[backend] = (1.0 - load.engine_kv_usage) * tokens / per_block
+                used = min(max(load.engine_kv_usage, 0.0), 1.0)  # a gauge out of range says nothing more
+                room[backend] = (1.0 - used) * tokens / per_block
         return room
 
     def _candidates(
@@ -491,6 +494,7 @@ class Router:
         self.adapters.remove_backend(backend)
         self.homes.remove_backend(backend)
         self._starts.pop(backend, None)
+        self._kv_tokens.pop(backend, None)
         self.bytes_per_token.forget(backend)
         self.ttft.forget(backend)
         self.attribution.forget(backend)
