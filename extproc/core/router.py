@@ -494,7 +494,6 @@ class Router:
         self.adapters.remove_backend(backend)
         self.homes.remove_backend(backend)
         self._starts.pop(backend, None)
-        self._kv_tokens.pop(backend, None)
         self.bytes_per_token.forget(backend)
         self.ttft.forget(backend)
         self.attribution.forget(backend)
