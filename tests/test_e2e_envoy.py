@@ -100,6 +100,9 @@ def test_conversation_stays_on_one_backend_and_its_cache_grows(stack: Stack):
     assert len(served) == 1
     assert decisions[1:] == ["session_match"] * 9
     assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached[1:]))
+    if stack.transport == "ext_authz":  # every request's end came on the log, none dropped by Envoy
+        logged = "access_logs.fluentd.kvroute_ends."
+        assert envoy_stat(stack, logged + "events_sent") == 10 and envoy_stat(stack, logged + "entries_lost") == 0
     matched, total = (int(x) for x in headers["x-kvroute-prefix"].split("/"))
     assert 0 < matched <= total
 

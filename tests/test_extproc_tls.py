@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.harness.stack import Stack
 from extproc.envoy.tls import issue_mutual, self_signed, server_credentials
 from extproc.runtime import config
-from tests.e2e import post
+from tests.e2e import eventually, post
 from tests.test_config import parse
 
 pytestmark = pytest.mark.envoy
@@ -147,10 +147,13 @@ def _authz_health(port: int, context: ssl.SSLContext | None) -> int | str:
 def test_the_ext_authz_port_takes_the_same_mutual_tls(tmp_path):
     """The faster transport's HTTP port is as closed as the gRPC port: Envoy routes through it over
     mutual TLS; a plaintext client, one without a certificate and one with another CA's get no
-    answer; the stack's own client certificate gets one."""
+    answer; the stack's own client certificate gets one. The request's end comes back over the
+    same port, as Envoy's access log writes it there through the same mutual TLS."""
     with Stack(tmp_path / "stack", sims=2, extproc_mtls=True, transport="ext_authz") as stack:
         status, headers, _ = post(stack.url, {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
         assert status == 200 and headers["x-kvroute-decision"] == "least_loaded"
+        ended = lambda: stack.debug_state()["authz"]["open_exchanges"] == 0  # noqa: E731
+        eventually(ended, message="the request's end, from the access log over mutual TLS")
         own = stack.mtls_files()
         stranger = issue_mutual(tmp_path / "stranger", ["127.0.0.1"])
 
