@@ -154,7 +154,8 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             port = await asyncio.get_running_loop().create_server(
                 authz.protocols(checks.server), config.grpc_host, config.authz_port, ssl=server_ssl_context(*files)
             )
-            cleanup.callback(port.close)  # the open connections end with the runner's cleanup and the process
+            cleanup.callback(authz.close_logs)  # then Envoy's log connections (calls: the runner's cleanup)
+            cleanup.callback(port.close)  # first, no new connection
         for unit in units:  # before the server stops: what is held is answered, not cut
             cleanup.callback(unit.room.drain)
         # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.

@@ -279,7 +279,7 @@ def test_the_port_takes_calls_and_the_access_log_on_one_socket(parts: Any):
     """A call (HTTP) and the log (MessagePack, told apart by its first byte) on the same port; a
     record split across writes is applied once whole; with a token, a log connection whose first
     record lacks it, or that is not a log, is closed and nothing it sent is applied; calls still
-    go on."""
+    go on; a stopping ext_proc closes the log connections still open."""
     router, _, metrics, _, authz = parts
 
     async def scenario() -> None:
@@ -297,6 +297,12 @@ def test_the_port_takes_calls_and_the_access_log_on_one_socket(parts: Any):
             proven = _logged({**record, "k": TOKEN}, entry(second[EXCHANGE_HEADER], 200, A))  # the token once
             assert not await _log(port, proven, pieces=7)
             assert active(router) == 0 and router.stats.learned == 2
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a log connection, open
+            writer.write(_logged({**entry("ffff", 200, A), "k": TOKEN}))
+            await asyncio.sleep(0.05)
+            authz.close_logs()  # stopping: it is closed from this side
+            assert await asyncio.wait_for(reader.read(1), 1.0) == b""
+            writer.close()
         finally:
             server.close()
             await runner.cleanup()

@@ -94,6 +94,7 @@ class Authz:
         self._metrics = metrics
         self._token = f"Bearer {token}".encode() if token else b""
         self._log_token = token
+        self._logs: set[asyncio.BaseTransport] = set()  # Envoy's open access-log connections
         self._clock = clock
         self._max_age_s = max_age_s
         self._ids = itertools.count(1)
@@ -112,7 +113,7 @@ class Authz:
         refused = self._metrics.errors.labels("unauthenticated_stream").inc
 
         def ends() -> asyncio.Protocol:
-            return EndsProtocol(self.ended, self._log_token, refused)
+            return EndsProtocol(self.ended, self._log_token, refused, self._logs)
 
         return lambda: Sniffer(http, ends)
 
@@ -273,6 +274,13 @@ class Authz:
         while True:
             await asyncio.sleep(interval_s)
             self.sweep()
+
+    def close_logs(self) -> None:
+        """Stopping: Envoy's log connections close (it makes them again to a sibling), before the
+        replica link stops forwarding what they bring."""
+        for transport in list(self._logs):
+            transport.close()
+        self._logs.clear()
 
     def close_all(self) -> None:
         """Stopping: every open exchange releases what it holds."""

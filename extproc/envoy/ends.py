@@ -45,8 +45,15 @@ TOKEN_FIELD = "k"
 class EndsProtocol(asyncio.Protocol):
     """One Envoy worker's log connection: each record to `on_record`, in order."""
 
-    def __init__(self, on_record: Callable[[Mapping[str, Any]], None], token: str, refused: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        on_record: Callable[[Mapping[str, Any]], None],
+        token: str,
+        refused: Callable[[], None],
+        open_logs: set[asyncio.BaseTransport],
+    ) -> None:
         self._on_record = on_record
+        self._open_logs = open_logs  # so that a stopping ext_proc can close them (Authz.close_logs)
         self._token = token.encode()
         self._refused = refused
         self._proven = not token
@@ -55,6 +62,12 @@ class EndsProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
+        self._open_logs.add(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._transport is not None:
+            self._open_logs.discard(self._transport)
+            self._transport = None
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -89,6 +102,7 @@ class EndsProtocol(asyncio.Protocol):
     def _close(self, why: str) -> None:
         log.warning("closed a connection to the ext_authz port: %s", why)
         if self._transport is not None:
+            self._open_logs.discard(self._transport)
             self._transport.close()
             self._transport = None
 
