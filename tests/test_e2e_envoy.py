@@ -250,6 +250,23 @@ def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
         )
 
 
+def test_the_access_log_is_made_again_to_a_restarted_extproc(tmp_path: Path):
+    """ext_authz transport: the ext_proc stops (closing Envoy's log connection) and starts again;
+    Envoy makes its log connection again, and the requests the new process routes end there."""
+    with Stack(tmp_path, sims=2, transport="ext_authz") as stack:
+        assert post(stack.url, chat([{"role": "user", "content": "before"}]))[0] == 200
+        stack.stop_process("extproc")
+        stack.start_extproc()
+        routed = []
+        for i in range(6):
+            status, headers, _ = post(stack.url, chat([{"role": "user", "content": f"after {i} " + text(RNG, 200)}]))
+            assert status == 200
+            routed.append("x-kvroute-decision" in headers)
+        assert all(routed)
+        eventually(lambda: stack.debug_state()["authz"]["open_exchanges"] == 0, message="every end came on the log")
+        assert envoy_stat(stack, "access_logs.fluentd.kvroute_ends.entries_lost") == 0
+
+
 def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
     with Stack(tmp_path, sims=3, separate_sims=True, extproc_args=["--health-interval-s", "0.3"]) as stack:
         history = [{"role": "system", "content": text(RNG, 4000)}, {"role": "user", "content": "hi"}]
