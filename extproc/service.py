@@ -18,9 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.admin.app import Admin
 from extproc.envoy.auth import TokenInterceptor
-from extproc.envoy.authz import AccessLogs, Authz
+from extproc.envoy.authz import Authz
 from extproc.envoy.dispatch import PolicyDispatch
-from extproc.envoy.proto import access_log_pb2_grpc as als_grpc
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.envoy.tls import server_credentials, server_ssl_context
@@ -86,7 +85,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)  # type: ignore[no-untyped-call]  # generated, untyped
     authz = None
-    if config.authz_port:  # the ext_authz transport: routes over HTTP, ends from Envoy's access log
+    if config.authz_port:  # the ext_authz transport: routes over HTTP, ends from Envoy's access log (same port)
         authz = Authz(
             processor,
             metrics,
@@ -98,7 +97,6 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         )
         if link is not None:
             link.on_end = authz.ended_elsewhere
-        als_grpc.add_AccessLogServiceServicer_to_server(AccessLogs(authz), server)  # type: ignore[no-untyped-call]  # generated, untyped
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.grpc_host}:{config.grpc_port}"
@@ -137,13 +135,13 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             cleanup.push_async_callback(control.cleanup)
             await web.TCPSite(control, config.control_host, config.control_port).start()
         await server.start()
-        # Torn down after the server (pushed before it): the replica link goes on forwarding the
-        # ends the access-log stream brings until that stream is closed, and flushes them as it
+        # Torn down after the ports (pushed before them): the replica link goes on forwarding the
+        # ends the access log brings until its connections are closed, and flushes them as it
         # stops; stopped earlier, a sibling's requests ended here would stay in flight there.
         tasks: list[asyncio.Task[None]] = []
         cleanup.push_async_callback(stop_tasks, tasks)
         if authz is not None:
-            cleanup.callback(authz.close_all)  # after the server stops: no entry comes any more
+            cleanup.callback(authz.close_all)  # after the ports close: no entry comes any more
         cleanup.push_async_callback(server.stop, 2)
         if authz is not None:
             # A client that leaves while its request is held cancels Envoy's check call: the handler
@@ -152,8 +150,12 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
             await checks.setup()
             cleanup.push_async_callback(checks.cleanup)
             files = (config.grpc_tls_cert_file, config.grpc_tls_key_file, config.grpc_tls_client_ca_file)
-            tls = server_ssl_context(*files)
-            await web.TCPSite(checks, config.grpc_host, config.authz_port, ssl_context=tls).start()
+            assert checks.server is not None  # made by setup
+            port = await asyncio.get_running_loop().create_server(
+                authz.protocols(checks.server), config.grpc_host, config.authz_port, ssl=server_ssl_context(*files)
+            )
+            cleanup.callback(authz.close_logs)  # then Envoy's log connections (calls: the runner's cleanup)
+            cleanup.callback(port.close)  # first, no new connection
         for unit in units:  # before the server stops: what is held is answered, not cut
             cleanup.callback(unit.room.drain)
         # The endpoint-picker protocol's health services, as gateways probe them, besides the server's own.

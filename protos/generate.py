@@ -14,7 +14,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTOS = ("extproc/envoy/proto/ext_proc.proto", "extproc/envoy/proto/access_log.proto")
+PROTOS = ("extproc/envoy/proto/ext_proc.proto",)
 
 
 def generate(out_dir: Path) -> None:

@@ -1,14 +1,16 @@
-"""The ext_authz transport's check handler and access-log entries, on a real router and real
-protobuf entries, the check served by aiohttp's own test server (no Envoy: tests/test_e2e_envoy.py
-runs it through Envoy)."""
+"""The ext_authz transport's check handler and access-log records, on a real router, the check
+served by aiohttp's own test server and the port (calls and log on one socket) by asyncio (no
+Envoy: tests/test_e2e_envoy.py runs it through Envoy)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import msgpack
 import orjson
 import pytest
+from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from extproc.core.backends import Backend, Role
@@ -18,7 +20,6 @@ from extproc.core.settings import Settings
 from extproc.envoy.authz import Authz
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Processor
-from extproc.envoy.proto import access_log_pb2 as als
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
 
@@ -57,17 +58,15 @@ def check(authz: Authz, body: bytes, headers: dict[str, str] | None = None, path
     return asyncio.run(call())
 
 
-def entry(exchange: str, status: int, upstream: str, details: str = "via_upstream", **flags: bool):
-    """An access-log entry as Envoy streams it at a request's end."""
-    host, port = upstream.rsplit(":", 1)
-    return als.HTTPAccessLogEntry(
-        common_properties=als.AccessLogCommon(
-            upstream_remote_address=als.Address(socket_address=als.SocketAddress(address=host, port_value=int(port))),
-            response_flags=als.ResponseFlags(**flags),
-        ),
-        request=als.HTTPRequestProperties(request_headers={EXCHANGE_HEADER: exchange}),
-        response=als.HTTPResponseProperties(response_code={"value": status}, response_code_details=details),
-    )
+def entry(exchange: str, status: int, upstream: str, details: str = "via_upstream", **flags: bool) -> dict[str, Any]:
+    """An access-log record as Envoy's Fluentd logger writes it at a request's end (ends.RECORD)."""
+    return {
+        "x": exchange,
+        "u": upstream,
+        "c": status,
+        "d": details,
+        "f": "UF" if flags.get("upstream_connection_failure") else "-",
+    }
 
 
 def active(router: Router) -> int:
@@ -236,3 +235,76 @@ def test_with_siblings_an_entry_goes_to_the_replica_that_decided_it(parts: Any):
     mine.ended_elsewhere(b"\xff not an entry")
     sibling.ended(entry("ffff", 200, A))
     assert errors(metrics, "unknown_exchange") == 2
+
+
+def _logged(*records: dict[str, Any]) -> bytes:
+    """Envoy's Fluentd logger's bytes for these records: one forward-mode message each."""
+    return b"".join(msgpack.packb(["kvroute", [[1_800_000_000, record]]]) for record in records)
+
+
+async def _port(authz: Authz) -> tuple[asyncio.Server, web.AppRunner, int]:
+    """The authz port as the ext_proc serves it: calls and access log on one socket."""
+    runner = web.AppRunner(authz.app(), access_log=None)
+    await runner.setup()
+    assert runner.server is not None
+    server = await asyncio.get_running_loop().create_server(authz.protocols(runner.server), "127.0.0.1", 0)
+    return server, runner, server.sockets[0].getsockname()[1]
+
+
+async def _call(port: int) -> dict[str, str]:
+    async with ClientSession() as session:
+        url = f"http://127.0.0.1:{port}{ROUTE_PREFIX}/v1/chat/completions"
+        async with session.post(url, data=BODY, headers={"authorization": f"Bearer {TOKEN}"}) as response:
+            assert response.status == 200
+            return dict(response.headers)
+
+
+async def _log(port: int, data: bytes, pieces: int = 1) -> bool:
+    """Write `data` as a log connection would, in `pieces`; True if the port closed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    step = -(-len(data) // pieces)
+    for start in range(0, len(data), step):
+        writer.write(data[start : start + step])
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    try:
+        closed = await asyncio.wait_for(reader.read(1), 0.2) == b""
+    except TimeoutError:
+        closed = False
+    writer.close()
+    return closed
+
+
+def test_the_port_takes_calls_and_the_access_log_on_one_socket(parts: Any):
+    """A call (HTTP) and the log (MessagePack, told apart by its first byte) on the same port; a
+    record split across writes is applied once whole; with a token, a log connection whose first
+    record lacks it, or that is not a log, is closed and nothing it sent is applied; calls still
+    go on; a stopping ext_proc closes the log connections still open."""
+    router, _, metrics, _, authz = parts
+
+    async def scenario() -> None:
+        server, runner, port = await _port(authz)
+        try:
+            first = await _call(port)
+            record = entry(first[EXCHANGE_HEADER], 200, first[DESTINATION_HEADER])
+            assert active(router) == 1
+            assert await _log(port, _logged({**record, "k": "wrong"}))  # closed:
+            assert active(router) == 1 and errors(metrics, "unauthenticated_stream") == 1
+            assert await _log(port, _logged(record))  # ... without the token too
+            assert active(router) == 1 and errors(metrics, "unauthenticated_stream") == 2
+            assert await _log(port, b"\x92\xc1 not msgpack")  # not a log: closed
+            second = await _call(port)
+            proven = _logged({**record, "k": TOKEN}, entry(second[EXCHANGE_HEADER], 200, A))  # the token once
+            assert not await _log(port, proven, pieces=7)
+            assert active(router) == 0 and router.stats.learned == 2
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a log connection, open
+            writer.write(_logged({**entry("ffff", 200, A), "k": TOKEN}))
+            await asyncio.sleep(0.05)
+            authz.close_logs()  # stopping: it is closed from this side
+            assert await asyncio.wait_for(reader.read(1), 1.0) == b""
+            writer.close()
+        finally:
+            server.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -100,6 +100,9 @@ def test_conversation_stays_on_one_backend_and_its_cache_grows(stack: Stack):
     assert len(served) == 1
     assert decisions[1:] == ["session_match"] * 9
     assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached[1:]))
+    if stack.transport == "ext_authz":  # every request's end came on the log, none dropped by Envoy
+        logged = "access_logs.fluentd.kvroute_ends."
+        assert envoy_stat(stack, logged + "events_sent") == 10 and envoy_stat(stack, logged + "entries_lost") == 0
     matched, total = (int(x) for x in headers["x-kvroute-prefix"].split("/"))
     assert 0 < matched <= total
 
@@ -247,9 +250,9 @@ def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
         )
 
 
-def test_the_access_log_reaches_a_restarted_extproc(tmp_path: Path):
-    """ext_authz transport: the ext_proc stops (ending Envoy's access-log stream) and starts again;
-    Envoy opens its log stream again, and the requests the new process routes end there."""
+def test_the_access_log_is_made_again_to_a_restarted_extproc(tmp_path: Path):
+    """ext_authz transport: the ext_proc stops (closing Envoy's log connection) and starts again;
+    Envoy makes its log connection again, and the requests the new process routes end there."""
     with Stack(tmp_path, sims=2, transport="ext_authz") as stack:
         assert post(stack.url, chat([{"role": "user", "content": "before"}]))[0] == 200
         stack.stop_process("extproc")
@@ -261,6 +264,7 @@ def test_the_access_log_reaches_a_restarted_extproc(tmp_path: Path):
             routed.append("x-kvroute-decision" in headers)
         assert all(routed)
         eventually(lambda: stack.debug_state()["authz"]["open_exchanges"] == 0, message="every end came on the log")
+        assert envoy_stat(stack, "access_logs.fluentd.kvroute_ends.entries_lost") == 0
 
 
 def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):

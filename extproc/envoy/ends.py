@@ -1,0 +1,135 @@
+"""Each request's end, as Envoy's Fluentd access logger sends it, on the ext_authz port itself.
+
+Why not Envoy's gRPC access-log service: grpc.aio hands every message from its poller thread to
+the event loop. Moving the records here cut the ext_proc's CPU per request by 80-110 µs at 16
+concurrent, about a fifth (docs/benchmarks.md, "Request ends over Envoy's Fluentd logger"). The
+Fluentd logger (`envoy.access_loggers.fluentd`) writes each entry, as it is logged, to one plain
+TCP connection per Envoy worker (through a relay inside Envoy: bootstrap._ENDS_RELAY says why):
+MessagePack in the Forward protocol's forward mode, `[tag, [[time, record], ...]]`, the record a
+map whose fields the bootstrap names (`RECORD`). Read here from the socket as it comes, it costs
+a few microseconds.
+
+The connection comes to the ext_authz port (one port, one Service, one TLS setup for both): its
+first byte tells them apart, `0x92` (a two-element MessagePack array) for the log, an HTTP
+method's letter for ext_authz calls, which go on to aiohttp's own protocol. With a token, the log
+proves itself as the calls do: the first record of a connection must carry it (field `k`), else
+the connection is closed, counted, and nothing it sent is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+FORWARD_MODE = 0x92  # msgpack fixarray of two: [tag, entries]
+MAX_PENDING_BYTES = 1 << 20  # an entry is a few hundred bytes; a stream that buffers more is broken
+
+# The record Envoy sends for each request's end: field -> Envoy's substitution format. Short keys:
+# every entry carries them.
+RECORD = {
+    "x": "%REQ(X-KVROUTE-EXCHANGE)%",  # the exchange the ext_authz answer named
+    "u": "%UPSTREAM_REMOTE_ADDRESS%",  # who served it ("-": nobody)
+    "c": "%RESPONSE_CODE%",  # its status (0: none)
+    "d": "%RESPONSE_CODE_DETAILS%",  # why ("via_upstream", "upstream_reset_before_response_started{...}", ...)
+    "f": "%RESPONSE_FLAGS%",  # Envoy's short flags ("UF": the upstream connection failed)
+}
+TOKEN_FIELD = "k"
+
+
+class EndsProtocol(asyncio.Protocol):
+    """One Envoy worker's log connection: each record to `on_record`, in order."""
+
+    def __init__(
+        self,
+        on_record: Callable[[Mapping[str, Any]], None],
+        token: str,
+        refused: Callable[[], None],
+        open_logs: set[asyncio.BaseTransport],
+    ) -> None:
+        self._on_record = on_record
+        self._open_logs = open_logs  # so that a stopping ext_proc can close them (Authz.close_logs)
+        self._token = token.encode()
+        self._refused = refused
+        self._proven = not token
+        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_PENDING_BYTES)
+        self._transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._open_logs.add(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._transport is not None:
+            self._open_logs.discard(self._transport)
+            self._transport = None
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._unpacker.feed(data)
+            for message in self._unpacker:
+                if self._transport is None:  # closed: nothing more is applied
+                    return
+                self._message(message)
+        except (msgpack.UnpackException, ValueError, TypeError) as error:  # BufferFull is a ValueError
+            self._close(f"not an access-log stream ({error.__class__.__name__})")
+
+    def _message(self, message: Any) -> None:
+        if not isinstance(message, (list, tuple)) or len(message) != 2 or not isinstance(message[1], (list, tuple)):
+            raise TypeError("not a forward-mode message")
+        for entry in message[1]:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], dict):
+                raise TypeError("not a forward-mode entry")
+            record = entry[1]
+            if not self._proven:
+                token = record.get(TOKEN_FIELD)
+                if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
+                    self._refused()
+                    self._close("an access-log stream without the token")
+                    return
+                self._proven = True
+            record.pop(TOKEN_FIELD, None)  # never passed on (a sibling's record goes through the store)
+            try:
+                self._on_record(record)
+            except Exception:  # one bad record must not end the stream (and lose the rest)
+                log.exception("access-log record could not be applied")
+
+    def _close(self, why: str) -> None:
+        log.warning("closed a connection to the ext_authz port: %s", why)
+        if self._transport is not None:
+            self._open_logs.discard(self._transport)
+            self._transport.close()
+            self._transport = None
+
+
+class Sniffer(asyncio.Protocol):
+    """A connection to the ext_authz port until its first byte says what it is: then handed, with
+    that byte, to the access-log protocol or to aiohttp's HTTP protocol."""
+
+    def __init__(self, http: Callable[[], asyncio.BaseProtocol], ends: Callable[[], asyncio.Protocol]) -> None:
+        self._http = http
+        self._ends = ends
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None or not data:
+            return
+        protocol = self._ends() if data[0] == FORWARD_MODE else self._http()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        assert isinstance(protocol, asyncio.Protocol)
+        protocol.data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
