@@ -374,12 +374,8 @@ def _authz_cluster(layout: EnvoyLayout) -> dict[str, Any]:
         "connect_timeout": "1s",
         **_checked_and_unthrottled({"http_health_check": {"path": "/health"}}),
         **_extproc_transport(layout, alpn="http/1.1"),
-        "load_assignment": _endpoints("kvroute_authz", _authz_members(layout)),
+        "load_assignment": _endpoints("kvroute_authz", [f"{layout.extproc_host}:{p}" for p in layout.authz_ports]),
     }
-
-
-def _authz_members(layout: EnvoyLayout) -> list[str]:
-    return [f"{layout.extproc_host}:{p}" for p in layout.authz_ports]
 
 
 # Envoy 1.40's Fluentd logger makes each worker's logger when the listener is built and keeps
@@ -409,8 +405,11 @@ def _ends_cluster() -> dict[str, Any]:
 
 def _ends_relay() -> dict[str, Any]:
     """Each access-log connection, relayed to a healthy ext_proc's authz port."""
-    proxy = {"@type": _TYPES + "extensions.filters.network.tcp_proxy.v3.TcpProxy", "stat_prefix": "kvroute_ends"}
-    proxy["cluster"] = "kvroute_authz"
+    proxy = {
+        "@type": _TYPES + "extensions.filters.network.tcp_proxy.v3.TcpProxy",
+        "stat_prefix": "kvroute_ends",
+        "cluster": "kvroute_authz",
+    }
     return {
         "name": _ENDS_RELAY,
         "internal_listener": {},
