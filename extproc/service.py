@@ -39,6 +39,7 @@ log = logging.getLogger("kvroute")
 # minutes as a strike and after two answer GOAWAY (too_many_pings), cutting every stream on the
 # connection: each request waiting that long for its backend's response lost its response phase.
 # A ping costs next to nothing: the gateway's are accepted at any rate, with calls in flight or not.
+STOP_GRACE_S = 2.0  # what a stopping ext_proc gives the calls it is deciding to be answered
 KEEPALIVE_TOLERANCE = (("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1))
 
 
@@ -142,19 +143,14 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         cleanup.push_async_callback(stop_tasks, tasks)
         if authz is not None:
             cleanup.callback(authz.close_all)  # after the ports close: no entry comes any more
-        cleanup.push_async_callback(server.stop, 2)
+        cleanup.push_async_callback(server.stop, STOP_GRACE_S)
         if authz is not None:
-            # A client that leaves while its request is held cancels Envoy's check call: the handler
-            # is cancelled with it, and the request leaves flow control's queue at once.
-            checks = web.AppRunner(authz.app(), access_log=None, handler_cancellation=True)
-            await checks.setup()
-            cleanup.push_async_callback(checks.cleanup)
             files = (config.grpc_tls_cert_file, config.grpc_tls_key_file, config.grpc_tls_client_ca_file)
-            assert checks.server is not None  # made by setup
             port = await asyncio.get_running_loop().create_server(
-                authz.protocols(checks.server), config.grpc_host, config.authz_port, ssl=server_ssl_context(*files)
+                authz.protocols(), config.grpc_host, config.authz_port, ssl=server_ssl_context(*files)
             )
-            cleanup.callback(authz.close_logs)  # then Envoy's log connections (calls: the runner's cleanup)
+            cleanup.push_async_callback(authz.close_calls, STOP_GRACE_S)  # then the calls, once answered
+            cleanup.callback(authz.close_logs)  # then Envoy's log connections
             cleanup.callback(port.close)  # first, no new connection
         for unit in units:  # before the server stops: what is held is answered, not cut
             cleanup.callback(unit.room.drain)

@@ -1,6 +1,6 @@
-"""The ext_authz transport's check handler and access-log records, on a real router, the check
-served by aiohttp's own test server and the port (calls and log on one socket) by asyncio (no
-Envoy: tests/test_e2e_envoy.py runs it through Envoy)."""
+"""The ext_authz transport's check handler and access-log records, on a real router, over the
+port as the ext_proc serves it (calls and log on one socket; no Envoy: tests/test_e2e_envoy.py
+runs it through Envoy, tests/test_calls.py the calls' HTTP)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Any
 import msgpack
 import orjson
 import pytest
-from aiohttp import ClientSession, web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp import ClientSession
 
 from extproc.core.backends import Backend, Role
 from extproc.core.engine import EngineSample
@@ -50,10 +49,16 @@ def check(authz: Authz, body: bytes, headers: dict[str, str] | None = None, path
     """One check call as Envoy makes it: (status, headers, body)."""
 
     async def call() -> tuple[int, dict[str, str], bytes]:
-        async with TestClient(TestServer(authz.app())) as client:
-            sent = {"authorization": f"Bearer {TOKEN}", **(headers or {})}
-            response = await client.post(ROUTE_PREFIX + path, data=body, headers=sent)
-            return response.status, dict(response.headers), await response.read()
+        server, port = await _port(authz)
+        try:
+            async with ClientSession() as session:
+                sent = {"authorization": f"Bearer {TOKEN}", **(headers or {})}
+                url = f"http://127.0.0.1:{port}{ROUTE_PREFIX}{path}"
+                async with session.post(url, data=body, headers=sent) as response:
+                    return response.status, dict(response.headers), await response.read()
+        finally:
+            server.close()
+            await authz.close_calls(1.0)
 
     return asyncio.run(call())
 
@@ -242,13 +247,10 @@ def _logged(*records: dict[str, Any]) -> bytes:
     return b"".join(msgpack.packb(["kvroute", [[1_800_000_000, record]]]) for record in records)
 
 
-async def _port(authz: Authz) -> tuple[asyncio.Server, web.AppRunner, int]:
+async def _port(authz: Authz) -> tuple[asyncio.Server, int]:
     """The authz port as the ext_proc serves it: calls and access log on one socket."""
-    runner = web.AppRunner(authz.app(), access_log=None)
-    await runner.setup()
-    assert runner.server is not None
-    server = await asyncio.get_running_loop().create_server(authz.protocols(runner.server), "127.0.0.1", 0)
-    return server, runner, server.sockets[0].getsockname()[1]
+    server = await asyncio.get_running_loop().create_server(authz.protocols(), "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
 
 
 async def _call(port: int) -> dict[str, str]:
@@ -283,7 +285,7 @@ def test_the_port_takes_calls_and_the_access_log_on_one_socket(parts: Any):
     router, _, metrics, _, authz = parts
 
     async def scenario() -> None:
-        server, runner, port = await _port(authz)
+        server, port = await _port(authz)
         try:
             first = await _call(port)
             record = entry(first[EXCHANGE_HEADER], 200, first[DESTINATION_HEADER])
@@ -305,6 +307,7 @@ def test_the_port_takes_calls_and_the_access_log_on_one_socket(parts: Any):
             writer.close()
         finally:
             server.close()
-            await runner.cleanup()
+            authz.close_logs()
+            await authz.close_calls(1.0)
 
     asyncio.run(scenario())

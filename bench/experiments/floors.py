@@ -33,7 +33,16 @@ from extproc.envoy.headers import DESTINATION_HEADER
 
 CASES = [(8_000, 1), (8_000, 16), (84_000, 1), (84_000, 16)]  # (body bytes, concurrency)
 # Stacks in the order each case runs them; "none": Envoy alone, "kvroute": the product.
-TRANSPORTS = ("none", "ext_proc", "ext_proc_request", "ext_authz_grpc", "ext_authz_http", "kvroute", "kvroute_authz")
+TRANSPORTS = (
+    "none",
+    "ext_proc",
+    "ext_proc_request",
+    "ext_authz_grpc",
+    "ext_authz_http",
+    "ext_authz_raw",
+    "kvroute",
+    "kvroute_authz",
+)
 # Not among them: "ext_proc_body", the external processor sent the buffered body only (its request
 # headers SKIPped, one message instead of three). It cannot route: Envoy passes the headers on at
 # once, its router picks the upstream host then, and the body reply's destination comes too late

@@ -11,7 +11,10 @@ the router's. `bench/experiments/floors.py` runs them; run one with
 - `ext_authz_grpc`: Envoy's external authorization over gRPC (`Authorization.Check`), the request
   body included, the destination set through the OK response's headers;
 - `ext_authz_http`: the same over plain HTTP/1.1: the body posted, the destination a header of a
-  200 answer (Envoy's `allowed_upstream_headers` lets it through to the upstream request).
+  200 answer (Envoy's `allowed_upstream_headers` lets it through to the upstream request);
+- `ext_authz_raw`: the same HTTP/1.1 calls read by a bare asyncio protocol instead of aiohttp's
+  server (the request's end found from its Content-Length, the answer written as prepared bytes):
+  what the HTTP framework itself costs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from extproc.envoy.headers import DESTINATION_HEADER
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.service import KEEPALIVE_TOLERANCE
 
-TRANSPORTS = ("ext_proc", "ext_authz_grpc", "ext_authz_http")
+TRANSPORTS = ("ext_proc", "ext_authz_grpc", "ext_authz_http", "ext_authz_raw")
 _LIMIT = 64 * 1024 * 1024  # messages carry whole bodies
 
 
@@ -120,9 +123,42 @@ def _http_app(backends: Sequence[str]) -> web.Application:
     return app
 
 
+class _RawCheck(asyncio.Protocol):
+    """HTTP/1.1 calls, one after another on a connection: each answered once its body is in."""
+
+    def __init__(self, answers: Sequence[bytes], turn: Iterator[int]) -> None:
+        self._answers = answers
+        self._turn = turn
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while (end := self._buffer.find(b"\r\n\r\n")) >= 0:
+            head = bytes(self._buffer[:end]).lower() + b"\r\n"
+            at = head.find(b"\r\ncontent-length:")
+            size = int(head[at + 17 : head.index(b"\r\n", at + 2)]) if at >= 0 else 0
+            if len(self._buffer) < end + 4 + size:
+                return
+            del self._buffer[: end + 4 + size]
+            assert self._transport is not None
+            self._transport.write(self._answers[next(self._turn)])
+
+
 async def serve(transport: str, port: int, backends: Sequence[str]) -> None:
     """Serve until killed."""
-    if transport == "ext_authz_http":
+    if transport == "ext_authz_raw":
+        turn = _turns(backends)
+        answers = [
+            f"HTTP/1.1 200 OK\r\n{DESTINATION_HEADER}: {b}\r\nContent-Length: 0\r\n\r\n".encode() for b in backends
+        ]
+        loop = asyncio.get_running_loop()
+        await loop.create_server(lambda: _RawCheck(answers, turn), "127.0.0.1", port)
+    elif transport == "ext_authz_http":
         runner = web.AppRunner(_http_app(backends), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()

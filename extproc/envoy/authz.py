@@ -31,11 +31,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
-from aiohttp import web
 
 from extproc.core.backends import Backend
 from extproc.core.pairs import disaggregated
 from extproc.envoy import messages as msg
+from extproc.envoy.calls import Call, CallProtocol, answer
 from extproc.envoy.ends import EndsProtocol, Sniffer
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
@@ -67,11 +67,17 @@ def _destination(reply: pb.ProcessingResponse) -> str | None:
     return None
 
 
-def _immediate(reply: pb.ProcessingResponse) -> web.Response:
+def _immediate(reply: pb.ProcessingResponse) -> bytes:
     """An ext_proc immediate response (429, 503) as the ext_authz answer Envoy passes on."""
     immediate = reply.immediate_response
-    headers = {option.header.key: msg.text(option.header) for option in immediate.headers.set_headers}
-    return web.Response(status=immediate.status.code or 503, body=immediate.body, headers=headers)
+    headers = [(option.header.key, msg.text(option.header)) for option in immediate.headers.set_headers]
+    return answer(immediate.status.code or 503, headers, immediate.body)
+
+
+_UNAUTHENTICATED = answer(401)
+_NOT_FOUND = answer(404)
+_HEALTHY = answer(200, body=b"ok")
+_TRANSFER_PARAMS = answer(400, body=b"kv_transfer_params are not accepted from clients")
 
 
 class Authz:
@@ -95,6 +101,7 @@ class Authz:
         self._token = f"Bearer {token}".encode() if token else b""
         self._log_token = token
         self._logs: set[asyncio.BaseTransport] = set()  # Envoy's open access-log connections
+        self._calls: set[CallProtocol] = set()  # and its open call connections
         self._clock = clock
         self._max_age_s = max_age_s
         self._ids = itertools.count(1)
@@ -107,35 +114,38 @@ class Authz:
         self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
         self.unsplit = 0  # requests served whole in a fleet with prefill servers: see `warnings`
 
-    def protocols(self, http: Callable[[], asyncio.BaseProtocol]) -> Callable[[], asyncio.Protocol]:
-        """The port's protocol factory: ext_authz calls go to `http` (aiohttp's server), the access
-        log's records to `ended`."""
+    def protocols(self) -> Callable[[], asyncio.Protocol]:
+        """The port's protocol factory: ext_authz calls to `answer`, the access log's records to
+        `ended`."""
         refused = self._metrics.errors.labels("unauthenticated_stream").inc
+        malformed = self._metrics.errors.labels("malformed_call").inc
+
+        def calls() -> asyncio.Protocol:
+            return CallProtocol(self.answer, malformed, self._calls)
 
         def ends() -> asyncio.Protocol:
             return EndsProtocol(self.ended, self._log_token, refused, self._logs)
 
-        return lambda: Sniffer(http, ends)
+        return lambda: Sniffer(calls, ends)
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=0)  # Envoy bounds the body (with_request_body)
-        app.router.add_route("*", ROUTE_PREFIX + "/{path:.*}", self.check)
-        app.router.add_get("/health", self._health)
-        return app
+    async def answer(self, call: Call) -> bytes:
+        """A call to the port: a route (under ROUTE_PREFIX), or the health check's."""
+        if call.target.startswith(ROUTE_PREFIX):
+            return await self.check(call)
+        if call.target == "/health" and call.method == "GET":
+            return _HEALTHY
+        return _NOT_FOUND
 
-    async def _health(self, _request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def check(self, request: web.Request) -> web.Response:
+    async def check(self, call: Call) -> bytes:
         """One request's route. Envoy sends its method, path (after ROUTE_PREFIX), the headers it
         forwards and its buffered body."""
-        if self._token and not hmac.compare_digest(request.headers.get("authorization", "").encode(), self._token):
+        headers = call.headers
+        if self._token and not hmac.compare_digest(headers.get("authorization", "").encode(), self._token):
             self._metrics.errors.labels("unauthenticated_stream").inc()
-            return web.Response(status=401)
-        headers = {name.lower(): value for name, value in request.headers.items()}
-        headers[":method"] = request.method
-        headers[":path"] = request.path_qs[len(ROUTE_PREFIX) :] or "/"
-        body = await request.read()
+            return _UNAUTHENTICATED
+        headers[":method"] = call.method
+        headers[":path"] = call.target[len(ROUTE_PREFIX) :] or "/"
+        body = call.body
         stream = Stream()
         reply = self._processor.request_headers(stream, headers, end_of_stream=not body)
         if stream.phase is Phase.BODY:
@@ -150,15 +160,13 @@ class Authz:
         ):
             self._processor.closed(stream)  # the body cannot be rewritten here: never passed on
             self._metrics.errors.labels("client_transfer_params").inc()
-            return web.Response(status=400, text="kv_transfer_params are not accepted from clients")
-        answer: dict[str, str] = {}
+            return _TRANSFER_PARAMS
         target = _destination(reply)
-        if target is not None:
-            answer[DESTINATION_HEADER] = target
+        routed = [(DESTINATION_HEADER, target)] if target is not None else []
         exchange = stream.exchange
         if exchange is None or exchange.decision.backend is None:  # passed through, or unrouted
             self._processor.closed(stream)
-            return web.Response(headers=answer)
+            return answer(200, routed)
         owner = self._processor.owner_of(stream)  # the policy that decided it
         if self._disaggregated(owner.pool):
             self._unsplit()
@@ -166,11 +174,11 @@ class Authz:
         self._open[key] = (stream, self._clock())
         router = owner.router
         router.sent(exchange, self._clock())
-        answer[EXCHANGE_HEADER] = key
+        routed.append((EXCHANGE_HEADER, key))
         if router.settings.decision_headers and exchange.request is not None:  # (none when unread)
             backend = exchange.decision.backend
-            answer.update(router.decision_headers(exchange, backend, exchange.predicted_blocks))
-        return web.Response(headers=answer)
+            routed += router.decision_headers(exchange, backend, exchange.predicted_blocks)
+        return answer(200, routed)
 
     def _disaggregated(self, pool: BackendPool) -> bool:
         """The policy's fleet has prefill servers (worked out once per backend set)."""
@@ -281,6 +289,13 @@ class Authz:
         for transport in list(self._logs):
             transport.close()
         self._logs.clear()
+
+    async def close_calls(self, timeout_s: float) -> None:
+        """Stopping, once no new connection comes: each call being decided is given `timeout_s`
+        to be answered (flow control's drain answers those it held), then its connection closes."""
+        calls = list(self._calls)
+        if calls:
+            await asyncio.gather(*(call.finish(timeout_s) for call in calls))
 
     def close_all(self) -> None:
         """Stopping: every open exchange releases what it holds."""
