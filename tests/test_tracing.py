@@ -111,6 +111,24 @@ def test_a_request_without_a_trace_starts_one_and_passes_it_on(traced):
     assert stream.headers["traceparent"] == sent["traceparent"]  # what a prefill leg forwards
 
 
+def test_a_traced_reply_is_a_copy_and_leaves_the_shared_routing_reply_alone(traced):
+    """Routing replies are made once per destination and shared (messages.routing): a traced
+    request's trace context goes on a copy, so the next request to that backend carries none."""
+    router, _, tracer, _ = traced
+    pool = BackendPool([Backend(A)], router.remove_backend, unhealthy_after=2)
+    sent = []
+    for processor in (
+        Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0, tracer=tracer),
+        Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0),
+    ):
+        stream = Stream()
+        processor.handle(request_headers(traceparent=TRACEPARENT), stream)
+        sent.append(set_headers(processor.handle(body(), stream).request_body.response.header_mutation))
+        processor.closed(stream)
+    assert sent[0][DESTINATION_HEADER] == sent[1][DESTINATION_HEADER] == A
+    assert "traceparent" in sent[0] and "traceparent" not in sent[1]
+
+
 def test_requests_not_for_a_model_and_untraced_processors_make_no_span(traced):
     router, pool, tracer, exporter = traced
     processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0, tracer=tracer)

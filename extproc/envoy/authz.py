@@ -56,17 +56,6 @@ _UNSPLIT = (
 )
 
 
-def _destination(reply: pb.ProcessingResponse) -> str | None:
-    """The destination an ext_proc reply sets, if any."""
-    kind = reply.WhichOneof("response")
-    if kind not in ("request_headers", "request_body"):
-        return None
-    for option in getattr(reply, kind).response.header_mutation.set_headers:
-        if option.header.key == DESTINATION_HEADER:
-            return msg.text(option.header)
-    return None
-
-
 def _immediate(reply: pb.ProcessingResponse) -> bytes:
     """An ext_proc immediate response (429, 503) as the ext_authz answer Envoy passes on."""
     immediate = reply.immediate_response
@@ -161,7 +150,7 @@ class Authz:
             self._processor.closed(stream)  # the body cannot be rewritten here: never passed on
             self._metrics.errors.labels("client_transfer_params").inc()
             return _TRANSFER_PARAMS
-        target = _destination(reply)
+        target = stream.destination
         routed = [(DESTINATION_HEADER, target)] if target is not None else []
         exchange = stream.exchange
         if exchange is None or exchange.decision.backend is None:  # passed through, or unrouted

@@ -9,6 +9,8 @@ built once: copy one before changing it.
 
 from __future__ import annotations
 
+import functools
+
 from extproc.envoy.headers import (
     DESTINATION_HEADER,
     LB_NAMESPACE,
@@ -202,6 +204,27 @@ def destination(target: str) -> pb.HeaderMutation:
 NO_DESTINATION = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER, PENDING_HEADER])
 
 
+@functools.lru_cache(maxsize=4096)
+def routing(kind: str, target: str | None) -> pb.ProcessingResponse:
+    """The reply that routes a request_headers or request_body message to `target` (None: to no
+    backend, the decision left to Envoy), as a header mutation and as metadata; a body's reply
+    matches the route again (the pending mark goes). Made once per target (a backend or a
+    fallback pair), so shared: copy one before changing it."""
+    reply = pb.ProcessingResponse()
+    response = getattr(reply, kind).response
+    response.header_mutation.CopyFrom(NO_DESTINATION if target is None else destination(target))
+    if kind == "request_body":
+        response.clear_route_cache = True
+    return with_destination(reply, target)
+
+
+def copied(reply: pb.ProcessingResponse) -> pb.ProcessingResponse:
+    """A reply of one's own, to change (replies may be shared)."""
+    copy = pb.ProcessingResponse()
+    copy.CopyFrom(reply)
+    return copy
+
+
 def with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.ProcessingResponse:
     """The destination also as `envoy.lb` dynamic metadata, same key and value as the header."""
     if target:
@@ -213,8 +236,7 @@ def with_destination(response: pb.ProcessingResponse, target: str | None) -> pb.
 def cleared(reply: pb.ProcessingResponse) -> pb.ProcessingResponse:
     """A copy of a request-headers reply that makes Envoy match the route again with the new
     header (replies may be shared constants)."""
-    copy = pb.ProcessingResponse()
-    copy.CopyFrom(reply)
+    copy = copied(reply)
     copy.request_headers.response.clear_route_cache = True
     return copy
 

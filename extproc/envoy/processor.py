@@ -95,6 +95,7 @@ class Stream:
     """One HTTP request's state across its gRPC stream: its phase, its headers, the core's exchange."""
 
     __slots__ = (
+        "destination",
         "dispatched",
         "exchange",
         "headers",
@@ -113,6 +114,7 @@ class Stream:
         self.phase = Phase.HEADERS
         self.headers: dict[str, str] = {}
         self.exchange: Exchange | None = None
+        self.destination: str | None = None  # where its reply sent it (a backend, or a fallback pair)
         self.subset: frozenset[str] | None = None  # the gateway's subset hint, if it sent one
         # How bodies come, from the stream's first message: FULL_DUPLEX_STREAMED, kvroute hands
         # them back to Envoy (the request's after its decision, the response's as they come).
@@ -246,6 +248,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if body is not None and not reply.HasField("immediate_response"):  # this body decided it
                 handed = await self.owner_of(stream)._handed_over(stream, body)
                 if handed is not None:
+                    reply = msg.copied(reply)
                     response = reply.request_body.response
                     response.body_mutation.body = handed
                     response.header_mutation.set_headers.append(msg.header("content-length", str(len(handed))))
@@ -590,7 +593,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         still gets a destination (the least loaded backend): gateways whose cluster connects only
         where the picker says would otherwise have nowhere to send it."""
         stream.advance(Phase.PASSED)
-        target = self._router.least_loaded(self._candidates(stream), self._clock())
+        target = stream.destination = self._router.least_loaded(self._candidates(stream), self._clock())
         response = pb.ProcessingResponse()
         if target is None:
             response.CopyFrom(msg.STRIP_HEADERS if spoofed else msg.CONTINUE_HEADERS)
@@ -628,22 +631,23 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if stream.subset is not None and not backends:
             self._metrics.errors.labels("no_subset_candidate").inc()
             return msg.NO_CANDIDATE
-        common, target = self._decide(stream, body, backends, parsed)
-        if stream.exchange is not None and stream.exchange.decision.label in _REFUSALS:
-            return _REFUSALS[stream.exchange.decision.label]
-        reply = pb.ProcessingResponse()
-        response = getattr(reply, kind).response
-        response.CopyFrom(common)
-        if kind == "request_body":  # the pending mark goes: the route is matched again without it
-            response.clear_route_cache = True
-        return msg.with_destination(reply, target)
+        target = self._decide(stream, body, backends, parsed)
+        exchange = stream.exchange
+        if exchange is not None and exchange.decision.label in _REFUSALS:
+            return _REFUSALS[exchange.decision.label]
+        stream.destination = target
+        reply = msg.routing(kind, target)
+        if target is not None and exchange is not None and stream.span is not None and self._tracer is not None:
+            reply = msg.copied(reply)
+            self._traced(stream, stream.span, self._tracer, exchange, getattr(reply, kind).response.header_mutation)
+        return reply
 
     def _decide(
         self, stream: Stream, body: bytes | None, backends: Sequence[Backend], parsed: Parsed | None
-    ) -> tuple[pb.CommonResponse, str | None]:
-        """Body (or what was read of it) -> exchange among `backends` -> destination header (and
-        the destination, for the metadata). A missing or unreadable body goes least loaded
-        (fail-open), counted once under its own kind."""
+    ) -> str | None:
+        """Body (or what was read of it) -> exchange among `backends` -> destination (None: no
+        backend). A missing or unreadable body goes least loaded (fail-open), counted once under
+        its own kind."""
         started = time.perf_counter()
         exchange = None
         if body is not None:
@@ -664,13 +668,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         decision = exchange.decision
         if decision.backend is None:
-            return pb.CommonResponse(header_mutation=msg.NO_DESTINATION), None
+            return None
         second = decision.second if self._fallback else None
-        target = decision.backend if second is None else f"{decision.backend},{second}"
-        mutation = msg.destination(target)
-        if stream.span is not None and self._tracer is not None:
-            self._traced(stream, stream.span, self._tracer, exchange, mutation)
-        return pb.CommonResponse(header_mutation=mutation), target
+        return decision.backend if second is None else f"{decision.backend},{second}"
 
     def _traced(
         self, stream: Stream, span: Span, tracer: RequestTracer, exchange: Exchange, mutation: pb.HeaderMutation

@@ -1,0 +1,42 @@
+"""Where the ext_proc's CPU goes over the ext_authz transport (calls read by calls.py): 8 KB
+follow-ups at 16 concurrent through kvroute's own layout over 4 fast simulated backends, py-spy
+attached for 25 s (py-spy from a scratch virtualenv, an investigation tool, not a project
+dependency). With --gil, only samples holding the GIL: the Python work, without syscalls or
+waits for a core.
+
+    python results/floors-34/lean-calls/profile.py PATH-TO-PY-SPY [--gil]   # writes py-spy.raw here
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from bench.experiments.latency import FAST_SIM, followups, send_all
+from bench.harness.stack import Stack
+
+HERE = Path(__file__).parent
+
+with (
+    tempfile.TemporaryDirectory() as scratch,
+    Stack(Path(scratch), sims=4, sim_args=FAST_SIM, transport="ext_authz") as stack,
+):
+    bodies = followups(8_000, 2000)
+    asyncio.run(send_all(stack.url, bodies[:100], 16))  # warm-up
+    pid = str(stack.processes["extproc"].pid)
+    record = ["record", "--pid", pid, "--duration", "25", "--rate", "250", "--format", "raw", "--nonblocking"]
+    output = HERE / ("py-spy-gil.raw" if "--gil" in sys.argv else "py-spy.raw")
+    spy = subprocess.Popen([sys.argv[1], *record, *sys.argv[2:], "--output", str(output)])
+    time.sleep(1)
+    end, sent = time.time() + 22, 0
+    while time.time() < end:
+        asyncio.run(send_all(stack.url, bodies, 16))
+        sent += len(bodies)
+    print("requests", sent)
+    spy.wait()
