@@ -1,8 +1,12 @@
 """Where the ext_proc's CPU goes over the ext_authz transport: 8 KB follow-ups at 16 concurrent
 through kvroute's own layout over 4 fast simulated backends, py-spy attached for 25 s (py-spy from
-a scratch virtualenv, an investigation tool, not a project dependency).
+a scratch virtualenv, an investigation tool, not a project dependency). Further arguments go to
+py-spy: with --gil, only samples holding the GIL (the Python work, without syscalls or waits for a
+core).
 
-    python results/floors-34/fluentd-ends/profile.py PATH-TO-PY-SPY   # writes py-spy.raw here
+    python results/floors-34/fluentd-ends/profile.py PATH-TO-PY-SPY OUTPUT [--gil]
+    # fluentd-ends/py-spy.raw (2026-12-04, the calls served by aiohttp);
+    # lean-calls/py-spy-gil.raw with --gil (the calls read by extproc/envoy/calls.py)
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.experiments.latency import FAST_SIM, followups, send_all
 from bench.harness.stack import Stack
 
-HERE = Path(__file__).parent
-
 with (
     tempfile.TemporaryDirectory() as scratch,
     Stack(Path(scratch), sims=4, sim_args=FAST_SIM, transport="ext_authz") as stack,
@@ -29,7 +31,7 @@ with (
     asyncio.run(send_all(stack.url, bodies[:100], 16))  # warm-up
     pid = str(stack.processes["extproc"].pid)
     record = ["record", "--pid", pid, "--duration", "25", "--rate", "250", "--format", "raw", "--nonblocking"]
-    spy = subprocess.Popen([sys.argv[1], *record, "--output", str(HERE / "py-spy.raw")])
+    spy = subprocess.Popen([sys.argv[1], *record, *sys.argv[3:], "--output", sys.argv[2]])
     time.sleep(1)
     end, sent = time.time() + 22, 0
     while time.time() < end:
