@@ -1,6 +1,7 @@
 """The ext_authz port's HTTP/1.1 (extproc/envoy/calls.py) over real loopback sockets: calls in
-turn on a kept-alive connection, what Envoy never sends refused and the connection closed, a
-caller that leaves cancelling its call, and arbitrary bytes never breaking the server."""
+turn on a kept-alive connection, a head refused before its body is read, what Envoy never sends
+refused and the connection closed, a caller that leaves cancelling its call, and arbitrary bytes
+never breaking the server."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ class Server:
         self.port = 0
         self._server: asyncio.Server | None = None
 
+    @staticmethod
+    def _admit(_method: str, target: str, _headers: dict[str, str]) -> bytes | None:
+        return answer(403, body=b"refused") if target == "/refused" else None
+
     async def _echo(self, call: Call) -> bytes:
         self.calls.append(call)
         if self._handle is not None:
@@ -42,7 +47,7 @@ class Server:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(lambda _loop, context: self.loop_errors.append(context))
         self._server = await loop.create_server(
-            lambda: CallProtocol(self._echo, self._refused, self.open), "127.0.0.1", 0
+            lambda: CallProtocol(self._admit, self._echo, self._refused, self.open), "127.0.0.1", 0
         )
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -94,6 +99,19 @@ def test_calls_on_a_kept_alive_connection_are_answered_in_turn():
             assert (one.method, one.target, one.body) == ("POST", "/kvroute/route/v1/chat/completions", b"a" * 5000)
             assert one.headers["x-session-id"] == "s1" and one.headers["content-length"] == "5000"
             assert two.body == b"b" * 10 and server.malformed == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_head_refused_by_admit_is_answered_before_its_body_is_read():
+    """(As a call without the token is: it makes nothing buffer the body it announces.)"""
+
+    async def scenario() -> None:
+        async with Server() as server:
+            announced = b"POST /refused HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % MAX_BODY_BYTES
+            received = await _exchange(server.port, announced, b"x" * 1000)
+            assert received == answer(403, body=b"refused") + b"<closed>"
+            assert server.calls == [] and server.malformed == 0
 
     asyncio.run(scenario())
 

@@ -110,28 +110,31 @@ class Authz:
         malformed = self._metrics.errors.labels("malformed_call").inc
 
         def calls() -> asyncio.Protocol:
-            return CallProtocol(self.answer, malformed, self._calls)
+            return CallProtocol(self.admit, self.answer, malformed, self._calls)
 
         def ends() -> asyncio.Protocol:
             return EndsProtocol(self.ended, self._log_token, refused, self._logs)
 
         return lambda: Sniffer(calls, ends)
 
+    def admit(self, method: str, target: str, headers: Mapping[str, str]) -> bytes | None:
+        """A call's head, before its body is read: a route asked with the token, or the health
+        check; anything else is answered now (and its connection closed)."""
+        if target.startswith(ROUTE_PREFIX):
+            if self._token and not hmac.compare_digest(headers.get("authorization", "").encode(), self._token):
+                self._metrics.errors.labels("unauthenticated_stream").inc()
+                return _UNAUTHENTICATED
+            return None
+        return None if target == "/health" and method == "GET" else _NOT_FOUND
+
     async def answer(self, call: Call) -> bytes:
-        """A call to the port: a route (under ROUTE_PREFIX), or the health check's."""
-        if call.target.startswith(ROUTE_PREFIX):
-            return await self.check(call)
-        if call.target == "/health" and call.method == "GET":
-            return _HEALTHY
-        return _NOT_FOUND
+        """An admitted call: a route (under ROUTE_PREFIX), or the health check's."""
+        return await self.check(call) if call.target.startswith(ROUTE_PREFIX) else _HEALTHY
 
     async def check(self, call: Call) -> bytes:
         """One request's route. Envoy sends its method, path (after ROUTE_PREFIX), the headers it
         forwards and its buffered body."""
         headers = call.headers
-        if self._token and not hmac.compare_digest(headers.get("authorization", "").encode(), self._token):
-            self._metrics.errors.labels("unauthenticated_stream").inc()
-            return _UNAUTHENTICATED
         headers[":method"] = call.method
         headers[":path"] = call.target[len(ROUTE_PREFIX) :] or "/"
         body = call.body

@@ -12,8 +12,10 @@ the current one is answered; reading goes on meanwhile, so that a caller leaving
 and pauses only past `MAX_HEAD_BYTES` of them), its body sized by `Content-Length`. Anything else is
 answered and the connection closed: a head that does not parse 400, a head over `MAX_HEAD_BYTES`
 431, a body over `MAX_BODY_BYTES` 413, a chunked body 501 (a 5xx: Envoy treats it as the
-service failing, and its failure mode decides). A connection that closes while its call is being
-decided cancels it (a request held by flow control leaves the queue at once).
+service failing, and its failure mode decides). The head is judged before the body is read
+(`admit`: a call without the token is refused then, so an unauthenticated caller makes nothing
+buffer its body). A connection that closes while its call is being decided cancels it (a request
+held by flow control leaves the queue at once).
 """
 
 from __future__ import annotations
@@ -103,22 +105,37 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], int, bool]:
     return method, target, headers, length, keep
 
 
+@dataclass(slots=True)
+class _Head:
+    """An admitted call's head: the call (its body to come), where its body starts in the buffer,
+    how long it is, and whether the connection stays open after the answer."""
+
+    call: Call
+    start: int
+    length: int
+    keep: bool
+
+
 class CallProtocol(asyncio.Protocol):
-    """One connection's calls, each handed to `handle` once whole and answered with the bytes it
-    returns (`answer`). `malformed` is told of each call refused unread."""
+    """One connection's calls: each head judged by `admit` (the answer refusing it, which closes
+    the connection, or None to read on), each call then handed to `handle` once whole and answered
+    with the bytes it returns (`answer`). `malformed` is told of each call refused unread."""
 
     def __init__(
         self,
+        admit: Callable[[str, str, dict[str, str]], bytes | None],
         handle: Callable[[Call], Awaitable[bytes]],
         malformed: Callable[[], None],
         open_calls: set[CallProtocol],
     ) -> None:
+        self._admit = admit
         self._handle = handle
         self._malformed = malformed
         self._open = open_calls  # so that a stopping ext_proc can wait for and close them
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None  # the call being decided
+        self._head: _Head | None = None  # the call whose body is still coming, its head admitted
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -129,6 +146,7 @@ class CallProtocol(asyncio.Protocol):
         self._transport = None
         self._open.discard(self)
         self._buffer.clear()
+        self._head = None
         if self._task is not None:
             self._task.cancel()
 
@@ -140,29 +158,37 @@ class CallProtocol(asyncio.Protocol):
             self._transport.pause_reading()  # not Envoy's way: bounded until this call is answered
 
     def _next(self) -> None:
-        """Start the next call if its bytes are all in."""
+        """Start the next call if its bytes are all in (its head parsed and admitted once)."""
         transport, buffer = self._transport, self._buffer
         if transport is None:
             return
-        end = buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buffer) > MAX_HEAD_BYTES:
+        head = self._head
+        if head is None:
+            end = buffer.find(b"\r\n\r\n")
+            if end > MAX_HEAD_BYTES or (end < 0 and len(buffer) > MAX_HEAD_BYTES):
+                self._malformed()
                 self._refuse(_HEAD_TOO_LARGE)
+                return
+            if end < 0:
+                return
+            try:
+                method, target, headers, length, keep = _parse_head(bytes(buffer[:end]))
+            except _Malformed as refused:
+                self._malformed()
+                self._refuse(refused.reply)
+                return
+            refusal = self._admit(method, target, headers)
+            if refusal is not None:
+                self._refuse(refusal)
+                return
+            head = self._head = _Head(Call(method, target, headers, b""), end + 4, length, keep)
+        finish = head.start + head.length
+        if len(buffer) < finish:
             return
-        if end > MAX_HEAD_BYTES:
-            self._refuse(_HEAD_TOO_LARGE)
-            return
-        try:
-            method, target, headers, length, keep = _parse_head(bytes(buffer[:end]))
-        except _Malformed as refused:
-            self._refuse(refused.reply)
-            return
-        start = end + 4
-        if len(buffer) < start + length:
-            return
-        body = bytes(buffer[start : start + length])
-        del buffer[: start + length]
-        self._task = asyncio.get_running_loop().create_task(self._serve(Call(method, target, headers, body), keep))
+        self._head = None
+        head.call.body = bytes(buffer[head.start : finish])
+        del buffer[:finish]
+        self._task = asyncio.get_running_loop().create_task(self._serve(head.call, head.keep))
 
     async def _serve(self, call: Call, keep: bool) -> None:
         try:
@@ -183,12 +209,12 @@ class CallProtocol(asyncio.Protocol):
         self._next()
 
     def _refuse(self, reply: bytes) -> None:
-        """A call this server does not read: answered, counted, the connection closed."""
-        self._malformed()
+        """A call this server does not read: answered, the connection closed."""
         if self._transport is not None:
             self._transport.write(reply)
             self._transport.close()
         self._buffer.clear()
+        self._head = None
 
     async def finish(self, timeout_s: float) -> None:
         """Stopping: the call being decided is given `timeout_s` to be answered, then the
