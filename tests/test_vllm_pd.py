@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from bench.experiments.handoff import completion, connect, hand_off
-from bench.harness.fleets import VllmFleet, counter
+from bench.harness.fleets import VLLM_BLOCK_TOKENS, VllmFleet, counter
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import Stack, dev_command, layout_for
 from bench.workload import text
-from tests.e2e import log_tails, metric, post
+from tests.e2e import eventually, log_tails, metric, post
 
 pytestmark = [pytest.mark.vllm]
 
@@ -131,6 +131,13 @@ def test_precise_mode_sees_the_transferred_blocks_in_the_decode_servers_cache(fl
         status, headers, answer = post(stack.url, body, path="/v1/completions")
         assert status == 200 and headers.get("x-kvroute-backend") == decode, (answer, log_tails(stack.workdir))
         assert kvroute_counter(stack, "split") == 1
+        # The decode server's events come on their own connection, a moment after the response
+        # (a full suite once sent the next request before them: predicted 0, cached 1,664): wait
+        # for them, as a conversation's next turn would come later.
+        eventually(
+            lambda: stack.debug_state()["index_entries_by_backend"].get(decode, 0) * VLLM_BLOCK_TOKENS >= 1024,
+            message="the decode server's events for the blocks it pulled",
+        )
         status, headers, answer = post(stack.url, body, path="/v1/completions")
         assert status == 200, answer
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
