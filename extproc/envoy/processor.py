@@ -594,12 +594,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         where the picker says would otherwise have nowhere to send it."""
         stream.advance(Phase.PASSED)
         target = stream.destination = self._router.least_loaded(self._candidates(stream), self._clock())
-        response = pb.ProcessingResponse()
-        if target is None:
-            response.CopyFrom(msg.STRIP_HEADERS if spoofed else msg.CONTINUE_HEADERS)
-        else:
-            response.request_headers.response.header_mutation.CopyFrom(msg.destination(target))
-            msg.with_destination(response, target)
+        unrouted = msg.STRIP_HEADERS if spoofed else msg.CONTINUE_HEADERS
+        response = msg.copied(unrouted if target is None else msg.routing("request_headers", target))
         response.mode_override.CopyFrom(msg.PASS_THROUGH)
         return response
 
