@@ -12,7 +12,7 @@ from extproc.core.backends import Backend
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
-from extproc.vllm.metrics import engine_sample
+from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
 from extproc.vllm.scraper import EngineScraper
 
 VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -154,5 +154,49 @@ def test_a_fleet_past_the_rate_is_scraped_a_slice_per_round_and_each_listed_on_i
             for runner in runners:
                 await runner.cleanup()
         assert listed == addresses
+
+    asyncio.run(scenario())
+
+
+def test_only_the_families_routing_reads_are_asked_for_and_a_server_without_that_page_is_scraped_whole():
+    """vLLM (and the simulator) serve the named families at /metrics/?name[]=...: a twentieth of the
+    page. A server answering that page with something else is scraped at /metrics, at once and
+    from then on."""
+
+    async def scenario() -> None:
+        runners = await serve([0], SimConfig(block_size=16, capacity_blocks=300))
+        sim = f"127.0.0.1:{runners[0].addresses[0][1]}"
+        hits: dict[str, list[str]] = {}
+        whole_only = web.Application()
+
+        async def page(request: web.Request) -> web.Response:
+            hits.setdefault(request.host, []).append(request.path)
+            return web.Response(text=VLLM_PAGE) if request.path == PAGE else web.Response(status=404)
+
+        whole_only.router.add_get("/metrics", page)
+        whole_only.router.add_get("/metrics/", page)
+        stranger = web.AppRunner(whole_only)
+        await stranger.setup()
+        await web.TCPSite(stranger, "127.0.0.1", 0).start()
+        old = f"127.0.0.1:{stranger.addresses[0][1]}"
+        router = Router(Settings())
+        pool = BackendPool([Backend(sim), Backend(old)], router.remove_backend, 1)
+        scraper = EngineScraper(router, pool, clock=lambda: 5.0)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+                async with session.get(f"http://{sim}{FAMILIES_PAGE}") as response:
+                    families = await response.text()
+                async with session.get(f"http://{sim}{PAGE}") as response:
+                    whole = await response.text()
+                assert engine_sample(families) == engine_sample(whole) is not None
+                assert "vllm:num_requests_running" in families and len(families) * 3 < len(whole)
+                for _ in range(2):
+                    await scraper.scrape(session)
+        finally:
+            for runner in [*runners, stranger]:
+                await runner.cleanup()
+        assert scraper.failures == 1  # only the old server's listing: it serves no /v1/models
+        assert router.state().load[old].engine_requests == 7 and router.loads.get(sim).engine_at == 5.0
+        assert hits[old] == ["/metrics/", "/metrics", "/metrics"]  # its 404 for the families: not asked again
 
     asyncio.run(scenario())

@@ -498,6 +498,7 @@ class SimBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics/", self._metrics)
         app.router.add_get("/kv_transfer/{request_id}", self._kv_transfer)
         if self.config.runtime_lora:
             app.router.add_post("/v1/load_lora_adapter", self._load_adapter)
@@ -763,8 +764,12 @@ class SimBackend:
         return web.Response()
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        """As vLLM serves it: /metrics whole, /metrics/ (prometheus_client's own app) only the
+        families named by `name[]` when there are any."""
         encode, content_type = choose_encoder(request.headers.get("Accept", ""))
-        return web.Response(body=encode(self._registry), headers={"Content-Type": content_type})
+        names = request.query.getall("name[]", []) if request.path == "/metrics/" else []
+        registry = self._registry.restricted_registry(names) if names else self._registry
+        return web.Response(body=encode(registry), headers={"Content-Type": content_type})
 
 
 def _address(host: str, port: int) -> str:

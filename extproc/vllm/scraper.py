@@ -1,5 +1,8 @@
 """Scrape every backend's /metrics on a short interval: the engine's own load (it sees all
-clients, kvroute only its own), a restart (a new process start time) and the KV cache size. Every
+clients, kvroute only its own), a restart (a new process start time) and the KV cache size. Only
+the families routing reads are asked for (metrics.FAMILIES_PAGE): rendering vLLM's whole page
+costs the engine five times the CPU, taken from prefills on a small machine; a server that does
+not serve that page is scraped whole from then on. Every
 `LISTING_EVERY` rounds (the first included) its /v1/models too: the LoRA adapters it serves, known
 before its first request of them (its LoRA metric appears only with one).
 
@@ -17,10 +20,11 @@ from collections.abc import Callable
 
 import aiohttp
 
+from extproc.core.engine import EngineSample
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.rotation import Rotation
-from extproc.vllm.metrics import engine_sample
+from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
 from extproc.vllm.models import MAX_PAGE_BYTES, listed_adapters
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ class EngineScraper:
         self._started: float | None = None  # when `run` began (None: scraping is off)
         self._sampled_at: dict[str, float] = {}  # backend -> when its last good sample came
         self._samples: dict[str, int] = {}  # backend -> good samples, for its /v1/models every LISTING_EVERY
+        self._whole_page: set[str] = set()  # backends that answered FAMILIES_PAGE without a sample
         self.rotation = Rotation()  # which backends a round scrapes (`run` paces it by the rate)
 
     async def run(self, interval_s: float, scrapes_per_s: float = float("inf")) -> None:
@@ -60,11 +65,10 @@ class EngineScraper:
     async def scrape(self, session: aiohttp.ClientSession) -> None:
         """One round over the next healthy backends (all of them, in a fleet within the rate)."""
         backends = self.rotation.take([b.address for b in self._pool.backends if b.healthy])
-        pages = await asyncio.gather(*(self._page(session, b, "/metrics") for b in backends))
+        samples = await asyncio.gather(*(self._sample(session, b) for b in backends))
         now = self._clock()
         listing = []
-        for backend, page in zip(backends, pages, strict=True):
-            sample = engine_sample(page.decode(errors="replace")) if page is not None else None
+        for backend, sample in zip(backends, samples, strict=True):
             if sample is None:
                 self.failures += 1
             elif self._pool.is_known(backend):
@@ -88,6 +92,7 @@ class EngineScraper:
         for gone in [b for b in self._sampled_at if b not in known]:
             del self._sampled_at[gone]
             self._samples.pop(gone, None)
+            self._whole_page.discard(gone)
         return {b.address: now - self._sampled_at.get(b.address, started) for b in self._pool.backends if b.healthy}
 
     async def _listings(self, session: aiohttp.ClientSession, backends: list[str]) -> None:
@@ -99,12 +104,31 @@ class EngineScraper:
             elif self._pool.is_known(backend):
                 self._router.adapters.listing(backend, adapters)
 
+    async def _sample(self, session: aiohttp.ClientSession, backend: str) -> EngineSample | None:
+        """The backend's sample from the families' page, else (remembered once it answered that
+        page with something else) from its whole page."""
+        if backend not in self._whole_page:
+            answered, page = await self._fetch(session, backend, FAMILIES_PAGE)
+            sample = engine_sample(page.decode(errors="replace")) if page is not None else None
+            if sample is not None or not answered:
+                return sample
+        page = await self._page(session, backend, PAGE)
+        sample = engine_sample(page.decode(errors="replace")) if page is not None else None
+        if sample is not None:
+            self._whole_page.add(backend)
+        return sample
+
+    @classmethod
+    async def _page(cls, session: aiohttp.ClientSession, backend: str, path: str) -> bytes | None:
+        return (await cls._fetch(session, backend, path))[1]
+
     @staticmethod
-    async def _page(session: aiohttp.ClientSession, backend: str, path: str) -> bytes | None:
+    async def _fetch(session: aiohttp.ClientSession, backend: str, path: str) -> tuple[bool, bytes | None]:
+        """(whether the server answered, its 200 page)."""
         try:
             async with session.get(f"http://{backend}{path}") as response:
                 if response.status != 200:
-                    return None
-                return await response.content.read(MAX_PAGE_BYTES + 1)
+                    return True, None
+                return True, await response.content.read(MAX_PAGE_BYTES + 1)
         except (aiohttp.ClientError, TimeoutError, OSError):
-            return None
+            return False, None
