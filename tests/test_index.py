@@ -210,14 +210,42 @@ def test_room_made_ahead_of_learning_evicts_the_least_recent():
     index = LocalIndex(ttl_s=60, capacity_blocks=6, learn_share=1.0)
     index.learn([1, 2, 3], A, 0)
     index.learn([7, 8, 9], A, 1)
-    index.make_room(A, [], 2)
+    room = index.make_room(A, [], 2)
     assert index.lookup([1, 2, 3], [A], 2) == {A: 1}  # its tail went first, as vLLM frees tails first
     assert index.lookup([7, 8, 9], [A], 2) == {A: 3}
+    room.give_back()  # its request ended: learned now
     index.learn([4, 5], A, 3)
     assert index.entries_by_backend()[A] == 6
     index.make_room(A, [1], 2)  # the request uses block 1 there: it is the most recent now
     assert index.lookup([1], [A], 4) == {A: 1}
     assert index.lookup([7, 8, 9], [A], 4) == {A: 1}  # 9 and 8 went instead
+
+
+def test_room_is_kept_for_every_prefill_in_flight_until_given_back_once():
+    """Concurrent prefills store their blocks beside each other: the second request's room is
+    taken beside the first's, not out of it, and the picture stays that much smaller until each
+    is learned or ends; giving a room back twice (learned, then ended) frees it once."""
+    index = LocalIndex(ttl_s=60, capacity_blocks=6, learn_share=1.0)
+    index.learn([1, 2, 3, 4, 5, 6], A, 0)
+    first = index.make_room(A, [], 2)
+    second = index.make_room(A, [], 2)
+    assert index.entries_by_backend()[A] == 2  # 6 - 2 - 2 (before: 4, the second found the first's room free)
+    first.give_back()
+    index.learn([11, 12], A, 1)  # the first was served: its blocks fill its room, not the second's
+    assert index.entries_by_backend()[A] == 4
+    first.give_back()
+    index.learn([13, 14, 15], A, 2)  # a learn past the limit still leaves the second's room
+    assert index.entries_by_backend()[A] == 4
+    second.give_back()  # ended unserved
+    index.learn([16, 17], A, 3)
+    assert index.entries_by_backend()[A] == 6
+    gone = index.make_room(B, [], 3)  # nothing known there yet: the room is kept all the same
+    index.learn(list(range(20, 30)), B, 4)
+    assert index.entries_by_backend()[B] == 3
+    index.remove_backend(B)
+    gone.give_back()  # after the backend went: nothing to free, nothing negative left behind
+    index.learn(list(range(20, 30)), B, 5)
+    assert index.entries_by_backend()[B] == 6
 
 
 def held(index: LocalIndex) -> int:

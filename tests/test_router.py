@@ -378,3 +378,35 @@ def test_settings_changes_keep_reported_capacities_right():
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
     serve(router, chat([], None, "big"), 3, [Backend(A)])
     assert router.index.entries_by_backend()[A] == 4  # a fresh index, re-sized: 512 * 4 / 256, half learned
+
+
+def test_requests_learned_at_their_end_keep_their_new_blocks_room_in_the_picture_until_then():
+    """Over ext_authz a request is learned only when it ends (Router.sent at its decision): while
+    it is in flight its new blocks take room in its backend's picture beside every other's, and
+    that room is given back once, when it is learned or ends unserved."""
+
+    def prompt() -> PromptRequest:
+        return parse_request({"model": "m", "messages": [{"role": "user", "content": text(RNG, 3000)}]}, {})
+
+    first, second, third, fourth = prompt(), prompt(), prompt(), prompt()
+    size = len(make_router().chain_of(first))
+    router = make_router(capacity_blocks=3 * size, capacity_auto=False)
+    only = [Backend(A)]
+    for request in (first, second):
+        serve(router, request, 0, only)
+    held = router.index.entries_by_backend()[A]
+    sent = []
+    for request in (third, fourth):
+        exchange = router.begin(request, only, 1)
+        router.sent(exchange, 1)
+        sent.append(exchange)
+    rooms = sum(e.decision.total_blocks - e.predicted_blocks for e in sent)
+    assert rooms >= 2 * size - 2 and router.index.entries_by_backend()[A] <= 3 * size - rooms < held
+    assert router.response_started(sent[0], ok(A), 2).learned  # its end: learned, its room given back
+    assert sent[0].end()
+    assert router.index.entries_by_backend()[A] <= 3 * size - (sent[1].decision.total_blocks - sent[1].predicted_blocks)
+    failed = ResponseStart(upstream=A, known=True, status=500, from_upstream=True)
+    assert not router.response_started(sent[1], failed, 3).learned
+    assert sent[1].end() and not sent[1].end()
+    serve(router, prompt(), 4, only)
+    assert router.index.entries_by_backend()[A] == 3 * size  # every room back, once

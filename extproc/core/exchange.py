@@ -13,6 +13,7 @@ from typing import Any
 from extproc.core.calibration import BytesPerToken
 from extproc.core.decision import Decision, Label
 from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored
+from extproc.core.index import Room
 from extproc.core.load import Reservation
 from extproc.core.request import PromptRequest
 
@@ -60,6 +61,7 @@ class Exchange:
         "queued",
         "request",
         "reservation",
+        "room",
         "routed",
     )
 
@@ -74,6 +76,7 @@ class Exchange:
         self.request = request
         self.decision = decision
         self.reservation = reservation  # the load it puts on its backend until released (load.py)
+        self.room: Room | None = None  # its unlearned blocks' room in the picture (Router.sent)
         self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
         self.queued = False  # flow control held it before it was decided
@@ -94,6 +97,8 @@ class Exchange:
         self._ended = True
         if self.reservation is not None:
             self.reservation.finish()
+        if self.room is not None:
+            self.room.give_back()
         if self._ratio is not None and self.request is not None and self.outcome is not None:
             self._ratio.ended(self.outcome.served, self.request.cbr_bytes)
         return True

@@ -79,6 +79,7 @@ class LocalIndex:
         "_learn_share",
         "_max_bytes",
         "_next_vacuum",
+        "_room",
         "_set_bytes",
         "_shed",
         "_total",
@@ -104,6 +105,9 @@ class LocalIndex:
         self._shed = 0
         self._total = 0  # locations held over all backends
         self._set_bytes = 0  # the first-block map's sets' sizes
+        # backend -> blocks its in-flight prefills are storing that are not learned yet (make_room):
+        # the engine holds them beside the picture's, so the picture keeps that much less
+        self._room: dict[str, int] = {}
 
     def configure(
         self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int], *, max_bytes: int | None
@@ -114,7 +118,7 @@ class LocalIndex:
         self._max_bytes = max_bytes
         self._next_vacuum = float("-inf")  # the next lookup re-derives the vacuum deadline
         for backend, blocks in self._backends.items():
-            self._trim(backend, blocks, self._limit(backend))
+            self._trim(backend, blocks)
         self._bound()
 
     @property
@@ -155,21 +159,31 @@ class LocalIndex:
         self._capacities[backend] = blocks
         lru = self._backends.get(backend)
         if lru is not None:
-            self._trim(backend, lru, blocks)
+            self._trim(backend, lru)
 
-    def make_room(self, backend: str, held: Sequence[int], count: int) -> None:
+    def make_room(self, backend: str, held: Sequence[int], count: int) -> Room:
         """A request is prefilling there that will be learned only later: the engine uses the
         prefix it holds (`held`, which becomes its most recent) and stores `count` new blocks,
-        for which the least recent others go now."""
+        for which the least recent others go now. Those blocks stay taken beside every other
+        in-flight prefill's until the returned room is given back (learned, or ended): without
+        that, concurrent prefills evicted for one request's blocks at a time."""
+        self._room[backend] = self._room.get(backend, 0) + count
         blocks = self._backends.get(backend)
-        if not blocks:
-            return
-        blocks.move_to_end(reversed(held))
-        self._trim(backend, blocks, self._limit(backend) - count)
+        if blocks:
+            blocks.move_to_end(reversed(held))
+            self._trim(backend, blocks)
+        return Room(self, backend, count)
 
-    def _trim(self, backend: str, blocks: BlockLRU, capacity: int) -> None:
-        blocks.limit = self._limit(backend)
-        for _ in range(len(blocks) - max(0, capacity)):
+    def free_room(self, backend: str, count: int) -> None:
+        left = self._room.get(backend, 0) - count
+        if left > 0:
+            self._room[backend] = left
+        else:
+            self._room.pop(backend, None)
+
+    def _trim(self, backend: str, blocks: BlockLRU) -> None:
+        blocks.limit = limit = self._limit(backend)
+        for _ in range(len(blocks) - max(0, limit - self._room.get(backend, 0))):
             self._lost(blocks.pop_oldest(), backend)
 
     def _lost(self, block: int, backend: str) -> None:
@@ -227,13 +241,14 @@ class LocalIndex:
                 self._set_bytes -= sys.getsizeof(holding)
                 holding.add(backend)
                 self._set_bytes += sys.getsizeof(holding)
-        self._trim(backend, blocks, capacity)
+        self._trim(backend, blocks)
         self._bound()
         if self._next_vacuum == float("inf") and blocks:
             self._next_vacuum = now + self._ttl
         return added
 
     def remove_backend(self, backend: str) -> None:
+        self._room.pop(backend, None)
         blocks = self._backends.pop(backend, None)
         for block in blocks.keys() if blocks else ():
             self._lost(block, backend)
@@ -263,3 +278,20 @@ class LocalIndex:
 
     def entries_by_backend(self) -> dict[str, int]:
         return {backend: len(blocks) for backend, blocks in self._backends.items()}
+
+
+class Room:
+    """The blocks one in-flight prefill takes in a backend's picture (LocalIndex.make_room), given
+    back once: when its request is learned, or ends unlearned."""
+
+    __slots__ = ("_index", "backend", "blocks")
+
+    def __init__(self, index: LocalIndex, backend: str, blocks: int) -> None:
+        self._index = index
+        self.backend = backend
+        self.blocks = blocks
+
+    def give_back(self) -> None:
+        if self.blocks:
+            self._index.free_room(self.backend, self.blocks)
+            self.blocks = 0

@@ -28,7 +28,7 @@ from extproc.core.churn import ChurnMeter
 from extproc.core.decision import Decision
 from extproc.core.engine import BlockRemoved, BlockStored, EngineSample
 from extproc.core.exchange import Reset, ResponseStart, Stats
-from extproc.core.index import LocalIndex, LocationIndex
+from extproc.core.index import LocalIndex, LocationIndex, Room
 from extproc.core.load import LoadTracker, Reservation
 from extproc.core.precise import PreciseIndex
 from extproc.core.request import PromptRequest, PromptTokenizer
@@ -110,10 +110,10 @@ class IndexMode(Protocol):
         """The backend reported its KV cache size."""
         ...
 
-    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
+    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> Room | None:
         """A request is prefilling on the backend, to be learned only later (a transport that
         reports a request's end, not its response's start): it uses the prefix `held` there and
-        stores this many new blocks."""
+        stores this many new blocks, in room the picture keeps until it is given back."""
         ...
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
@@ -214,10 +214,10 @@ class ApproximateMode:
         if self.settings.capacity_auto:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
 
-    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
+    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> Room:
         """The engine uses the prefix and evicts for the new blocks at the prefill: so does the
         picture, now."""
-        self.index.make_room(backend, held, blocks)
+        return self.index.make_room(backend, held, blocks)
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
         value = self._shared.bytes_per_token.value
@@ -331,6 +331,7 @@ class PreciseMode:
 
     def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
         """The engine's events report what its prefill evicts, when it does."""
+        return None
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
         index = self.index

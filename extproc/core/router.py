@@ -393,6 +393,8 @@ class Router:
         reservation = exchange.reservation
         request = exchange.request
         success = 200 <= start.status < 300
+        if exchange.room is not None:  # learned below, or never: no longer beside the picture
+            exchange.room.give_back()
         if reservation is not None:
             self.mode.response_started(reservation, request, start, success)
         served = start.upstream if start.known else ""
@@ -459,14 +461,16 @@ class Router:
         """For a transport that reports a request's end but not its response's start (ext_authz):
         the request went to its backend, whose engine stores its uncached blocks at the prefill,
         long before that end, and uses the prefix it holds. The picture makes room for them and
-        counts that prefix as just used, now; and the conversation's next
-        turn, should it come before the end is reported, follows this one to its backend (the
-        session is bound, its prompt's size there not known yet). Nothing is learned."""
+        counts that prefix as just used, now, keeping the new blocks' room until the end; and the
+        conversation's next turn, should it come before the end is reported, follows this one to
+        its backend (the session is bound, its prompt's size there not known yet). Nothing is
+        learned."""
         request, backend = exchange.request, exchange.decision.backend
         if request is None or backend is None:
             return
         held = self.chain_of(request)[: exchange.predicted_blocks]
-        self.mode.make_room(backend, held, exchange.decision.total_blocks - exchange.predicted_blocks)
+        new = exchange.decision.total_blocks - exchange.predicted_blocks
+        exchange.room = self.mode.make_room(backend, held, new)
         if request.session_key is not None:
             self.sessions.bind(request.session_key, backend, now)
 
