@@ -200,3 +200,36 @@ def test_only_the_families_routing_reads_are_asked_for_and_a_server_without_that
         assert hits[old] == ["/metrics/", "/metrics", "/metrics"]  # its 404 for the families: not asked again
 
     asyncio.run(scenario())
+
+
+def test_pages_are_asked_for_uncompressed():
+    """prometheus_client gzips a page for a client that accepts it: the engine's CPU, and kvroute's
+    to undo it, for a few KB on a local network."""
+
+    async def scenario() -> list[str]:
+        asked: list[str] = []
+        app = web.Application()
+
+        async def page(request: web.Request) -> web.Response:
+            asked.append(request.headers.get("Accept-Encoding", ""))
+            return web.Response(text=VLLM_PAGE)
+
+        app.router.add_get("/metrics/", page)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        router = Router(Settings())
+        pool = BackendPool([Backend(f"127.0.0.1:{runner.addresses[0][1]}")], router.remove_backend, 1)
+        running = asyncio.create_task(EngineScraper(router, pool).run(0.01))
+        try:
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if asked:
+                    break
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await runner.cleanup()
+        return asked
+
+    assert asyncio.run(scenario())[0] == "identity"
