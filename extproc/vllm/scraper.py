@@ -112,11 +112,10 @@ class EngineScraper:
         page with something else) from its whole page."""
         if backend not in self._whole_page:
             answered, page = await self._fetch(session, backend, FAMILIES_PAGE)
-            sample = engine_sample(page.decode(errors="replace")) if page is not None else None
+            sample = _sample_of(page)
             if sample is not None or not answered:
                 return sample
-        page = await self._page(session, backend, PAGE)
-        sample = engine_sample(page.decode(errors="replace")) if page is not None else None
+        sample = _sample_of(await self._page(session, backend, PAGE))
         if sample is not None:
             self._whole_page.add(backend)
         return sample
@@ -135,3 +134,7 @@ class EngineScraper:
                 return True, await response.content.read(MAX_PAGE_BYTES + 1)
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False, None
+
+
+def _sample_of(page: bytes | None) -> EngineSample | None:
+    return engine_sample(page.decode(errors="replace")) if page is not None else None
