@@ -94,6 +94,30 @@ def test_a_table_emptied_gives_its_memory_back_and_one_at_its_limit_stops_growin
     assert lru.nbytes() < full / 50
 
 
+def test_a_table_at_its_limit_takes_a_learnings_new_blocks_past_it_without_a_rebuild_each(monkeypatch):
+    """The index adds a response's blocks, then trims back to the limit. A table as large as its
+    limit needs takes them without growing; one learning far past it grows once (and shrinks once
+    trimmed), never once per block: each rebuild is a pass over the whole table."""
+    rebuilds = []
+    rebuild = BlockLRU._rebuild
+    monkeypatch.setattr(BlockLRU, "_rebuild", lambda lru, homes: (rebuilds.append(homes), rebuild(lru, homes)))
+    lru = BlockLRU(limit=3000)
+    lru.use(range(3000), 0.0)
+    rebuilds.clear()
+    for start, learned in ((10_000, 200), (20_000, 400), (30_000, 200)):
+        lru.use(range(start, start + learned), 1.0)
+        for _ in range(learned):
+            lru.pop_oldest()
+    assert rebuilds == []
+    lru.use(range(40_000, 41_500), 2.0)  # half the limit at once: the most the index lets one response teach
+    assert len(rebuilds) == 1
+    for _ in range(1500):
+        lru.pop_oldest()
+    assert len(rebuilds) == 2 and len(lru) == 3000
+    assert lru.nbytes() + sys.getsizeof(lru) <= LOCATION_MOST_BYTES * len(lru) + LRU_FIXED_BYTES
+    assert [lru.pop_oldest() for _ in range(3)] == [2300, 2301, 2302]  # the order kept through it all
+
+
 CHAINS = st.lists(
     st.tuples(
         st.sampled_from(["use", "use", "use", "move", "pop", "forget"]),

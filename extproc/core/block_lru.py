@@ -11,8 +11,11 @@ modulo `homes`, and probes run on into spare slots past the last home, the last 
 free. A removal shifts the entries after it back (no tombstones), relinking their neighbours. The
 order is a doubly linked list through the slots, so using a block again moves it in O(1) and
 nothing needs compacting; only growing or shrinking the table rebuilds it (a Python pass, about
-0.5 us a block, when it crosses two thirds or a third filled). Keys must be below EMPTY (chain
-hashes are 60 bits).
+0.5 us a block, when it crosses two thirds or a third filled). A table as large as `limit` blocks
+need takes a learning's new blocks beyond the limit (its owner trims back to it right after) up to
+OVER_NUM/OVER_DEN filled before it grows, and then to 5/2 of its blocks: growing it just enough
+for one more block rebuilt it once per block past the limit, a whole-table pass each. Keys must be
+below EMPTY (chain hashes are 60 bits).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ SPARE = 32  # slots past the last home a probe may run into; the last stays free
 # and is rebuilt at twice them when emptier than a third: each block takes at most three homes.
 GROW_NUM, GROW_DEN = 5, 2
 FILL_NUM, FILL_DEN = 2, 3
+OVER_NUM, OVER_DEN = 17, 20  # how full a table at its limit's size may get while over the limit
 SHRINK_BELOW = 3
 # The most a block costs: three slots of 8 + 8 + 4 + 4 bytes; and a table's fixed part (the object,
 # four arrays' headers, MIN_HOMES and SPARE slots, spares added by probes that ran to the end), as
@@ -125,7 +129,7 @@ class BlockLRU:
                     after[before] = behind
                 prev[behind] = before
             elif add:
-                if (self.count + 1) * FILL_DEN > homes * FILL_NUM:
+                if (self.count + 1) * FILL_DEN > homes * FILL_NUM and self._must_grow(homes):
                     self._first, self._last = first, last
                     self._rebuild(self._grown(self.count + 1))
                     keys, seen, prev, after, homes = self._keys, self._seen, self._prev, self._next, self._homes
@@ -242,11 +246,20 @@ class BlockLRU:
         if homes > MIN_HOMES and self.count * SHRINK_BELOW < homes:
             self._rebuild(max(MIN_HOMES, 2 * self.count))
 
+    def _most(self) -> int:
+        """Homes that `limit` blocks fill to two thirds: the table's size once it holds its limit."""
+        return self.limit * FILL_DEN // FILL_NUM + 1
+
+    def _must_grow(self, homes: int) -> bool:
+        """One more block (past two thirds filled) needs a larger table: below its limit's size,
+        or over the limit beyond OVER_NUM/OVER_DEN filled."""
+        return homes < self._most() or (self.count + 1) * OVER_DEN > homes * OVER_NUM
+
     def _grown(self, blocks: int) -> int:
         """Homes for so many blocks as it grows: 5/2 of them, but no more than `limit` blocks fill
-        to two thirds (nor fewer than these fill to two thirds)."""
-        most = self.limit * FILL_DEN // FILL_NUM + 1
-        return max(MIN_HOMES, min(blocks * GROW_NUM // GROW_DEN, most), blocks * FILL_DEN // FILL_NUM + 1)
+        to two thirds (nor fewer than these fill to two thirds); past the limit, 5/2 of them."""
+        grown, fitted, most = blocks * GROW_NUM // GROW_DEN, blocks * FILL_DEN // FILL_NUM + 1, self._most()
+        return max(MIN_HOMES, grown if fitted > most else max(min(grown, most), fitted))
 
     def _rebuild(self, homes: int) -> None:
         """Rehash into `homes` homes, keeping the order."""
