@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from extproc.core.block_lru import LOCATION_MOST_BYTES
 from extproc.core.churn import ChurnMeter
-from extproc.core.index import HEAD_KEY_BYTES, SLACK_BYTES, LocalIndex
+from extproc.core.index import HEAD_KEY_BYTES, SLACK_BYTES, VACUUM_SLICE, LocalIndex
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -52,6 +52,24 @@ def test_vacuum_removes_expired_entries_on_its_deadline():
     assert index.entries_by_backend() == {A: 0, B: 2}
     index.lookup([7], [B], 16)  # a lookup past the next deadline vacuums on its way
     assert sum(index.entries_by_backend().values()) == 0
+
+
+def test_after_a_quiet_spell_expired_entries_go_a_slice_at_a_time_and_never_match_meanwhile():
+    """The first lookup after more than a TTL without traffic would find every location expired:
+    it removes VACUUM_SLICE of them (a whole fleet's pictures at once held the loop for a second
+    and more), each later lookup the next slice, and none of them matches in between."""
+    index = LocalIndex(ttl_s=10, capacity_blocks=10 * VACUUM_SLICE)
+    chain = list(range(1, 2 * VACUUM_SLICE + 1))
+    index.learn(chain, A, 0)
+    index.learn([chain[0] + 10**9], B, 0)
+    assert index.lookup(chain, [A], 1) == {A: len(chain)}
+    assert index.lookup(chain, [A, B], 30) == {A: 0, B: 0}
+    assert sum(index.entries_by_backend().values()) == VACUUM_SLICE + 1
+    assert index.lookup(chain, [A, B], 31) == {A: 0, B: 0}
+    assert index.lookup(chain, [A, B], 32) == {A: 0, B: 0}
+    assert index.entries_by_backend() == {A: 0, B: 0}
+    index.learn(chain[:3], A, 33)  # done: vacuums wait for the next deadline again
+    assert index.lookup(chain, [A], 34) == {A: 3}
 
 
 def test_capacity_evicts_least_recently_used_and_keeps_prefix_heads():

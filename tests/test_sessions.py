@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core.sessions import SessionTable, derive_session_key
+from extproc.core.sessions import EXPIRE_SLICE, SessionTable, derive_session_key
 
 
 @pytest.mark.parametrize(
@@ -35,6 +35,20 @@ def test_bindings_expire_and_are_dropped():
     assert table.get("s1", 9) == "A"
     assert table.get("s1", 11) is None
     assert len(table) == 0
+
+
+def test_after_a_quiet_spell_expired_bindings_go_a_slice_per_bind_and_are_never_answered():
+    """The first bind after more than a TTL without traffic would drop every binding at once (20 ms
+    for 100,000); each bind drops EXPIRE_SLICE, and an expired binding answers nothing meanwhile."""
+    table = SessionTable(ttl_s=10, capacity=10 * EXPIRE_SLICE, key=bytes(16))
+    for i in range(2 * EXPIRE_SLICE + 5):
+        table.bind(f"s{i}", "A", 0)
+    table.bind("new", "B", 20)
+    assert len(table) == EXPIRE_SLICE + 5 + 1
+    assert table.get("s0", 20) is None and table.get(f"s{2 * EXPIRE_SLICE + 4}", 20) is None
+    table.bind("new", "B", 21)
+    table.bind("new", "B", 22)
+    assert len(table) == 1 and table.get("new", 22) == "B"
 
 
 def test_use_refreshes_binding():
