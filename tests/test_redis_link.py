@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +23,7 @@ from extproc.core.decision import Label
 from extproc.core.flow import FlowQueue, Held, QueueLimits, Refusal
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.replicas.redis_link import APPLY_SLICE, RedisLink
+from extproc.replicas.redis_link import APPLY_BLOCKS, APPLY_SLICE, RedisLink
 from extproc.runtime.pool import BackendPool
 from tests.test_router import FLEET, A, chat, ok
 
@@ -382,6 +383,34 @@ async def test_a_backlog_of_siblings_learning_is_applied_between_the_requests_ro
         await until(lambda: replica.link.counts["applied"] >= 2_000)
         task.cancel()
         assert len(seen) >= 2_000 // APPLY_SLICE // 2  # held for whole batches of 1,000: 3
+        await client.aclose()
+
+
+@in_loop
+async def test_siblings_long_chains_are_applied_a_few_at_a_time(redis_server):
+    """Agent prompts make chains of hundreds of blocks: a slice is cut by the blocks its chains
+    hold, not only by its entries, so the loop turns every APPLY_BLOCKS blocks (32 chains of 940
+    blocks held it about 100 ms at a time)."""
+    async with replicas(redis_server, 1) as (replica,):
+        client = Redis.from_url(redis_server.url, password=PASSWORD)
+        seen: set[int] = set()
+
+        async def ticker() -> None:
+            while True:
+                seen.add(replica.link.counts["applied"])
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        entries = 4 * APPLY_SLICE
+        keys = random.Random(0)  # chain hashes are spread over 60 bits; consecutive ones would pile up in probes
+        async with client.pipeline(transaction=False) as pipe:
+            for _ in range(entries):
+                chain = [keys.getrandbits(60) for _ in range(APPLY_BLOCKS)]
+                pipe.xadd(f"{replica.group}:events", {"m": msgpack.packb(("l", "other", A, chain))})
+            await pipe.execute()
+        await until(lambda: replica.link.counts["applied"] >= entries)
+        task.cancel()
+        assert len(seen) >= entries // 2  # a turn per chain; a turn per 32 entries gave 5
         await client.aclose()
 
 

@@ -55,11 +55,13 @@ LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
 # up from the whole vectors alone.
 LOAD_DELTA = "D"
 # A backlog of siblings' entries (a replica starting, or a burst) is read READ_BATCH at a time and
-# applied APPLY_SLICE at a time between the requests this replica routes: a slice of 32 chains of
-# 32 blocks takes about 1 ms here, a whole batch of 1,000 held the event loop some 40 ms
-# (`kvroute-dev bench replica-lag --ingest`).
+# applied between the requests this replica routes, a slice at a time: APPLY_SLICE entries, or
+# fewer when their chains reach APPLY_BLOCKS blocks. A slice of 32 chains of 32 blocks takes about
+# 1 ms here, a whole batch of 1,000 held the event loop some 40 ms (`kvroute-dev bench replica-lag
+# --ingest`); 32 agent prompts' chains of 940 blocks held it 97 ms before the blocks counted.
 READ_BATCH = 256
 APPLY_SLICE = 32
+APPLY_BLOCKS = 1024
 MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes a block)
 DIGEST_BYTES = 16
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
@@ -304,11 +306,15 @@ class RedisLink:
         the id to follow from."""
         after = b"-"
         last = b"0-0"
+        work = 0
         while True:
             entries = cast(_Entries, await self._client.xrange(self._events_key, min=after, count=1000))
             for entry_id, fields in entries:
-                self._apply(entry_id, fields, offset)
+                work += self._apply(entry_id, fields, offset)
                 last = entry_id
+                if work >= APPLY_BLOCKS:
+                    work = 0
+                    await asyncio.sleep(0)  # a long stream must not hold the requests being routed
             if len(entries) < 1000:
                 return last
             after = b"(" + last
@@ -321,16 +327,19 @@ class RedisLink:
         }
         while not _cancelled():
             replies = cast(list[tuple[bytes, _Entries]], await self._client.xread(ids, count=READ_BATCH, block=1000))
+            work = 0
             for stream, entries in replies:
                 key = stream.decode() if isinstance(stream, bytes) else stream
-                for applied, (entry_id, fields) in enumerate(entries, 1):
+                for entry_id, fields in entries:
                     if key == self._ends_key:
                         self._ended(fields)
                         self._ends_from = entry_id
+                        work += APPLY_BLOCKS // APPLY_SLICE
                     else:
-                        self._apply(entry_id, fields, offset)
+                        work += self._apply(entry_id, fields, offset)
                     ids[key] = entry_id
-                    if applied % APPLY_SLICE == 0:
+                    if work >= APPLY_BLOCKS:
+                        work = 0
                         await asyncio.sleep(0)  # a backlog must not hold the requests being routed
             self._apply_peer_loads(self._clock())
 
@@ -375,29 +384,33 @@ class RedisLink:
                 heads[band] = min(value, heads.get(band, value))
         self._flows.set_peers(attained, held, heads)
 
-    def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> None:
+    def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> int:
+        """Apply one sibling's entry; returns its work in blocks (a chain's length; an entry of
+        another kind counts as a small chain's), for the slices between the loop's turns."""
+        work = APPLY_BLOCKS // APPLY_SLICE
         try:
             kind, replica, backend, payload = msgpack.unpackb(fields[b"m"], use_list=False)
             if replica == self.replica:
-                return
+                return work
             if kind == FLOWS:
                 self._peer_flows[replica] = (self._clock(), _flow_shares(payload))
-                return
+                return work
             if kind in (LOAD, LOAD_DELTA):
                 vector = {str(b): (int(r), int(a), int(s)) for b, (r, a, s) in payload.items()}
                 loads = {b: (r, a) for b, (r, a, _) in vector.items()}
                 if kind == LOAD:
                     self._peers.update(replica, loads, self._clock())
                 elif not self._peers.merge(replica, loads, self._clock()):
-                    return  # its whole vector comes within a heartbeat
+                    return work  # its whole vector comes within a heartbeat
                 self._peer_bytes(replica, {b: s for b, (_, _, s) in vector.items()})
-                return
+                return work
             if not self._pool.is_known(backend):
-                return  # a backend this replica does not route to (yet): nothing to apply
+                return work  # a backend this replica does not route to (yet): nothing to apply
             when = int(entry_id.split(b"-")[0]) / 1000 + offset
             now = self._clock()
             if kind == LEARNED and len(payload) <= MAX_CHAIN and all(_is_hash(h) for h in payload):
                 self._router.peer_learned(payload, backend, min(when, now))
+                work = max(work, len(payload))
             elif kind == BOUND and isinstance(payload, bytes) and len(payload) == DIGEST_BYTES:
                 self._router.peer_bound(payload, backend, min(when, now))
             else:
@@ -406,6 +419,7 @@ class RedisLink:
             self.lag_s = max(0.0, now - when)
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
             self.counts["bad"] += 1
+        return work
 
     def _ended(self, fields: dict[bytes, bytes]) -> None:
         """A request this replica decided ended, as a sibling's access-log stream reported it."""
