@@ -234,6 +234,33 @@ def test_a_request_that_may_be_held_is_marked_pending_until_decided(parts):
     assert set_headers(marked.header_mutation) == {PENDING_HEADER: "1"} and marked.clear_route_cache
 
 
+def test_requests_held_for_a_model_every_backend_serves_wait_for_the_pools_own_backends(parts):
+    """Their candidates are the pool's tuple itself, so a turn of flow control weighs its room
+    once for all of them (WaitingRoom.pump), not once per flow."""
+    router, pool, metrics, _ = parts
+    asked: list[object] = []
+
+    def room(candidates: object) -> bool:
+        asked.append(candidates)
+        return False
+
+    waiting = WaitingRoom(lambda: router.settings, room, WaitingRoomMetrics(CollectorRegistry()), lambda: 100.0)
+    processor = Processor(router, pool, metrics, clock=lambda: 100.0, waiting_room=waiting)
+
+    async def held() -> None:
+        streams = [Stream() for _ in range(2)]
+        for stream in streams:
+            processor.handle(request_headers(**{"x-gateway-inference-fairness-id": f"f{id(stream)}"}), stream)
+        tasks = [asyncio.create_task(processor.decide_body(stream, BODY)) for stream in streams]
+        await asyncio.sleep(0.01)
+        assert len(waiting) == 2
+        waiting.drain()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(held())
+    assert asked and all(candidates is pool.backends for candidates in asked)
+
+
 def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfer_parameters():
     """Buffered mode: an error while running the prefill leg must not end the stream (Envoy would
     send the request on unrouted, with whatever kv_transfer_params the client put in it)."""

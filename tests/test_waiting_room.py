@@ -171,3 +171,30 @@ def test_the_loop_sleeps_while_nothing_is_held_and_expires_what_is():
         loop.cancel()
 
     asyncio.run(main())
+
+
+def test_a_turn_weighs_the_room_of_requests_for_the_same_candidates_once():
+    """Every flow's head is asked in a turn; requests for the same candidates (the pool's tuple)
+    are weighed once: a thousand full backends judged for each of 256 flows held the loop 117 ms."""
+
+    class Counted(Fleet):
+        calls = 0
+
+        def room(self, _backends: object) -> bool:
+            self.calls += 1
+            return super().room(_backends)
+
+    async def main() -> None:
+        fleet = Counted(0)
+        room = make(Settings(hash_key=bytes(16)), fleet)
+        pool = tuple(BACKENDS)
+        tasks = [asyncio.create_task(room.wait(klass(f"flow-{i}"), 100, 10, pool)) for i in range(50)]
+        await asyncio.sleep(0.01)
+        assert len(room) == 50
+        fleet.calls = 0
+        room.pump()
+        assert fleet.calls == 1  # no room for any of the 50 flows' heads, found once
+        room.drain()
+        assert all(h.state is State.EVICTED for h in await asyncio.gather(*tasks))
+
+    asyncio.run(main())

@@ -448,7 +448,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if isinstance(parsed, PromptRequest):
                 cost = self._router.cost_tokens(parsed, backends, now)
                 serving = set(self._router.pipeline.candidates(parsed, backends))
-                candidates = [b for b in backends if b.address in serving]
+                if len(serving) < len(backends):  # else the pool's own tuple: its room is weighed once a turn
+                    candidates = [b for b in backends if b.address in serving]
             else:
                 cost = settings.default_output_tokens
             request_class = classify(stream.headers, self._priorities(), settings.tenant_header)
