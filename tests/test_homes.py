@@ -17,4 +17,24 @@ def test_homes_are_bounded_least_recently_used_first_out(monkeypatch: pytest.Mon
     table.place(3, "B")
     assert len(table) == 3 and table.get(1) is None and table.get(0) == "A"
     table.remove_backend("A")
-    assert len(table) == 1 and table.get(3) == "B"
+    assert table.get(0) is None and table.get(3) == "B"
+
+
+def test_a_backend_that_left_loses_its_homes_as_they_are_met_and_a_return_brings_none_back(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Leaving is no pass over the table (65,536 homes took some 20 ms a backend); a backend back
+    at the same address is home to none of the heads it had; past GONE_MOST gone, one pass."""
+    table = PrefixHomes()
+    for head in range(6):
+        table.place(head, "ABC"[head % 3])
+    kept = table._homes
+    table.remove_backend("A")
+    assert table._homes is kept and len(table) == 6  # nothing done yet
+    assert table.get(0) is None and len(table) == 5  # met: gone
+    table.place(10, "A")  # back: its old heads are not its any more
+    assert table.get(3) is None and table.get(10) == "A" and len(table) == 5
+    monkeypatch.setattr(homes, "GONE_MOST", 1)
+    table.remove_backend("B")
+    table.remove_backend("C")
+    assert len(table) == 1 and table.get(10) == "A"
