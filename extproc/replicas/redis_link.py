@@ -56,12 +56,13 @@ LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
 LOAD_DELTA = "D"
 # A backlog of siblings' entries (a replica starting, or a burst) is read READ_BATCH at a time and
 # applied between the requests this replica routes, a slice at a time: APPLY_SLICE entries, or
-# fewer when their chains reach APPLY_BLOCKS blocks. A slice of 32 chains of 32 blocks takes about
-# 1 ms here, a whole batch of 1,000 held the event loop some 40 ms (`kvroute-dev bench replica-lag
-# --ingest`); 32 agent prompts' chains of 940 blocks held it 97 ms before the blocks counted.
+# fewer when their chains reach APPLY_BLOCKS blocks. A whole batch of 1,000 chains of 32 blocks held
+# the event loop some 40 ms (`kvroute-dev bench replica-lag --ingest`); into full pictures a chain
+# costs some 3 us a block, so 32 agent prompts' chains of 940 blocks held it about 100 ms before
+# the blocks counted (results/stalls-34).
 READ_BATCH = 256
 APPLY_SLICE = 32
-APPLY_BLOCKS = 1024
+APPLY_BLOCKS = 512
 MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes a block)
 DIGEST_BYTES = 16
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
