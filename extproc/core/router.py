@@ -491,8 +491,11 @@ class Router:
         return self.sessions.forget(session_key)
 
     def remove_backend(self, backend: str) -> None:
-        """A backend left: drop its locations, turnover, session bindings and load at once."""
-        self.reset_backend(backend, None)
+        """A backend left: drop its locations, turnover, session bindings and load at once (its
+        bindings and prefix homes answer nothing from now on, and go as they are met)."""
+        self.index.remove_backend(backend)
+        self.sessions.leave(backend)
+        self._forget_turnover(backend)
         self._shared.progressing.discard(backend)
         self.loads.remove_backend(backend)
         self.adapters.remove_backend(backend)
@@ -513,10 +516,14 @@ class Router:
         else:
             self.index.forget_before(backend, emptied_after)
             self.sessions.remove_backend(backend, emptied_after)
-        self.churn.remove_backend(backend)
-        self.trust.forget(backend)
+        self._forget_turnover(backend)
         if reason is not None:
             self.stats.resets[reason] += 1
+
+    def _forget_turnover(self, backend: str) -> None:
+        """What was measured of the backend's cache: how fast it turned over, how far to trust it."""
+        self.churn.remove_backend(backend)
+        self.trust.forget(backend)
 
     def engine_sample(self, backend: str, sample: EngineSample, now: float) -> None:
         """One scrape of a known backend's /metrics: its own load, a restart (new process start
