@@ -189,6 +189,40 @@ async def test_a_replica_that_dies_stops_counting_and_one_that_starts_replays(re
 
 
 @in_loop
+async def test_a_replica_starting_on_a_long_stream_routes_while_it_replays_and_its_siblings_hear_of_it(redis_server):
+    """The replay at start is applied a slice at a time, so requests are routed meanwhile (a page
+    of 1,000 agent-prompt chains held the loop some 3 s); what the starting replica learns then
+    waits for the writer instead of being dropped as if the store were away."""
+    async with replicas(redis_server, 1) as (sibling,):
+        client = Redis.from_url(redis_server.url, password=PASSWORD)
+        keys = random.Random(1)
+        async with client.pipeline(transaction=False) as pipe:
+            for _ in range(1_200):  # more than a page of the replay
+                chain = [keys.getrandbits(60) for _ in range(APPLY_BLOCKS)]
+                pipe.xadd(f"{sibling.group}:events", {"m": msgpack.packb(("l", "other", A, chain))})
+            await pipe.execute()
+        late = Replica(redis_server, group=sibling.group)
+        try:
+            await until(lambda: late.link.counts["applied"] > 0)
+            assert not late.link.connected  # still replaying: a request comes
+            backend = late.serve(chat([], None, "learned while replaying"), now())
+            await until(lambda: late.link.connected)
+            assert late.link.counts["dropped"] == 0
+            await until(
+                lambda: (
+                    sibling.router.query(
+                        chat([], None, "learned while replaying"), sibling.pool.backends, now()
+                    ).matched_blocks
+                    > 0
+                )
+            )
+            assert sibling.router.query(chat([], None, "learned while replaying"), FLEET, now()).backend == backend
+        finally:
+            await late.stop()
+        await client.aclose()
+
+
+@in_loop
 async def test_a_replica_that_stops_first_forwards_the_ends_it_was_given(redis_server):
     """A request's end (an access-log entry, ext_authz transport) that reached a replica as it
     stops still reaches the sibling that decided the request: the link sends what is queued before

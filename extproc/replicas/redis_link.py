@@ -174,6 +174,9 @@ class RedisLink:
         # replica -> (when heard, its attained cost by band and flow, its held requests)
         self._peer_flows: dict[str, tuple[float, Shares]] = {}
         self.connected = False
+        # replaying the stream at (re)connection: what this replica learns meanwhile waits in the
+        # outbox for the writer, which starts after the replay (the replay yields to requests)
+        self._replaying = False
         self.problem = "connecting"  # why not connected, for /readyz
         self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors", "ends_forwarded"), 0)
         self.lag_s = 0.0  # how old the last sibling learning or binding was when applied here
@@ -195,7 +198,7 @@ class RedisLink:
         return True
 
     def _send(self, message: bytes) -> None:
-        if not self.connected:
+        if not self.connected and not self._replaying:
             self.counts["dropped"] += 1  # the store is away: siblings learn it from their own traffic
             return
         if len(self._outbox) >= OUTBOX:
@@ -275,7 +278,11 @@ class RedisLink:
         offset = self._clock() - (seconds + micros / 1e6)  # store clock -> this process's clock
         last_load = cast(_Entries, await client.xrevrange(self._load_key, count=1))
         load_from = last_load[0][0] if last_load else b"0-0"
-        events_from = await self._replay(offset)
+        self._replaying = True
+        try:
+            events_from = await self._replay(offset)
+        finally:
+            self._replaying = False
         self.connected = True
         log.info("replica %s following %s", self.replica, self._events_key)
         tasks = [
