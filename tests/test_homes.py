@@ -38,3 +38,14 @@ def test_a_backend_that_left_loses_its_homes_as_they_are_met_and_a_return_brings
     table.remove_backend("B")
     table.remove_backend("C")
     assert len(table) == 1 and table.get(10) == "A"
+
+
+def test_a_full_table_drops_the_homes_of_backends_that_left_before_live_ones(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(homes, "CAPACITY", 4)
+    table = PrefixHomes()
+    table.place(0, "B")
+    for head in range(1, 4):
+        table.place(head, "A")
+    table.remove_backend("A")
+    table.place(9, "B")  # five held, four allowed: the three void ones go, not the oldest live one
+    assert table.get(0) == "B" and table.get(9) == "B" and len(table) == 2

@@ -242,6 +242,20 @@ def test_removed_backend_is_never_chosen_again():
         exchange.end()
 
 
+def test_a_backend_back_at_the_same_address_is_bound_to_and_home_to_nothing_it_had():
+    """A health flap (down, then up at the same address): the conversations and prompt heads it
+    had before it left are placed again on merit, whatever is bound or placed there since."""
+    router = make_router()
+    home = converse(router, 3, "s")[0].backend
+    head = router.chain_of(chat([], "s", "hello"))[0]
+    assert router.homes.get(head) == home
+    router.remove_backend(home)
+    router.sessions.bind("session:other", home, 21)  # back, and bound to again
+    router.homes.place(head + 1, home)
+    assert router.sessions.get("session:s", 22) is None and router.homes.get(head) is None
+    assert router.sessions.get("session:other", 22) == home and router.homes.get(head + 1) == home
+
+
 def test_binding_dropped_when_backend_stops_serving_the_model():
     router = make_router()
     home = converse(router, 2, "s")[0].backend

@@ -107,6 +107,16 @@ def test_a_backend_that_left_loses_its_bindings_as_they_are_met_and_a_return_bri
     assert len(table) == 1 and table.get("s9", 7) == "A"
 
 
+def test_a_full_table_drops_the_bindings_to_backends_that_left_before_live_ones():
+    table = SessionTable(ttl_s=100, capacity=4, key=bytes(16))
+    table.bind("old-live", "B", 0)
+    for i in range(3):
+        table.bind(f"gone{i}", "A", 1)
+    table.leave("A")
+    table.bind("new", "B", 2)  # five held, four allowed: the three void ones go, not the oldest live one
+    assert table.get("old-live", 3) == "B" and table.get("new", 3) == "B" and len(table) == 2
+
+
 def test_configured_session_headers_come_first_in_order():
     headers = {"x-conversation": "c", "x-session-id": "s"}
     assert derive_session_key(headers, {}, ("x-conversation", "x-session-id")) == "session:c"

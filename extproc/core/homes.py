@@ -23,7 +23,8 @@ class PrefixHomes:
     A backend that leaves loses its homes as they are met (`get`), not in a pass over the table
     then: rebuilding 65,536 homes held the event loop some 20 ms per backend, a second for a
     rollout replacing fifty. A backend placed on again (back at the same address) first loses
-    the homes it had, in one pass; so does the table when GONE_MOST backends have left."""
+    the homes it had, in one pass; so does the table when GONE_MOST backends have left, or when
+    it is full (void homes go before live ones)."""
 
     __slots__ = ("_gone", "_homes")
 
@@ -48,6 +49,8 @@ class PrefixHomes:
         homes = self._homes
         homes[head] = backend
         homes.move_to_end(head)
+        if len(homes) > CAPACITY and self._gone:  # void homes go before live ones
+            self._drop(frozenset(self._gone))
         if len(homes) > CAPACITY:
             homes.popitem(last=False)
 

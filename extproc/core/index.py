@@ -24,8 +24,8 @@ from extproc.core.block_lru import LOCATION_MOST_BYTES, LRU_FIXED_BYTES, BlockLR
 # BlockLRU's actual use is lower (about 50 bytes a location), so the bound is kept.
 HEAD_KEY_BYTES = 32
 # A pass that drops locations goes this far below the bound, so the next learnings need none;
-# small, as the pass holds the event loop (some 7 us a location with the heap of the backends'
-# old ends: 256 KiB, about 3,600 locations, held it 24 ms at 200 backends).
+# small, as the pass holds the event loop (some 4-7 us a location with the heap of the backends'
+# old ends: 256 KiB, about 3,600 locations, held it 14-22 ms at 200 backends: results/stalls-34).
 SLACK_BYTES = 32 * 1024
 # Expired locations one lookup removes at most (about 1 us each): after a quiet spell longer than
 # the TTL, the first lookup found every location expired and removed them all at once (1.3 s for

@@ -76,8 +76,9 @@ class SessionTable:
     The bindings to a backend that left (`leave`) are dropped as they are met, not in a pass over
     the table then: 100,000 bindings took some 5 ms per backend, a rollout of fifty a quarter of a
     second. A backend bound to again (back at the same address) first loses the bindings it had,
-    in one pass; so does the table when GONE_MOST backends have left. A cache reset
-    (`remove_backend`) drops its bindings at once: such a backend is bound to again at once."""
+    in one pass; so does the table when GONE_MOST backends have left, or when it is full (void
+    bindings go before live ones). A cache reset (`remove_backend`) drops its bindings at once:
+    such a backend is bound to again at once."""
 
     __slots__ = ("_bindings", "_capacity", "_gone", "_key", "_ttl")
 
@@ -139,6 +140,8 @@ class SessionTable:
             self._drop(frozenset((backend,)))
         self._bindings[key] = (backend, now, blocks)
         self._bindings.move_to_end(key)
+        if len(self._bindings) > self._capacity and self._gone:  # void bindings go before live ones
+            self._drop(frozenset(self._gone))
         while len(self._bindings) > self._capacity:
             self._bindings.popitem(last=False)
         self._expire(now)
