@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.core import homes
 from extproc.core.homes import PrefixHomes
@@ -49,3 +51,33 @@ def test_a_full_table_drops_the_homes_of_backends_that_left_before_live_ones(mon
     table.remove_backend("A")
     table.place(9, "B")  # five held, four allowed: the three void ones go, not the oldest live one
     assert table.get(0) == "B" and table.get(9) == "B" and len(table) == 2
+
+
+@settings(max_examples=1000)
+@given(
+    st.lists(st.tuples(st.sampled_from(["place", "place", "get", "leave"]), st.integers(0, 3), st.sampled_from("ABC"))),
+    st.integers(1, 3),
+)
+def test_leaving_lazily_answers_as_dropping_at_once(operations, capacity):
+    """Whatever is placed, met, left, come back or pushed out, the table answers as one that
+    dropped a backend's homes the moment it left (least recently used first out)."""
+    homes.CAPACITY, saved = capacity, homes.CAPACITY
+    try:
+        table, model = PrefixHomes(), {}
+        for op, head, backend in operations:
+            if op == "place":
+                model.pop(head, None)
+                model[head] = backend
+                table.place(head, backend)
+                while len(model) > capacity:
+                    del model[next(iter(model))]
+            elif op == "get":
+                assert table.get(head) == model.get(head)
+                if head in model:
+                    model[head] = model.pop(head)  # used: the most recent
+            else:
+                table.remove_backend(backend)
+                model = {h: b for h, b in model.items() if b != backend}
+        assert all(table.get(h) == b for h, b in model.items()) and len(model) <= capacity
+    finally:
+        homes.CAPACITY = saved

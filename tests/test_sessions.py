@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.core import sessions
 from extproc.core.sessions import EXPIRE_SLICE, SessionTable, derive_session_key
@@ -162,3 +164,63 @@ def test_a_binding_remembers_how_many_blocks_the_last_prompt_put_there():
     table.bind_digest(table.bind("s2", "B", 0), "C", 1)  # a sibling's binding: the size is not known here
     assert table.binding("s2", 2) == ("C", 0)
     assert table.binding("s1", 11) is None  # expired
+
+
+class EagerSessions:
+    """The reference: bindings dropped the moment their backend leaves, as before `leave`."""
+
+    def __init__(self, ttl: float, capacity: int) -> None:
+        self.ttl, self.capacity = ttl, capacity
+        self.bindings: dict[str, tuple[str, float]] = {}  # in last-use order
+
+    def bind(self, key: str, backend: str, now: float) -> None:
+        held = self.bindings.get(key)
+        if held is not None and held[1] > now:  # older news changes nothing
+            return
+        self.bindings.pop(key, None)
+        self.bindings[key] = (backend, now)
+        while len(self.bindings) > self.capacity:
+            del self.bindings[next(iter(self.bindings))]
+
+    def get(self, key: str, now: float) -> str | None:
+        held = self.bindings.get(key)
+        return None if held is None or held[1] < now - self.ttl else held[0]
+
+    def leave(self, backend: str) -> None:
+        self.bindings = {k: v for k, v in self.bindings.items() if v[0] != backend}
+
+
+OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["bind", "bind", "bind", "sibling", "leave", "get"]),
+        st.integers(0, 3),  # session
+        st.sampled_from("ABC"),  # backend
+        st.integers(-4, 4),  # time step; for a sibling's binding, how much older it is
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=1000)
+@given(OPERATIONS, st.integers(1, 3))
+def test_leaving_lazily_answers_as_dropping_at_once(operations, capacity):
+    """Whatever is bound, replaced by siblings, left, come back or pushed out by capacity, the
+    table answers as one that dropped a backend's bindings the moment it left."""
+    table, model = SessionTable(ttl_s=10, capacity=capacity, key=bytes(16)), EagerSessions(10, capacity)
+    now = 0.0
+    for op, session, backend, step in operations:
+        now += 0 if op == "sibling" else max(0, step)  # this replica's clock never goes back
+        key = f"s{session}"
+        if op in ("bind", "sibling"):
+            when = now - abs(step) if op == "sibling" else now  # a sibling's news may be older
+            if op == "sibling":
+                table.bind_digest(table._digest(key), backend, when)
+            else:
+                table.bind(key, backend, when)
+            model.bind(key, backend, when)
+        elif op == "leave":
+            table.leave(backend)
+            model.leave(backend)
+        else:  # asking meets a void binding, which drops it: only some are asked before the end
+            assert table.get(key, now) == model.get(key, now)
+    assert [table.get(f"s{i}", now) for i in range(4)] == [model.get(f"s{i}", now) for i in range(4)]
