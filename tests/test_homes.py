@@ -53,9 +53,12 @@ def test_a_full_table_drops_the_homes_of_backends_that_left_before_live_ones(mon
     assert table.get(0) == "B" and table.get(9) == "B" and len(table) == 2
 
 
-@settings(max_examples=1000)
+@settings(max_examples=500)
 @given(
-    st.lists(st.tuples(st.sampled_from(["place", "place", "get", "leave"]), st.integers(0, 3), st.sampled_from("ABC"))),
+    st.lists(
+        st.tuples(st.sampled_from(["place", "place", "get", "leave"]), st.integers(0, 3), st.sampled_from("ABC")),
+        min_size=6,
+    ),
     st.integers(1, 3),
 )
 def test_leaving_lazily_answers_as_dropping_at_once(operations, capacity):

@@ -197,8 +197,8 @@ async def test_a_replica_starting_on_a_long_stream_routes_while_it_replays_and_i
         client = Redis.from_url(redis_server.url, password=PASSWORD)
         keys = random.Random(1)
         async with client.pipeline(transaction=False) as pipe:
-            for _ in range(1_200):  # more than a page of the replay
-                chain = [keys.getrandbits(60) for _ in range(APPLY_BLOCKS)]
+            for _ in range(1_100):  # more than a page of the replay
+                chain = [keys.getrandbits(60) for _ in range(APPLY_BLOCKS // 2)]
                 pipe.xadd(f"{sibling.group}:events", {"m": msgpack.packb(("l", "other", A, chain))})
             await pipe.execute()
         late = Replica(redis_server, group=sibling.group)

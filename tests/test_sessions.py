@@ -197,11 +197,12 @@ OPERATIONS = st.lists(
         st.sampled_from("ABC"),  # backend
         st.integers(-4, 4),  # time step; for a sibling's binding, how much older it is
     ),
+    min_size=6,
     max_size=60,
 )
 
 
-@settings(max_examples=1000)
+@settings(max_examples=500)
 @given(OPERATIONS, st.integers(1, 3))
 def test_leaving_lazily_answers_as_dropping_at_once(operations, capacity):
     """Whatever is bound, replaced by siblings, left, come back or pushed out by capacity, the
