@@ -111,9 +111,9 @@ def test_a_request_decodes_where_running_requests_leave_kv_room_for_its_prompt(t
     with sim_servers(tmp_path / "sim.log", 3, *flags, "--step-s", "0.05") as (prefill, full, roomy):
         extra = ("--backend", f"{prefill}@prefill", *FLAGS)
         with Stack(tmp_path, backends=[full, roomy], extproc_args=extra) as stack, ThreadPoolExecutor(2) as pool:
-            running = [  # 1,200 + 150 tokens pin 76-85 of 96 blocks there; 40 + 150 pin 3-12 here
+            running = [  # 1,200 + 90 tokens pin 76-81 of 96 blocks there; 40 + 90 pin 3-9 here
                 pool.submit(
-                    post, f"http://{b}", {"model": MODEL, "prompt": prompt(b, n), "max_tokens": 150}, None, path
+                    post, f"http://{b}", {"model": MODEL, "prompt": prompt(b, n), "max_tokens": 90}, None, path
                 )
                 for b, n, path in ((full, 1200, "/v1/completions"), (roomy, 40, "/v1/completions"))
             ]
