@@ -112,9 +112,7 @@ def test_a_request_decodes_where_running_requests_leave_kv_room_for_its_prompt(t
         extra = ("--backend", f"{prefill}@prefill", *FLAGS)
         with Stack(tmp_path, backends=[full, roomy], extproc_args=extra) as stack, ThreadPoolExecutor(2) as pool:
             running = [  # 1,200 + 90 tokens pin 76-81 of 96 blocks there; 40 + 90 pin 3-9 here
-                pool.submit(
-                    post, f"http://{b}", {"model": MODEL, "prompt": prompt(b, n), "max_tokens": 90}, None, path
-                )
+                pool.submit(post, f"http://{b}", {"model": MODEL, "prompt": prompt(b, n), "max_tokens": 90}, None, path)
                 for b, n, path in ((full, 1200, "/v1/completions"), (roomy, 40, "/v1/completions"))
             ]
 

@@ -194,9 +194,12 @@ class LocalIndex:
     def _lost(self, block: int, backend: str) -> None:
         """The block left the backend's picture: if it heads a chain, the backend no longer holds it."""
         self._total -= 1
-        holding = self._heads.get(block)
-        if holding is None:
-            return
+        if block in self._heads:
+            self._unhead(block, backend)
+
+    def _unhead(self, block: int, backend: str) -> None:
+        """The backend no longer holds the chain this block heads."""
+        holding = self._heads[block]
         if isinstance(holding, str):
             if holding == backend:
                 del self._heads[block]
@@ -255,8 +258,13 @@ class LocalIndex:
     def remove_backend(self, backend: str) -> None:
         self._room.pop(backend, None)
         blocks = self._backends.pop(backend, None)
-        for block in blocks.keys() if blocks else ():
-            self._lost(block, backend)
+        if not blocks:
+            return
+        self._total -= len(blocks)
+        heads, held = self._heads, blocks.keys()
+        for block in held:  # only the chains' heads name backends
+            if block in heads:
+                self._unhead(block, backend)
 
     def forget_before(self, backend: str, moment: float) -> None:
         blocks = self._backends.get(backend)
