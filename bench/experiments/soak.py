@@ -6,7 +6,8 @@ and the session table would grow with the request count. The ext_proc runs with 
 capacity per backend and a session capacity; its resident memory (VmRSS) is sampled while the
 requests run, and compared with the prediction: the RSS after a short warm-up plus what the
 configured capacities can hold at the measured cost per entry (bytes per index entry from
-`kvroute-dev bench core`, bytes per session binding measured the same way, with tracemalloc).
+`kvroute-dev bench core`; bytes per session binding and per prefix home measured here, with
+tracemalloc). Each request's prompt head is new too, so the prefix homes fill to their capacity.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import orjson
 
 from bench.harness.processes import rss_bytes
 from bench.harness.stack import Stack, layout_for
+from extproc.core import homes
 from extproc.core.sessions import SessionTable
 
 BACKENDS = 4
@@ -42,6 +44,19 @@ def bytes_per_session(count: int = 50_000) -> float:
     before = tracemalloc.get_traced_memory()[0]
     for i in range(count):
         table.bind(f"session:soak-{i}", backends[i % BACKENDS], float(i))
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return (after - before) / count
+
+
+def bytes_per_home(count: int = homes.CAPACITY) -> float:
+    """Memory of one prefix home (its head's key, a shared backend string), measured."""
+    table = homes.PrefixHomes()
+    backends = [f"10.0.0.{i}:8000" for i in range(BACKENDS)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(count):
+        table.place((i * 0x9E3779B97F4A7C15) & ((1 << 60) - 1), backends[i % BACKENDS])  # 60-bit keys, as heads are
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return (after - before) / count
@@ -87,6 +102,7 @@ def main(
     extproc_args = ["--capacity-auto", "false", "--capacity-blocks", str(CAPACITY_BLOCKS)]
     extproc_args += ["--session-capacity", str(SESSION_CAPACITY), "--log-level", "warning"]
     per_session = bytes_per_session()
+    per_home = bytes_per_home()
     env = {**os.environ, **extproc_env}
     stack = Stack(
         workdir,
@@ -103,6 +119,7 @@ def main(
         asyncio.run(_drive(url, WARMUP, concurrency, [0]))
         baseline = rss_bytes(pid)
         predicted = baseline + BACKENDS * CAPACITY_BLOCKS * BYTES_PER_ENTRY + SESSION_CAPACITY * per_session
+        predicted += homes.CAPACITY * per_home
         progress = [0]
         samples: list[tuple[int, int]] = []
 
@@ -132,6 +149,7 @@ def main(
         "final_over_predicted": round(samples[-1][1] / predicted, 3),
         "rss_by_requests_mib": [(n, round(r / mib, 1)) for n, r in samples[:: max(1, len(samples) // 12)]],
         "bytes_per_session": round(per_session, 1),
+        "bytes_per_home": round(per_home, 1),
         "extproc_env": extproc_env,
         "body_mode": body_mode,
         "transport": transport,
