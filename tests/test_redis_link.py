@@ -393,12 +393,22 @@ async def test_replicas_agree_on_one_adapter_load_and_the_store_away_leaves_each
             await runner.cleanup()
 
 
+@pytest.mark.parametrize(
+    ("entries", "blocks", "turns"),
+    [
+        (2_000, 32, 2_000 // APPLY_SLICE // 2),  # a slice of entries; whole read batches gave 3 turns
+        (4 * APPLY_SLICE, APPLY_BLOCKS, 4 * APPLY_SLICE // 2),  # a turn per chain; per 32 entries gave 5
+    ],
+)
 @in_loop
-async def test_a_backlog_of_siblings_learning_is_applied_between_the_requests_routed(redis_server):
-    """2,000 sibling chains arrive at once: the link applies them a slice at a time and lets the
-    event loop run in between (a ticker sees the count of applied entries move in steps of a
-    slice), rather than holding the loop for a whole read batch while requests wait. How fast:
-    `bench replica-lag --ingest`."""
+async def test_a_backlog_of_siblings_learning_is_applied_between_the_requests_routed(
+    redis_server, entries, blocks, turns
+):
+    """Sibling chains arrive at once: the link applies them a slice at a time and lets the event
+    loop run in between (a ticker sees the count of applied entries move in steps), rather than
+    holding the loop while requests wait. A slice is cut by its entries and by the blocks of their
+    chains: agent prompts make chains of hundreds of blocks (32 of 940 held the loop about 100 ms).
+    How fast: `bench replica-lag --ingest`."""
     async with replicas(redis_server, 1) as (replica,):
         client = Redis.from_url(redis_server.url, password=PASSWORD)
         seen: set[int] = set()
@@ -409,42 +419,15 @@ async def test_a_backlog_of_siblings_learning_is_applied_between_the_requests_ro
                 await asyncio.sleep(0)
 
         task = asyncio.create_task(ticker())
-        async with client.pipeline(transaction=False) as pipe:
-            for index in range(2_000):
-                chain = [index * 64 + block for block in range(32)]
-                pipe.xadd(f"{replica.group}:events", {"m": msgpack.packb(("l", "other", A, chain))})
-            await pipe.execute()
-        await until(lambda: replica.link.counts["applied"] >= 2_000)
-        task.cancel()
-        assert len(seen) >= 2_000 // APPLY_SLICE // 2  # held for whole batches of 1,000: 3
-        await client.aclose()
-
-
-@in_loop
-async def test_siblings_long_chains_are_applied_a_few_at_a_time(redis_server):
-    """Agent prompts make chains of hundreds of blocks: a slice is cut by the blocks its chains
-    hold, not only by its entries, so the loop turns every APPLY_BLOCKS blocks (32 chains of 940
-    blocks held it about 100 ms at a time)."""
-    async with replicas(redis_server, 1) as (replica,):
-        client = Redis.from_url(redis_server.url, password=PASSWORD)
-        seen: set[int] = set()
-
-        async def ticker() -> None:
-            while True:
-                seen.add(replica.link.counts["applied"])
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(ticker())
-        entries = 4 * APPLY_SLICE
         keys = random.Random(0)  # chain hashes are spread over 60 bits; consecutive ones would pile up in probes
         async with client.pipeline(transaction=False) as pipe:
             for _ in range(entries):
-                chain = [keys.getrandbits(60) for _ in range(APPLY_BLOCKS)]
+                chain = [keys.getrandbits(60) for _ in range(blocks)]
                 pipe.xadd(f"{replica.group}:events", {"m": msgpack.packb(("l", "other", A, chain))})
             await pipe.execute()
         await until(lambda: replica.link.counts["applied"] >= entries)
         task.cancel()
-        assert len(seen) >= entries // 2  # a turn per chain; a turn per 32 entries gave 5
+        assert len(seen) >= turns
         await client.aclose()
 
 
