@@ -79,6 +79,7 @@ def test_block_lru_answers_as_an_ordered_dict(ops, limit):
             for block in (*blocks, *model.blocks):  # one block is a chain of one
                 assert lru.held_chain([block], cutoff) == model.held_prefix([block], cutoff)
         assert lru.nbytes() + sys.getsizeof(lru) <= LOCATION_MOST_BYTES * len(lru) + LRU_FIXED_BYTES
+        assert lru.newest_seen() >= max(model.blocks.values(), default=float("-inf"))  # a bound on what it holds
     order = [lru.pop_oldest() for _ in range(len(lru))]
     assert order == list(model.blocks)
 

@@ -72,6 +72,21 @@ def test_after_a_quiet_spell_expired_entries_go_a_slice_at_a_time_and_never_matc
     assert index.lookup(chain, [A], 34) == {A: 3}
 
 
+def test_a_cache_emptied_after_a_moment_forgets_what_was_learned_until_then():
+    """What was learned since may be the new content and stays; a picture learned wholly before
+    (the usual case) goes in one step, its heads with it."""
+    index = LocalIndex(ttl_s=100, capacity_blocks=100)
+    index.learn([1, 2, 3], A, 1)
+    index.learn([7, 8], A, 6)
+    index.forget_before(A, 5)
+    assert index.lookup([1, 2, 3], [A], 7) == {A: 0} and index.lookup([7, 8], [A], 7) == {A: 2}
+    assert list(index.holders(1, 7)) == [] and list(index.holders(7, 7)) == [A]
+    index.forget_before(A, 10)
+    assert index.entries_by_backend() == {A: 0} and list(index.holders(7, 11)) == []
+    index.learn([7, 8], A, 12)
+    assert index.lookup([7, 8], [A], 13) == {A: 2} and list(index.holders(7, 13)) == [A]
+
+
 def test_capacity_evicts_least_recently_used_and_keeps_prefix_heads():
     index = LocalIndex(ttl_s=100, capacity_blocks=5, learn_share=1.0)
     index.learn([1, 2, 3], A, 0)

@@ -183,6 +183,11 @@ class BlockLRU:
         """Make those of the blocks it holds the most recent, in this order; last seen unchanged."""
         self.use(blocks, float("-inf"), add=False)
 
+    def newest_seen(self) -> float:
+        """No block it holds was last seen later than this (an upper bound, read in one C pass:
+        freed slots keep the time they had)."""
+        return max(self._seen, default=float("-inf"))
+
     def oldest_seen(self) -> float:
         """When the least recent block was last seen; the table is not empty."""
         return self._seen[self._first]

@@ -258,8 +258,11 @@ class LocalIndex:
     def remove_backend(self, backend: str) -> None:
         self._room.pop(backend, None)
         blocks = self._backends.pop(backend, None)
-        if not blocks:
-            return
+        if blocks:
+            self._dropped(backend, blocks)
+
+    def _dropped(self, backend: str, blocks: BlockLRU) -> None:
+        """Every block of this picture of the backend left it."""
         self._total -= len(blocks)
         heads, held = self._heads, blocks.keys()
         for block in held:  # only the chains' heads name backends
@@ -268,7 +271,10 @@ class LocalIndex:
 
     def forget_before(self, backend: str, moment: float) -> None:
         blocks = self._backends.get(backend)
-        if blocks:  # a full pass, not from the old end: a sibling replica's learning may arrive late
+        if blocks and blocks.newest_seen() <= moment:  # all of it predates the clear, as usual
+            self._backends[backend] = BlockLRU(blocks.limit)
+            self._dropped(backend, blocks)
+        elif blocks:  # a full pass, not from the old end: a sibling replica's learning may arrive late
             for block in blocks.seen_until(moment):
                 blocks.remove(block)
                 self._lost(block, backend)
