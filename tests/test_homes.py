@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.core import homes
+from extproc.core import departures, homes
 from extproc.core.homes import PrefixHomes
 
 
@@ -36,7 +36,7 @@ def test_a_backend_that_left_loses_its_homes_as_they_are_met_and_a_return_brings
     assert table.get(0) is None and len(table) == 5  # met: gone
     table.place(10, "A")  # back: its old heads are not its any more
     assert table.get(3) is None and table.get(10) == "A" and len(table) == 5
-    monkeypatch.setattr(homes, "GONE_MOST", 1)
+    monkeypatch.setattr(departures, "GONE_MOST", 1)
     table.remove_backend("B")
     table.remove_backend("C")
     assert len(table) == 1 and table.get(10) == "A"

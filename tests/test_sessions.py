@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.core import sessions
+from extproc.core import departures
 from extproc.core.sessions import EXPIRE_SLICE, SessionTable, derive_session_key
 
 
@@ -104,7 +104,7 @@ def test_a_backend_that_left_loses_its_bindings_as_they_are_met_and_a_return_bri
     table.leave("B")
     table.bind_digest(table._digest("late"), "C", 5)  # older than the binding it replaces, which is void
     assert table.get("late", 6) == "C"
-    monkeypatch.setattr(sessions, "GONE_MOST", 1)
+    monkeypatch.setattr(departures, "GONE_MOST", 1)
     table.leave("C")  # two gone: one pass
     assert len(table) == 1 and table.get("s9", 7) == "A"
 

@@ -13,24 +13,24 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from extproc.core.departures import Departures
+
 CAPACITY = 65536  # heads remembered; a miss costs only what kvroute did before homes: least loaded
-GONE_MOST = 1024  # backends that left whose homes are dropped as they are met, before a pass drops them all
+
+
+def _named(home: str) -> str:
+    return home
 
 
 class PrefixHomes:
-    """First block of a chain -> the backend its prompts go to when no cache shows it.
-
-    A backend that leaves loses its homes as they are met (`get`), not in a pass over the table
-    then: rebuilding 65,536 homes held the event loop some 20 ms per backend, a second for a
-    rollout replacing fifty. A backend placed on again (back at the same address) first loses
-    the homes it had, in one pass; so does the table when GONE_MOST backends have left, or when
-    it is full (void homes go before live ones)."""
+    """First block of a chain -> the backend its prompts go to when no cache shows it. A backend
+    that leaves loses its homes as they are met (departures.py)."""
 
     __slots__ = ("_gone", "_homes")
 
     def __init__(self) -> None:
         self._homes: OrderedDict[int, str] = OrderedDict()
-        self._gone: set[str] = set()  # backends that left since the last pass
+        self._gone: Departures[int, str] = Departures(_named)
 
     def get(self, head: int) -> str | None:
         home = self._homes.get(head)
@@ -44,28 +44,17 @@ class PrefixHomes:
 
     def place(self, head: int, backend: str) -> None:
         """The head's home is this backend from now on."""
-        if backend in self._gone:  # back: what it was home to before it left goes first
-            self._drop(frozenset((backend,)))
         homes = self._homes
+        self._gone.returning(homes, backend)
         homes[head] = backend
         homes.move_to_end(head)
-        if len(homes) > CAPACITY and self._gone:  # void homes go before live ones
-            self._drop(frozenset(self._gone))
+        self._gone.full(homes, CAPACITY)
         if len(homes) > CAPACITY:
             homes.popitem(last=False)
 
     def remove_backend(self, backend: str) -> None:
         """A backend left: its heads are placed again on merit."""
-        self._gone.add(backend)
-        if len(self._gone) > GONE_MOST:
-            self._drop(frozenset(self._gone))
-
-    def _drop(self, backends: frozenset[str]) -> None:
-        """One pass: the homes of these backends go, and they are no longer gone."""
-        homes = self._homes
-        for head in [head for head, home in homes.items() if home in backends]:
-            del homes[head]
-        self._gone -= backends
+        self._gone.left(self._homes, backend)
 
     def __len__(self) -> int:
         return len(self._homes)

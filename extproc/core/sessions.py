@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+from extproc.core.departures import Departures
 from extproc.core.settings import SESSION_HEADERS
 
 USER_HEADER = "x-user-id"
@@ -21,7 +22,6 @@ MAX_ID_CHARS = 512
 # Expired bindings one bind drops at most: after a quiet spell longer than the TTL, the first bind
 # found them all expired and dropped them at once (20 ms for 100,000).
 EXPIRE_SLICE = 1024
-GONE_MOST = 1024  # backends that left whose bindings are dropped as they are met, before a pass drops them all
 
 
 def _text(value: Any) -> str | None:
@@ -69,16 +69,17 @@ def _unscoped_key(headers: Mapping[str, str], body: Mapping[str, Any], session_h
     return None
 
 
+def _bound_to(binding: tuple[str, float, int]) -> str:
+    return binding[0]
+
+
 class SessionTable:
     """digest(session key) -> (backend, last access, blocks of its last prompt there), with a TTL
     and LRU capacity.
 
-    The bindings to a backend that left (`leave`) are dropped as they are met, not in a pass over
-    the table then: 100,000 bindings took some 5 ms per backend, a rollout of fifty a quarter of a
-    second. A backend bound to again (back at the same address) first loses the bindings it had,
-    in one pass; so does the table when GONE_MOST backends have left, or when it is full (void
-    bindings go before live ones). A cache reset (`remove_backend`) drops its bindings at once:
-    such a backend is bound to again at once."""
+    The bindings to a backend that left (`leave`) are dropped as they are met (departures.py). A
+    cache reset (`remove_backend`) drops its bindings at once: such a backend is bound to again at
+    once."""
 
     __slots__ = ("_bindings", "_capacity", "_gone", "_key", "_ttl")
 
@@ -87,7 +88,7 @@ class SessionTable:
         self._capacity = capacity
         self._key = key
         self._bindings: OrderedDict[bytes, tuple[str, float, int]] = OrderedDict()
-        self._gone: set[str] = set()  # backends that left since the last pass
+        self._gone: Departures[bytes, tuple[str, float, int]] = Departures(_bound_to)
 
     def _digest(self, session_key: str) -> bytes:
         return hashlib.blake2b(session_key.encode("utf-8", "surrogatepass"), key=self._key, digest_size=16).digest()
@@ -136,12 +137,10 @@ class SessionTable:
         held = self._bindings.get(key)
         if held is not None and held[1] > now and held[0] not in self._gone:
             return
-        if backend in self._gone:  # back: what was bound to it before it left goes first
-            self._drop(frozenset((backend,)))
+        self._gone.returning(self._bindings, backend)
         self._bindings[key] = (backend, now, blocks)
         self._bindings.move_to_end(key)
-        if len(self._bindings) > self._capacity and self._gone:  # void bindings go before live ones
-            self._drop(frozenset(self._gone))
+        self._gone.full(self._bindings, self._capacity)
         while len(self._bindings) > self._capacity:
             self._bindings.popitem(last=False)
         self._expire(now)
@@ -151,9 +150,7 @@ class SessionTable:
 
     def leave(self, backend: str) -> None:
         """A backend left: its bindings answer nothing from now on, and go as they are met."""
-        self._gone.add(backend)
-        if len(self._gone) > GONE_MOST:
-            self._drop(frozenset(self._gone))
+        self._gone.left(self._bindings, backend)
 
     def remove_backend(self, backend: str, before: float = float("inf")) -> int:
         """Drop the bindings to a backend whose cache was reset (emptied after `before`: the
@@ -162,13 +159,6 @@ class SessionTable:
         for key in gone:
             del self._bindings[key]
         return len(gone)
-
-    def _drop(self, backends: frozenset[str]) -> None:
-        """One pass: the bindings to these backends go, and they are no longer gone."""
-        bindings = self._bindings
-        for key in [key for key, (bound, _, _) in bindings.items() if bound in backends]:
-            del bindings[key]
-        self._gone -= backends
 
     def _expire(self, now: float) -> None:
         """Bindings are in last-use order, so expired ones sit at the front. At most EXPIRE_SLICE
