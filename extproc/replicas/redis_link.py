@@ -63,6 +63,7 @@ LOAD_DELTA = "D"
 READ_BATCH = 256
 APPLY_SLICE = 32
 APPLY_BLOCKS = 512
+ENTRY_WORK = APPLY_BLOCKS // APPLY_SLICE  # what an entry that is not a chain counts for in a slice
 MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes a block)
 DIGEST_BYTES = 16
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
@@ -342,7 +343,7 @@ class RedisLink:
                     if key == self._ends_key:
                         self._ended(fields)
                         self._ends_from = entry_id
-                        work += APPLY_BLOCKS // APPLY_SLICE
+                        work += ENTRY_WORK
                     else:
                         work += self._apply(entry_id, fields, offset)
                     ids[key] = entry_id
@@ -395,7 +396,7 @@ class RedisLink:
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> int:
         """Apply one sibling's entry; returns its work in blocks (a chain's length; an entry of
         another kind counts as a small chain's), for the slices between the loop's turns."""
-        work = APPLY_BLOCKS // APPLY_SLICE
+        work = ENTRY_WORK
         try:
             kind, replica, backend, payload = msgpack.unpackb(fields[b"m"], use_list=False)
             if replica == self.replica:
