@@ -136,3 +136,74 @@ def test_what_placement_remembers_of_a_server_goes_with_it():
     book.remove_backend(move.backend)
     (again,) = placement.plan(SETTINGS, book, loads, [move.backend, *FLEET], 0.5)  # back, with a new pod
     assert again.backend == move.backend
+
+
+FOUR = Settings(
+    adapter_sources={f"a{i}": f"/adapters/a{i}" for i in range(4)},
+    adapter_max_backends=1,
+    adapter_min_resident_s=10.0,
+)
+
+
+def placed_evenly() -> tuple[AdapterPlacement, AdapterBook, LoadTracker, list[str], list[str]]:
+    """Four adapters asked for once each at the start, so two land on each of A and B."""
+    placement, book, loads = world()
+    for i in range(4):
+        placement.wanted(FOUR, f"a{i}", 0.0)
+    carry_out(placement, book, placement.plan(FOUR, book, loads, [A, B], 0.0), 0.0)
+    on_a = sorted(a for a in (f"a{i}" for i in range(4)) if book.lists(A, a))
+    on_b = sorted(a for a in (f"a{i}" for i in range(4)) if book.lists(B, a))
+    assert len(on_a) == len(on_b) == 2
+    return placement, book, loads, on_a, on_b
+
+
+def ask(placement: AdapterPlacement, adapter: str, requests: int, at: float) -> None:
+    for _ in range(requests):
+        placement.wanted(FOUR, adapter, at)
+
+
+def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_once_its_requests_end():
+    """Adapters are placed on their first requests, before their popularity shows; when one
+    server's adapters turn out to draw most of the demand, one moves: loaded on the other server,
+    then no longer routed to on the first, and unloaded there once its requests have ended."""
+    placement, book, loads, (popular, second), (rare, rarer) = placed_evenly()
+    ask(placement, popular, 10, 1.0)
+    ask(placement, second, 6, 1.0)
+    ask(placement, rare, 2, 1.0)
+    ask(placement, rarer, 2, 1.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 5.0) == []  # every adapter was loaded 5 s ago: held
+    (move,) = placement.plan(FOUR, book, loads, [A, B], 11.0)
+    # A draws 18 against B's 6: moving the popular one would leave 7 against 17, the second evens
+    # them (11 against 13)
+    assert move == Move(True, B, second, f"/adapters/{second}")
+    in_flight = loads.reserve(A, 0, second)
+    carry_out(placement, book, [move], 12.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 13.0) == []  # a request of it still runs on A
+    assert book.listers(second, [A, B]) == [B]  # ... but new ones go to B only
+    book.listing(A, [popular, second])  # the engine's listing still names it: still moved off
+    assert book.listers(second, [A, B]) == [B]
+    in_flight.finish()
+    (unload,) = placement.plan(FOUR, book, loads, [A, B], 14.0)
+    assert unload == Move(False, A, second, f"/adapters/{second}")
+    carry_out(placement, book, [unload], 14.0)
+    assert [b for b in (A, B) if book.lists(b, second)] == [B]
+    for second_ in range(15, 200):  # evened: nothing more moves
+        assert placement.plan(FOUR, book, loads, [A, B], float(second_)) == []
+    assert placement.counts == {("load", "ok"): 5, ("unload", "ok"): 1}
+
+
+def test_no_move_where_none_evens_the_split_nor_on_little_demand_nor_when_its_load_fails():
+    placement, book, loads, (popular, other), _ = placed_evenly()
+    ask(placement, popular, 6, 1.0)
+    ask(placement, other, 5, 1.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 11.0) == []  # 15 requests' worth: too few to judge by
+    ask(placement, popular, 20, 11.0)
+    # A draws 33 against 2: moving the popular one would leave 6 against 29, the other 27 against
+    # 8; neither halves the gap
+    assert placement.plan(FOUR, book, loads, [A, B], 12.0) == []
+    ask(placement, other, 20, 12.0)
+    (move,) = placement.plan(FOUR, book, loads, [A, B], 13.0)
+    assert move.load and move.backend == B
+    carry_out(placement, book, [move], 13.5, ok=False)  # B refused it: it stays on A, routed as before
+    assert book.lists(A, move.adapter) and book.listers(move.adapter, [A, B]) == [A]
+    assert placement.plan(FOUR, book, loads, [A, B], 14.0) == []  # not retried before the hold

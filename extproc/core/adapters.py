@@ -49,6 +49,7 @@ class EngineAdapters:
     """One backend's adapters as its engine last reported them."""
 
     listed: frozenset[str] | None = None  # what /v1/models lists (None: not said)
+    leaving: frozenset[str] = frozenset()  # listed, but placement is moving them off (not routed to)
     running: frozenset[str] = frozenset()  # adapters of requests running or waiting there
     slots: int | None = None  # max_loras (None: not said)
     engine_at: float = float("-inf")  # when running/slots were sampled
@@ -82,7 +83,10 @@ class AdapterBook:
 
     def listing(self, backend: str, adapters: Iterable[str]) -> None:
         """The adapters a backend lists (`/v1/models` entries with a parent model)."""
-        self._entry(backend).listed = self._names(adapters, MAX_LISTED)
+        entry = self._entry(backend)
+        entry.listed = self._names(adapters, MAX_LISTED)
+        if entry.leaving:  # gone from the listing: moved off
+            entry.leaving &= entry.listed
 
     def engine(self, backend: str, running: Iterable[str], slots: int | None, now: float) -> None:
         """The adapters of a backend's running and waiting requests, and its slot count."""
@@ -92,15 +96,26 @@ class AdapterBook:
         entry.engine_at = now
 
     def lists(self, backend: str, adapter: str) -> bool:
-        """The backend's listing names the adapter (not said: no)."""
+        """The backend's listing names the adapter, and it is not being moved off (not said: no)."""
         entry = self._backends.get(backend)
-        return entry is not None and entry.listed is not None and adapter in entry.listed
+        return (
+            entry is not None and entry.listed is not None and adapter in entry.listed and adapter not in entry.leaving
+        )
 
     def listed_now(self, backend: str, adapter: str, present: bool) -> None:
         """A load (or unload) just done there: the listing says so before the next read of it."""
         entry = self._entry(backend)
         listed = entry.listed or frozenset()
         entry.listed = self._names([*listed, adapter], MAX_LISTED) if present else listed - {adapter}
+        entry.leaving -= {adapter}
+
+    def leave(self, backend: str, adapter: str, leaving: bool = True) -> None:
+        """Placement moves `adapter` off `backend` (listed there): new requests no longer go there,
+        those in flight end where they are, until it is unloaded (or `leaving` is False)."""
+        entry = self._backends.get(backend)
+        if entry is None or entry.listed is None or adapter not in entry.listed:
+            return
+        entry.leaving = entry.leaving | {adapter} if leaving else entry.leaving - {adapter}
 
     def runs(self, backend: str, adapter: str, now: float) -> bool:
         """The engine's fresh report has a request of the adapter running or waiting there."""
@@ -128,11 +143,11 @@ class AdapterBook:
         return model if model in self._known else None
 
     def listers(self, adapter: str, backends: Sequence[str]) -> list[str]:
-        """Of `backends`, those that list `adapter` or have not said what they list."""
+        """Of `backends`, those that list `adapter` (not moving it off) or have not said what they list."""
         out = []
         for backend in backends:
             entry = self._backends.get(backend)
-            if entry is None or entry.listed is None or adapter in entry.listed:
+            if entry is None or entry.listed is None or (adapter in entry.listed and adapter not in entry.leaving):
                 out.append(backend)
         return out
 
@@ -152,6 +167,7 @@ class AdapterBook:
         return {
             backend: {
                 "listed": None if e.listed is None else sorted(e.listed),
+                "leaving": sorted(e.leaving),
                 "running": sorted(e.running),
                 "slots": e.slots,
             }

@@ -9,7 +9,14 @@ a client sent. Each round (`plan`):
 - a holder where the adapter went unused for `adapter_idle_s` (or, beyond `adapter_max_backends`,
   for `adapter_min_resident_s`) is unloaded, never the last one;
 - hysteresis: a server keeps an adapter placement loaded there for `adapter_min_resident_s`, and
-  does not get back one it just unloaded for as long, so load and unload never chase each other.
+  does not get back one it just unloaded for as long, so load and unload never chase each other;
+- balance (`_balance`): adapters are placed on their first requests, before their popularity is
+  known, and one server can end up drawing most of the demand. When the server whose adapters draw
+  the most demand draws BALANCE_GAP of the fleet's more than the one drawing least, one adapter
+  moves from the first to the second, the one that evens them best (and by at least half that
+  gap): loaded there, then no longer routed to on the first (`AdapterBook.leave`), unloaded there
+  once its requests in flight have ended. One move at a time, at most one per
+  `adapter_min_resident_s`, and only on BALANCE_MIN_DEMAND requests' worth of demand.
 The best server for a load: the one whose adapters draw the least demand (requests naming them,
 decayed with a half-life of `DEMAND_HALF_LIFE_S`), then whose slots are least taken by adapters in
 use, then the least busy: placing adapters by slots alone put the popular ones together (measured
@@ -34,6 +41,8 @@ from extproc.core.settings import Settings
 _NEVER = float("-inf")
 ADAPTER_WAIT_S = 10.0  # a request waits this long at most for placement to load its adapter
 DEMAND_HALF_LIFE_S = 60.0  # an adapter's demand: requests naming it, halved every minute
+BALANCE_GAP = 0.1  # a move evens servers whose drawn demand differs by this share of the fleet's
+BALANCE_MIN_DEMAND = 16.0  # ... once the fleet's demand (decayed requests) says this much
 
 
 class Move(NamedTuple):
@@ -49,7 +58,18 @@ class AdapterPlacement:
     """Placement's memory: when each (server, adapter) was loaded, unloaded, last used, and what
     requests are waiting for."""
 
-    __slots__ = ("_changed_at", "_demand", "_failed_at", "_names", "_pending", "_used_at", "_wanted", "counts")
+    __slots__ = (
+        "_balanced_at",
+        "_changed_at",
+        "_demand",
+        "_failed_at",
+        "_moving",
+        "_names",
+        "_pending",
+        "_used_at",
+        "_wanted",
+        "counts",
+    )
 
     def __init__(self) -> None:
         self._changed_at: dict[tuple[str, str], float] = {}  # placement loaded or unloaded it there
@@ -59,6 +79,8 @@ class AdapterPlacement:
         self._wanted: dict[str, float] = {}  # placed adapters -> when a request last named it
         self._demand: dict[str, tuple[float, float]] = {}  # placed adapters -> (decayed requests, as of)
         self._names: tuple[tuple[tuple[str, str], ...], frozenset[str]] = ((), frozenset())  # sources, their names
+        self._moving: dict[str, str] = {}  # adapter -> the server balance moves it off
+        self._balanced_at = _NEVER
         self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed) -> moves
 
     def wanted(self, settings: Settings, adapter: str, now: float) -> bool:
@@ -90,17 +112,33 @@ class AdapterPlacement:
         names = self._placed(settings)
         for gone in [a for a in self._demand if a not in names]:  # no longer the policy's to place
             del self._demand[gone]
+        for adapter in [a for a, origin in self._moving.items() if a not in names or origin not in backends]:
+            book.leave(self._moving.pop(adapter), adapter, False)
         moves: list[Move] = []
         planned: dict[str, float] = {}  # backend -> demand of the adapters this round loads there
         for adapter, path in settings.adapter_sources:
             if adapter in self._pending:
                 continue
-            move = self._move(settings, book, loads, backends, adapter, path, now, planned)
+            if adapter in self._moving:
+                move = self._move_off(settings, book, loads, backends, adapter, path, now)
+            else:
+                move = self._move(settings, book, loads, backends, adapter, path, now, planned)
             if move is not None:
                 self._pending.add(adapter)
                 moves.append(move)
                 if move.load:  # the next load of this round sees it there
                     planned[move.backend] = planned.get(move.backend, 0.0) + self.demand(adapter, now)
+        if (
+            not moves
+            and not self._pending
+            and not self._moving
+            and now - self._balanced_at >= settings.adapter_min_resident_s
+        ):
+            move = self._balance(settings, book, backends, now)
+            if move is not None:
+                self._pending.add(move.adapter)
+                self._balanced_at = now
+                moves.append(move)
         return moves
 
     def skip(self, move: Move) -> None:
@@ -120,12 +158,79 @@ class AdapterPlacement:
                 self._wanted.pop(move.adapter, None)
         else:
             self._failed_at[key] = now
+            if move.load and self._moving.get(move.adapter) is not None:  # the move's load failed: it stays
+                del self._moving[move.adapter]
+        if not move.load and self._moving.get(move.adapter) == move.backend and ok:  # moved
+            del self._moving[move.adapter]
 
     def keep(self, backends: set[str]) -> None:
         """Forget what placement remembers of servers that left the pool (pod IPs come and go)."""
         for table in (self._changed_at, self._failed_at, self._used_at):
             for key in [k for k in table if k[0] not in backends]:
                 del table[key]
+
+    def _move_off(
+        self,
+        settings: Settings,
+        book: AdapterBook,
+        loads: LoadTracker,
+        backends: Sequence[str],
+        adapter: str,
+        path: str,
+        now: float,
+    ) -> Move | None:
+        """A balance move's second half: the adapter is loaded on its new server, so the old one
+        takes no new requests for it, and unloads it once those in flight there have ended."""
+        origin = self._moving[adapter]
+        if not any(book.lists(b, adapter) for b in backends if b != origin):  # its new server left
+            del self._moving[adapter]
+            book.leave(origin, adapter, False)
+            return None
+        book.leave(origin, adapter)
+        if loads.get(origin).adapters.get(adapter, 0) or book.runs(origin, adapter, now):
+            return None
+        if now - self._failed_at.get((origin, adapter), _NEVER) < settings.adapter_min_resident_s:
+            return None
+        return Move(False, origin, adapter, path)
+
+    def _balance(self, settings: Settings, book: AdapterBook, backends: Sequence[str], now: float) -> Move | None:
+        """The load that evens the demand the servers draw, if they are BALANCE_GAP apart (module
+        docstring); its origin is recorded in `_moving`."""
+        if len(backends) < 2:
+            return None
+        demand = {a: self.demand(a, now) for a, _ in settings.adapter_sources}
+        total = sum(demand.values())
+        if total < BALANCE_MIN_DEMAND:
+            return None
+        holders = {a: [b for b in backends if book.lists(b, a)] for a in demand}
+        drawn = dict.fromkeys(backends, 0.0)
+        for adapter, held in holders.items():
+            for backend in held:
+                drawn[backend] += demand[adapter] / len(held)
+        heavy, light = max(backends, key=drawn.__getitem__), min(backends, key=drawn.__getitem__)
+        gap = drawn[heavy] - drawn[light]
+        if gap <= BALANCE_GAP * total:
+            return None
+        hold = settings.adapter_min_resident_s
+        best: tuple[float, str] | None = None
+        for adapter, held in holders.items():
+            if heavy not in held or light in held:
+                continue
+            if now - self._changed_at.get((heavy, adapter), _NEVER) < hold:
+                continue  # just loaded there
+            if (
+                now - max(self._changed_at.get((light, adapter), _NEVER), self._failed_at.get((light, adapter), _NEVER))
+                < hold
+            ):
+                continue  # just unloaded there, or its load failed
+            after = abs(gap - 2 * demand[adapter] / len(held))
+            if after <= gap / 2 and (best is None or after < best[0]):
+                best = (after, adapter)
+        if best is None:
+            return None
+        adapter = best[1]
+        self._moving[adapter] = heavy
+        return Move(True, light, adapter, dict(settings.adapter_sources)[adapter])
 
     def _move(
         self,

@@ -1,0 +1,14 @@
+#!/bin/sh
+# Issue 32, fourth run on vLLM-CPU: placement that evens the servers' demand (a placed adapter
+# moves from the server drawing the most demand to the one drawing least: core/placement.py
+# `_balance`). As run3.sh: the no-shared-prefix claim trace (seed 2), 2 servers with
+# --max-loras 2, 8 clients, kvroute over servers that list all 8 adapters against
+# kvroute-placement; both orders.
+set -e
+cd "$(dirname "$0")/../.."
+for order in "kvroute,kvroute-placement" "kvroute-placement,kvroute"; do
+  out=results/lora-32/balance-$(echo "$order" | cut -d, -f1)-first
+  .venv/bin/kvroute-dev bench compare --trace results/lora-32/adapters-unique-claim.jsonl --concurrency 8 \
+    --backends vllm-cpu:2 --max-loras 2 --max-output-tokens 32 --envoy-reset-streams \
+    --routers "$order" --out "$out"
+done
