@@ -137,3 +137,44 @@ def test_placement_loads_a_named_adapter_on_demand_scales_it_out_under_load_and_
 
 def counter_of(stack: Stack, action: str, outcome: str) -> float:
     return metric(stack.admin_url, f'kvroute_adapter_placements_total{{action="{action}",outcome="{outcome}"}}')
+
+
+def test_placement_moves_an_adapter_to_even_the_servers_demand_once_its_old_copy_drains(tmp_path: Path):
+    """Four adapters placed two a server on their first requests; then the two on one server draw
+    most of the demand: one of them moves to the other server, new requests of it go there at
+    once, and its old copy is unloaded only after the request still running there ends."""
+    flags = ("--model", MODEL, "--runtime-lora", "--max-loras", "2", "--step-s", "0.02")
+    names = ("a0", "a1", "a2", "a3")
+    placement = (
+        "--adapter-sources",
+        ",".join(f"{name}=/adapters/{name}" for name in names),
+        "--adapter-min-resident-s",
+        "1",
+        "--decision-headers",
+        "true",
+    )
+    with (
+        sim_servers(tmp_path / "sim.log", 2, *flags) as servers,
+        Stack(tmp_path / "stack", backends=servers, extproc_args=placement) as stack,
+    ):
+        for name in names:
+            assert post(stack.url, {**body(name, 2), "stream": False})[0] == 200, log_tails(stack.workdir)
+        heavy = next(s for s in servers if "a0" in listed(s))
+        light = next(s for s in servers if s != heavy)
+        (other,) = listed(heavy) - {"a0"}
+        assert len(listed(light)) == 2
+        running = Held(stack.url, body(other, 300, "long"))  # still running on its old server when it moves
+        try:
+            assert running.backend == heavy
+            for name, requests in (("a0", 8), (other, 6)):  # the heavy server draws 16 of 18 requests' demand
+                for _ in range(requests):
+                    assert post(stack.url, {**body(name, 2), "stream": False})[0] == 200
+            eventually(lambda: other in listed(light), timeout_s=20, message=f"{other} loaded on {light}")
+            status, headers, _ = post(stack.url, {**body(other, 2), "stream": False})
+            assert status == 200 and headers["x-kvroute-backend"] == light  # new requests go to its new server
+            assert other in listed(heavy)  # the old copy waits for the request running there
+        finally:
+            running.release()
+        eventually(lambda: other not in listed(heavy), timeout_s=30, message=f"{other} unloaded from {heavy}")
+        assert listed(heavy) == {"a0"} and listed(light) >= {other}
+        assert counter_of(stack, "load", "ok") == 5 and counter_of(stack, "unload", "ok") == 1

@@ -171,8 +171,7 @@ def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_o
     ask(placement, second, 6, 1.0)
     ask(placement, rare, 2, 1.0)
     ask(placement, rarer, 2, 1.0)
-    assert placement.plan(FOUR, book, loads, [A, B], 5.0) == []  # every adapter was loaded 5 s ago: held
-    (move,) = placement.plan(FOUR, book, loads, [A, B], 11.0)
+    (move,) = placement.plan(FOUR, book, loads, [A, B], 5.0)  # placed before their demand showed: may move
     # A draws 18 against B's 6: moving the popular one would leave 7 against 17, the second evens
     # them (11 against 13)
     assert move == Move(True, B, second, f"/adapters/{second}")
@@ -187,9 +186,13 @@ def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_o
     assert unload == Move(False, A, second, f"/adapters/{second}")
     carry_out(placement, book, [unload], 14.0)
     assert [b for b in (A, B) if book.lists(b, second)] == [B]
-    for second_ in range(15, 200):  # evened: nothing more moves
-        assert placement.plan(FOUR, book, loads, [A, B], float(second_)) == []
+    for tenth in range(145, 200):  # evened: nothing more moves
+        assert placement.plan(FOUR, book, loads, [A, B], tenth / 10) == []
     assert placement.counts == {("load", "ok"): 5, ("unload", "ok"): 1}
+    ask(placement, rare, 20, 19.9)  # now B draws most; moving `second` back would even them best ...
+    assert placement.plan(FOUR, book, loads, [A, B], 20.0) == []  # ... but it left A 6 s ago (hold 10 s)
+    (back,) = placement.plan(FOUR, book, loads, [A, B], 24.5)
+    assert back == Move(True, A, second, f"/adapters/{second}")
 
 
 def test_no_move_where_none_evens_the_split_nor_on_little_demand_nor_when_its_load_fails():

@@ -15,8 +15,10 @@ a client sent. Each round (`plan`):
   the most demand draws BALANCE_GAP of the fleet's more than the one drawing least, one adapter
   moves from the first to the second, the one that evens them best (and by at least half that
   gap): loaded there, then no longer routed to on the first (`AdapterBook.leave`), unloaded there
-  once its requests in flight have ended. One move at a time, at most one per
-  `adapter_min_resident_s`, and only on BALANCE_MIN_DEMAND requests' worth of demand.
+  once its requests in flight have ended. One move at a time, at most one per BALANCE_EVERY_S,
+  only on BALANCE_MIN_DEMAND requests' worth of demand, and an adapter moved is not moved again
+  for `adapter_min_resident_s`. An adapter just placed may move: where it went first was chosen
+  before its demand was known.
 The best server for a load: the one whose adapters draw the least demand (requests naming them,
 decayed with a half-life of `DEMAND_HALF_LIFE_S`), then whose slots are least taken by adapters in
 use, then the least busy: placing adapters by slots alone put the popular ones together (measured
@@ -43,6 +45,7 @@ ADAPTER_WAIT_S = 10.0  # a request waits this long at most for placement to load
 DEMAND_HALF_LIFE_S = 60.0  # an adapter's demand: requests naming it, halved every minute
 BALANCE_GAP = 0.1  # a move evens servers whose drawn demand differs by this share of the fleet's
 BALANCE_MIN_DEMAND = 16.0  # ... once the fleet's demand (decayed requests) says this much
+BALANCE_EVERY_S = 5.0  # at most one such move this often
 
 
 class Move(NamedTuple):
@@ -63,6 +66,7 @@ class AdapterPlacement:
         "_changed_at",
         "_demand",
         "_failed_at",
+        "_moved_at",
         "_moving",
         "_names",
         "_pending",
@@ -80,6 +84,7 @@ class AdapterPlacement:
         self._demand: dict[str, tuple[float, float]] = {}  # placed adapters -> (decayed requests, as of)
         self._names: tuple[tuple[tuple[str, str], ...], frozenset[str]] = ((), frozenset())  # sources, their names
         self._moving: dict[str, str] = {}  # adapter -> the server balance moves it off
+        self._moved_at: dict[str, float] = {}  # adapter -> when balance last moved it
         self._balanced_at = _NEVER
         self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed) -> moves
 
@@ -112,6 +117,7 @@ class AdapterPlacement:
         names = self._placed(settings)
         for gone in [a for a in self._demand if a not in names]:  # no longer the policy's to place
             del self._demand[gone]
+            self._moved_at.pop(gone, None)
         for adapter in [a for a, origin in self._moving.items() if a not in names or origin not in backends]:
             book.leave(self._moving.pop(adapter), adapter, False)
         moves: list[Move] = []
@@ -132,7 +138,7 @@ class AdapterPlacement:
             not moves
             and not self._pending
             and not self._moving
-            and now - self._balanced_at >= settings.adapter_min_resident_s
+            and now - self._balanced_at >= BALANCE_EVERY_S
         ):
             move = self._balance(settings, book, backends, now)
             if move is not None:
@@ -216,8 +222,8 @@ class AdapterPlacement:
         for adapter, held in holders.items():
             if heavy not in held or light in held:
                 continue
-            if now - self._changed_at.get((heavy, adapter), _NEVER) < hold:
-                continue  # just loaded there
+            if now - self._moved_at.get(adapter, _NEVER) < hold:
+                continue  # moved lately
             if (
                 now - max(self._changed_at.get((light, adapter), _NEVER), self._failed_at.get((light, adapter), _NEVER))
                 < hold
@@ -230,6 +236,7 @@ class AdapterPlacement:
             return None
         adapter = best[1]
         self._moving[adapter] = heavy
+        self._moved_at[adapter] = now
         return Move(True, light, adapter, dict(settings.adapter_sources)[adapter])
 
     def _move(

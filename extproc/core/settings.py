@@ -276,8 +276,9 @@ class Settings:
         (),
         "LoRA adapter -> path the servers load it from: kvroute places these adapters itself (vLLM's "
         "/v1/load_lora_adapter, servers started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), loading one "
-        "where none has it, on more servers while its load calls for it and unloading it where it stays "
-        "idle; it loads no other name. Empty: placement off. In a policy a map, as text "
+        "where none has it, on more servers while its load calls for it, moving one to even the servers' "
+        "demand and unloading it where it stays idle; it loads no other name. Empty: placement off. In a "
+        "policy a map, as text "
         '"support=/adapters/support,sql=/adapters/sql".',
         policy="adapterSources",
         normalize=_pairs("adapter_sources", _adapter_path, lambda _path: True, "a path of 1-4096 characters"),

@@ -3,12 +3,14 @@
 # moves from the server drawing the most demand to the one drawing least: core/placement.py
 # `_balance`). As run3.sh: the no-shared-prefix claim trace (seed 2), 2 servers with
 # --max-loras 2, 8 clients, kvroute over servers that list all 8 adapters against
-# kvroute-placement; both orders.
+# kvroute-placement; three runs, the order alternated. (`balance-held-*`: the same at f73e0e5,
+# where an adapter was not moved within 30 s of being placed, both orders once.)
 set -e
 cd "$(dirname "$0")/../.."
-for order in "kvroute,kvroute-placement" "kvroute-placement,kvroute"; do
-  out=results/lora-32/balance-$(echo "$order" | cut -d, -f1)-first
+run=0
+for order in "kvroute,kvroute-placement" "kvroute-placement,kvroute" "kvroute,kvroute-placement"; do
+  run=$((run + 1))
   .venv/bin/kvroute-dev bench compare --trace results/lora-32/adapters-unique-claim.jsonl --concurrency 8 \
     --backends vllm-cpu:2 --max-loras 2 --max-output-tokens 32 --envoy-reset-streams \
-    --routers "$order" --out "$out"
+    --routers "$order" --out "results/lora-32/balance-run$run"
 done
