@@ -189,10 +189,18 @@ def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_o
     for tenth in range(145, 200):  # evened: nothing more moves
         assert placement.plan(FOUR, book, loads, [A, B], tenth / 10) == []
     assert placement.counts == {("load", "ok"): 5, ("unload", "ok"): 1}
-    ask(placement, rare, 20, 19.9)  # now B draws most; moving `second` back would even them best ...
-    assert placement.plan(FOUR, book, loads, [A, B], 20.0) == []  # ... but it left A 6 s ago (hold 10 s)
-    (back,) = placement.plan(FOUR, book, loads, [A, B], 24.5)
-    assert back == Move(True, A, second, f"/adapters/{second}")
+    ask(placement, rare, 20, 19.9)  # now B draws 33 against A's 11
+    # `second` back to A would even them alone, but it left A 6 s ago (hold 10 s); `rare` to A alone
+    # would not, but with `popular` to B next it does (23 against 21): a swap, one move at a time
+    (first,) = placement.plan(FOUR, book, loads, [A, B], 20.0)
+    assert first == Move(True, A, rare, f"/adapters/{rare}")
+    carry_out(placement, book, [first], 20.1)
+    (drained,) = placement.plan(FOUR, book, loads, [A, B], 20.2)
+    assert drained == Move(False, B, rare, f"/adapters/{rare}")
+    carry_out(placement, book, [drained], 20.3)
+    assert placement.plan(FOUR, book, loads, [A, B], 24.9) == []  # a balance move at most every 5 s
+    (then,) = placement.plan(FOUR, book, loads, [A, B], 25.0)
+    assert then == Move(True, B, popular, f"/adapters/{popular}")
 
 
 def test_no_move_where_none_evens_the_split_nor_on_little_demand_nor_when_its_load_fails():

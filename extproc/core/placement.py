@@ -13,12 +13,13 @@ a client sent. Each round (`plan`):
 - balance (`_balance`): adapters are placed on their first requests, before their popularity is
   known, and one server can end up drawing most of the demand. When the server whose adapters draw
   the most demand draws BALANCE_GAP of the fleet's more than the one drawing least, one adapter
-  moves from the first to the second, the one that evens them best (and by at least half that
-  gap): loaded there, then no longer routed to on the first (`AdapterBook.leave`), unloaded there
-  once its requests in flight have ended. One move at a time, at most one per BALANCE_EVERY_S,
-  only on BALANCE_MIN_DEMAND requests' worth of demand, and an adapter moved is not moved again
-  for `adapter_min_resident_s`. An adapter just placed may move: where it went first was chosen
-  before its demand was known.
+  moves from the first to the second: the one that evens them best alone, by at least half that
+  gap; if none does, the first of a swap that does (one moved back the other way next: two
+  popular adapters together on one server may be evened only so). Loaded there, then no longer routed to on the first
+  (`AdapterBook.leave`), unloaded there once its requests in flight have ended. One move at a
+  time, at most one per BALANCE_EVERY_S, only on BALANCE_MIN_DEMAND requests' worth of demand,
+  and an adapter moved is not moved again for `adapter_min_resident_s`. An adapter just placed
+  may move: where it went first was chosen before its demand was known.
 The best server for a load: the one whose adapters draw the least demand (requests naming them,
 decayed with a half-life of `DEMAND_HALF_LIFE_S`), then whose slots are least taken by adapters in
 use, then the least busy: placing adapters by slots alone put the popular ones together (measured
@@ -134,12 +135,7 @@ class AdapterPlacement:
                 moves.append(move)
                 if move.load:  # the next load of this round sees it there
                     planned[move.backend] = planned.get(move.backend, 0.0) + self.demand(adapter, now)
-        if (
-            not moves
-            and not self._pending
-            and not self._moving
-            and now - self._balanced_at >= BALANCE_EVERY_S
-        ):
+        if not moves and not self._pending and not self._moving and now - self._balanced_at >= BALANCE_EVERY_S:
             move = self._balance(settings, book, backends, now)
             if move is not None:
                 self._pending.add(move.adapter)
@@ -217,21 +213,28 @@ class AdapterPlacement:
         gap = drawn[heavy] - drawn[light]
         if gap <= BALANCE_GAP * total:
             return None
+
+        def movable(adapter: str, origin: str, target: str) -> bool:
+            """On `origin` only (of the two), not moved lately, not just unloaded from `target` nor
+            failed to load there."""
+            held = holders[adapter]
+            if origin not in held or target in held or now - self._moved_at.get(adapter, _NEVER) < hold:
+                return False
+            left = self._changed_at.get((target, adapter), _NEVER)
+            return now - max(left, self._failed_at.get((target, adapter), _NEVER)) >= hold
+
         hold = settings.adapter_min_resident_s
+        share = {a: demand[a] / len(held) for a, held in holders.items() if held}
+        out = [a for a in share if movable(a, heavy, light)]
+        back = [share[a] for a in share if movable(a, light, heavy)]  # a second move the other way
         best: tuple[float, str] | None = None
-        for adapter, held in holders.items():
-            if heavy not in held or light in held:
-                continue
-            if now - self._moved_at.get(adapter, _NEVER) < hold:
-                continue  # moved lately
-            if (
-                now - max(self._changed_at.get((light, adapter), _NEVER), self._failed_at.get((light, adapter), _NEVER))
-                < hold
-            ):
-                continue  # just unloaded there, or its load failed
-            after = abs(gap - 2 * demand[adapter] / len(held))
-            if after <= gap / 2 and (best is None or after < best[0]):
-                best = (after, adapter)
+        for pairs in ([0.0], back):  # one move that does it alone, else the first of a swap
+            for adapter in out:
+                after = min(abs(gap - 2 * share[adapter] + 2 * other) for other in pairs)
+                if after <= gap / 2 and (best is None or after < best[0]):
+                    best = (after, adapter)
+            if best is not None:
+                break
         if best is None:
             return None
         adapter = best[1]

@@ -4,7 +4,8 @@
 # `_balance`). As run3.sh: the no-shared-prefix claim trace (seed 2), 2 servers with
 # --max-loras 2, 8 clients, kvroute over servers that list all 8 adapters against
 # kvroute-placement; three runs, the order alternated. (`balance-held-*`: the same at f73e0e5,
-# where an adapter was not moved within 30 s of being placed, both orders once.)
+# where an adapter was not moved within 30 s of being placed, both orders once; `attempts/single-move-run*`:
+# the same three runs at ac70e63, single moves only, no swap.)
 set -e
 cd "$(dirname "$0")/../.."
 run=0
