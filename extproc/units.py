@@ -138,7 +138,12 @@ async def build_unit(
         router.join(link, secrets.randbelow(1 << 30))
         metrics.registry.register(ReplicaCollector(link))
     # LoRA adapters the policy places (none: idle); with siblings, one replica moves an adapter
-    placer = AdapterPlacer(router, pool, claim=link.claim if link is not None else None)
+    placer = AdapterPlacer(
+        router,
+        pool,
+        claim=link.claim if link is not None else None,
+        tell_leaving=link.adapter_leaving if link is not None else None,
+    )
     metrics.registry.register(PlacementCollector(placer.placement))
     processor = Processor(
         router,

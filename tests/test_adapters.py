@@ -152,6 +152,27 @@ def test_only_backends_listing_an_adapter_are_offered_it_while_any_does():
     assert exchange.decision.backend is not None
 
 
+def test_a_copy_being_moved_off_takes_no_requests_while_another_serves_it_and_its_mark_goes_with_it():
+    router = make_router()
+    book = router.adapters
+    book.listing(A, ["ours"])
+    book.listing(B, ["ours"])
+    book.listing(C, [])
+    book.leave(B, "ours")
+    book.leave(C, "ours")  # C does not list it: nothing to move off
+    assert book.listers("ours", [A, B, C]) == [A] and not book.lists(B, "ours") and not book.lists(C, "ours")
+    for _ in range(10):
+        exchange = router.begin(request("ours"), FLEET, 0.0)
+        assert exchange.decision.backend == A
+        exchange.end()
+    book.listing(B, ["ours"])  # its listing read again, still naming it: still moved off
+    assert book.listers("ours", [A, B]) == [A]
+    assert book.listers("ours", [B, C]) == [B]  # the only copy among these: it serves, moved off or not
+    book.listing(B, [])  # unloaded
+    book.listing(B, ["ours"])  # and later loaded again: a copy like any other
+    assert book.listers("ours", [A, B]) == [A, B]
+
+
 def test_bad_adapter_names_are_bounded_and_never_kept():
     book = AdapterBook()
     book.listing(A, ["ok-1", "", "x" * (MAX_NAME + 1), "../etc", "sp ace", "a\nb", *(f"n{i}" for i in range(5000))])

@@ -181,23 +181,26 @@ def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_o
     assert book.listers(second, [A, B]) == [B]  # ... but new ones go to B only
     book.listing(A, [popular, second])  # the engine's listing still names it: still moved off
     assert book.listers(second, [A, B]) == [B]
+    assert placement.moving_off() == {second: A}  # what sibling replicas are told
     in_flight.finish()
-    (unload,) = placement.plan(FOUR, book, loads, [A, B], 14.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 14.0) == []  # siblings get DRAIN_GRACE_S to hear of it
+    (unload,) = placement.plan(FOUR, book, loads, [A, B], 15.0)
     assert unload == Move(False, A, second, f"/adapters/{second}")
-    carry_out(placement, book, [unload], 14.0)
-    assert [b for b in (A, B) if book.lists(b, second)] == [B]
-    for tenth in range(145, 200):  # evened: nothing more moves
+    carry_out(placement, book, [unload], 15.0)
+    assert [b for b in (A, B) if book.lists(b, second)] == [B] and placement.moving_off() == {}
+    for tenth in range(155, 200):  # evened: nothing more moves
         assert placement.plan(FOUR, book, loads, [A, B], tenth / 10) == []
     assert placement.counts == {("load", "ok"): 5, ("unload", "ok"): 1}
     ask(placement, rare, 20, 19.9)  # now B draws 33 against A's 11
-    # `second` back to A would even them alone, but it left A 6 s ago (hold 10 s); `rare` to A alone
+    # `second` back to A would even them alone, but it left A 5 s ago (hold 10 s); `rare` to A alone
     # would not, but with `popular` to B next it does (23 against 21): a swap, one move at a time
     (first,) = placement.plan(FOUR, book, loads, [A, B], 20.0)
     assert first == Move(True, A, rare, f"/adapters/{rare}")
     carry_out(placement, book, [first], 20.1)
-    (drained,) = placement.plan(FOUR, book, loads, [A, B], 20.2)
+    assert placement.plan(FOUR, book, loads, [A, B], 20.2) == []
+    (drained,) = placement.plan(FOUR, book, loads, [A, B], 22.2)
     assert drained == Move(False, B, rare, f"/adapters/{rare}")
-    carry_out(placement, book, [drained], 20.3)
+    carry_out(placement, book, [drained], 22.3)
     assert placement.plan(FOUR, book, loads, [A, B], 24.9) == []  # a balance move at most every 5 s
     (then,) = placement.plan(FOUR, book, loads, [A, B], 25.0)
     assert then == Move(True, B, popular, f"/adapters/{popular}")
@@ -218,3 +221,32 @@ def test_no_move_where_none_evens_the_split_nor_on_little_demand_nor_when_its_lo
     carry_out(placement, book, [move], 13.5, ok=False)  # B refused it: it stays on A, routed as before
     assert book.lists(A, move.adapter) and book.listers(move.adapter, [A, B]) == [A]
     assert placement.plan(FOUR, book, loads, [A, B], 14.0) == []  # not retried before the hold
+
+
+def test_the_placer_tells_siblings_once_of_each_copy_moved_off():
+    from extproc.core.backends import Backend
+    from extproc.core.router import Router
+    from extproc.runtime.placer import AdapterPlacer
+    from extproc.runtime.pool import BackendPool
+
+    router = Router(FOUR)
+    told: list[tuple[str, str]] = []
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, 2)
+    placer = AdapterPlacer(router, pool, tell_leaving=lambda backend, adapter: told.append((backend, adapter)))
+    placement, book, loads = placer.placement, router.adapters, router.loads
+    for backend in (A, B):
+        book.listing(backend, [])
+    for i in range(4):
+        placement.wanted(FOUR, f"a{i}", 0.0)
+    carry_out(placement, book, placement.plan(FOUR, book, loads, [A, B], 0.0), 0.0)
+    popular, second = sorted(a for a in (f"a{i}" for i in range(4)) if book.lists(A, a))
+    ask(placement, popular, 10, 1.0)
+    ask(placement, second, 6, 1.0)
+    (move,) = placement.plan(FOUR, book, loads, [A, B], 5.0)
+    placer._tell()
+    assert told == []  # loading on B: A still serves it
+    carry_out(placement, book, [move], 6.0)
+    for second_ in (7.0, 7.5):
+        assert placement.plan(FOUR, book, loads, [A, B], second_) == []
+        placer._tell()
+    assert told == [(A, second)]  # once, though two rounds saw it moving off

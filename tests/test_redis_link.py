@@ -393,6 +393,31 @@ async def test_replicas_agree_on_one_adapter_load_and_the_store_away_leaves_each
             await runner.cleanup()
 
 
+@in_loop
+async def test_siblings_stop_routing_an_adapter_to_a_copy_being_moved_off_but_not_on_a_stale_word(
+    redis_server, monkeypatch
+):
+    from extproc.replicas import redis_link
+
+    async with replicas(redis_server, 2) as (one, two):
+        for replica in (one, two):
+            for backend in FLEET:
+                replica.router.adapters.listing(backend.address, ["ours"])
+        everywhere = [b.address for b in FLEET]
+        leaving, *others = everywhere
+        # a word older than LEAVING_FRESH_S (here: any) is not applied; the chain sent after it is
+        monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", 0.0)
+        one.link.adapter_leaving(leaving, "ours")
+        one.serve(chat([], None, "question one"), now())
+        await until(lambda: two.link.counts["applied"] >= 1)
+        assert two.router.adapters.listers("ours", everywhere) == everywhere
+        monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", 30.0)
+        one.link.adapter_leaving(leaving, "ours")
+        await until(lambda: two.router.adapters.listers("ours", everywhere) == others)
+        two.link.adapter_leaving(leaving, "not a name!")  # malformed: counted, skipped
+        await until(lambda: one.link.counts["bad"] == 1)
+
+
 @pytest.mark.parametrize(
     ("entries", "blocks", "turns"),
     [

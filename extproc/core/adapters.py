@@ -143,13 +143,17 @@ class AdapterBook:
         return model if model in self._known else None
 
     def listers(self, adapter: str, backends: Sequence[str]) -> list[str]:
-        """Of `backends`, those that list `adapter` (not moving it off) or have not said what they list."""
-        out = []
+        """Of `backends`, those that list `adapter` or have not said what they list; those moving it
+        off only if no other one does (a move called off leaves its old copy the only one)."""
+        out: list[str] = []
+        leaving: list[str] = []
         for backend in backends:
             entry = self._backends.get(backend)
-            if entry is None or entry.listed is None or (adapter in entry.listed and adapter not in entry.leaving):
+            if entry is None or entry.listed is None:
                 out.append(backend)
-        return out
+            elif adapter in entry.listed:
+                (leaving if adapter in entry.leaving else out).append(backend)
+        return out or leaving
 
     def affinity(self, backend: str, load: BackendLoad, adapter: str, now: float) -> Affinity:
         """How `backend` stands for a request of `adapter` now: its engine's last report (while

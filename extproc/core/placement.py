@@ -15,11 +15,12 @@ a client sent. Each round (`plan`):
   the most demand draws BALANCE_GAP of the fleet's more than the one drawing least, one adapter
   moves from the first to the second: the one that evens them best alone, by at least half that
   gap; if none does, the first of a swap that does (one moved back the other way next: two
-  popular adapters together on one server may be evened only so). Loaded there, then no longer routed to on the first
-  (`AdapterBook.leave`), unloaded there once its requests in flight have ended. One move at a
-  time, at most one per BALANCE_EVERY_S, only on BALANCE_MIN_DEMAND requests' worth of demand,
-  and an adapter moved is not moved again for `adapter_min_resident_s`. An adapter just placed
-  may move: where it went first was chosen before its demand was known.
+  popular adapters together on one server may be evened only so). It is loaded there, then no
+  longer routed to on the first (`AdapterBook.leave`; sibling replicas are told: `moving_off`),
+  and unloaded there once its requests in flight have ended, DRAIN_GRACE_S later at the earliest.
+  One move at a time, at most one per BALANCE_EVERY_S, only on BALANCE_MIN_DEMAND requests' worth
+  of demand, and an adapter moved is not moved again for `adapter_min_resident_s`. An adapter
+  just placed may move: where it went first was chosen before its demand was known.
 The best server for a load: the one whose adapters draw the least demand (requests naming them,
 decayed with a half-life of `DEMAND_HALF_LIFE_S`), then whose slots are least taken by adapters in
 use, then the least busy: placing adapters by slots alone put the popular ones together (measured
@@ -47,6 +48,7 @@ DEMAND_HALF_LIFE_S = 60.0  # an adapter's demand: requests naming it, halved eve
 BALANCE_GAP = 0.1  # a move evens servers whose drawn demand differs by this share of the fleet's
 BALANCE_MIN_DEMAND = 16.0  # ... once the fleet's demand (decayed requests) says this much
 BALANCE_EVERY_S = 5.0  # at most one such move this often
+DRAIN_GRACE_S = 2.0  # a copy moved off takes no new requests this long before it may be unloaded
 
 
 class Move(NamedTuple):
@@ -67,6 +69,7 @@ class AdapterPlacement:
         "_changed_at",
         "_demand",
         "_failed_at",
+        "_left_at",
         "_moved_at",
         "_moving",
         "_names",
@@ -86,6 +89,7 @@ class AdapterPlacement:
         self._names: tuple[tuple[tuple[str, str], ...], frozenset[str]] = ((), frozenset())  # sources, their names
         self._moving: dict[str, str] = {}  # adapter -> the server balance moves it off
         self._moved_at: dict[str, float] = {}  # adapter -> when balance last moved it
+        self._left_at: dict[str, float] = {}  # adapter -> when its old copy stopped taking requests
         self._balanced_at = _NEVER
         self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed) -> moves
 
@@ -120,6 +124,7 @@ class AdapterPlacement:
             del self._demand[gone]
             self._moved_at.pop(gone, None)
         for adapter in [a for a, origin in self._moving.items() if a not in names or origin not in backends]:
+            self._left_at.pop(adapter, None)
             book.leave(self._moving.pop(adapter), adapter, False)
         moves: list[Move] = []
         planned: dict[str, float] = {}  # backend -> demand of the adapters this round loads there
@@ -144,8 +149,14 @@ class AdapterPlacement:
         return moves
 
     def skip(self, move: Move) -> None:
-        """Another replica acts for this adapter now: the move is not made here."""
+        """Another replica acts for this adapter (or balances) now: the move is not made here."""
         self._pending.discard(move.adapter)
+        if self.balancing(move):
+            del self._moving[move.adapter]
+
+    def balancing(self, move: Move) -> bool:
+        """`move` is a balance move's load (one replica balances at a time: the runtime claims it)."""
+        return move.load and move.adapter in self._moving and move.adapter not in self._left_at
 
     def done(self, move: Move, ok: bool, now: float) -> None:
         """The runtime carried `move` out (or failed to)."""
@@ -164,6 +175,12 @@ class AdapterPlacement:
                 del self._moving[move.adapter]
         if not move.load and self._moving.get(move.adapter) == move.backend and ok:  # moved
             del self._moving[move.adapter]
+            self._left_at.pop(move.adapter, None)
+
+    def moving_off(self) -> dict[str, str]:
+        """Adapter -> the server a balance move is taking it off, once that copy takes no new
+        requests here: sibling replicas are told (`AdapterBook.leave` on theirs) before it goes."""
+        return {adapter: self._moving[adapter] for adapter in self._left_at}
 
     def keep(self, backends: set[str]) -> None:
         """Forget what placement remembers of servers that left the pool (pod IPs come and go)."""
@@ -186,9 +203,14 @@ class AdapterPlacement:
         origin = self._moving[adapter]
         if not any(book.lists(b, adapter) for b in backends if b != origin):  # its new server left
             del self._moving[adapter]
+            self._left_at.pop(adapter, None)
             book.leave(origin, adapter, False)
             return None
-        book.leave(origin, adapter)
+        if adapter not in self._left_at:  # sibling replicas hear of it (`moving_off`) before the unload
+            book.leave(origin, adapter)
+            self._left_at[adapter] = now
+        if now - self._left_at[adapter] < DRAIN_GRACE_S:
+            return None
         if loads.get(origin).adapters.get(adapter, 0) or book.runs(origin, adapter, now):
             return None
         if now - self._failed_at.get((origin, adapter), _NEVER) < settings.adapter_min_resident_s:

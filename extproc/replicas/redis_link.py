@@ -36,6 +36,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from redis.typing import KeyT, StreamIdT
 
+from extproc.core.adapters import valid_name
 from extproc.core.backends import Backend
 from extproc.core.chain import HASH_MASK
 from extproc.core.load import PeerLoads
@@ -50,6 +51,11 @@ _Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger("kvroute.replicas")
 
 LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
+# A LoRA adapter placement is moving off a backend (placement.py's balance): siblings stop routing
+# its new requests there before it is unloaded. Applied only while LEAVING_FRESH_S old (a replay
+# at start must not mark a copy loaded again since).
+ADAPTER_LEAVING = "A"
+LEAVING_FRESH_S = 30.0
 # The backends whose load changed since a replica's last load message; its whole vector (LOAD)
 # still goes out every heartbeat. A replica of before this message counts it as bad and keeps
 # up from the whole vectors alone.
@@ -188,6 +194,10 @@ class RedisLink:
 
     def bound(self, session: bytes, backend: str) -> None:
         self._send(msgpack.packb((BOUND, self.replica, backend, session)))
+
+    def adapter_leaving(self, backend: str, adapter: str) -> None:
+        """Placement on this replica moves `adapter` off `backend`: siblings stop sending it there."""
+        self._send(msgpack.packb((ADAPTER_LEAVING, self.replica, backend, adapter)))
 
     def forward_end(self, replica: str, entry: bytes) -> bool:
         """Send a request's end to the sibling that decided it; False with the store away (the
@@ -422,6 +432,9 @@ class RedisLink:
                 work = max(work, len(payload))
             elif kind == BOUND and isinstance(payload, bytes) and len(payload) == DIGEST_BYTES:
                 self._router.peer_bound(payload, backend, min(when, now))
+            elif kind == ADAPTER_LEAVING and isinstance(payload, str) and valid_name(payload):
+                if now - when < LEAVING_FRESH_S:
+                    self._router.adapters.leave(backend, payload)
             else:
                 raise ValueError(kind)
             self.counts["applied"] += 1

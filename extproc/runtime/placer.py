@@ -38,11 +38,15 @@ class AdapterPlacer:
         pool: BackendPool,
         clock: Callable[[], float] = time.monotonic,
         claim: Callable[[str, float], Awaitable[bool]] | None = None,
+        tell_leaving: Callable[[str, str], None] | None = None,
     ) -> None:
         """`claim`: with sibling replicas, whether this one may move an adapter now (the replica
-        store's claim, held `CLAIM_S`): one replica's load decision, not one per replica."""
+        store's claim, held `CLAIM_S`): one replica's load decision, not one per replica.
+        `tell_leaving(backend, adapter)`: siblings stop routing an adapter to a copy being moved off."""
         self.placement = AdapterPlacement()
         self._claim = claim
+        self._tell_leaving = tell_leaving
+        self._told: dict[str, str] = {}  # adapter -> the copy siblings were told it is moving off
         self._router = router
         self._pool = pool
         self._clock = clock
@@ -99,9 +103,11 @@ class AdapterPlacer:
         self.placement.keep({b.address for b in self._pool.backends})
         backends = [b.address for b in self._pool.backends if b.healthy]
         planned = self.placement.plan(router.settings, router.adapters, router.loads, backends, self._clock())
+        self._tell()
         moves = []
         for move in planned:
-            if self._claim is None or await self._claim(f"placement:{move.adapter}", CLAIM_S):
+            name = "balance" if self.placement.balancing(move) else move.adapter
+            if self._claim is None or await self._claim(f"placement:{name}", CLAIM_S):
                 moves.append(move)
             else:
                 self.placement.skip(move)
@@ -111,6 +117,15 @@ class AdapterPlacer:
             if ok and self._pool.is_known(move.backend):
                 router.adapters.listed_now(move.backend, move.adapter, move.load)
             self.placement.done(move, ok, now)
+
+    def _tell(self) -> None:
+        """Tell siblings of each copy a balance move has just stopped routing to (once a move)."""
+        moving_off = self.placement.moving_off()
+        if self._tell_leaving is not None:
+            for adapter, backend in moving_off.items():
+                if self._told.get(adapter) != backend:
+                    self._tell_leaving(backend, adapter)
+        self._told = moving_off
 
     @staticmethod
     async def _carry_out(session: aiohttp.ClientSession, move: Move) -> bool:
