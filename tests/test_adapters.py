@@ -171,6 +171,11 @@ def test_a_copy_being_moved_off_takes_no_requests_while_another_serves_it_and_it
     book.listing(B, [])  # unloaded
     book.listing(B, ["ours"])  # and later loaded again: a copy like any other
     assert book.listers("ours", [A, B]) == [A, B]
+    fresh = AdapterBook()
+    fresh.listing(A, ["ours"])
+    fresh.leave(A, "ours")
+    assert fresh.listers("ours", [A, B]) == [B, A]  # B has not said what it lists: it is no copy to rely on
+    assert fresh.has(A, "ours") and not fresh.lists(A, "ours") and fresh.any_leaving()
 
 
 def test_bad_adapter_names_are_bounded_and_never_kept():

@@ -6,6 +6,7 @@ tests/test_vllm_lora.py."""
 from __future__ import annotations
 
 import http.client
+import time
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from bench.harness.fleets import counter
 from bench.harness.stack import Stack
+from extproc.core.placement import DRAIN_GRACE_S
 from tests.e2e import eventually, log_tails, metric, post, sim_servers
 
 MODEL = "m"
@@ -163,7 +165,7 @@ def test_placement_moves_an_adapter_to_even_the_servers_demand_once_its_old_copy
         light = next(s for s in servers if s != heavy)
         (other,) = listed(heavy) - {"a0"}
         assert len(listed(light)) == 2
-        running = Held(stack.url, body(other, 300, "long"))  # still running on its old server when it moves
+        running = Held(stack.url, body(other, 600, "long"))  # still running on its old server when it moves
         try:
             assert running.backend == heavy
             for name, requests in (("a0", 8), (other, 6)):  # the heavy server draws 16 of 18 requests' demand
@@ -172,7 +174,8 @@ def test_placement_moves_an_adapter_to_even_the_servers_demand_once_its_old_copy
             eventually(lambda: other in listed(light), timeout_s=20, message=f"{other} loaded on {light}")
             status, headers, _ = post(stack.url, {**body(other, 2), "stream": False})
             assert status == 200 and headers["x-kvroute-backend"] == light  # new requests go to its new server
-            assert other in listed(heavy)  # the old copy waits for the request running there
+            time.sleep(DRAIN_GRACE_S + 0.5)
+            assert other in listed(heavy)  # past the grace, the old copy waits for the request running there
         finally:
             running.release()
         eventually(lambda: other not in listed(heavy), timeout_s=30, message=f"{other} unloaded from {heavy}")

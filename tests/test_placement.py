@@ -177,27 +177,33 @@ def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_o
     assert move == Move(True, B, second, f"/adapters/{second}")
     in_flight = loads.reserve(A, 0, second)
     carry_out(placement, book, [move], 12.0)
-    assert placement.plan(FOUR, book, loads, [A, B], 13.0) == []  # a request of it still runs on A
-    assert book.listers(second, [A, B]) == [B]  # ... but new ones go to B only
+    assert placement.plan(FOUR, book, loads, [A, B], 13.0) == []  # moved off A: no unload before DRAIN_GRACE_S
+    assert book.listers(second, [A, B]) == [B]  # new requests go to B only
     book.listing(A, [popular, second])  # the engine's listing still names it: still moved off
     assert book.listers(second, [A, B]) == [B]
-    assert placement.moving_off() == {second: A}  # what sibling replicas are told
+    assert placement.moving_off() == {second: (A, B)}  # what sibling replicas are told
+    book.engine(A, [second], 2, now=15.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 15.0) == []  # past the grace, but a request still runs there
     in_flight.finish()
-    assert placement.plan(FOUR, book, loads, [A, B], 14.0) == []  # siblings get DRAIN_GRACE_S to hear of it
-    (unload,) = placement.plan(FOUR, book, loads, [A, B], 15.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 15.5) == []  # the engine still reports one (a sibling's)
+    book.engine(A, [], 2, now=16.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 18.5) == []  # that report is stale: one could run unseen
+    book.engine(A, [], 2, now=19.0)
+    (unload,) = placement.plan(FOUR, book, loads, [A, B], 19.0)
     assert unload == Move(False, A, second, f"/adapters/{second}")
-    carry_out(placement, book, [unload], 15.0)
+    carry_out(placement, book, [unload], 19.0)
     assert [b for b in (A, B) if book.lists(b, second)] == [B] and placement.moving_off() == {}
-    for tenth in range(155, 200):  # evened: nothing more moves
+    for tenth in range(191, 200):  # evened: nothing more moves
         assert placement.plan(FOUR, book, loads, [A, B], tenth / 10) == []
     assert placement.counts == {("load", "ok"): 5, ("unload", "ok"): 1}
     ask(placement, rare, 20, 19.9)  # now B draws 33 against A's 11
-    # `second` back to A would even them alone, but it left A 5 s ago (hold 10 s); `rare` to A alone
+    # `second` back to A would even them alone, but it just left A (hold 10 s); `rare` to A alone
     # would not, but with `popular` to B next it does (23 against 21): a swap, one move at a time
     (first,) = placement.plan(FOUR, book, loads, [A, B], 20.0)
     assert first == Move(True, A, rare, f"/adapters/{rare}")
     carry_out(placement, book, [first], 20.1)
     assert placement.plan(FOUR, book, loads, [A, B], 20.2) == []
+    book.engine(B, [], 2, now=22.2)
     (drained,) = placement.plan(FOUR, book, loads, [A, B], 22.2)
     assert drained == Move(False, B, rare, f"/adapters/{rare}")
     carry_out(placement, book, [drained], 22.3)
@@ -220,19 +226,59 @@ def test_no_move_where_none_evens_the_split_nor_on_little_demand_nor_when_its_lo
     assert move.load and move.backend == B
     carry_out(placement, book, [move], 13.5, ok=False)  # B refused it: it stays on A, routed as before
     assert book.lists(A, move.adapter) and book.listers(move.adapter, [A, B]) == [A]
-    assert placement.plan(FOUR, book, loads, [A, B], 14.0) == []  # not retried before the hold
+    later = placement.plan(FOUR, book, loads, [A, B], 18.5)  # (the popular one may go now)
+    assert all(m.adapter != move.adapter for m in later)  # not retried on B within the hold (10 s)
 
 
-def test_the_placer_tells_siblings_once_of_each_copy_moved_off():
+def test_a_balance_move_is_called_off_when_its_new_server_leaves_or_its_old_copy_will_not_unload():
+    placement, book, loads, (popular, second), _ = placed_evenly()
+    ask(placement, popular, 10, 1.0)
+    ask(placement, second, 6, 1.0)
+    (move,) = placement.plan(FOUR, book, loads, [A, B], 5.0)
+    assert move == Move(True, B, second, f"/adapters/{second}")
+    carry_out(placement, book, [move], 5.5)
+    assert placement.plan(FOUR, book, loads, [A, B], 6.0) == [] and book.listers(second, [A, B]) == [B]
+    book.remove_backend(B)  # the new copy's server left: A's copy is routed to again
+    assert placement.plan(FOUR, book, loads, [A], 7.0) == []
+    assert book.listers(second, [A]) == [A] and book.lists(A, second) and placement.moving_off() == {}
+    # a move whose old copy fails to unload UNLOAD_TRIES times is given up, both copies kept
+    placement, book, loads, (popular, second), _ = placed_evenly()
+    ask(placement, popular, 10, 1.0)
+    ask(placement, second, 6, 1.0)
+    carry_out(placement, book, placement.plan(FOUR, book, loads, [A, B], 5.0), 5.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 6.0) == []
+    at = 8.0
+    for _ in range(3):
+        book.engine(A, [], 2, now=at)
+        (unload,) = placement.plan(FOUR, book, loads, [A, B], at)
+        carry_out(placement, book, [unload], at, ok=False)
+        at += 10.0  # retried after the hold
+    book.engine(A, [], 2, now=at)
+    assert placement.plan(FOUR, book, loads, [A, B], at) == []
+    assert placement.moving_off() == {} and book.listers(second, [A, B]) == [A, B]
+
+
+def test_a_balance_move_another_replica_claimed_is_dropped_here():
+    placement, book, loads, (popular, second), _ = placed_evenly()
+    ask(placement, popular, 10, 1.0)
+    ask(placement, second, 6, 1.0)
+    (move,) = placement.plan(FOUR, book, loads, [A, B], 5.0)
+    assert placement.balancing(move)
+    placement.skip(move)
+    assert not placement.balancing(move) and placement.plan(FOUR, book, loads, [A, B], 6.0) == []
+    assert book.listers(second, [A, B]) == [A]  # nothing was moved off
+
+
+def test_the_placer_tells_siblings_of_each_copy_moved_off_and_again_while_the_move_lasts():
     from extproc.core.backends import Backend
     from extproc.core.router import Router
-    from extproc.runtime.placer import AdapterPlacer
+    from extproc.runtime.placer import RETELL_S, AdapterPlacer
     from extproc.runtime.pool import BackendPool
 
     router = Router(FOUR)
-    told: list[tuple[str, str]] = []
+    told: list[tuple[str, str, str]] = []
     pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, 2)
-    placer = AdapterPlacer(router, pool, tell_leaving=lambda backend, adapter: told.append((backend, adapter)))
+    placer = AdapterPlacer(router, pool, tell_leaving=lambda *word: told.append(word))
     placement, book, loads = placer.placement, router.adapters, router.loads
     for backend in (A, B):
         book.listing(backend, [])
@@ -243,10 +289,11 @@ def test_the_placer_tells_siblings_once_of_each_copy_moved_off():
     ask(placement, popular, 10, 1.0)
     ask(placement, second, 6, 1.0)
     (move,) = placement.plan(FOUR, book, loads, [A, B], 5.0)
-    placer._tell()
+    placer._tell(5.0)
     assert told == []  # loading on B: A still serves it
     carry_out(placement, book, [move], 6.0)
-    for second_ in (7.0, 7.5):
-        assert placement.plan(FOUR, book, loads, [A, B], second_) == []
-        placer._tell()
-    assert told == [(A, second)]  # once, though two rounds saw it moving off
+    loads.reserve(A, 0, second)  # a long request keeps the move going
+    for at in (7.0, 7.5, 7.0 + RETELL_S):
+        assert placement.plan(FOUR, book, loads, [A, B], at) == []
+        placer._tell(at)
+    assert told == [(A, second, B), (A, second, B)]  # once, and again RETELL_S later

@@ -394,28 +394,35 @@ async def test_replicas_agree_on_one_adapter_load_and_the_store_away_leaves_each
 
 
 @in_loop
-async def test_siblings_stop_routing_an_adapter_to_a_copy_being_moved_off_but_not_on_a_stale_word(
+async def test_siblings_move_an_adapter_as_told_forget_the_word_unless_said_again_and_skip_a_stale_one(
     redis_server, monkeypatch
 ):
     from extproc.replicas import redis_link
 
     async with replicas(redis_server, 2) as (one, two):
-        for replica in (one, two):
-            for backend in FLEET:
-                replica.router.adapters.listing(backend.address, ["ours"])
-        everywhere = [b.address for b in FLEET]
-        leaving, *others = everywhere
-        # a word older than LEAVING_FRESH_S (here: any) is not applied; the chain sent after it is
-        monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", 0.0)
-        one.link.adapter_leaving(leaving, "ours")
+        old, new, other = (b.address for b in FLEET[:3])
+        book = two.router.adapters
+        for backend in (old, other):
+            book.listing(backend, ["ours"])
+        book.listing(new, [])
+        # a word older than LEAVING_FRESH_S is not applied (here every word is); the chain after it is
+        monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", -60.0)
+        one.link.adapter_leaving(old, "ours", new)
         one.serve(chat([], None, "question one"), now())
-        await until(lambda: two.link.counts["applied"] >= 1)
-        assert two.router.adapters.listers("ours", everywhere) == everywhere
+        await until(lambda: two.link.counts["applied"] >= 2)
+        assert book.listers("ours", [old, new]) == [old]
         monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", 30.0)
-        one.link.adapter_leaving(leaving, "ours")
-        await until(lambda: two.router.adapters.listers("ours", everywhere) == others)
-        two.link.adapter_leaving(leaving, "not a name!")  # malformed: counted, skipped
-        await until(lambda: one.link.counts["bad"] == 1)
+        one.link.adapter_leaving(old, "ours", new)
+        # the new copy counts before its listing is read again, the old one takes no new requests
+        await until(lambda: book.listers("ours", [old, new, other]) == [new, other])
+        assert book.any_leaving()
+        monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", 0.5)  # not said again: forgotten
+        await until(lambda: not book.any_leaving(), timeout_s=5)
+        assert book.listers("ours", [old, new]) == [old, new]
+        one.link.adapter_leaving(old, "not a name!", new)  # malformed: counted, skipped
+        one.link.adapter_leaving(old, "ours", "10.9.9.9:1")  # to a backend not in the pool: skipped
+        await until(lambda: two.link.counts["bad"] == 2)
+        assert not book.any_leaving()
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,20 @@ class AdapterBook:
             entry is not None and entry.listed is not None and adapter in entry.listed and adapter not in entry.leaving
         )
 
+    def has(self, backend: str, adapter: str) -> bool:
+        """The backend's listing names the adapter, moved off or not: it can serve it now."""
+        entry = self._backends.get(backend)
+        return entry is not None and entry.listed is not None and adapter in entry.listed
+
+    def any_leaving(self) -> bool:
+        """Some copy is being moved off (here or, told through the store, by a sibling replica)."""
+        return any(entry.leaving for entry in self._backends.values())
+
+    def reported(self, backend: str, now: float) -> bool:
+        """The engine's report of its running and waiting adapters is fresh."""
+        entry = self._backends.get(backend)
+        return entry is not None and now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S
+
     def listed_now(self, backend: str, adapter: str, present: bool) -> None:
         """A load (or unload) just done there: the listing says so before the next read of it."""
         entry = self._entry(backend)
@@ -144,16 +158,17 @@ class AdapterBook:
 
     def listers(self, adapter: str, backends: Sequence[str]) -> list[str]:
         """Of `backends`, those that list `adapter` or have not said what they list; those moving it
-        off only if no other one does (a move called off leaves its old copy the only one)."""
-        out: list[str] = []
+        off only if no other one lists it (a move called off, or a new copy not heard of yet)."""
+        listing: list[str] = []
+        unsaid: list[str] = []
         leaving: list[str] = []
         for backend in backends:
             entry = self._backends.get(backend)
             if entry is None or entry.listed is None:
-                out.append(backend)
+                unsaid.append(backend)
             elif adapter in entry.listed:
-                (leaving if adapter in entry.leaving else out).append(backend)
-        return out or leaving
+                (leaving if adapter in entry.leaving else listing).append(backend)
+        return listing + unsaid if listing else unsaid + leaving
 
     def affinity(self, backend: str, load: BackendLoad, adapter: str, now: float) -> Affinity:
         """How `backend` stands for a request of `adapter` now: its engine's last report (while

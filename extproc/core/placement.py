@@ -49,6 +49,7 @@ BALANCE_GAP = 0.1  # a move evens servers whose drawn demand differs by this sha
 BALANCE_MIN_DEMAND = 16.0  # ... once the fleet's demand (decayed requests) says this much
 BALANCE_EVERY_S = 5.0  # at most one such move this often
 DRAIN_GRACE_S = 2.0  # a copy moved off takes no new requests this long before it may be unloaded
+UNLOAD_TRIES = 3  # a move whose old copy fails to unload this often is given up (both copies stay)
 
 
 class Move(NamedTuple):
@@ -74,6 +75,7 @@ class AdapterPlacement:
         "_moving",
         "_names",
         "_pending",
+        "_unload_failures",
         "_used_at",
         "_wanted",
         "counts",
@@ -89,7 +91,9 @@ class AdapterPlacement:
         self._names: tuple[tuple[tuple[str, str], ...], frozenset[str]] = ((), frozenset())  # sources, their names
         self._moving: dict[str, str] = {}  # adapter -> the server balance moves it off
         self._moved_at: dict[str, float] = {}  # adapter -> when balance last moved it
-        self._left_at: dict[str, float] = {}  # adapter -> when its old copy stopped taking requests
+        # adapter -> when its old copy stopped taking requests, and the server its new copy is on
+        self._left_at: dict[str, tuple[float, str]] = {}
+        self._unload_failures: dict[str, int] = {}  # adapter -> failed unloads of its old copy
         self._balanced_at = _NEVER
         self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed) -> moves
 
@@ -125,6 +129,7 @@ class AdapterPlacement:
             self._moved_at.pop(gone, None)
         for adapter in [a for a, origin in self._moving.items() if a not in names or origin not in backends]:
             self._left_at.pop(adapter, None)
+            self._unload_failures.pop(adapter, None)
             book.leave(self._moving.pop(adapter), adapter, False)
         moves: list[Move] = []
         planned: dict[str, float] = {}  # backend -> demand of the adapters this round loads there
@@ -173,14 +178,18 @@ class AdapterPlacement:
             self._failed_at[key] = now
             if move.load and self._moving.get(move.adapter) is not None:  # the move's load failed: it stays
                 del self._moving[move.adapter]
-        if not move.load and self._moving.get(move.adapter) == move.backend and ok:  # moved
-            del self._moving[move.adapter]
-            self._left_at.pop(move.adapter, None)
+        if not move.load and self._moving.get(move.adapter) == move.backend:
+            if ok:  # moved
+                del self._moving[move.adapter]
+                self._left_at.pop(move.adapter, None)
+                self._unload_failures.pop(move.adapter, None)
+            else:
+                self._unload_failures[move.adapter] = self._unload_failures.get(move.adapter, 0) + 1
 
-    def moving_off(self) -> dict[str, str]:
-        """Adapter -> the server a balance move is taking it off, once that copy takes no new
-        requests here: sibling replicas are told (`AdapterBook.leave` on theirs) before it goes."""
-        return {adapter: self._moving[adapter] for adapter in self._left_at}
+    def moving_off(self) -> dict[str, tuple[str, str]]:
+        """Adapter -> (the server a balance move is taking it off, the server it moved to), once
+        the old copy takes no new requests here: sibling replicas are told before it goes."""
+        return {adapter: (self._moving[adapter], target) for adapter, (_, target) in self._left_at.items()}
 
     def keep(self, backends: set[str]) -> None:
         """Forget what placement remembers of servers that left the pool (pod IPs come and go)."""
@@ -201,17 +210,21 @@ class AdapterPlacement:
         """A balance move's second half: the adapter is loaded on its new server, so the old one
         takes no new requests for it, and unloads it once those in flight there have ended."""
         origin = self._moving[adapter]
-        if not any(book.lists(b, adapter) for b in backends if b != origin):  # its new server left
+        target = next((b for b in backends if b != origin and book.lists(b, adapter)), None)
+        if target is None or self._unload_failures.get(adapter, 0) >= UNLOAD_TRIES:  # called off
             del self._moving[adapter]
             self._left_at.pop(adapter, None)
+            self._unload_failures.pop(adapter, None)
             book.leave(origin, adapter, False)
             return None
         if adapter not in self._left_at:  # sibling replicas hear of it (`moving_off`) before the unload
             book.leave(origin, adapter)
-            self._left_at[adapter] = now
-        if now - self._left_at[adapter] < DRAIN_GRACE_S:
+            self._left_at[adapter] = (now, target)
+        if now - self._left_at[adapter][0] < DRAIN_GRACE_S:
             return None
         if loads.get(origin).adapters.get(adapter, 0) or book.runs(origin, adapter, now):
+            return None
+        if not book.reported(origin, now):  # siblings' requests there show only in a fresh report
             return None
         if now - self._failed_at.get((origin, adapter), _NEVER) < settings.adapter_min_resident_s:
             return None
@@ -220,7 +233,7 @@ class AdapterPlacement:
     def _balance(self, settings: Settings, book: AdapterBook, backends: Sequence[str], now: float) -> Move | None:
         """The load that evens the demand the servers draw, if they are BALANCE_GAP apart (module
         docstring); its origin is recorded in `_moving`."""
-        if len(backends) < 2:
+        if len(backends) < 2 or book.any_leaving():  # a move (perhaps a sibling's) is under way
             return None
         demand = {a: self.demand(a, now) for a, _ in settings.adapter_sources}
         total = sum(demand.values())
@@ -285,6 +298,8 @@ class AdapterPlacement:
             if requests or book.runs(backend, adapter, now) or key not in self._used_at:
                 self._used_at[key] = now
         if not holders:
+            if any(book.has(b, adapter) for b in backends):  # only a copy being moved off: it serves
+                return None
             asked = self._wanted.get(adapter, _NEVER)
             if now - asked > settings.adapter_idle_s:
                 return None

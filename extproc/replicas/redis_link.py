@@ -51,11 +51,14 @@ _Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger("kvroute.replicas")
 
 LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
-# A LoRA adapter placement is moving off a backend (placement.py's balance): siblings stop routing
-# its new requests there before it is unloaded. Applied only while LEAVING_FRESH_S old (a replay
-# at start must not mark a copy loaded again since).
+# A LoRA adapter placement is moving off a backend to another (placement.py's balance): siblings
+# count the new copy and stop routing new requests to the old one before it is unloaded. The mover
+# says it again every 10 s while the move lasts; a word is applied only while LEAVING_FRESH_S old
+# (a replay at start must not mark a copy loaded again since), and a sibling forgets it
+# LEAVING_FRESH_S after it last heard it (a move called off, or its mover gone).
 ADAPTER_LEAVING = "A"
 LEAVING_FRESH_S = 30.0
+MAX_LEAVING = 4096  # marks kept from siblings' words
 # The backends whose load changed since a replica's last load message; its whole vector (LOAD)
 # still goes out every heartbeat. A replica of before this message counts it as bad and keeps
 # up from the whole vectors alone.
@@ -76,6 +79,17 @@ OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are drop
 MAX_BANDS = 64  # a sibling's flow shares with more bands, or more flows a band than any replica tracks, are refused
 ENDS_TTL_MS = 60_000  # a replica's inbox of request ends lives this long after the last one sent to it
 FLOWS_PERIOD_S = 0.1  # flow shares are sent on change at most this often (they change with every dispatch)
+
+
+def _adapter_move(payload: object) -> bool:
+    """An ADAPTER_LEAVING payload: (adapter name, backend address)."""
+    return (
+        isinstance(payload, tuple)
+        and len(payload) == 2
+        and isinstance(payload[0], str)
+        and valid_name(payload[0])
+        and isinstance(payload[1], str)
+    )
 
 
 def _is_hash(value: object) -> bool:
@@ -172,6 +186,7 @@ class RedisLink:
         self._load_period_s = load_period_s
         self._heartbeat_s = heartbeat_s
         self._clock = clock
+        self._leaving: dict[tuple[str, str], float] = {}  # (backend, adapter) a sibling moves off -> heard
         self._outbox: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._peers = PeerLoads(peer_max_age_s)
@@ -195,9 +210,10 @@ class RedisLink:
     def bound(self, session: bytes, backend: str) -> None:
         self._send(msgpack.packb((BOUND, self.replica, backend, session)))
 
-    def adapter_leaving(self, backend: str, adapter: str) -> None:
-        """Placement on this replica moves `adapter` off `backend`: siblings stop sending it there."""
-        self._send(msgpack.packb((ADAPTER_LEAVING, self.replica, backend, adapter)))
+    def adapter_leaving(self, backend: str, adapter: str, target: str) -> None:
+        """Placement on this replica moves `adapter` off `backend` to `target`: siblings stop sending
+        it to `backend` and count it on `target`."""
+        self._send(msgpack.packb((ADAPTER_LEAVING, self.replica, backend, (adapter, target))))
 
     def forward_end(self, replica: str, entry: bytes) -> bool:
         """Send a request's end to the sibling that decided it; False with the store away (the
@@ -361,6 +377,26 @@ class RedisLink:
                         work = 0
                         await asyncio.sleep(0)  # a backlog must not hold the requests being routed
             self._apply_peer_loads(self._clock())
+            if self._leaving:
+                self._forget_leaving(self._clock())
+
+    def _adapter_leaving(self, backend: str, adapter: str, target: str, now: float) -> None:
+        """A sibling moves `adapter` off `backend` to `target` (its word, applied)."""
+        key = (backend, adapter)
+        if key not in self._leaving and len(self._leaving) >= MAX_LEAVING:
+            return
+        book = self._router.adapters
+        if not book.has(target, adapter):
+            book.listed_now(target, adapter, True)
+        book.leave(backend, adapter)
+        self._leaving[key] = now
+
+    def _forget_leaving(self, now: float) -> None:
+        """Siblings' words not said again for LEAVING_FRESH_S: the copy is routed to again (it is
+        unloaded by then, or the move was called off)."""
+        for key in [k for k, heard in self._leaving.items() if now - heard >= LEAVING_FRESH_S]:
+            del self._leaving[key]
+            self._router.adapters.leave(*key, False)
 
     def _peer_bytes(self, replica: str, sent: dict[str, int]) -> None:
         """Add what a sibling sent each known backend since its last report (the first report, or a
@@ -432,9 +468,9 @@ class RedisLink:
                 work = max(work, len(payload))
             elif kind == BOUND and isinstance(payload, bytes) and len(payload) == DIGEST_BYTES:
                 self._router.peer_bound(payload, backend, min(when, now))
-            elif kind == ADAPTER_LEAVING and isinstance(payload, str) and valid_name(payload):
+            elif kind == ADAPTER_LEAVING and _adapter_move(payload) and self._pool.is_known(payload[1]):
                 if now - when < LEAVING_FRESH_S:
-                    self._router.adapters.leave(backend, payload)
+                    self._adapter_leaving(backend, payload[0], payload[1], now)
             else:
                 raise ValueError(kind)
             self.counts["applied"] += 1

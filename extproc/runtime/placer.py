@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 MOVE_TIMEOUT_S = 30.0  # a load reads the adapter from the server's disk
 PLACEMENT_INTERVAL_S = 1.0
 CLAIM_S = 5.0  # one replica makes an adapter's moves this long (its siblings see them by then)
+BALANCE_CLAIM_S = 60.0  # one replica balances this long: a whole move (load, drain, unload) and the next
+RETELL_S = 10.0  # siblings are told again this often while a move lasts (their word expires: redis_link)
 
 
 class AdapterPlacer:
@@ -38,15 +40,16 @@ class AdapterPlacer:
         pool: BackendPool,
         clock: Callable[[], float] = time.monotonic,
         claim: Callable[[str, float], Awaitable[bool]] | None = None,
-        tell_leaving: Callable[[str, str], None] | None = None,
+        tell_leaving: Callable[[str, str, str], None] | None = None,
     ) -> None:
         """`claim`: with sibling replicas, whether this one may move an adapter now (the replica
         store's claim, held `CLAIM_S`): one replica's load decision, not one per replica.
-        `tell_leaving(backend, adapter)`: siblings stop routing an adapter to a copy being moved off."""
+        `tell_leaving(old, adapter, new)`: siblings stop routing an adapter to a copy being moved off
+        (and hear of its new one)."""
         self.placement = AdapterPlacement()
         self._claim = claim
         self._tell_leaving = tell_leaving
-        self._told: dict[str, str] = {}  # adapter -> the copy siblings were told it is moving off
+        self._told: dict[str, tuple[str, str, float]] = {}  # adapter -> (old, new copy) siblings were told of, when
         self._router = router
         self._pool = pool
         self._clock = clock
@@ -62,8 +65,8 @@ class AdapterPlacer:
         ask for it and wait (at most `timeout_s`) until one does. True if a server lists it now."""
         router = self._router
 
-        def listed() -> bool:
-            return any(router.adapters.lists(b.address, adapter) for b in self._pool.backends if b.healthy)
+        def listed() -> bool:  # a copy being moved off counts: it serves until the new one is known
+            return any(router.adapters.has(b.address, adapter) for b in self._pool.backends if b.healthy)
 
         if not self.placement.wanted(router.settings, adapter, self._clock()):  # (its demand counted)
             return listed()
@@ -103,11 +106,12 @@ class AdapterPlacer:
         self.placement.keep({b.address for b in self._pool.backends})
         backends = [b.address for b in self._pool.backends if b.healthy]
         planned = self.placement.plan(router.settings, router.adapters, router.loads, backends, self._clock())
-        self._tell()
+        self._tell(self._clock())
         moves = []
         for move in planned:
-            name = "balance" if self.placement.balancing(move) else move.adapter
-            if self._claim is None or await self._claim(f"placement:{name}", CLAIM_S):
+            balancing = self.placement.balancing(move)
+            name, hold = ("balance", BALANCE_CLAIM_S) if balancing else (move.adapter, CLAIM_S)
+            if self._claim is None or await self._claim(f"placement:{name}", hold):
                 moves.append(move)
             else:
                 self.placement.skip(move)
@@ -118,14 +122,19 @@ class AdapterPlacer:
                 router.adapters.listed_now(move.backend, move.adapter, move.load)
             self.placement.done(move, ok, now)
 
-    def _tell(self) -> None:
-        """Tell siblings of each copy a balance move has just stopped routing to (once a move)."""
-        moving_off = self.placement.moving_off()
-        if self._tell_leaving is not None:
-            for adapter, backend in moving_off.items():
-                if self._told.get(adapter) != backend:
-                    self._tell_leaving(backend, adapter)
-        self._told = moving_off
+    def _tell(self, now: float) -> None:
+        """Tell siblings of each copy a balance move has stopped routing to, and again every
+        RETELL_S while the move lasts."""
+        told: dict[str, tuple[str, str, float]] = {}
+        for adapter, (old, new) in self.placement.moving_off().items():
+            before = self._told.get(adapter)
+            if before is not None and before[:2] == (old, new) and now - before[2] < RETELL_S:
+                told[adapter] = before
+                continue
+            if self._tell_leaving is not None:
+                self._tell_leaving(old, adapter, new)
+            told[adapter] = (old, new, now)
+        self._told = told
 
     @staticmethod
     async def _carry_out(session: aiohttp.ClientSession, move: Move) -> bool:
