@@ -5,9 +5,11 @@ tests/test_vllm_lora.py."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -98,24 +100,29 @@ def listed(backend: str) -> set[str]:
         return {m["id"] for m in orjson.loads(response.read())["data"] if m.get("parent")}
 
 
+@contextlib.contextmanager
+def placing(tmp_path: Path, max_loras: int, sources: str, *extproc_args: str) -> Iterator[tuple[list[str], Stack]]:
+    """Two simulated servers that load adapters at run time and list none yet, behind a stack whose
+    ext_proc places `sources` (hold 1 s, decision headers on)."""
+    flags = ("--model", MODEL, "--runtime-lora", "--max-loras", str(max_loras), "--step-s", "0.02")
+    placement = ("--adapter-sources", sources, "--adapter-min-resident-s", "1", "--decision-headers", "true")
+    with (
+        sim_servers(tmp_path / "sim.log", 2, *flags) as servers,
+        Stack(tmp_path / "stack", backends=servers, extproc_args=(*placement, *extproc_args)) as stack,
+    ):
+        yield servers, stack
+
+
 def test_placement_loads_a_named_adapter_on_demand_scales_it_out_under_load_and_back(tmp_path: Path):
-    flags = ("--model", MODEL, "--runtime-lora", "--max-loras", "1", "--step-s", "0.02")
-    placement = (
-        "--adapter-sources",
+    with placing(
+        tmp_path,
+        1,
         "sql=/adapters/sql,chat=/adapters/chat",
         "--adapter-scale-out-requests",
         "2",
         "--adapter-idle-s",
         "2",
-        "--adapter-min-resident-s",
-        "1",
-        "--decision-headers",
-        "true",
-    )
-    with (
-        sim_servers(tmp_path / "sim.log", 2, *flags) as servers,
-        Stack(tmp_path / "stack", backends=servers, extproc_args=placement) as stack,
-    ):
+    ) as (servers, stack):
         assert not listed(servers[0]) and not listed(servers[1])
         # no server has sql: the request waits until placement loaded it, then goes there
         status, headers, answer = post(stack.url, {**body("sql", 2), "stream": False})
@@ -145,20 +152,8 @@ def test_placement_moves_an_adapter_to_even_the_servers_demand_once_its_old_copy
     """Four adapters placed two a server on their first requests; then the two on one server draw
     most of the demand: one of them moves to the other server, new requests of it go there at
     once, and its old copy is unloaded only after the request still running there ends."""
-    flags = ("--model", MODEL, "--runtime-lora", "--max-loras", "2", "--step-s", "0.02")
     names = ("a0", "a1", "a2", "a3")
-    placement = (
-        "--adapter-sources",
-        ",".join(f"{name}=/adapters/{name}" for name in names),
-        "--adapter-min-resident-s",
-        "1",
-        "--decision-headers",
-        "true",
-    )
-    with (
-        sim_servers(tmp_path / "sim.log", 2, *flags) as servers,
-        Stack(tmp_path / "stack", backends=servers, extproc_args=placement) as stack,
-    ):
+    with placing(tmp_path, 2, ",".join(f"{name}=/adapters/{name}" for name in names)) as (servers, stack):
         for name in names:
             assert post(stack.url, {**body(name, 2), "stream": False})[0] == 200, log_tails(stack.workdir)
         heavy = next(s for s in servers if "a0" in listed(s))

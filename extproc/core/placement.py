@@ -61,6 +61,16 @@ class Move(NamedTuple):
     path: str
 
 
+class _Round(NamedTuple):
+    """What one planning round looks at."""
+
+    settings: Settings
+    book: AdapterBook
+    loads: LoadTracker
+    backends: Sequence[str]
+    now: float
+
+
 class AdapterPlacement:
     """Placement's memory: when each (server, adapter) was loaded, unloaded, last used, and what
     requests are waiting for."""
@@ -133,20 +143,21 @@ class AdapterPlacement:
             book.leave(self._moving.pop(adapter), adapter, False)
         moves: list[Move] = []
         planned: dict[str, float] = {}  # backend -> demand of the adapters this round loads there
+        round_ = _Round(settings, book, loads, backends, now)
         for adapter, path in settings.adapter_sources:
             if adapter in self._pending:
                 continue
             if adapter in self._moving:
-                move = self._move_off(settings, book, loads, backends, adapter, path, now)
+                move = self._move_off(round_, adapter, path)
             else:
-                move = self._move(settings, book, loads, backends, adapter, path, now, planned)
+                move = self._move(round_, adapter, path, planned)
             if move is not None:
                 self._pending.add(adapter)
                 moves.append(move)
                 if move.load:  # the next load of this round sees it there
                     planned[move.backend] = planned.get(move.backend, 0.0) + self.demand(adapter, now)
         if not moves and not self._pending and not self._moving and now - self._balanced_at >= BALANCE_EVERY_S:
-            move = self._balance(settings, book, backends, now)
+            move = self._balance(round_)
             if move is not None:
                 self._pending.add(move.adapter)
                 self._balanced_at = now
@@ -197,18 +208,10 @@ class AdapterPlacement:
             for key in [k for k in table if k[0] not in backends]:
                 del table[key]
 
-    def _move_off(
-        self,
-        settings: Settings,
-        book: AdapterBook,
-        loads: LoadTracker,
-        backends: Sequence[str],
-        adapter: str,
-        path: str,
-        now: float,
-    ) -> Move | None:
+    def _move_off(self, round_: _Round, adapter: str, path: str) -> Move | None:
         """A balance move's second half: the adapter is loaded on its new server, so the old one
         takes no new requests for it, and unloads it once those in flight there have ended."""
+        settings, book, loads, backends, now = round_
         origin = self._moving[adapter]
         target = next((b for b in backends if b != origin and book.lists(b, adapter)), None)
         if target is None or self._unload_failures.get(adapter, 0) >= UNLOAD_TRIES:  # called off
@@ -230,9 +233,10 @@ class AdapterPlacement:
             return None
         return Move(False, origin, adapter, path)
 
-    def _balance(self, settings: Settings, book: AdapterBook, backends: Sequence[str], now: float) -> Move | None:
+    def _balance(self, round_: _Round) -> Move | None:
         """The load that evens the demand the servers draw, if they are BALANCE_GAP apart (module
         docstring); its origin is recorded in `_moving`."""
+        settings, book, _, backends, now = round_
         if len(backends) < 2 or book.any_leaving():  # a move (perhaps a sibling's) is under way
             return None
         demand = {a: self.demand(a, now) for a, _ in settings.adapter_sources}
@@ -277,17 +281,8 @@ class AdapterPlacement:
         self._moved_at[adapter] = now
         return Move(True, light, adapter, dict(settings.adapter_sources)[adapter])
 
-    def _move(
-        self,
-        settings: Settings,
-        book: AdapterBook,
-        loads: LoadTracker,
-        backends: Sequence[str],
-        adapter: str,
-        path: str,
-        now: float,
-        planned: dict[str, float],
-    ) -> Move | None:
+    def _move(self, round_: _Round, adapter: str, path: str, planned: dict[str, float]) -> Move | None:
+        settings, book, loads, backends, now = round_
         hold = settings.adapter_min_resident_s
         holders = [b for b in backends if book.lists(b, adapter)]
         in_flight = 0
