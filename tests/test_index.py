@@ -285,7 +285,17 @@ def held(index: LocalIndex) -> int:
     """What the index's containers hold, measured afresh."""
     lrus = sum(blocks.nbytes() + sys.getsizeof(blocks) for blocks in index._backends.values())
     sets = sum(sys.getsizeof(h) for h in index._heads.values() if isinstance(h, set))
-    return lrus + sys.getsizeof(index._heads) + sets + len(index._heads) * HEAD_KEY_BYTES
+    held_heads = sys.getsizeof(index._held_heads) + sum(map(sys.getsizeof, index._held_heads.values()))
+    return lrus + sys.getsizeof(index._heads) + sets + len(index._heads) * HEAD_KEY_BYTES + held_heads
+
+
+def heads_by_backend(index: LocalIndex) -> dict[str, set[int]]:
+    """The heads each backend holds, read off the first-block map."""
+    out: dict[str, set[int]] = {}
+    for head, holding in index._heads.items():
+        for backend in (holding,) if isinstance(holding, str) else holding:
+            out.setdefault(backend, set()).add(head)
+    return out
 
 
 @given(
@@ -309,6 +319,7 @@ def test_the_memory_count_covers_what_the_index_holds_through_every_change(ops, 
         now += step
         apply(index, op, [head, *(100 * (head + 1) + i for i in range(1, length))], backend, now, step)
         assert held(index) <= index.memory_bytes()
+        assert heads_by_backend(index) == {b: h for b, h in index._held_heads.items() if h}
         if op == "learn" and index.shed:
             assert index.memory_bytes() <= bound
 
