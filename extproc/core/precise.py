@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import takewhile
 
 from extproc.core.chain import ROOT_KEY, TokenHasher, extra_digest
 from extproc.core.engine import BlockRemoved, BlockStored
@@ -138,10 +139,14 @@ class PreciseIndex:
             count = 0
             if held is not None:
                 keys, pending = held.keys, held.pending
-                for key in chain:
-                    if key not in keys and pending.get(key, now) <= now:
-                        break
-                    count += 1
+                # the confirmed run in one C loop (a long prompt held on many candidates: 32 x 7,500
+                # blocks took 8.3 ms as a Python loop), then pending blocks one by one
+                count = len(list(takewhile(keys.__contains__, chain)))
+                if pending:
+                    for key in chain[count:]:
+                        if key not in keys and pending.get(key, now) <= now:
+                            break
+                        count += 1
             matched[backend] = count
         return matched
 
@@ -157,13 +162,7 @@ class PreciseIndex:
     def confirmed(self, chain: Sequence[int], backend: str) -> int:
         """Leading blocks the backend's engine said it holds: what a request there finds cached."""
         held = self._backends.get(backend)
-        count = 0
-        if held is not None:
-            for key in chain:
-                if key not in held.keys:
-                    break
-                count += 1
-        return count
+        return 0 if held is None else len(list(takewhile(held.keys.__contains__, chain)))
 
     def learn(self, chain: Sequence[int], backend: str, now: float) -> int:
         """A request with this chain was just sent to the backend: its unconfirmed blocks are pending
