@@ -1,12 +1,14 @@
 """Issue 34: a precise-mode lookup of a 7,500-block prompt over 32 candidates that hold all of it,
 then 625 blocks of it (best of five calls). Run: python results/stalls-34/precise_lookup.py"""
 
-import random, time
+import random
+import time
+
+from extproc.core.chain import TokenHasher
 from extproc.core.precise import PreciseIndex, _Held
 
 random.seed(1)
-idx = PreciseIndex.__new__(PreciseIndex)
-PreciseIndex.__init__(idx, None, 10**7)
+idx = PreciseIndex(TokenHasher(bytes(16)), 10**7)
 chain = [random.getrandbits(60) for _ in range(7500)]
 backends = [f"10.0.0.{i}:8000" for i in range(32)]
 for b in backends:
