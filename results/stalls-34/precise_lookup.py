@@ -8,27 +8,25 @@ from extproc.core.chain import TokenHasher
 from extproc.core.precise import PreciseIndex, _Held
 
 random.seed(1)
-idx = PreciseIndex(TokenHasher(bytes(16)), 10**7)
+index = PreciseIndex(TokenHasher(bytes(16)), 10**7)
 chain = [random.getrandbits(60) for _ in range(7500)]
 backends = [f"10.0.0.{i}:8000" for i in range(32)]
-for b in backends:
-    h = _Held()
-    for k in chain:
-        h.keys[k] = 1
-    idx._backends[b] = h
-best = 1e9
-for _ in range(5):
-    t = time.perf_counter()
-    r = idx.lookup(chain, backends, 1.0)
-    best = min(best, time.perf_counter() - t)
-print("all held: %.2f ms" % (best * 1e3), set(r.values()))
-for b in backends:
-    h = idx._backends[b]
-    for k in chain[625:]:
-        del h.keys[k]
-best = 1e9
-for _ in range(5):
-    t = time.perf_counter()
-    r = idx.lookup(chain, backends, 1.0)
-    best = min(best, time.perf_counter() - t)
-print("625 held: %.2f ms" % (best * 1e3), set(r.values()))
+for backend in backends:
+    held = index._backends[backend] = _Held()
+    held.keys.update(dict.fromkeys(chain, 1))
+
+
+def best_of_five(what: str) -> None:
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        matched = index.lookup(chain, backends, 1.0)
+        best = min(best, time.perf_counter() - start)
+    print(f"{what}: {best * 1e3:.2f} ms", set(matched.values()))
+
+
+best_of_five("all held")
+for backend in backends:
+    for key in chain[625:]:
+        del index._backends[backend].keys[key]
+best_of_five("625 held")
