@@ -145,6 +145,12 @@ FOUR = Settings(
 )
 
 
+def sample(book: AdapterBook, loads: LoadTracker, backend: str, at: float, running: list[str]) -> None:
+    """One scrape of the backend's engine: its load, and the adapters it runs."""
+    loads.get(backend).report(len(running), 0, 0.0, at)
+    book.engine(backend, running, 2, now=at)
+
+
 def placed_evenly() -> tuple[AdapterPlacement, AdapterBook, LoadTracker, list[str], list[str]]:
     """Four adapters asked for once each at the start, so two land on each of A and B."""
     placement, book, loads = world()
@@ -182,13 +188,13 @@ def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_o
     book.listing(A, [popular, second])  # the engine's listing still names it: still moved off
     assert book.listers(second, [A, B]) == [B]
     assert placement.moving_off() == {second: (A, B)}  # what sibling replicas are told
-    book.engine(A, [second], 2, now=15.0)
+    sample(book, loads, A, 15.0, [second])
     assert placement.plan(FOUR, book, loads, [A, B], 15.0) == []  # past the grace, but a request still runs there
     in_flight.finish()
     assert placement.plan(FOUR, book, loads, [A, B], 15.5) == []  # the engine still reports one (a sibling's)
-    book.engine(A, [], 2, now=16.0)
+    sample(book, loads, A, 16.0, [])
     assert placement.plan(FOUR, book, loads, [A, B], 18.5) == []  # that report is stale: one could run unseen
-    book.engine(A, [], 2, now=19.0)
+    sample(book, loads, A, 19.0, [])
     (unload,) = placement.plan(FOUR, book, loads, [A, B], 19.0)
     assert unload == Move(False, A, second, f"/adapters/{second}")
     carry_out(placement, book, [unload], 19.0)
@@ -203,7 +209,7 @@ def test_an_uneven_split_moves_the_adapter_that_evens_it_and_the_old_copy_goes_o
     assert first == Move(True, A, rare, f"/adapters/{rare}")
     carry_out(placement, book, [first], 20.1)
     assert placement.plan(FOUR, book, loads, [A, B], 20.2) == []
-    book.engine(B, [], 2, now=22.2)
+    sample(book, loads, B, 22.2, [])
     (drained,) = placement.plan(FOUR, book, loads, [A, B], 22.2)
     assert drained == Move(False, B, rare, f"/adapters/{rare}")
     carry_out(placement, book, [drained], 22.3)
@@ -249,11 +255,11 @@ def test_a_balance_move_is_called_off_when_its_new_server_leaves_or_its_old_copy
     assert placement.plan(FOUR, book, loads, [A, B], 6.0) == []
     at = 8.0
     for _ in range(3):
-        book.engine(A, [], 2, now=at)
+        sample(book, loads, A, at, [])
         (unload,) = placement.plan(FOUR, book, loads, [A, B], at)
         carry_out(placement, book, [unload], at, ok=False)
         at += 10.0  # retried after the hold
-    book.engine(A, [], 2, now=at)
+    sample(book, loads, A, at, [])
     assert placement.plan(FOUR, book, loads, [A, B], at) == []
     assert placement.moving_off() == {} and book.listers(second, [A, B]) == [A, B]
 

@@ -111,11 +111,6 @@ class AdapterBook:
         """Some copy is being moved off (here or, told through the store, by a sibling replica)."""
         return any(entry.leaving for entry in self._backends.values())
 
-    def reported(self, backend: str, now: float) -> bool:
-        """The engine's report of its running and waiting adapters is fresh."""
-        entry = self._backends.get(backend)
-        return entry is not None and now - entry.engine_at <= ENGINE_SAMPLE_MAX_AGE_S
-
     def listed_now(self, backend: str, adapter: str, present: bool) -> None:
         """A load (or unload) just done there: the listing says so before the next read of it."""
         entry = self._entry(backend)

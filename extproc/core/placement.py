@@ -227,7 +227,7 @@ class AdapterPlacement:
             return None
         if loads.get(origin).adapters.get(adapter, 0) or book.runs(origin, adapter, now):
             return None
-        if not book.reported(origin, now):  # siblings' requests there show only in a fresh report
+        if not loads.get(origin).engine_fresh(now):  # siblings' requests there show only in a fresh sample
             return None
         if now - self._failed_at.get((origin, adapter), _NEVER) < settings.adapter_min_resident_s:
             return None
