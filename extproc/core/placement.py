@@ -138,9 +138,7 @@ class AdapterPlacement:
             del self._demand[gone]
             self._moved_at.pop(gone, None)
         for adapter in [a for a, origin in self._moving.items() if a not in names or origin not in backends]:
-            self._left_at.pop(adapter, None)
-            self._unload_failures.pop(adapter, None)
-            book.leave(self._moving.pop(adapter), adapter, False)
+            book.leave(self._end_move(adapter), adapter, False)
         moves: list[Move] = []
         planned: dict[str, float] = {}  # backend -> demand of the adapters this round loads there
         round_ = _Round(settings, book, loads, backends, now)
@@ -191,11 +189,15 @@ class AdapterPlacement:
                 del self._moving[move.adapter]
         if not move.load and self._moving.get(move.adapter) == move.backend:
             if ok:  # moved
-                del self._moving[move.adapter]
-                self._left_at.pop(move.adapter, None)
-                self._unload_failures.pop(move.adapter, None)
+                self._end_move(move.adapter)
             else:
                 self._unload_failures[move.adapter] = self._unload_failures.get(move.adapter, 0) + 1
+
+    def _end_move(self, adapter: str) -> str:
+        """Forget a move of `adapter` (done or called off); returns the server it was moving off."""
+        self._left_at.pop(adapter, None)
+        self._unload_failures.pop(adapter, None)
+        return self._moving.pop(adapter)
 
     def moving_off(self) -> dict[str, tuple[str, str]]:
         """Adapter -> (the server a balance move is taking it off, the server it moved to), once
@@ -215,10 +217,7 @@ class AdapterPlacement:
         origin = self._moving[adapter]
         target = next((b for b in backends if b != origin and book.lists(b, adapter)), None)
         if target is None or self._unload_failures.get(adapter, 0) >= UNLOAD_TRIES:  # called off
-            del self._moving[adapter]
-            self._left_at.pop(adapter, None)
-            self._unload_failures.pop(adapter, None)
-            book.leave(origin, adapter, False)
+            book.leave(self._end_move(adapter), adapter, False)
             return None
         if adapter not in self._left_at:  # sibling replicas hear of it (`moving_off`) before the unload
             book.leave(origin, adapter)
