@@ -1,6 +1,7 @@
 # make run: the local stack (Envoy + ext_proc + 4 simulated vLLM backends). make test: the whole suite.
 # make test-fast: the quick lane (no real vLLM, no peer routers, no Kubernetes, no bench smoke runs,
-# no Prometheus or trace collector, the Envoy scenarios in kvroute's own layout only).
+# no Prometheus or trace collector, the Envoy scenarios in kvroute's own layout only, none of the
+# scenarios marked slow).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,7 +29,7 @@ test: $(STAMP) lint
 # Your own loop, under a minute: everything but real vLLM, peer routers and Kubernetes, in four
 # workers on two cores (its tests mostly wait on the Envoy, ext_proc and simulator processes they start).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n 4 --dist worksteal -m "not vllm and not peers and not k8s and not node and not bench and not layouts and not observability"
+	$(BIN)/python -m pytest -q -n 4 --dist worksteal -m "not vllm and not peers and not k8s and not node and not bench and not layouts and not observability and not slow"
 
 # Regenerate what is derived from the settings' declarations (tests fail when these are stale).
 crd: $(STAMP)

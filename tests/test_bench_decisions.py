@@ -39,6 +39,7 @@ def test_the_placement_replay_counts_what_the_engines_found_cached(mode):
     assert decisions.engine_hit_rate(AGENTS, 160, mode, capacity_ratio=0.05) < 0.5 * rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", decisions.MODES)
 def test_four_replicas_sharing_find_as_much_cached_as_one(mode):
     """The replay with four routers taking the requests in turn, telling each other what they

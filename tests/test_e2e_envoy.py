@@ -221,6 +221,7 @@ def test_envoy_ends_every_ext_proc_stream_without_a_reset(stack: Stack):
     assert envoy_stat(stack, resets) == before[0]
 
 
+@pytest.mark.slow
 def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
     with Stack(tmp_path, sims=2) as stack:
         results: list[int] = []
@@ -250,6 +251,7 @@ def test_extproc_killed_under_load_then_routing_resumes(tmp_path: Path):
         )
 
 
+@pytest.mark.slow
 def test_the_access_log_is_made_again_to_a_restarted_extproc(tmp_path: Path):
     """ext_authz transport: the ext_proc stops (closing Envoy's log connection) and starts again;
     Envoy makes its log connection again, and the requests the new process routes end there."""
@@ -267,6 +269,7 @@ def test_the_access_log_is_made_again_to_a_restarted_extproc(tmp_path: Path):
         assert envoy_stat(stack, "access_logs.fluentd.kvroute_ends.entries_lost") == 0
 
 
+@pytest.mark.slow
 def test_killed_backend_is_dropped_and_requests_still_succeed(tmp_path: Path):
     with Stack(tmp_path, sims=3, separate_sims=True, extproc_args=["--health-interval-s", "0.3"]) as stack:
         history = [{"role": "system", "content": text(RNG, 4000)}, {"role": "user", "content": "hi"}]
@@ -564,6 +567,7 @@ def test_a_processor_frozen_for_seconds_keeps_its_streams(tmp_path: Path):
         assert envoy_stat(stack, "cluster.kvroute_extproc.upstream_cx_destroy_local_with_active_rq") == 0
 
 
+@pytest.mark.slow
 def test_a_request_that_waits_long_for_its_backend_keeps_its_ext_proc_stream(tmp_path: Path):
     """Envoy pings the ext_proc's connection (keepalive). A gRPC server by default counts a ping
     that comes while it has sent nothing for five minutes as a strike, and after two sends GOAWAY
@@ -581,6 +585,7 @@ def _queue(stack: Stack, what: str) -> float:
     return metric(stack.admin_url, f"kvroute_queue_{what}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", GATEWAYS)
 def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_one(tmp_path: Path, layout: str):
     """One backend taking one request at a time (max_backend_requests 1), flow control on (the
@@ -659,6 +664,7 @@ def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Pa
             leave(blocker)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
 def test_slo_admission_refuses_a_sheddable_request_predicted_late_and_routes_the_rest(tmp_path: Path, layout: str):
     """A simulated backend publishing KV events: kvroute times the prefill of the streamed

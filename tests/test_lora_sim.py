@@ -113,6 +113,7 @@ def placing(tmp_path: Path, max_loras: int, sources: str, *extproc_args: str) ->
         yield servers, stack
 
 
+@pytest.mark.slow
 def test_placement_loads_a_named_adapter_on_demand_scales_it_out_under_load_and_back(tmp_path: Path):
     with placing(
         tmp_path,
@@ -148,6 +149,7 @@ def counter_of(stack: Stack, action: str, outcome: str) -> float:
     return metric(stack.admin_url, f'kvroute_adapter_placements_total{{action="{action}",outcome="{outcome}"}}')
 
 
+@pytest.mark.slow
 def test_placement_moves_an_adapter_to_even_the_servers_demand_once_its_old_copy_drains(tmp_path: Path):
     """Four adapters placed two a server on their first requests; then the two on one server draw
     most of the demand: one of them moves to the other server, new requests of it go there at

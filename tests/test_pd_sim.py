@@ -103,6 +103,7 @@ def test_a_clients_own_transfer_parameters_never_reach_a_decode_server(servers: 
     assert transferred(decode) >= before + 100 - BLOCK
 
 
+@pytest.mark.slow
 def test_a_request_decodes_where_running_requests_leave_kv_room_for_its_prompt(tmp_path: Path):
     """Two decode servers, each running one request of someone else's (sent to them directly), as
     many as each other: one of them fills its KV cache. A long prompt through kvroute decodes on the

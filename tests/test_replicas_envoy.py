@@ -117,6 +117,7 @@ def test_killing_a_replica_or_the_store_under_load_loses_no_request(stack: Stack
     eventually(lambda: all(idle(stack.debug_state(r)) for r in range(2)), message="reservations back to zero")
 
 
+@pytest.mark.slow
 def test_the_ext_authz_transport_ends_each_request_on_the_replica_that_decided_it(tmp_path, redis_server):
     """The faster transport with replicas: Envoy asks the check calls round robin, but streams its
     access log to whichever replica that stream reached; an entry for a sibling's request goes to

@@ -71,6 +71,7 @@ def _closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pd", [False, True], ids=["aggregated", "disaggregated"])
 def test_up_serves_prints_a_curl_and_stops_everything_on_sigterm(pd: bool):
     port = free_port()

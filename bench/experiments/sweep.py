@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import orjson
 
 from bench.experiments.compare import (
@@ -25,11 +24,9 @@ from bench.experiments.compare import (
     runnable,
     start_fleet,
 )
+from bench.harness.plotting import pyplot
 from bench.harness.replay import Pacing
 from bench.workloads.trace import chains
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +132,7 @@ def write(results: dict[str, Any], out: Path) -> None:
     (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     (out / "summary.md").write_text(table(results) + "\n")
     loads = results["loads"]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, points in results["routers"].items():
         rows = [points[f"{load:g}"] for load in loads]

@@ -5,11 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import orjson
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from bench.harness.plotting import pyplot
 
 COLUMNS = (
     ("hit_rate", "hit rate"),
@@ -89,6 +87,7 @@ def write(results: dict[str, Any], records: dict[str, list[dict[str, Any]]], out
 
 def _plots(results: dict[str, Any], records: dict[str, list[dict[str, Any]]], out: Path) -> None:
     names = list(results["routers"])
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in names:
         ttft = sorted(r["ttft_ms"] for r in records[name] if r["ttft_ms"] is not None)
