@@ -102,9 +102,17 @@ def test_load_calls_for_more_servers_and_idle_copies_go_but_never_the_last():
     # two holders, beyond adapter_max_backends: the idle one goes once it was idle for the hold
     assert placement.plan(SETTINGS, book, loads, FLEET, 5.0) == []  # loaded 4 s ago: kept
     loads.reserve(A, 0, "sql")  # A stays in use
-    (less,) = placement.plan(SETTINGS, book, loads, FLEET, 12.0)
+    # idle here is what this replica saw: the copy takes no new requests, siblings are told, and it
+    # goes once the engine runs none of its requests (a sibling's may still come)
+    assert placement.plan(SETTINGS, book, loads, FLEET, 12.0) == []
+    assert book.listers("sql", FLEET) == [A] and placement.moving_off() == {"sql": (more.backend, A)}
+    sample(book, loads, more.backend, 14.5, ["sql"])  # past the grace, but a sibling's request runs there
+    assert placement.plan(SETTINGS, book, loads, FLEET, 14.5) == []
+    sample(book, loads, more.backend, 15.0, [])
+    (less,) = placement.plan(SETTINGS, book, loads, FLEET, 15.0)
     assert less == Move(False, more.backend, "sql", "/adapters/sql")
-    carry_out(placement, book, [less], 12.0)
+    carry_out(placement, book, [less], 15.0)
+    assert placement.moving_off() == {}
     # the last holder stays however long it idles
     assert placement.plan(SETTINGS, book, loads, FLEET, 10_000.0) == []
     assert book.lists(A, "sql")
@@ -117,6 +125,8 @@ def test_an_adapter_does_not_thrash_between_servers_under_bursts():
     moves = 0
     for second in range(1, 120):  # a burst every 20 s, quiet between
         burst = [loads.reserve(A, 0, "sql") for _ in range(4)] if second % 20 == 0 else []
+        for backend in FLEET:  # the engines report each second (an idle copy goes only on a fresh report)
+            sample(book, loads, backend, float(second), [])
         done = placement.plan(SETTINGS, book, loads, FLEET, float(second))
         carry_out(placement, book, done, float(second))
         moves += len(done)
@@ -124,7 +134,7 @@ def test_an_adapter_does_not_thrash_between_servers_under_bursts():
             reservation.finish()
     # each burst may add a copy, each copy is kept adapter_min_resident_s: never a move a second
     assert 0 < moves <= 2 * (120 // 20)
-    assert sum(book.lists(b, "sql") for b in FLEET) == 1  # the last burst's copy went once it idled
+    assert sum(book.has(b, "sql") for b in FLEET) == 1  # the last burst's copy went once it idled
 
 
 def test_what_placement_remembers_of_a_server_goes_with_it():

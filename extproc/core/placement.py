@@ -7,7 +7,10 @@ a client sent. Each round (`plan`):
 - an adapter whose requests in flight per holder reach `adapter_scale_out_requests` is loaded on
   one more server (beyond `adapter_max_backends`: its load calls for it);
 - a holder where the adapter went unused for `adapter_idle_s` (or, beyond `adapter_max_backends`,
-  for `adapter_min_resident_s`) is unloaded, never the last one;
+  for `adapter_min_resident_s`) is unloaded, never the last one, the way a balance move's old copy
+  is (below): out of the candidates, sibling replicas told, unloaded once drained. Unused is what
+  this replica saw; a sibling may still be sending requests there, which an unload at once would
+  have turned into the engine's 404;
 - hysteresis: a server keeps an adapter placement loaded there for `adapter_min_resident_s`, and
   does not get back one it just unloaded for as long, so load and unload never chase each other;
 - balance (`_balance`): adapters are placed on their first requests, before their popularity is
@@ -200,8 +203,9 @@ class AdapterPlacement:
         return self._moving.pop(adapter)
 
     def moving_off(self) -> dict[str, tuple[str, str]]:
-        """Adapter -> (the server a balance move is taking it off, the server it moved to), once
-        the old copy takes no new requests here: sibling replicas are told before it goes."""
+        """Adapter -> (the server its copy is being taken off, by a balance move or as idle; a
+        server that keeps it), once that copy takes no new requests here: sibling replicas are told
+        before it goes."""
         return {adapter: (self._moving[adapter], target) for adapter, (_, target) in self._left_at.items()}
 
     def keep(self, backends: set[str]) -> None:
@@ -211,8 +215,9 @@ class AdapterPlacement:
                 del table[key]
 
     def _move_off(self, round_: _Round, adapter: str, path: str) -> Move | None:
-        """A balance move's second half: the adapter is loaded on its new server, so the old one
-        takes no new requests for it, and unloads it once those in flight there have ended."""
+        """A copy's retirement (a balance move's second half, or an idle copy's unload): another
+        server lists the adapter, so this one takes no new requests for it, and unloads it once
+        those in flight there have ended."""
         settings, book, loads, backends, now = round_
         origin = self._moving[adapter]
         target = next((b for b in backends if b != origin and book.lists(b, adapter)), None)
@@ -314,8 +319,9 @@ class AdapterPlacement:
         ]
         if not idle:
             return None
-        target = max(idle, key=lambda b: (book.slot_share(b, loads.get(b), now), loads.get(b).requests(now)))
-        return Move(False, target, adapter, path)
+        origin = max(idle, key=lambda b: (book.slot_share(b, loads.get(b), now), loads.get(b).requests(now)))
+        self._moving[adapter] = origin  # retired as a balance move's old copy is: a sibling may still send there
+        return self._move_off(round_, adapter, path)
 
     def _best(
         self,
