@@ -27,7 +27,8 @@ async def _until(check, attempts: int = 200, pause_s: float = 0.02) -> None:
 async def _stop(probes: asyncio.Task, runners=()) -> None:
     probes.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        await probes
+        async with asyncio.timeout(5):  # a loop that swallowed the cancel fails here, not hangs
+            await probes
     for runner in runners:
         await runner.cleanup()
 
@@ -103,6 +104,33 @@ def test_a_suspect_is_dropped_only_when_its_own_probe_fails():
             await _until(lambda: dropped, 100)
             assert dropped == [dead]  # confirmed by its own probe, at once
             assert {b.address for b in pool.backends if b.healthy} == {alive}
+        finally:
+            await _stop(probes, runners)
+
+    asyncio.run(scenario())
+
+
+def test_a_suspect_takes_no_new_requests_until_its_probe_answers_unless_it_is_the_last_up():
+    """The next request must not race the probe to an address that just refused a connection
+    (tests/test_e2e_envoy.py: a picker gateway cannot retry elsewhere)."""
+
+    async def scenario() -> None:
+        runners = await serve([0, 0], SimConfig())
+        first, second = (f"127.0.0.1:{r.addresses[0][1]}" for r in runners)
+        dropped: list[str] = []
+        pool = BackendPool([Backend(first), Backend(second)], dropped.append, unhealthy_after=3)
+        probes = asyncio.create_task(pool.probe_forever(3600, 1.0))  # only suspects wake it
+        try:
+            await asyncio.sleep(0.3)  # the first round
+            pool.mark_suspect(first)
+            assert [(b.address, b.healthy) for b in pool.backends] == [(first, False), (second, True)]
+            assert pool.healthy_count() == 2
+            await _until(lambda: all(b.healthy for b in pool.backends))
+            assert all(b.healthy for b in pool.backends) and dropped == []  # it answered: routed to again
+            pool.mark_suspect(first)
+            pool.mark_suspect(second)  # no other one up: still the best guess
+            assert all(b.healthy for b in pool.backends)
+            # stopped while woken (as at shutdown): the loop ends (wait_for swallowed this cancel)
         finally:
             await _stop(probes, runners)
 

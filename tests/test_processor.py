@@ -199,8 +199,9 @@ def test_a_refused_connection_only_makes_the_backend_suspect(parts):
     processor.handle(request_headers(), stream)
     processor.handle(body(), stream)
     processor.handle(response_headers("503", "upstream_reset_before_response_started{connection_failure}", A), stream)
-    assert [b.healthy for b in pool.backends] == [True, True]  # one report wipes nothing
+    assert pool.healthy_count() == 2  # one report wipes nothing
     assert pool._suspects == {A}  # the pool probes it at once (tests/test_pool.py)
+    assert [b.healthy for b in pool.backends] == [False, True]  # and routes around it until then
 
 
 def test_non_llm_paths_pass_through_to_a_known_backend_never_the_clients_choice(parts):

@@ -569,10 +569,12 @@ class RedisLink:
         siblings drop this replica's load at once."""
         if self.connected:
             self.connected = False
-            with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._flush(), 1.0)
-            with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._add_load(LOAD, {}), 1.0)
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._flush()
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._add_load(LOAD, {})
 
 
 class ReplicaCollector(Collector):

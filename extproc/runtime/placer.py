@@ -80,7 +80,8 @@ class AdapterPlacer:
             self._round_done.clear()
             self._wake.set()
             try:
-                await asyncio.wait_for(self._round_done.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._round_done.wait()
             except TimeoutError:
                 return False
         return True
@@ -97,7 +98,8 @@ class AdapterPlacer:
                 self._round_done.set()
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):  # a round every interval, or at once when woken
-                    await asyncio.wait_for(self._wake.wait(), interval_s)
+                    async with asyncio.timeout(interval_s):
+                        await self._wake.wait()
 
     async def round(self, session: aiohttp.ClientSession) -> None:
         router = self._router

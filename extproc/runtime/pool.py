@@ -4,7 +4,10 @@ Only addresses in this set are ever written into the destination header. A backe
 `unhealthy_after` health checks in a row leaves the routing core at once: index entries, session
 bindings and reservations go with it. It comes back when it answers again. A single report of a
 refused connection only makes a backend suspect: it is probed at once and dropped only if that
-probe fails too, so one forged or transient report cannot wipe a backend. A backend that accepts
+probe fails too, so one forged or transient report cannot wipe a backend. Until that probe answers
+(a few milliseconds) a suspect takes no new requests while another backend is up: the next request
+must not race the probe to the same dead address (a gateway whose cluster takes one address cannot
+retry it elsewhere). A backend that accepts
 the probe but answers slowly is busy, not down: it is dropped only after SLOW_FACTOR times as many
 slow answers in a row.
 """
@@ -43,7 +46,8 @@ class BackendPool:
         self._view: tuple[Backend, ...] | None = None  # `backends`, one tuple until the set changes
         self._failures: dict[str, int] = {}
         self._slow: dict[str, int] = {}
-        self._suspects: set[str] = set()
+        self._suspects: set[str] = set()  # to probe at once
+        self._unprobed: set[str] = set()  # suspects routed around until their probe answers
         self._rotation = Rotation()  # which backends a round probes, in a fleet past the rate
         self._wake = asyncio.Event()
         self.probe_errors = 0
@@ -58,6 +62,7 @@ class BackendPool:
             self._failures.pop(address, None)
             self._slow.pop(address, None)
             self._suspects.discard(address)
+            self._unprobed.discard(address)
         self._backends = {
             address: replace(b, healthy=self._backends[address].healthy if address in self._backends else True)
             for address, b in incoming.items()
@@ -70,8 +75,16 @@ class BackendPool:
         what it derives from it (the candidates per model: pipeline.py)."""
         view = self._view
         if view is None:
-            view = self._view = tuple(self._backends.values())
+            view = self._view = self._routable()
         return view
+
+    def _routable(self) -> tuple[Backend, ...]:
+        """The backends as routing sees them: a suspect not yet probed counts as down, unless no
+        other backend is up (then it is still the best guess)."""
+        members = self._backends.values()
+        if self._unprobed and any(b.healthy and b.address not in self._unprobed for b in members):
+            return tuple(replace(b, healthy=False) if b.address in self._unprobed else b for b in members)
+        return tuple(members)
 
     def is_known(self, address: str) -> bool:
         return address in self._backends
@@ -109,10 +122,16 @@ class BackendPool:
         """Envoy reported a refused connection: probe it now; drop it only if that probe fails."""
         if address in self._backends:
             self._suspects.add(address)
+            if address not in self._unprobed:
+                self._unprobed.add(address)
+                self._view = None
             self._wake.set()
 
     def _observe(self, address: str, result: str, suspect: bool) -> None:
         """One probe's result: a failed probe of a suspect confirms it down at once."""
+        if suspect and address in self._unprobed:
+            self._unprobed.discard(address)
+            self._view = None
         if result == UP:
             self.mark(address, True)
         elif result == DOWN:
@@ -140,8 +159,11 @@ class BackendPool:
                     self.last_probe_error = f"{type(exc).__name__}: {exc}"
                     log.exception("backend probe round failed; probing goes on")
                 self._wake.clear()
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that comes
+                # as the event is set (a suspect marked during shutdown), and the loop never stops
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), interval_s)
+                    async with asyncio.timeout(interval_s):
+                        await self._wake.wait()
 
     async def _probe_round(self, session: aiohttp.ClientSession) -> None:
         suspects, self._suspects = self._suspects, set()

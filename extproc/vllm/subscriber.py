@@ -209,7 +209,8 @@ class EventSubscriber:
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), self._replay_timeout_s)
+                async with asyncio.timeout(self._replay_timeout_s):
+                    frames = await sock.recv_multipart()
                 if len(frames) == 4 and frames[2] == END_SEQ:
                     return expected >= until
                 batch = self._decode(backend, frames[1:])
