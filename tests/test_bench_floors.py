@@ -16,7 +16,7 @@ from bench.harness.stack import Stack
 
 pytestmark = [pytest.mark.envoy, pytest.mark.bench]
 
-CONSTANT = [t for t in floors.TRANSPORTS if t not in ("none", "kvroute", "kvroute_authz")]
+CONSTANT = [t for t in floors.TRANSPORTS if t != "none" and not t.startswith("kvroute")]
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,8 @@ TRANSPORTS = (
     "ext_authz_raw",
     "kvroute",
     "kvroute_authz",
+    "kvroute_authz_no_flow_control",
+    "kvroute_no_flow_control",
 )
 # Not among them: "ext_proc_body", the external processor sent the buffered body only (its request
 # headers SKIPped, one message instead of three). It cannot route: Envoy passes the headers on at
@@ -70,7 +72,7 @@ def envoy_edit(transport: str) -> Callable[[dict[str, Any]], None] | None:
     """How the transport's Envoy differs from kvroute's own (None: not at all). The ext_authz
     filters take the ext_proc filter's place, forward the same headers, and call the same
     cluster (plain HTTP/1.1 with an HTTP health check for ext_authz_http)."""
-    if transport in ("none", "ext_proc", "kvroute", "kvroute_authz"):
+    if transport in ("none", "ext_proc") or transport.startswith("kvroute"):
         return None
 
     def edit(bootstrap: dict[str, Any]) -> None:
@@ -133,6 +135,9 @@ def _stack(transport: str, workdir: Path, backends: list[str]) -> Stack:
         return Stack(workdir, backends=backends)
     if transport == "kvroute_authz":  # the product over its ext_authz transport (extproc/envoy/authz.py)
         return Stack(workdir, backends=backends, transport="ext_authz")
+    if transport.endswith("_no_flow_control"):  # what flow control costs a fleet with room
+        layout = {"transport": "ext_authz"} if transport.startswith("kvroute_authz") else {}
+        return Stack(workdir, backends=backends, extproc_args=["--flow-control=false"], **layout)
     return ConstantStack(workdir, backends=backends, envoy_edit=envoy_edit(transport), constant=transport)
 
 
