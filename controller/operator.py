@@ -11,7 +11,6 @@ coordinate through kopf peering: the one with the highest priority works, the ot
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
 import random
@@ -107,30 +106,43 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.peering.mandatory = True
     settings.peering.priority = random.randint(1, 1_000_000)  # distinct priorities: one replica leads
     client.Configuration.set_default(await _client_configuration())
-    memo.reconciler = Reconciler(_patch_status)
-    memo.reconciler_task = asyncio.create_task(memo.reconciler.run())
+    reconciler = Reconciler(_patch_status)
+    # The probe port first: kopf retries a startup that failed (the port taken), and tasks started
+    # before the failure would be left running beside the next attempt's.
+    health = web.AppRunner(_health_app(reconciler), access_log=None)
+    await health.setup()
+    try:
+        await web.TCPSite(health, memo.health_host, memo.health_port).start()
+    except BaseException:
+        await health.cleanup()
+        raise
+    memo.health = health
+    memo.reconciler = reconciler
+    memo.reconciler_task = asyncio.create_task(reconciler.run())
     tasks = [memo.reconciler_task]
     if memo.reuse_interval_s > 0:
         priority = settings.peering.priority
-        reader = ReuseReader(memo.reconciler, memo.reuse_interval_s, lambda: _leading(priority))
+        reader = ReuseReader(reconciler, memo.reuse_interval_s, lambda: _leading(priority))
         tasks.append(asyncio.create_task(reader.run()))
     tasks += [
         asyncio.create_task(follow_late_crd(memo.insights, settings, REGISTRY, group, plural))
         for group, plural in ((contract.GROUP, contract.PLURAL), (contract.POOL_GROUP, contract.POOL_PLURAL))
     ]
     memo.tasks = tasks
-    memo.health = web.AppRunner(_health_app(memo.reconciler), access_log=None)
-    await memo.health.setup()
-    await web.TCPSite(memo.health, memo.health_host, memo.health_port).start()
 
 
 @kopf.on.cleanup(registry=REGISTRY)
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    for task in memo.tasks:
+    """Every task cancelled and awaited (one that had failed is logged, not raised: the rest still
+    stop), then the probe port."""
+    tasks = memo.get("tasks", [])
+    for task in tasks:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    await memo.health.cleanup()
+    for task, result in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+        if isinstance(result, Exception):
+            log.error("operator task %s had failed: %r", task.get_coro(), result)
+    if "health" in memo:
+        await memo.health.cleanup()
 
 
 @kopf.index("", "v1", "pods", registry=REGISTRY)

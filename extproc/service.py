@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
@@ -40,6 +41,7 @@ log = logging.getLogger("kvroute")
 # connection: each request waiting that long for its backend's response lost its response phase.
 # A ping costs next to nothing: the gateway's are accepted at any rate, with calls in flight or not.
 STOP_GRACE_S = 2.0  # what a stopping ext_proc gives the calls it is deciding to be answered
+TASKS_STOP_S = 5.0  # what it gives its background tasks to stop (the replica link flushes within 2 s)
 KEEPALIVE_TOLERANCE = (("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1))
 
 
@@ -159,10 +161,10 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         for service in ("", "liveness", "readiness", processor_service):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         admin.serving = True
-        tasks.append(asyncio.create_task(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))))
-        tasks += [asyncio.create_task(task) for unit in units for task in unit.tasks(config)]
+        tasks.append(background(admin.expire_forever(max(1.0, config.lease_ttl_s / 4))))
+        tasks += [background(task) for unit in units for task in unit.tasks(config)]
         if authz is not None:
-            tasks.append(asyncio.create_task(authz.sweep_forever()))
+            tasks.append(background(authz.sweep_forever()))
         cleanup.push_async_callback(health_servicer.enter_graceful_shutdown)
         cleanup.callback(setattr, admin, "serving", False)
         log.info(
@@ -176,14 +178,30 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         await stop.wait()
 
 
-async def stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel the background tasks and wait for them; one that had already failed is logged, and
-    never keeps the rest of the shutdown from running."""
+def background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A background task whose failure is logged when it happens, not at shutdown: a loop that
+    died (its `except` did not cover what it met) would otherwise go unnoticed until then."""
+    task = asyncio.create_task(work)
+    task.add_done_callback(_report_failure)
+    return task
+
+
+def _report_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed: %r", task.get_coro(), task.exception())
+
+
+async def stop_tasks(tasks: list[asyncio.Task[None]], within_s: float = TASKS_STOP_S) -> None:
+    """Cancel the background tasks and wait for them, at most `within_s`: one that does not stop
+    (a library swallowed its cancel) is logged and left behind, never keeping the rest of the
+    shutdown from running."""
     for task in tasks:
         task.cancel()
-    for task, result in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
-        if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
-            log.error("background task %s had failed: %r", task.get_coro(), result)
+    if not tasks:
+        return
+    _, running = await asyncio.wait(tasks, timeout=within_s)
+    for task in running:
+        log.error("background task %s did not stop within %.0f s; shutting down without it", task.get_coro(), within_s)
 
 
 def main(config: ExtProcConfig) -> None:

@@ -5,6 +5,7 @@ runs it through Envoy, tests/test_calls.py the calls' HTTP)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgpack
@@ -309,5 +310,46 @@ def test_the_port_takes_calls_and_the_access_log_on_one_socket(parts: Any):
             server.close()
             authz.close_logs()
             await authz.close_calls(1.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_call_envoy_leaves_while_its_request_waits_for_its_adapter_frees_its_turn():
+    """Flow control dispatched the request, then it waited for placement to load its adapter, and
+    Envoy closed the call: its turn is given back at once (the ext_proc path's stream end does the
+    same), or every request held behind it waits for the waiting room's stall tick, not run here."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.envoy.calls import Call
+    from extproc.runtime.placer import AdapterPlacer
+    from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
+
+    def call(model: str, flow: str) -> Call:
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "x" * 300}]})
+        headers = {"content-type": "application/json", "x-gateway-inference-fairness-id": flow}
+        return Call("POST", ROUTE_PREFIX + "/v1/chat/completions", headers, body)
+
+    async def scenario() -> None:
+        router = Router(Settings(hash_key=b"k" * 16, adapter_sources=(("lora1", "/adapters/lora1"),)))
+        pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, unhealthy_after=2)
+        metrics = Metrics(router, pool)
+        room_free = False
+        metered = WaitingRoomMetrics(CollectorRegistry())
+        room = WaitingRoom(lambda: router.settings, lambda _: room_free, metered, time.monotonic)
+        placer = AdapterPlacer(router, pool)  # not run: the request waits for its adapter
+        authz = Authz(Processor(router, pool, metrics, waiting_room=room, placer=placer), metrics)
+        first = asyncio.create_task(authz.check(call("lora1", "f1")))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(authz.check(call("m", "f2")))
+        await asyncio.sleep(0.05)
+        assert len(room) == 2  # both held
+        room_free = True
+        room.pump()  # the first is dispatched, and waits for its adapter
+        await asyncio.sleep(0.05)
+        assert not first.done()
+        first.cancel()  # Envoy closed the call
+        await asyncio.gather(first, return_exceptions=True)
+        async with asyncio.timeout(5):
+            assert await second  # dispatched at once, not at a stall tick that never comes
 
     asyncio.run(scenario())

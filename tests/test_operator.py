@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import kopf
+import pytest
 
 import controller.operator as operator
 from controller import logic
@@ -72,3 +73,29 @@ def test_startup_configures_kopf_quietly(monkeypatch):
     asyncio.run(scenario())
     assert settings.posting.enabled is False and settings.scanning.disabled is False  # a later pool CRD is seen
     assert settings.peering.mandatory is True and settings.peering.priority > 0
+
+
+def test_a_startup_that_fails_on_its_probe_port_leaves_nothing_running(monkeypatch):
+    """kopf retries a failed startup handler: an attempt that could not bind the probe port must
+    not leave its tasks running beside the next one's."""
+
+    async def local() -> Any:
+        return operator.client.Configuration(host="https://127.0.0.1:1")
+
+    monkeypatch.setattr(operator, "_client_configuration", local)
+
+    async def scenario() -> None:
+        taken = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = taken.sockets[0].getsockname()[1]
+        memo = kopf.Memo(health_host="127.0.0.1", health_port=port, insights=Insights(), reuse_interval_s=30.0)
+        before = len(asyncio.all_tasks())
+        try:
+            with pytest.raises(OSError):
+                await operator.start(settings=kopf.OperatorSettings(), memo=memo)
+        finally:
+            taken.close()
+            await taken.wait_closed()
+        assert len(asyncio.all_tasks()) == before and "tasks" not in memo
+        await operator.stop(memo=memo)  # kopf's cleanup after a startup that never succeeded
+
+    asyncio.run(scenario())

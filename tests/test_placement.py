@@ -313,3 +313,37 @@ def test_the_placer_tells_siblings_of_each_copy_moved_off_and_again_while_the_mo
         assert placement.plan(FOUR, book, loads, [A, B], at) == []
         placer._tell(at)
     assert told == [(A, second, B), (A, second, B)]  # once, and again RETELL_S later
+
+
+def test_a_placer_whose_claim_swallowed_its_stop_still_stops():
+    """The claim is a Redis command, which can swallow a cancel (extproc/runtime/stopping.py): the
+    rounds must end anyway, or the ext_proc's shutdown waits for ever."""
+    import asyncio
+    import contextlib
+
+    from extproc.core.backends import Backend
+    from extproc.core.router import Router
+    from extproc.runtime.placer import AdapterPlacer
+    from extproc.runtime.pool import BackendPool
+
+    async def claim_then_swallow(name: str, hold: float) -> bool:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # as wait_for leaves it: the cancel requested, never raised
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0)
+        return True
+
+    async def scenario() -> None:
+        router = Router(SETTINGS)
+        refusing = "127.0.0.1:9"  # (a load carried out there is refused at once)
+        pool = BackendPool([Backend(refusing)], router.remove_backend, 2)
+        router.adapters.listing(refusing, [])
+        placer = AdapterPlacer(router, pool, clock=lambda: 1.0, claim=claim_then_swallow)
+        placer.placement.wanted(SETTINGS, "sql", 1.0)  # a load to claim
+        running = asyncio.create_task(placer.run(0.05))
+        with contextlib.suppress(asyncio.CancelledError):
+            async with asyncio.timeout(10):  # (rounds that went on: TimeoutError)
+                await running
+
+    asyncio.run(scenario())

@@ -485,3 +485,32 @@ async def test_between_whole_vectors_a_replica_sends_only_the_backends_whose_loa
         assert deltas and all(set(vector) == {backend} for vector in deltas)
         assert any(kind == "L" and len(vector) == len(FLEET) for kind, vector in await messages())
         await client.aclose()
+
+
+def test_a_stop_that_redis_py_swallows_during_the_setup_still_stops_the_link(redis_server):
+    """redis-py sends each command through asyncio.wait_for, which on Python 3.11 can swallow a
+    cancel that comes as the command completes: the link must not go on to follow the store (with
+    tasks of its own nobody cancels), or the ext_proc's shutdown waits for ever. The swallow is
+    made here as wait_for makes it: the task's cancel is requested and then not raised."""
+
+    async def scenario() -> None:
+        replica = Replica(redis_server)
+        client = replica.link._client
+        real_time = client.time
+
+        async def time_then_swallow() -> Any:
+            answer = await real_time()
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0)
+            return answer
+
+        client.time = time_then_swallow  # type: ignore[method-assign]
+        with contextlib.suppress(asyncio.CancelledError):
+            async with asyncio.timeout(10):  # (a link that went on following never ends: TimeoutError)
+                await replica.task  # stopped, never connected
+        assert replica.task.done() and not replica.link.connected
+
+    asyncio.run(scenario())

@@ -141,7 +141,11 @@ class Authz:
         stream = Stream()
         reply = self._processor.request_headers(stream, headers, end_of_stream=not body)
         if stream.phase is Phase.BODY:
-            reply = await self._processor.decide_body(stream, body)
+            try:
+                reply = await self._processor.decide_body(stream, body)
+            except BaseException:  # Envoy left while it was held or waited for its adapter: release it
+                self._processor.closed(stream)
+                raise
         if reply.HasField("immediate_response"):
             self._processor.closed(stream)
             return _immediate(reply)

@@ -44,6 +44,7 @@ from extproc.core.router import Router
 from extproc.core.settings import MAX_FLOW_ID, MAX_QUEUE_FLOWS
 from extproc.runtime.config import read_token
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.stopping import stop_asked
 
 # The client is made with decode_responses=False, so a stream's entries come as bytes (redis-py
 # types its replies as any reply).
@@ -134,13 +135,6 @@ def _flow_shares(payload: Any) -> Shares:
                 raise ValueError("flow shares")
             out[band][flow] = float(value)
     return out, held, turns
-
-
-def _cancelled() -> bool:
-    """The running task was asked to stop. redis-py sometimes turns a cancellation inside a command
-    into a closed connection and carries on, so the loops ask instead of relying on the exception."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 class HashKeyMismatch(Exception):
@@ -272,7 +266,7 @@ class RedisLink:
         """Connect, replay, follow and publish until cancelled; reconnect with backoff on errors."""
         backoff = 0.25
         try:
-            while True:
+            while not stop_asked():
                 try:
                     await self._session()
                 except (RedisError, OSError, HashKeyMismatch) as error:
@@ -310,6 +304,8 @@ class RedisLink:
             events_from = await self._replay(offset)
         finally:
             self._replaying = False
+        if stop_asked():  # a cancel redis-py swallowed during the setup: start nothing that would outlive it
+            raise asyncio.CancelledError
         self.connected = True
         log.info("replica %s following %s", self.replica, self._events_key)
         tasks = [
@@ -360,7 +356,7 @@ class RedisLink:
             self._load_key: load_from,
             self._ends_key: self._ends_from,
         }
-        while not _cancelled():
+        while not stop_asked():
             replies = cast(list[tuple[bytes, _Entries]], await self._client.xread(ids, count=READ_BATCH, block=1000))
             work = 0
             for stream, entries in replies:
@@ -488,7 +484,7 @@ class RedisLink:
         self.on_end(entry)
 
     async def _write(self) -> None:
-        while not _cancelled():
+        while not stop_asked():
             await self._wake.wait()
             self._wake.clear()
             await self._flush()
@@ -521,7 +517,7 @@ class RedisLink:
         sent_at = float("-inf")
         flows_sent: Shares | None = None
         flows_at = float("-inf")
-        while not _cancelled():
+        while not stop_asked():
             now = self._clock()
             vector = self._vector()
             beat = now - sent_at >= self._heartbeat_s

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from extproc.core.placement import AdapterPlacement, Move
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.stopping import stop_asked
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class AdapterPlacer:
         """Rounds until cancelled; survives any error (logged, counted by the moves' outcomes)."""
         timeout = aiohttp.ClientTimeout(total=MOVE_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
+            while not stop_asked():  # (a claim's Redis command can swallow the cancel: stopping.py)
                 try:
                     await self.round(session)
                 except Exception:
@@ -117,6 +118,8 @@ class AdapterPlacer:
                 moves.append(move)
             else:
                 self.placement.skip(move)
+            if stop_asked():
+                raise asyncio.CancelledError
         results = await asyncio.gather(*(self._carry_out(session, move) for move in moves))
         now = self._clock()
         for move, ok in zip(moves, results, strict=True):
