@@ -24,6 +24,7 @@ from extproc.envoy.dispatch import PolicyDispatch
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
 from extproc.envoy.tls import server_credentials, server_ssl_context
+from extproc.runtime import tracing_wanted
 from extproc.runtime.config import ExtProcConfig, read_token
 from extproc.runtime.metrics import PolicyLabelled
 from extproc.runtime.prefill import PrefillLegs
@@ -47,11 +48,12 @@ KEEPALIVE_TOLERANCE = (("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_perm
 
 def tracer_from_environment() -> RequestTracer | None:
     """Traces when the standard OTEL_* variables name an OTLP endpoint; the SDK is loaded only then."""
+    if not tracing_wanted.wanted(os.environ):
+        return None
     from extproc.runtime import tracing
 
-    if not tracing.wanted(os.environ):
-        return None
-    log.info("tracing on: OTLP spans to %s", next(os.environ[n] for n in tracing.ENDPOINTS if os.environ.get(n)))
+    endpoint = next(os.environ[n] for n in tracing_wanted.ENDPOINTS if os.environ.get(n))
+    log.info("tracing on: OTLP spans to %s", endpoint)
     return tracing.RequestTracer.from_environment()
 
 

@@ -23,7 +23,8 @@ from extproc.envoy.headers import DESTINATION_HEADER
 from extproc.envoy.processor import Processor, Stream
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
-from extproc.runtime.tracing import RequestTracer, wanted
+from extproc.runtime.tracing import RequestTracer
+from extproc.runtime.tracing_wanted import wanted
 from extproc.runtime.waiting_room import WaitingRoom, WaitingRoomMetrics
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -13,7 +13,6 @@ service name and exporter settings are the SDK's own variables (`OTEL_TRACES_SAM
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -25,28 +24,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from extproc.core.decision import Decision
 
-log = logging.getLogger(__name__)
-
-ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROPAGATED = ("traceparent", "tracestate")
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-
-def wanted(environ: Mapping[str, str]) -> bool:
-    """Tracing is on when an OTLP endpoint is named, the SDK is not disabled and the traces
-    exporter is OTLP (the SDK's default; `none` turns it off)."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    exporter = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
-    if exporter != "otlp":
-        if exporter != "none":
-            log.warning("OTEL_TRACES_EXPORTER=%s: kvroute exports traces over OTLP only; tracing off", exporter)
-        return False
-    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    if protocol.strip().lower() != "grpc":
-        log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s: kvroute exports traces over OTLP/gRPC only; tracing off", protocol)
-        return False
-    return any(environ.get(name) for name in ENDPOINTS)
 
 
 class RequestTracer:
