@@ -5,6 +5,7 @@ runs it through Envoy, tests/test_calls.py the calls' HTTP)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -351,5 +352,58 @@ def test_a_call_envoy_leaves_while_its_request_waits_for_its_adapter_frees_its_t
         await asyncio.gather(first, return_exceptions=True)
         async with asyncio.timeout(5):
             assert await second  # dispatched at once, not at a stall tick that never comes
+
+    asyncio.run(scenario())
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    """The port closed the connection within 2 s (an end of stream, or a reset: it left unread bytes)."""
+    try:
+        async with asyncio.timeout(2):
+            return await reader.read(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_before_its_token_is_proven_a_caller_makes_nothing_grow(parts: Any, monkeypatch):
+    """No token yet: a health check with a body is refused, not buffered; a log stream that has
+    not proven the token within PROOF_BYTES (or PROOF_TIMEOUT_S), whatever sizes its MessagePack
+    declares, is closed; calls go on."""
+    from extproc.envoy import ends
+
+    monkeypatch.setattr(ends, "PROOF_TIMEOUT_S", 0.2)
+    _, _, metrics, _, authz = parts
+
+    async def scenario() -> None:
+        server, port = await _port(authz)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\ncontent-length: 33554432\r\n\r\n")
+            async with asyncio.timeout(2):
+                assert (await reader.read()).startswith(b"HTTP/1.1 404")  # answered at once, closed
+            writer.close()
+            huge = b"\x92\xa7kvroute\xdc\x0f\xa0"  # [tag, [4,000 entries (as many as one may hold) ...
+            filler = msgpack.packb("x" * 4000) * 40  # ... each a string, none of them a record yet
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            with contextlib.suppress(ConnectionError):  # (closed while it still writes)
+                for _ in range(4):
+                    writer.write(huge + filler)
+                    await writer.drain()
+            assert await _closed(reader)  # past PROOF_BYTES
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(huge)  # then quiet
+            assert await _closed(reader)  # once PROOF_TIMEOUT_S has passed
+            writer.close()
+            assert errors(metrics, "unauthenticated_stream") == 2
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"\x92\xa7kvroute\xdd\x00\x0f\x42\x40")  # declares a million: not a log
+            assert await _closed(reader)
+            writer.close()
+            await _call(port)
+        finally:
+            server.close()
+            authz.close_logs()
+            await authz.close_calls(1.0)
 
     asyncio.run(scenario())

@@ -127,6 +127,9 @@ def test_a_head_refused_by_admit_is_answered_before_its_body_is_read():
         (b"POST /x HTTP/1.1\r\nA : 1\r\n\r\n", b"400"),  # space before the colon
         (b"POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", b"400"),
         (b"POST /x HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"400"),
+        ("POST /x HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n".encode(), b"400"),  # a digit int() refuses
+        ("POST /x HTTP/1.1\r\nContent-Length: \u0661\u0662\r\n\r\n".encode(), b"400"),  # one it reads as 12
+        (b"POST /x HTTP/1.1\r\nContent-Length: " + b"1" * 5000 + b"\r\n\r\n", b"400"),  # past int()'s digits
         (b"POST /x HTTP/1.1\r\nA: \xff\xfe\r\n\r\n", b"400"),  # not UTF-8
         (b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", b"501"),
         (b"POST /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1), b"413"),
@@ -246,5 +249,44 @@ def test_arbitrary_bytes_never_break_the_server(pieces: list[bytes], tail: bytes
             answered = await _exchange(server.port, _request(b"ok", Connection="close"))
             assert answered.startswith(b"HTTP/1.1 200") and answered.endswith(b"<closed>")
             assert server.loop_errors == []
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_that_pipelines_calls_and_reads_no_answer_is_held_to_a_bounded_buffer():
+    """Envoy waits for each answer; a caller that sends call after call and reads nothing must not
+    make the server buffer what it sends (nor the answers) without bound."""
+
+    async def scenario() -> None:
+        async with Server() as server:
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            call = b"GET /health HTTP/1.1\r\n\r\n"
+            sent = 0
+            try:
+                while sent < 64 * 1024 * 1024:
+                    writer.write(call * 4096)
+                    sent += len(call) * 4096
+                    async with asyncio.timeout(0.5):
+                        await writer.drain()
+            except TimeoutError:  # the server stopped reading: what it buffered is bounded
+                pass
+            (protocol,) = server.open
+            assert len(protocol._buffer) <= MAX_HEAD_BYTES + 256 * 1024
+            assert sent < 64 * 1024 * 1024
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_head_trickled_in_too_slowly_is_answered_408_and_the_connection_closed(monkeypatch):
+    monkeypatch.setattr("extproc.envoy.calls.HEAD_TIMEOUT_S", 0.2)
+
+    async def scenario() -> None:
+        async with Server() as server:
+            received = await _exchange(server.port, b"POST /x HTTP/1.1\r\nA: 1\r\n")
+            assert received.startswith(b"HTTP/1.1 408") and received.endswith(b"<closed>")
+            assert server.calls == [] and server.malformed == 1
+            kept = await _exchange(server.port, _request(b"ok"))  # a whole call and then quiet: kept open
+            assert kept.startswith(b"HTTP/1.1 200") and not kept.endswith(b"<closed>")
 
     asyncio.run(scenario())

@@ -125,7 +125,8 @@ class Authz:
                 self._metrics.errors.labels("unauthenticated_stream").inc()
                 return _UNAUTHENTICATED
             return None
-        return None if target == "/health" and method == "GET" else _NOT_FOUND
+        health = target == "/health" and method == "GET" and headers.get("content-length", "0") == "0"
+        return None if health else _NOT_FOUND  # (a health check with a body: nothing to buffer unasked)
 
     async def answer(self, call: Call) -> bytes:
         """An admitted call: a route (under ROUTE_PREFIX), or the health check's."""

@@ -9,13 +9,15 @@ third of all kvroute spent per request on this transport.
 The only callers are Envoy's ext_authz HTTP client and its health checker, so this reads what
 they send and nothing more: one call at a time on a connection (bytes of a next call wait until
 the current one is answered; reading goes on meanwhile, so that a caller leaving is seen at once,
-and pauses only past `MAX_HEAD_BYTES` of them), its body sized by `Content-Length`. Anything else is
-answered and the connection closed: a head that does not parse 400, a head over `MAX_HEAD_BYTES`
-431, a body over `MAX_BODY_BYTES` 413, a chunked body 501 (a 5xx: Envoy treats it as the
-service failing, and its failure mode decides). The head is judged before the body is read
-(`admit`: a call without the token is refused then, so an unauthenticated caller makes nothing
-buffer its body). A connection that closes while its call is being decided cancels it (a request
-held by flow control leaves the queue at once).
+and pauses past `MAX_HEAD_BYTES` of them, or while the caller does not read its answers), its body
+sized by `Content-Length` (ASCII digits only). Anything else is answered and the connection closed:
+a head that does not parse 400, a head over `MAX_HEAD_BYTES` 431, or not whole `HEAD_TIMEOUT_S`
+after its first byte 408, a body over `MAX_BODY_BYTES` 413, a chunked body 501 (a 5xx: Envoy
+treats it as the service failing, and its failure mode decides). The head is judged before the
+body is read (`admit`: a call without the token is refused then, so an unauthenticated caller makes
+nothing buffer its body). A connection that closes while its call is being decided cancels it (a
+request held by flow control leaves the queue at once). A connection idle between calls stays:
+Envoy keeps its pool's open.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from extproc.envoy.bootstrap import BODY_LIMIT
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024  # Envoy's own default limit on a request's headers is 60 KiB
+HEAD_TIMEOUT_S = 10.0  # Envoy writes a head at once: one trickled in slower holds a connection for nothing
+MAX_SIZE_DIGITS = 10  # a Content-Length past MAX_BODY_BYTES is refused anyway
 MAX_BODY_BYTES = BODY_LIMIT  # what kvroute's Envoy buffers and sends (with_request_body)
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
@@ -59,6 +63,7 @@ def answer(status: int, headers: Iterable[tuple[str, str]] = (), body: bytes = b
 
 _MALFORMED = answer(400, body=b"malformed request")
 _HEAD_TOO_LARGE = answer(431)
+_HEAD_TOO_SLOW = answer(408)
 _BODY_TOO_LARGE = answer(413)
 _CHUNKED = answer(501, body=b"chunked bodies are not read here")
 FAILED = answer(500)
@@ -91,7 +96,9 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], int, bool]:
             raise _Malformed(_MALFORMED)
         name, value = name.lower(), value.strip(" \t")
         if name == "content-length":
-            if not value.isdigit() or (size is not None and size != value):  # conflicting sizes: smuggling
+            if not (value.isascii() and value.isdigit() and len(value) <= MAX_SIZE_DIGITS):  # not "²", not "١٢"
+                raise _Malformed(_MALFORMED)
+            if size is not None and size != value:  # conflicting sizes: smuggling
                 raise _Malformed(_MALFORMED)
             size = value
         elif name == "transfer-encoding":
@@ -136,6 +143,9 @@ class CallProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None  # the call being decided
         self._head: _Head | None = None  # the call whose body is still coming, its head admitted
+        self._scanned = 0  # bytes of the buffer already searched for a head's end
+        self._writable = True  # the caller reads its answers (asyncio's write-buffer flow control)
+        self._head_deadline: asyncio.TimerHandle | None = None  # a head begun, not yet whole
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -147,35 +157,76 @@ class CallProtocol(asyncio.Protocol):
         self._open.discard(self)
         self._buffer.clear()
         self._head = None
+        self._expect_head(False)
         if self._task is not None:
             self._task.cancel()
+
+    def pause_writing(self) -> None:
+        self._writable = False  # no next call, and nothing more read, until the caller reads
+        self._flow()
+
+    def resume_writing(self) -> None:
+        self._writable = True
+        if self._task is None:
+            self._next()
+        self._flow()
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
         if self._task is None:
             self._next()
-        elif len(self._buffer) > MAX_HEAD_BYTES and self._transport is not None:
-            self._transport.pause_reading()  # not Envoy's way: bounded until this call is answered
+        self._flow()
+
+    def _flow(self) -> None:
+        """Read on while a call's bytes are awaited; past MAX_HEAD_BYTES of a next call's (not
+        Envoy's way: it waits for each answer), or while answers are not read, pause."""
+        transport = self._transport
+        if transport is None:
+            return
+        waiting = self._task is None and self._writable
+        if not waiting and (len(self._buffer) > MAX_HEAD_BYTES or not self._writable):
+            if transport.is_reading():
+                transport.pause_reading()
+        elif not transport.is_reading():
+            transport.resume_reading()
+
+    def _expect_head(self, begun: bool) -> None:
+        """A head's first bytes are in (`begun`): it must be whole within HEAD_TIMEOUT_S."""
+        if not begun:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+        elif self._head_deadline is None:
+            self._head_deadline = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self._head_deadline = None
+        self._malformed()
+        self._refuse(_HEAD_TOO_SLOW)
 
     def _next(self) -> None:
         """Start the next call if its bytes are all in (its head parsed and admitted once)."""
         transport, buffer = self._transport, self._buffer
-        if transport is None:
+        if transport is None or not self._writable:
             return
         head = self._head
         if head is None:
-            end = buffer.find(b"\r\n\r\n")
+            end = buffer.find(b"\r\n\r\n", max(0, self._scanned - 3))  # (not the whole head again each read)
             if end > MAX_HEAD_BYTES or (end < 0 and len(buffer) > MAX_HEAD_BYTES):
                 self._malformed()
                 self._refuse(_HEAD_TOO_LARGE)
                 return
             if end < 0:
+                self._scanned = len(buffer)
+                self._expect_head(bool(buffer))
                 return
+            self._scanned = 0
+            self._expect_head(False)
             try:
                 method, target, headers, length, keep = _parse_head(bytes(buffer[:end]))
-            except _Malformed as refused:
+            except (_Malformed, ValueError) as refused:
                 self._malformed()
-                self._refuse(refused.reply)
+                self._refuse(refused.reply if isinstance(refused, _Malformed) else _MALFORMED)
                 return
             refusal = self._admit(method, target, headers)
             if refusal is not None:
@@ -204,9 +255,8 @@ class CallProtocol(asyncio.Protocol):
         if not keep:
             transport.close()
             return
-        if not transport.is_reading():
-            transport.resume_reading()
         self._next()
+        self._flow()
 
     def _refuse(self, reply: bytes) -> None:
         """A call this server does not read: answered, the connection closed."""
@@ -215,6 +265,8 @@ class CallProtocol(asyncio.Protocol):
             self._transport.close()
         self._buffer.clear()
         self._head = None
+        self._scanned = 0
+        self._expect_head(False)
 
     async def finish(self, timeout_s: float) -> None:
         """Stopping: the call being decided is given `timeout_s` to be answered, then the

@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 
 FORWARD_MODE = 0x92  # msgpack fixarray of two: [tag, entries]
 MAX_PENDING_BYTES = 1 << 20  # an entry is a few hundred bytes; a stream that buffers more is broken
+# A record's fields are short strings and its entries come one per message (the logger flushes
+# each): the parser keeps every finished element of a message still coming, so these bound what one
+# message can make it hold, whatever its declared sizes.
+_LIMITS = {"max_str_len": 4096, "max_bin_len": 0, "max_ext_len": 0, "max_map_len": 64, "max_array_len": 4096}
+PROOF_BYTES = 64 * 1024  # a stream must prove the token within this many bytes ...
+PROOF_TIMEOUT_S = 10.0  # ... and this long after its first byte, or it is closed
 
 # The record Envoy sends for each request's end: field -> Envoy's substitution format. Short keys:
 # every entry carries them.
@@ -58,19 +64,39 @@ class EndsProtocol(asyncio.Protocol):
         self._token = token.encode()
         self._refused = refused
         self._proven = not token
-        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_PENDING_BYTES)
+        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_PENDING_BYTES, **_LIMITS)
         self._transport: asyncio.BaseTransport | None = None
+        self._unproven_bytes = 0
+        self._proof_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
         self._open_logs.add(transport)
+        if not self._proven:  # (made by the Sniffer as the first bytes come)
+            self._proof_deadline = asyncio.get_running_loop().call_later(PROOF_TIMEOUT_S, self._unproven)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._proof_deadline is not None:
+            self._proof_deadline.cancel()
+            self._proof_deadline = None
         if self._transport is not None:
             self._open_logs.discard(self._transport)
             self._transport = None
 
+    def _unproven(self) -> None:
+        if self._proof_deadline is not None:
+            self._proof_deadline.cancel()
+            self._proof_deadline = None
+        if not self._proven and self._transport is not None:
+            self._refused()
+            self._close("an access-log stream that did not prove the token in time")
+
     def data_received(self, data: bytes) -> None:
+        if not self._proven:
+            self._unproven_bytes += len(data)
+            if self._unproven_bytes > PROOF_BYTES:
+                self._unproven()
+                return
         try:
             self._unpacker.feed(data)
             for message in self._unpacker:
@@ -94,6 +120,9 @@ class EndsProtocol(asyncio.Protocol):
                     self._close("an access-log stream without the token")
                     return
                 self._proven = True
+                if self._proof_deadline is not None:
+                    self._proof_deadline.cancel()
+                    self._proof_deadline = None
             record.pop(TOKEN_FIELD, None)  # never passed on (a sibling's record goes through the store)
             try:
                 self._on_record(record)
