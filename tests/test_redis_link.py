@@ -239,6 +239,23 @@ async def test_a_replica_that_stops_first_forwards_the_ends_it_was_given(redis_s
 
 
 @in_loop
+async def test_an_end_that_fails_to_apply_does_not_stop_the_link(redis_server):
+    async with replicas(redis_server, 2) as (decider, sibling):
+        ended: list[bytes] = []
+
+        def on_end(entry: bytes) -> None:
+            if entry == b"breaks":
+                raise RuntimeError("a bug in applying it")
+            ended.append(entry)
+
+        decider.link.on_end = on_end
+        assert sibling.link.forward_end(decider.link.replica, b"breaks")
+        assert sibling.link.forward_end(decider.link.replica, b"an entry")
+        await until(lambda: ended == [b"an entry"])
+        assert decider.link.connected and not decider.task.done() and decider.link.counts["bad"] == 1
+
+
+@in_loop
 async def test_routing_goes_on_while_the_store_is_away_and_sharing_resumes(redis_server):
     async with replicas(redis_server, 2) as (first, second):
         redis_server.stop()

@@ -481,7 +481,11 @@ class RedisLink:
         if entry is None or self.on_end is None:
             self.counts["bad"] += 1
             return
-        self.on_end(entry)
+        try:
+            self.on_end(entry)
+        except Exception:  # one entry must not end the link (its follow loop would stop with it)
+            self.counts["bad"] += 1
+            log.exception("a sibling's request end could not be applied")
 
     async def _write(self) -> None:
         while not stop_asked():
