@@ -67,6 +67,8 @@ def test_unknown_event_types_are_skipped_and_counted():
         [b"kv", b"\x00" * 8, msgpack.packb([0, [42], 0])],  # an event that is neither map nor tagged array
         [b"kv", b"\x00" * 8, msgpack.packb([0, [{"type": "BlockStored", "block_hashes": 5}], 0])],
         [b"kv", b"\x00" * 8, msgpack.packb([0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0])],
+        [b"kv", b"\x00" * 8, bytes.fromhex("9200918181000000")],  # a map as a map's key (TypeError)
+        [b"kv", b"\x00" * 8, b"\x91" * (4 << 20)],  # larger than a step stores: refused unread
     ],
 )
 def test_malformed_messages_raise_event_error_only(bad):

@@ -42,6 +42,28 @@ def test_a_vllm_page_becomes_one_sample_summed_over_engines():
     assert engine_sample("some_other_exporter 1\n") is None
 
 
+def test_a_page_an_engine_should_never_write_is_read_without_harm():
+    """Lines no vLLM writes (one of 20 KB: the label pattern's time grows with its square), values
+    that are not finite (NaN, inf, a sum past 1e308), a cache no server has: each is skipped."""
+    import time
+
+    page = VLLM_PAGE.replace("1.7646e+09", "NaN").replace(
+        'num_gpu_blocks="1024"', 'num_gpu_blocks="1' + "0" * 400 + '"'
+    )
+    page += "vllm:lora_requests_info{" + "a" * 20_000 + "} 1\n"
+    page += "vllm:prefix_cache_hits_total 1e308\nvllm:prefix_cache_hits_total 1e308\n"
+    started = time.process_time()
+    sample = engine_sample(page)
+    assert time.process_time() - started < 0.05
+    assert sample is not None and (sample.running, sample.waiting) == (3, 4)
+    assert sample.start_time is None  # NaN: never a "restart" at every scrape
+    assert sample.cache_tokens is None and sample.block_size is None
+    assert sample.cache_hits is None  # the sum overflowed
+    negative = engine_sample(VLLM_PAGE.replace('block_size="128"', 'block_size="-16"'))
+    assert negative is not None and negative.block_size is None
+    assert engine_sample("vllm:num_requests_running inf\n") is None
+
+
 async def scrape_once(config: SimConfig, pages: dict[str, str], extra: tuple[str, ...] = ()):
     """One scrape round over a simulated server, a server answering `pages` (path -> text) and
     `extra` addresses: (router, scraper, the simulated server's address, the other's)."""

@@ -40,6 +40,7 @@ class Engine:
         self.pub = context.socket(zmq.PUB)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.history: list[list[bytes]] = []
+        self.replays = 0  # replay requests served
         self.router = None
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"}
         if replay:
@@ -57,6 +58,7 @@ class Engine:
         assert self.router is not None
         while True:
             client, _, start = await self.router.recv_multipart()
+            self.replays += 1
             for frames in self.history:
                 if int.from_bytes(frames[1], "big") >= int.from_bytes(start, "big"):
                     await self.router.send_multipart([client, b"", *frames])
@@ -145,6 +147,44 @@ def test_a_gap_without_replay_drops_the_backends_picture():
 
     router, _ = asyncio.run(_scenario(False, steps))
     assert sum(router.index.entries_by_backend().values()) == 1
+
+
+def test_a_gap_wider_than_any_replay_buffer_is_lost_at_once_not_replayed():
+    """An engine that jumps its sequence far ahead (a bug, or a hostile one) must not hold the
+    feed in a replay that never ends: the gap is taken as lost, and the feed goes on."""
+
+    async def steps(engine: Engine, router: Router, subscriber: EventSubscriber, backend: str) -> None:
+        await engine.send(0, [stored(1, None, 0)])
+        await _until(lambda: router.index.entries_by_backend().get(backend) == 1)
+        await engine.send(2**62, [stored(9, None, 50)])
+        await _until(lambda: router.stats.resets[Reset.EVENTS_LOST] == 1)
+        await engine.send(2**62 + 1, [stored(10, 9, 54)])
+        await _until(lambda: router.index.entries_by_backend().get(backend) == 2)
+        assert engine.replays == 0  # not asked: no engine keeps that many batches
+
+    _, subscriber = asyncio.run(_scenario(True, steps))
+    assert subscriber.problems["lost"] == 1
+
+
+def test_a_subscription_that_fails_drops_what_its_events_said():
+    """A consumer that dies (here: applying a batch raised) cannot tell what was removed meanwhile:
+    the backend's event-fed picture goes, and the feed is discovered again."""
+
+    async def steps(engine: Engine, router: Router, subscriber: EventSubscriber, backend: str) -> None:
+        await engine.send(0, [stored(1, None, 0)])
+        await _until(lambda: router.index.entries_by_backend().get(backend) == 1)
+        applied = subscriber._apply
+
+        def fails_once(*args: object) -> None:
+            subscriber._apply = applied  # type: ignore[method-assign]
+            raise RuntimeError("a bug in applying it")
+
+        subscriber._apply = fails_once  # type: ignore[method-assign]
+        await engine.send(1, [stored(2, 1, 4)])
+        await _until(lambda: router.stats.resets[Reset.EVENTS_LOST] == 1)
+
+    _, subscriber = asyncio.run(_scenario(False, steps))
+    assert subscriber.problems["subscription_failed"] == 1
 
 
 def test_only_publishers_on_the_backends_own_host_are_followed():

@@ -21,7 +21,10 @@ from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, Eng
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
 _STORED_EXTRA_AT = 8  # extra_keys follows lora_name
 _REMOVED_FIELDS = ("block_hashes", "medium")
-MAX_BATCH_BYTES = 64 << 20  # a batch larger than this is refused unread
+# A batch larger than this is refused unread. An engine step stores at most its batched tokens
+# (8,192 by default; a few hundred KB of token ids and hashes), and MessagePack can expand some
+# 70x once decoded (8 MB of empty arrays took 551 MB), so the cap bounds what one message costs.
+MAX_BATCH_BYTES = 4 << 20
 
 
 class EventError(ValueError):
@@ -110,9 +113,9 @@ def decode(frames: Sequence[bytes]) -> EventBatch:
     if len(payload) > MAX_BATCH_BYTES:
         raise EventError(f"batch of {len(payload)} bytes")
     try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise EventError(f"not msgpack: {exc}") from None
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, max_ext_len=0)
+    except Exception as exc:  # (a map as a map's key raises TypeError: any of it is the engine's fault)
+        raise EventError(f"not msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise EventError("batch is not [timestamp, events, ...]")
     events: list[EngineEvent] = []
@@ -124,6 +127,6 @@ def decode(frames: Sequence[bytes]) -> EventBatch:
                 unknown += 1
             else:
                 events.append(event)
-    except (TypeError, AttributeError) as exc:
+    except (TypeError, AttributeError, ValueError, OverflowError, KeyError, IndexError) as exc:
         raise EventError(f"malformed event: {exc}") from None
     return EventBatch(int.from_bytes(sequence, "big", signed=True), events, unknown)

@@ -3,6 +3,7 @@ over the lines; sums over label sets, so an engine with several data-parallel ra
 
 from __future__ import annotations
 
+import math
 import re
 from urllib.parse import urlencode
 
@@ -35,10 +36,32 @@ _WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, LORA_INFO, *_COUN
 PAGE = "/metrics"
 FAMILIES_PAGE = "/metrics/?" + urlencode([("name[]", name) for name in _WANTED])
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+# A page is the engine's word, read as such but never trusted to be sane: a line longer than any
+# vLLM writes is skipped (the label pattern's time grows with the square of a line's length: 20 KB
+# of one held the event loop for 1.4 s), a value that is not finite (NaN, inf, 1e308 summed) is
+# skipped, and the cache's size must be one a server could have.
+MAX_LINE = 4096
+MAX_BLOCK_SIZE = 1024
+MAX_CACHE_TOKENS = 1 << 40
 
 
 def _value(line: str) -> float:
-    return float(line.rsplit(" ", 1)[1])
+    value = float(line.rsplit(" ", 1)[1])
+    if not math.isfinite(value):
+        raise ValueError(value)
+    return value
+
+
+def _cache(labels: dict[str, str]) -> tuple[int, int]:
+    """(cache tokens, block size) from cache_config_info's labels; ValueError when implausible."""
+    size, blocks = labels["block_size"], labels["num_gpu_blocks"]
+    if not (size.isdigit() and blocks.isdigit() and len(size) <= 4 and len(blocks) <= 13):
+        raise ValueError(labels)
+    block_size = int(size)
+    cache_tokens = int(blocks) * block_size
+    if not (0 < block_size <= MAX_BLOCK_SIZE and 0 < cache_tokens <= MAX_CACHE_TOKENS):
+        raise ValueError(labels)
+    return cache_tokens, block_size
 
 
 def engine_sample(text: str) -> EngineSample | None:
@@ -51,7 +74,7 @@ def engine_sample(text: str) -> EngineSample | None:
     lora: tuple[float, dict[str, str]] | None = None  # the newest lora_requests_info series
     seen = False
     for line in text.splitlines():
-        if not line.startswith(_WANTED):
+        if not line.startswith(_WANTED) or len(line) > MAX_LINE:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         try:
@@ -71,13 +94,12 @@ def engine_sample(text: str) -> EngineSample | None:
                 if lora is None or stamp > lora[0]:
                     lora = (stamp, dict(_LABEL.findall(line)))
             elif name == CACHE_INFO and cache_tokens is None:
-                labels = dict(_LABEL.findall(line))
-                block_size = int(labels["block_size"])
-                cache_tokens = int(labels["num_gpu_blocks"]) * block_size
+                cache_tokens, block_size = _cache(dict(_LABEL.findall(line)))
         except (ValueError, KeyError, IndexError):
             continue  # one odd line never hides the rest
-    if not seen:
-        return None
+    if not seen or not (math.isfinite(running + waiting) and max(running, waiting) < 1e9):
+        return None  # (sums of finite values can still overflow)
+    counters = {name: value for name, value in counters.items() if math.isfinite(value)}
     lora_running, lora_slots = _lora(lora[1]) if lora is not None else ((), None)
     return EngineSample(
         int(running),

@@ -75,7 +75,12 @@ class EngineScraper:
             if sample is None:
                 self.failures += 1
             elif self._pool.is_known(backend):
-                self._router.engine_sample(backend, sample, now)
+                try:
+                    self._router.engine_sample(backend, sample, now)
+                except Exception:  # one engine's odd page must not cost the others their samples
+                    self.failures += 1
+                    log.exception("engine sample of %s could not be applied", backend)
+                    continue
                 self._sampled_at[backend] = now
                 count = self._samples[backend] = self._samples.get(backend, 0) + 1
                 if count % LISTING_EVERY == 1:
@@ -109,7 +114,15 @@ class EngineScraper:
 
     async def _sample(self, session: aiohttp.ClientSession, backend: str) -> EngineSample | None:
         """The backend's sample from the families' page, else (remembered once it answered that
-        page with something else) from its whole page."""
+        page with something else) from its whole page; None if it has none (never an exception:
+        one engine's page must not cost the others their round)."""
+        try:
+            return await self._read_sample(session, backend)
+        except Exception:
+            log.exception("engine page of %s could not be read", backend)
+            return None
+
+    async def _read_sample(self, session: aiohttp.ClientSession, backend: str) -> EngineSample | None:
         if backend not in self._whole_page:
             answered, page = await self._fetch(session, backend, FAMILIES_PAGE)
             sample = _sample_of(page)

@@ -32,6 +32,11 @@ from extproc.vllm.events import MAX_BATCH_BYTES, EventBatch, EventError, decode
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+# A gap wider than an engine's replay buffer (vLLM keeps 10,000 batches by default) cannot be
+# replayed: it is treated as lost at once. And a replay ends within REPLAY_TOTAL_S however its
+# engine answers (each reply within the per-reply timeout is not enough: one that never ends).
+MAX_REPLAY_BATCHES = 10_000
+REPLAY_TOTAL_S = 30.0
 _ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]*):(\d{1,5})$")
 _ANY_HOST = {"*", "0.0.0.0", "[::]", "::", ""}
 
@@ -149,6 +154,8 @@ class EventSubscriber:
                     if isinstance(result, Exception):
                         self.status[backend] = f"subscription failed: {type(result).__name__}: {result}"
                         self._problem(backend, "subscription_failed", str(result))
+                        if self._pool.is_known(backend):  # what came meanwhile (removals too) is not known
+                            self._router.events_lost(backend, Reset.EVENTS_LOST)
             await asyncio.sleep(self._discovery_interval_s)
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -201,15 +208,17 @@ class EventSubscriber:
     async def _replay(self, backend: str, source: Source, start: int, until: int, previous: float) -> bool:
         """Fetch and apply batches start..until-1 from the replay socket; True if all came. They
         were published after the last batch that arrived live, at `previous`."""
-        if source.replay is None:
+        if source.replay is None or until - start > MAX_REPLAY_BATCHES:
             return False
         sock = self._socket(zmq.DEALER)
         sock.connect(source.replay)
         expected = start
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPLAY_TOTAL_S
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                async with asyncio.timeout(self._replay_timeout_s):
+                async with asyncio.timeout_at(min(deadline, loop.time() + self._replay_timeout_s)):
                     frames = await sock.recv_multipart()
                 if len(frames) == 4 and frames[2] == END_SEQ:
                     return expected >= until
