@@ -224,9 +224,9 @@ class CallProtocol(asyncio.Protocol):
             self._expect_head(False)
             try:
                 method, target, headers, length, keep = _parse_head(bytes(buffer[:end]))
-            except (_Malformed, ValueError) as refused:
+            except _Malformed as refused:
                 self._malformed()
-                self._refuse(refused.reply if isinstance(refused, _Malformed) else _MALFORMED)
+                self._refuse(refused.reply)
                 return
             refusal = self._admit(method, target, headers)
             if refusal is not None:

@@ -76,17 +76,18 @@ class EndsProtocol(asyncio.Protocol):
             self._proof_deadline = asyncio.get_running_loop().call_later(PROOF_TIMEOUT_S, self._unproven)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._proof_deadline is not None:
-            self._proof_deadline.cancel()
-            self._proof_deadline = None
+        self._stop_proof_clock()
         if self._transport is not None:
             self._open_logs.discard(self._transport)
             self._transport = None
 
-    def _unproven(self) -> None:
+    def _stop_proof_clock(self) -> None:
         if self._proof_deadline is not None:
             self._proof_deadline.cancel()
             self._proof_deadline = None
+
+    def _unproven(self) -> None:
+        self._stop_proof_clock()
         if not self._proven and self._transport is not None:
             self._refused()
             self._close("an access-log stream that did not prove the token in time")
@@ -120,9 +121,7 @@ class EndsProtocol(asyncio.Protocol):
                     self._close("an access-log stream without the token")
                     return
                 self._proven = True
-                if self._proof_deadline is not None:
-                    self._proof_deadline.cancel()
-                    self._proof_deadline = None
+                self._stop_proof_clock()
             record.pop(TOKEN_FIELD, None)  # never passed on (a sibling's record goes through the store)
             try:
                 self._on_record(record)
