@@ -57,6 +57,10 @@ def test_compare_smoke_all_routers(tmp_path: Path):
         assert row["router_cpu_s"] > 0, name  # the router's own processes, counted while it served
         assert row["exited"] == [], name  # none of them died while it ran
         if name.startswith("kvroute"):  # its own account: what was on offer, what it took
+            parts = row["router_cpu_by_process_s"]  # which of its stack's processes took the CPU
+            assert (
+                set(parts) == {"envoy", "extproc", "extproc1"} and sum(parts.values()) <= row["router_cpu_s"] + 0.02
+            ), name
             assert 0 <= row["reuse_routed"] <= row["reuse_available"] <= 1, name
         else:
             assert "reuse_routed" not in row, name

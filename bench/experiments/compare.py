@@ -109,6 +109,13 @@ def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str
     return [r for r in options.routers if r not in skipped], skipped
 
 
+def _stack_cpu(router: peers.RunningRouter) -> dict[str, float]:
+    """CPU seconds each process of kvroute's stack has used so far (none for a peer)."""
+    if router.stack is None:
+        return {}
+    return {name: cpu_seconds([process.pid]) for name, process in router.stack.processes.items()}
+
+
 def run_router(
     fleet: Fleet,
     name: str,
@@ -140,6 +147,7 @@ def run_router(
     )
     try:
         cpu_before = cpu_seconds(router.pids())
+        parts_before = _stack_cpu(router)
         swaps_before = fleet.adapter_swaps()
         work = replay(router.url, requests, builder, pacing, fleet.backends, label=name)
         other = None
@@ -152,6 +160,9 @@ def run_router(
             summary["other_traffic"] = {"served": other.served, "failed": other.failed}
         # On a shared machine the router's CPU is taken from the engines beside it.
         summary["router_cpu_s"] = round(cpu_seconds(router.pids()) - cpu_before, 2)
+        if parts_before:  # kvroute's stack: which of its processes took it
+            after = _stack_cpu(router)
+            summary["router_cpu_by_process_s"] = {k: round(after[k] - v, 2) for k, v in parts_before.items()}
         if fleet.adapters:  # slot swaps: each loads an adapter and, once the slots are full, evicts one
             swaps = fleet.adapter_swaps() - swaps_before
             summary["adapter_swaps"] = swaps
