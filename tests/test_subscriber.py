@@ -17,6 +17,7 @@ from extproc.core.exchange import Reset
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
+from extproc.vllm import subscriber as subscriber_module
 from extproc.vllm.subscriber import END_SEQ, EventSubscriber, sources
 from tests.e2e import until
 
@@ -195,3 +196,53 @@ def test_only_publishers_on_the_backends_own_host_are_followed():
     assert not found and "not one the engine binds" in status
     assert sources({}, "10.0.0.1:8000")[0] == [] and sources(["x"], "h:1")[0] == []
     assert sources({"0": {**config, "publisher": "null", "endpoint": "tcp://*:1"}}, "h:1")[0] == []
+
+
+def test_batches_are_read_in_bursts_and_a_quiet_socket_is_woken_by_the_next_one():
+    """The reader drains what is queued (in order, `BURST_MAX` at a time), waits `BURST_GAP_S`
+    after a burst, and on a quiet socket sleeps until ZMQ has news: each batch sent after a quiet
+    spell is still read (no lost wake-up), and a reader cancelled while waiting leaves the loop
+    watching nothing."""
+
+    async def scenario() -> tuple[list[int], int]:
+        context = zmq.asyncio.Context()
+        pub = context.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        sub: zmq.Socket[bytes] = zmq.Socket(context, zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        seen: list[int] = []
+
+        async def read() -> None:
+            async for frames in subscriber_module._bursts(sub):
+                seen.append(int.from_bytes(frames[1], "big"))
+
+        reader = asyncio.create_task(read())
+        sequence = 0
+        while not seen:  # a PUB drops what it sends before the subscription reaches it
+            await pub.send_multipart(message(sequence, []))
+            sequence += 1
+            await asyncio.sleep(0.01)
+        await _until(lambda: seen[-1] == sequence - 1)
+        first = sequence
+        for _ in range(subscriber_module.BURST_MAX + 44):  # more than one burst, queued at once
+            await pub.send_multipart(message(sequence, []))
+            sequence += 1
+        await _until(lambda: seen[-1] == sequence - 1)
+        for _ in range(3):  # quiet spells, each ended by one batch
+            await asyncio.sleep(0.1)
+            await pub.send_multipart(message(sequence, []))
+            sequence += 1
+            await _until(lambda last=sequence - 1: seen[-1] == last)
+        await asyncio.sleep(0.05)  # the reader is waiting for news again
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        watched = asyncio.get_running_loop().remove_reader(sub.getsockopt(zmq.FD))
+        sub.close(linger=0)
+        context.destroy(linger=0)
+        return seen[seen.index(first) :], int(watched)
+
+    seen, watched = asyncio.run(scenario())
+    assert seen == list(range(seen[0], seen[0] + len(seen))) and len(seen) == subscriber_module.BURST_MAX + 44 + 3
+    assert watched == 0  # the cancelled reader stopped watching its descriptor

@@ -6,6 +6,12 @@ publisher: a number that goes back means a new publisher (the engine restarted),
 missed batches, fetched from the engine's replay socket where it has one and otherwise reported
 as lost, since that backend's picture is then unknown. Malformed messages are counted and logged
 once per backend and kind; nothing a publisher sends can stop the subscriber or routing.
+
+An engine publishes a batch per step, so a busy fleet sends tens of batches a second per backend.
+They are read in bursts from a plain socket the event loop watches, and after a burst the next
+is read `BURST_GAP_S` later at the earliest: each wake-up costs the process tens of
+microseconds besides its batches (docs/benchmarks.md, "KV events read in bursts"). Idle, nothing
+wakes it.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -37,6 +44,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 # engine answers (each reply within the per-reply timeout is not enough: one that never ends).
 MAX_REPLAY_BATCHES = 10_000
 REPLAY_TOTAL_S = 30.0
+BURST_GAP_S = 0.02  # after a burst of batches, the next is read this much later at the earliest
+BURST_MAX = 256  # batches read in one go before the loop's other work gets a turn
 _ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]*):(\d{1,5})$")
 _ANY_HOST = {"*", "0.0.0.0", "[::]", "::", ""}
 
@@ -160,21 +169,19 @@ class EventSubscriber:
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         sock = self._context.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)  # a huge frame is dropped by ZMQ, unread
-        sock.setsockopt(zmq.RCVHWM, 10_000)
+        _limit(sock)
         return sock
 
     async def _consume(self, backend: str, source: Source) -> None:
-        sock = self._socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)  # plain: read in bursts (`_bursts`)
+        _limit(sock)
         sock.setsockopt(zmq.SUBSCRIBE, source.topic)
         sock.connect(source.endpoint)
         last: int | None = None
         previous = self._clock()  # what this publisher sends next happened after this moment
         try:
-            while True:
-                frames = await sock.recv_multipart()
-                arrived = self._clock()
+            async for frames in _bursts(sock):
+                arrived = self._clock()  # when read: at or after it came, so clears keep no less
                 batch = self._decode(backend, frames)
                 if batch is None:
                     continue
@@ -234,3 +241,49 @@ class EventSubscriber:
             return False
         finally:
             sock.close(linger=0)
+
+
+def _limit(sock: zmq.Socket[Any]) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)  # a huge frame is dropped by ZMQ, unread
+    sock.setsockopt(zmq.RCVHWM, 10_000)
+
+
+async def _bursts(sock: zmq.Socket[bytes]) -> AsyncIterator[list[bytes]]:
+    """Each message the socket receives, read without waiting while some are queued (at most
+    `BURST_MAX` before the loop gets a turn), then `BURST_GAP_S` later, and once none is queued
+    when its file descriptor says ZMQ has news. Raises what the socket raises."""
+    loop = asyncio.get_running_loop()
+    fd = int(sock.getsockopt(zmq.FD))
+    while True:
+        read = 0
+        while read < BURST_MAX:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            read += 1
+            yield frames
+        if read == BURST_MAX:
+            await asyncio.sleep(0)
+        elif read:
+            await asyncio.sleep(BURST_GAP_S)
+        else:
+            await _news(loop, sock, fd)
+
+
+async def _news(loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes], fd: int) -> None:
+    """Until a message may be queued. ZMQ's descriptor signals news, not messages: asking for the
+    socket's events takes the news in (and clears the signal), so it is asked once watching."""
+    news: asyncio.Future[None] = loop.create_future()
+
+    def signalled() -> None:
+        if not news.done():
+            news.set_result(None)
+
+    loop.add_reader(fd, signalled)
+    try:
+        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            await news
+    finally:
+        loop.remove_reader(fd)
