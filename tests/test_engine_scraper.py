@@ -13,6 +13,7 @@ from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
+from extproc.vllm.pages import PageClient
 from extproc.vllm.scraper import EngineScraper
 
 VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -83,10 +84,11 @@ async def scrape_once(config: SimConfig, pages: dict[str, str], extra: tuple[str
     router = Router(Settings())
     pool = BackendPool([Backend(a) for a in (sim, foreign, *extra)], router.remove_backend, 1)
     scraper = EngineScraper(router, pool, clock=lambda: 5.0)
+    client = PageClient(2.0)
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            await scraper.scrape(session)
+        await scraper.scrape(client)
     finally:
+        client.close()
         for runner in [*runners, stranger]:
             await runner.cleanup()
     return router, scraper, sim, foreign
@@ -159,20 +161,21 @@ def test_a_fleet_past_the_rate_is_scraped_a_slice_per_round_and_each_listed_on_i
         listed: list[str] = []
         listings = scraper._listings
 
-        async def counting(session: aiohttp.ClientSession, backends: list[str]) -> None:
+        async def counting(client: PageClient, backends: list[str]) -> None:
             listed.extend(backends)
-            await listings(session, backends)
+            await listings(client, backends)
 
         scraper._listings = counting  # type: ignore[method-assign]  # which backends each round lists
+        client = PageClient(2.0)
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-                await scraper.scrape(session)
-                assert scraper.ages() == {addresses[0]: 0.0, addresses[1]: 0.0, addresses[2]: 5.0, addresses[3]: 5.0}
-                now[0] = 6.0
-                await scraper.scrape(session)
-                assert scraper.ages() == {a: 0.0 if a in addresses[2:] else 1.0 for a in addresses}
-                await scraper.scrape(session)  # the first two again: not listed again yet
+            await scraper.scrape(client)
+            assert scraper.ages() == {addresses[0]: 0.0, addresses[1]: 0.0, addresses[2]: 5.0, addresses[3]: 5.0}
+            now[0] = 6.0
+            await scraper.scrape(client)
+            assert scraper.ages() == {a: 0.0 if a in addresses[2:] else 1.0 for a in addresses}
+            await scraper.scrape(client)  # the first two again: not listed again yet
         finally:
+            client.close()
             for runner in runners:
                 await runner.cleanup()
         assert listed == addresses
@@ -212,8 +215,10 @@ def test_only_the_families_routing_reads_are_asked_for_and_a_server_without_that
                     whole = await response.text()
                 assert engine_sample(families) == engine_sample(whole) is not None
                 assert "vllm:num_requests_running" in families and len(families) * 3 < len(whole)
-                for _ in range(2):
-                    await scraper.scrape(session)
+            client = PageClient(2.0)
+            for _ in range(2):
+                await scraper.scrape(client)
+            client.close()
         finally:
             for runner in [*runners, stranger]:
                 await runner.cleanup()

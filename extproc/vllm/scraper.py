@@ -18,20 +18,16 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
-
 from extproc.core.engine import EngineSample
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.rotation import Rotation
 from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
 from extproc.vllm.models import MAX_PAGE_BYTES, listed_adapters
+from extproc.vllm.pages import PageClient
 
 log = logging.getLogger(__name__)
 
-# Pages come uncompressed: prometheus_client gzips them for a client that accepts it, which costs
-# the engine and kvroute more CPU than the bytes saved on loopback or a pod network.
-SCRAPE_HEADERS = {"Accept-Encoding": "identity"}
 LISTING_EVERY = 8  # samples of a backend: every 2 s at the default 0.25 s interval
 
 
@@ -51,24 +47,27 @@ class EngineScraper:
 
     async def run(self, interval_s: float, scrapes_per_s: float = float("inf")) -> None:
         """Scrape until cancelled, at most `scrapes_per_s`. Survives any error: counts, logs, goes on."""
-        timeout = aiohttp.ClientTimeout(total=max(interval_s, 0.05))
         if scrapes_per_s != float("inf"):
             self.rotation.pace(scrapes_per_s, interval_s)
         self._started = self._clock()
-        async with aiohttp.ClientSession(timeout=timeout, headers=SCRAPE_HEADERS) as session:
+        client = PageClient(max(interval_s, 0.05))
+        try:
             while True:
                 started = self._clock()
                 try:
-                    await self.scrape(session)
+                    await self.scrape(client)
                 except Exception:  # a bug must not stop load and restart tracking
                     self.failures += 1
                     log.exception("engine scrape round failed; scraping goes on")
                 await asyncio.sleep(max(0.0, interval_s - (self._clock() - started)))
+        finally:
+            client.close()
 
-    async def scrape(self, session: aiohttp.ClientSession) -> None:
+    async def scrape(self, client: PageClient) -> None:
         """One round over the next healthy backends (all of them, in a fleet within the rate)."""
+        client.keep_only(b.address for b in self._pool.backends)
         backends = self.rotation.take([b.address for b in self._pool.backends if b.healthy])
-        samples = await asyncio.gather(*(self._sample(session, b) for b in backends))
+        samples = await asyncio.gather(*(self._sample(client, b) for b in backends))
         now = self._clock()
         listing = []
         for backend, sample in zip(backends, samples, strict=True):
@@ -86,7 +85,7 @@ class EngineScraper:
                 if count % LISTING_EVERY == 1:
                     listing.append(backend)
         if listing:
-            await self._listings(session, listing)
+            await self._listings(client, listing)
 
     def ages(self) -> dict[str, float]:
         """Seconds since each healthy backend's last good sample (since scraping began, for one
@@ -103,8 +102,8 @@ class EngineScraper:
             self._whole_page.discard(gone)
         return {b.address: now - self._sampled_at.get(b.address, started) for b in self._pool.backends if b.healthy}
 
-    async def _listings(self, session: aiohttp.ClientSession, backends: list[str]) -> None:
-        pages = await asyncio.gather(*(self._page(session, b, "/v1/models") for b in backends))
+    async def _listings(self, client: PageClient, backends: list[str]) -> None:
+        pages = await asyncio.gather(*(self._page(client, b, "/v1/models") for b in backends))
         for backend, page in zip(backends, pages, strict=True):
             adapters = listed_adapters(page) if page is not None else None
             if adapters is None:
@@ -112,41 +111,39 @@ class EngineScraper:
             elif self._pool.is_known(backend):
                 self._router.adapters.listing(backend, adapters)
 
-    async def _sample(self, session: aiohttp.ClientSession, backend: str) -> EngineSample | None:
+    async def _sample(self, client: PageClient, backend: str) -> EngineSample | None:
         """The backend's sample from the families' page, else (remembered once it answered that
         page with something else) from its whole page; None if it has none (never an exception:
         one engine's page must not cost the others their round)."""
         try:
-            return await self._read_sample(session, backend)
+            return await self._read_sample(client, backend)
         except Exception:
             log.exception("engine page of %s could not be read", backend)
             return None
 
-    async def _read_sample(self, session: aiohttp.ClientSession, backend: str) -> EngineSample | None:
+    async def _read_sample(self, client: PageClient, backend: str) -> EngineSample | None:
         if backend not in self._whole_page:
-            answered, page = await self._fetch(session, backend, FAMILIES_PAGE)
+            answered, page = await self._fetch(client, backend, FAMILIES_PAGE)
             sample = _sample_of(page)
             if sample is not None or not answered:
                 return sample
-        sample = _sample_of(await self._page(session, backend, PAGE))
+        sample = _sample_of(await self._page(client, backend, PAGE))
         if sample is not None:
             self._whole_page.add(backend)
         return sample
 
     @classmethod
-    async def _page(cls, session: aiohttp.ClientSession, backend: str, path: str) -> bytes | None:
-        return (await cls._fetch(session, backend, path))[1]
+    async def _page(cls, client: PageClient, backend: str, path: str) -> bytes | None:
+        return (await cls._fetch(client, backend, path))[1]
 
     @staticmethod
-    async def _fetch(session: aiohttp.ClientSession, backend: str, path: str) -> tuple[bool, bytes | None]:
+    async def _fetch(client: PageClient, backend: str, path: str) -> tuple[bool, bytes | None]:
         """(whether the server answered, its 200 page)."""
         try:
-            async with session.get(f"http://{backend}{path}") as response:
-                if response.status != 200:
-                    return True, None
-                return True, await response.content.read(MAX_PAGE_BYTES + 1)
-        except (aiohttp.ClientError, TimeoutError, OSError):
+            status, page = await client.get(backend, path, MAX_PAGE_BYTES)
+        except (TimeoutError, OSError):
             return False, None
+        return True, page if status == 200 else None
 
 
 def _sample_of(page: bytes | None) -> EngineSample | None:

@@ -1,0 +1,145 @@
+"""GET a backend's small pages (/metrics, /v1/models) over one kept-alive HTTP/1.1 connection per
+backend, parsed by httptools (llhttp, as uvicorn uses it), without a client library's per-request
+objects, headers and timers: the scrape runs several times a second per backend, and through
+aiohttp it cost an ext_proc about 0.8 ms of CPU a page (docs/benchmarks.md, "Where the stack's CPU
+goes"). One request at a time per connection, as the scraper asks; a connection in an unknown
+state (a timeout, a reset, a page cut short, an answer that does not parse) is closed, and the
+next request opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import httptools
+
+# Pages come uncompressed: prometheus_client gzips them for a client that accepts it, which costs
+# the engine and kvroute more CPU than the bytes saved on loopback or a pod network.
+_HEADERS = b"Accept-Encoding: identity\r\nUser-Agent: kvroute\r\n"
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection and the one response it is reading."""
+
+    __slots__ = ("_body", "_limit", "_parser", "_size", "_status", "answer", "reusable", "transport")
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.answer: asyncio.Future[tuple[int, bytes]] | None = None
+        self.reusable = True
+        self._body: list[bytes] = []
+        self._size = 0
+        self._limit = 0
+        self._status = 0
+
+    def request(self, head: bytes, limit: int) -> asyncio.Future[tuple[int, bytes]]:
+        """Send a request; the future gets (status, at most `limit` + 1 bytes of its body)."""
+        assert self.transport is not None and self.answer is None
+        self.answer = asyncio.get_running_loop().create_future()
+        self._body, self._size, self._limit = [], 0, limit
+        self.transport.write(head)
+        return self.answer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer is None:  # nothing was asked (or the page was cut): not kept
+            self._fail(ConnectionError("an answer nobody asked for"))
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(ConnectionError("the server upgraded the connection"))
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionError(f"not HTTP: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reusable = False
+        self._fail(exc or ConnectionError("closed before the answer was whole"))
+
+    # httptools' callbacks
+    def on_headers_complete(self) -> None:
+        self._status = self._parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if self.answer is None:  # answered already: the page was longer than asked for
+            return
+        self._body.append(body)
+        self._size += len(body)
+        if self._size > self._limit:  # answered with what came; the rest is not read, so the
+            self._answer()  # connection cannot be reused
+            self.close()
+
+    def on_message_complete(self) -> None:
+        if not self._parser.should_keep_alive():
+            self.reusable = False
+        self._answer()
+
+    def _answer(self) -> None:
+        answer, self.answer = self.answer, None
+        if answer is not None and not answer.done():
+            answer.set_result((self._status, b"".join(self._body)[: self._limit + 1]))
+        self._body = []
+
+    def _fail(self, exc: BaseException) -> None:
+        self.reusable = False
+        answer, self.answer = self.answer, None
+        if answer is not None and not answer.done():
+            answer.set_exception(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class PageClient:
+    """Kept-alive connections to backends (`host:port`), one each."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._connections: dict[str, _Connection] = {}
+
+    async def get(self, backend: str, path: str, limit: int) -> tuple[int, bytes]:
+        """The backend's (status, body) for `path`, the body cut at `limit` + 1 bytes. Raises
+        OSError (ConnectionError) or TimeoutError when it does not answer within the timeout."""
+        head = f"GET {path} HTTP/1.1\r\nHost: {backend}\r\n".encode() + _HEADERS + b"\r\n"
+        connection = self._connections.pop(backend, None)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                if connection is None or not connection.reusable:
+                    connection = await self._connect(backend)
+                answer = await connection.request(head, limit)
+        except BaseException:
+            if connection is not None:
+                connection.close()
+            raise
+        if connection.reusable:
+            self._connections[backend] = connection
+        else:
+            connection.close()
+        return answer
+
+    @staticmethod
+    async def _connect(backend: str) -> _Connection:
+        host, _, port = backend.rpartition(":")
+        loop = asyncio.get_running_loop()
+        _, connection = await loop.create_connection(_Connection, host.strip("[]"), int(port))
+        return connection
+
+    def keep_only(self, backends: Iterable[str]) -> None:
+        """Close the connections to backends that left the pool."""
+        keep = set(backends)
+        for backend in [b for b in self._connections if b not in keep]:
+            self._connections.pop(backend).close()
+
+    def close(self) -> None:
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
