@@ -184,7 +184,10 @@ class EagerSessions:
 
     def get(self, key: str, now: float) -> str | None:
         held = self.bindings.get(key)
-        return None if held is None or held[1] < now - self.ttl else held[0]
+        if held is not None and held[1] < now - self.ttl:  # expired: dropped when asked, as the table
+            del self.bindings[key]  # does (until then it counts towards the capacity)
+            return None
+        return None if held is None else held[0]
 
     def leave(self, backend: str) -> None:
         self.bindings = {k: v for k, v in self.bindings.items() if v[0] != backend}
