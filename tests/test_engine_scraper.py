@@ -11,9 +11,9 @@ from bench.simulator.sim import SimConfig, serve
 from extproc.core.backends import Backend
 from extproc.core.router import Router
 from extproc.core.settings import Settings
+from extproc.runtime.pages import PageClient
 from extproc.runtime.pool import BackendPool
 from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
-from extproc.vllm.pages import PageClient
 from extproc.vllm.scraper import EngineScraper
 
 VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from extproc.vllm.pages import PageClient
+from extproc.runtime.pages import PageClient
 
 ANSWERS = {
     b"/chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import aiohttp
 from aiohttp import web
 
 from bench.simulator.sim import SimConfig, serve
 from extproc.core.backends import Backend
+from extproc.runtime.pages import PageClient
 from extproc.runtime.pool import SLOW_FACTOR, BackendPool
 from extproc.runtime.rotation import Rotation
 
@@ -223,13 +223,14 @@ def test_probes_past_the_rate_take_a_slice_but_a_suspect_at_once():
 
         pool._observe = counting  # type: ignore[method-assign]  # which addresses each round probed
         pool._rotation.per_round = 2
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
-            await pool._probe_round(session)
-            assert seen == up[:2]
-            pool.mark_suspect(dead)
-            seen.clear()
-            await pool._probe_round(session)
-            assert seen == [*up[2:4], dead]
+        client = PageClient(1.0)
+        await pool._probe_round(client)
+        assert seen == up[:2]
+        pool.mark_suspect(dead)
+        seen.clear()
+        await pool._probe_round(client)
+        assert seen == [*up[2:4], dead]
+        client.close()
         for runner in runners:
             await runner.cleanup()
 

@@ -20,12 +20,12 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-import aiohttp
-
 from extproc.core.backends import Backend
+from extproc.runtime.pages import PageClient
 from extproc.runtime.rotation import Rotation
 
 log = logging.getLogger(__name__)
+HEALTH_PAGE_BYTES = 4096  # of a /health answer read (vLLM's is empty)
 
 SLOW_FACTOR = 5
 UP, DOWN, SLOW = "up", "down", "slow"
@@ -146,13 +146,14 @@ class BackendPool:
         """GET /health on every backend each interval (at once for a suspect), concurrently; past
         `probes_per_s`, on the next slice of them each interval (rotation.py). Survives any error:
         logs, counts, goes on."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
         if probes_per_s != float("inf"):
             self._rotation.pace(probes_per_s, interval_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        client = PageClient(timeout_s)
+        try:
             while True:
+                client.keep_only(self._backends)
                 try:
-                    await self._probe_round(session)
+                    await self._probe_round(client)
                     self.last_probe_error = None
                 except Exception as exc:  # a bug or a surprise must not stop health checking
                     self.probe_errors += 1
@@ -164,22 +165,24 @@ class BackendPool:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval_s):
                         await self._wake.wait()
+        finally:
+            client.close()
 
-    async def _probe_round(self, session: aiohttp.ClientSession) -> None:
+    async def _probe_round(self, client: PageClient) -> None:
         suspects, self._suspects = self._suspects, set()
         backends = self._rotation.take(list(self._backends))
         backends += [address for address in suspects if address in self._backends and address not in backends]
-        results = await asyncio.gather(*(self._probe(session, a) for a in backends))
+        results = await asyncio.gather(*(self._probe(client, a) for a in backends))
         for address, result in zip(backends, results, strict=True):
             self._observe(address, result, address in suspects)
 
     @staticmethod
-    async def _probe(session: aiohttp.ClientSession, address: str) -> str:
-        """UP on a 200, SLOW if it took the connection but did not answer in time, else DOWN."""
+    async def _probe(client: PageClient, address: str) -> str:
+        """UP on a 200, SLOW if it did not answer in time, else DOWN."""
         try:
-            async with session.get(f"http://{address}/health") as response:
-                return UP if response.status == 200 else DOWN
-        except (aiohttp.ServerTimeoutError, TimeoutError):
+            status, _ = await client.get(address, "/health", HEALTH_PAGE_BYTES)
+        except TimeoutError:
             return SLOW
-        except (aiohttp.ClientError, OSError):
+        except OSError:
             return DOWN
+        return UP if status == 200 else DOWN

@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 from extproc.core.engine import EngineSample
 from extproc.core.router import Router
+from extproc.runtime.pages import PageClient
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.rotation import Rotation
 from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
 from extproc.vllm.models import MAX_PAGE_BYTES, listed_adapters
-from extproc.vllm.pages import PageClient
 
 log = logging.getLogger(__name__)
 
