@@ -17,6 +17,16 @@ ANSWERS = {
     b"/big": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100,
     b"/garbage": b"hello there\r\n\r\n",
     b"/cut": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc",
+    # interim answers first: the final one is the answer
+    b"/interim": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n\r\n"
+    b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngood",
+    # an answer followed by the start of another nobody asked for
+    b"/two": b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngoodHTTP/1.1 503 X\r\nContent-Length: 5\r\n\r\n",
+    # neither a length nor chunks: the body ends where the server closes (HTTP/1.1 allows it)
+    b"/unframed": b"HTTP/1.1 200 OK\r\n\r\nall of it",
+    # an answer, after which the server closes the connection idle as the next request comes
+    b"/then-idle-close": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    b"/tiny-chunks": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * 50 + b"0\r\n\r\n",
 }
 
 
@@ -36,16 +46,20 @@ class Server:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         self.writers.append(writer)
+        closing = False
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 self.asked.append(head)
+                if closing:  # what a server's idle timeout does as a request crosses it
+                    break
                 path = head.split(b" ")[1]
+                closing = path == b"/then-idle-close"
                 if path == b"/silent":
                     await asyncio.sleep(10)
                 writer.write(ANSWERS[path])
                 await writer.drain()
-                if path in (b"/close", b"/cut", b"/garbage"):
+                if path in (b"/close", b"/cut", b"/garbage", b"/unframed"):
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -122,6 +136,39 @@ def test_connections_to_backends_that_left_are_closed():
         assert await client.get(backend, "/sized", 1000) == (200, b"ok")
         assert server.connections == 1
         client.keep_only(["127.0.0.1:9"])
+        assert await client.get(backend, "/sized", 1000) == (200, b"ok")
+        assert server.connections == 2
+
+    run(scenario)
+
+
+def test_interim_answers_are_skipped_and_a_close_delimited_body_is_whole():
+    async def scenario(server: Server, backend: str, client: PageClient) -> None:
+        assert await client.get(backend, "/interim", 1000) == (200, b"good")
+        assert await client.get(backend, "/sized", 1000) == (200, b"ok")
+        assert server.connections == 1
+        assert await client.get(backend, "/unframed", 1000) == (200, b"all of it")
+        assert await client.get(backend, "/tiny-chunks", 1000) == (200, b"x" * 50)
+        assert await client.get(backend, "/tiny-chunks", 9) == (200, b"x" * 10)
+
+    run(scenario)
+
+
+def test_bytes_nobody_asked_for_never_become_the_next_answer():
+    async def scenario(server: Server, backend: str, client: PageClient) -> None:
+        assert await client.get(backend, "/two", 1000) == (200, b"good")
+        assert await client.get(backend, "/sized", 1000) == (200, b"ok")  # not the 503's start
+        assert server.connections == 2
+
+    run(scenario)
+
+
+def test_a_request_on_a_connection_the_server_closed_idle_is_sent_again_once_on_a_new_one():
+    """vLLM's server closes a connection idle for 5 s; a probe crossing that close must not read
+    as a dead backend (a GET may be retried on a new connection when nothing of its answer came)."""
+
+    async def scenario(server: Server, backend: str, client: PageClient) -> None:
+        assert await client.get(backend, "/then-idle-close", 1000) == (200, b"ok")
         assert await client.get(backend, "/sized", 1000) == (200, b"ok")
         assert server.connections == 2
 

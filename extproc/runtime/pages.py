@@ -3,8 +3,12 @@ backend, parsed by httptools (llhttp, as uvicorn uses it), without a client libr
 objects, headers and timers: the scrape runs several times a second per backend, and through
 aiohttp it cost an ext_proc about 0.8 ms of CPU a page (docs/benchmarks.md, "Where the stack's CPU
 goes"). One request at a time per connection, as the scraper asks; a connection in an unknown
-state (a timeout, a reset, a page cut short, an answer that does not parse) is closed, and the
-next request opens a new one.
+state (a timeout, a reset, a page cut short, an answer that does not parse, bytes nobody asked
+for) is closed, and the next request opens a new one. Interim answers (100, 103) are skipped; a
+body with neither a length nor chunks ends where the server closes. A request on a kept
+connection that fails before any byte of its answer came is sent once more on a new one: the
+server may have closed the connection idle as the request went (RFC 9112 9.3.1; vLLM's server
+closes one idle for 5 s), which must not read as a dead backend.
 """
 
 from __future__ import annotations
@@ -22,23 +26,24 @@ _HEADERS = b"Accept-Encoding: identity\r\nUser-Agent: kvroute\r\n"
 class _Connection(asyncio.Protocol):
     """One kept-alive connection and the one response it is reading."""
 
-    __slots__ = ("_body", "_limit", "_parser", "_size", "_status", "answer", "reusable", "transport")
+    __slots__ = ("_body", "_framed", "_limit", "_parser", "_status", "answer", "heard", "reusable", "transport")
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.answer: asyncio.Future[tuple[int, bytes]] | None = None
         self.reusable = True
-        self._body: list[bytes] = []
-        self._size = 0
+        self._body = bytearray()
         self._limit = 0
         self._status = 0
+        self._framed = False  # the answer has a Content-Length or is chunked
+        self.heard = False  # a byte of the answer came
 
     def request(self, head: bytes, limit: int) -> asyncio.Future[tuple[int, bytes]]:
         """Send a request; the future gets (status, at most `limit` + 1 bytes of its body)."""
         assert self.transport is not None and self.answer is None
         self.answer = asyncio.get_running_loop().create_future()
-        self._body, self._size, self._limit = [], 0, limit
+        self._body, self._limit, self._status, self._framed, self.heard = bytearray(), limit, 0, False, False
         self.transport.write(head)
         return self.answer
 
@@ -50,6 +55,7 @@ class _Connection(asyncio.Protocol):
         if self.answer is None:  # nothing was asked (or the page was cut): not kept
             self._fail(ConnectionError("an answer nobody asked for"))
             return
+        self.heard = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -59,22 +65,33 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
+        if exc is None and self._status >= 200 and not self._framed and self.answer is not None:
+            self._answer()  # a body that ends at the close (RFC 9112 6.3, item 8)
         self._fail(exc or ConnectionError("closed before the answer was whole"))
 
     # httptools' callbacks
+    def on_message_begin(self) -> None:
+        if self.answer is None:  # a second answer in the bytes of the first: unsolicited
+            self._fail(ConnectionError("an answer nobody asked for"))
+
+    def on_header(self, name: bytes, _value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
     def on_headers_complete(self) -> None:
         self._status = self._parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
         if self.answer is None:  # answered already: the page was longer than asked for
             return
-        self._body.append(body)
-        self._size += len(body)
-        if self._size > self._limit:  # answered with what came; the rest is not read, so the
+        self._body += body  # not a list of chunks: a page of 1-byte chunks would cost ~40x
+        if len(self._body) > self._limit:  # answered with what came; the rest is not read, so the
             self._answer()  # connection cannot be reused
             self.close()
 
     def on_message_complete(self) -> None:
+        if 100 <= self._status < 200:  # an interim answer (100, 103): the final one follows
+            return
         if not self._parser.should_keep_alive():
             self.reusable = False
         self._answer()
@@ -82,8 +99,8 @@ class _Connection(asyncio.Protocol):
     def _answer(self) -> None:
         answer, self.answer = self.answer, None
         if answer is not None and not answer.done():
-            answer.set_result((self._status, b"".join(self._body)[: self._limit + 1]))
-        self._body = []
+            answer.set_result((self._status, bytes(self._body[: self._limit + 1])))
+        self._body = bytearray()
 
     def _fail(self, exc: BaseException) -> None:
         self.reusable = False
@@ -113,9 +130,20 @@ class PageClient:
         connection = self._connections.pop(backend, None)
         try:
             async with asyncio.timeout(self._timeout_s):
-                if connection is None or not connection.reusable:
+                answer = None
+                if connection is not None and connection.reusable:
+                    try:
+                        answer = await connection.request(head, limit)
+                    except ConnectionError:
+                        # The server may have closed it idle as the request went (RFC 9112
+                        # 9.3.1: a GET may be retried once on a new connection).
+                        if connection.heard:
+                            raise
+                if answer is None:
+                    if connection is not None:
+                        connection.close()
                     connection = await self._connect(backend)
-                answer = await connection.request(head, limit)
+                    answer = await connection.request(head, limit)
         except BaseException:
             if connection is not None:
                 connection.close()
