@@ -127,27 +127,29 @@ class PageClient:
         """The backend's (status, body) for `path`, the body cut at `limit` + 1 bytes. Raises
         OSError (ConnectionError) or TimeoutError when it does not answer within the timeout."""
         head = f"GET {path} HTTP/1.1\r\nHost: {backend}\r\n".encode() + _HEADERS + b"\r\n"
-        connection = self._connections.pop(backend, None)
+        kept = self._connections.pop(backend, None)
+        connection = kept
         try:
             async with asyncio.timeout(self._timeout_s):
                 answer = None
-                if connection is not None and connection.reusable:
+                if kept is not None and kept.reusable:
                     try:
-                        answer = await connection.request(head, limit)
+                        answer = await kept.request(head, limit)
                     except ConnectionError:
                         # The server may have closed it idle as the request went (RFC 9112
                         # 9.3.1: a GET may be retried once on a new connection).
-                        if connection.heard:
+                        if kept.heard:
                             raise
                 if answer is None:
-                    if connection is not None:
-                        connection.close()
+                    if kept is not None:
+                        kept.close()
                     connection = await self._connect(backend)
                     answer = await connection.request(head, limit)
         except BaseException:
             if connection is not None:
                 connection.close()
             raise
+        assert connection is not None  # answered: some connection carried it
         if connection.reusable:
             self._connections[backend] = connection
         else:
