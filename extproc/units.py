@@ -116,7 +116,7 @@ async def build_unit(
         follower = PolicyFollower(namespace, name, unit.routing, router, pool, index_mode.apply)
         objectives = ObjectiveWatcher(namespace, lambda: follower.pool if follower is not None else None)
     scraper = EngineScraper(router, pool)
-    subscriber = EventSubscriber(router, pool) if config.kv_events else None
+    subscriber = EventSubscriber(router, pool, read_gap_s=config.kv_events_read_gap_s) if config.kv_events else None
     feeds = EngineFeeds(router, index_mode, scraper, subscriber)
     metrics = Metrics(router, pool, follower.state if follower is not None else None)
     metrics.registry.register(EngineCollector(feeds))

@@ -199,7 +199,7 @@ def test_only_publishers_on_the_backends_own_host_are_followed():
 
 
 def test_batches_are_read_in_bursts_and_a_quiet_socket_is_woken_by_the_next_one():
-    """The reader drains what is queued (in order, `BURST_MAX` at a time), waits `BURST_GAP_S`
+    """The reader drains what is queued (in order, `BURST_MAX` at a time), waits its gap
     after a burst, and on a quiet socket sleeps until ZMQ has news: each batch sent after a quiet
     spell is still read (no lost wake-up), and a reader cancelled while waiting leaves the loop
     watching nothing."""
@@ -214,7 +214,7 @@ def test_batches_are_read_in_bursts_and_a_quiet_socket_is_woken_by_the_next_one(
         seen: list[int] = []
 
         async def read() -> None:
-            async for frames in subscriber_module._bursts(sub):
+            async for frames in subscriber_module._bursts(sub, lambda: 0.02):
                 seen.append(int.from_bytes(frames[1], "big"))
 
         reader = asyncio.create_task(read())
@@ -246,3 +246,12 @@ def test_batches_are_read_in_bursts_and_a_quiet_socket_is_woken_by_the_next_one(
     seen, watched = asyncio.run(scenario())
     assert seen == list(range(seen[0], seen[0] + len(seen))) and len(seen) == subscriber_module.BURST_MAX + 44 + 3
     assert watched == 0  # the cancelled reader stopped watching its descriptor
+
+
+def test_approximate_mode_reads_a_backends_next_batches_a_gap_later():
+    """Approximate mode uses the events for the engines' progress and clears, which can wait
+    `kv_events_read_gap_s`; precise mode's picture is the events, so it reads them as they come
+    (its prediction on real vLLM: tests/test_vllm_events.py)."""
+    router = Router(Settings())
+    subscriber = EventSubscriber(router, BackendPool([], router.remove_backend, 1), read_gap_s=0.25)
+    assert not router.mode.precise and subscriber._gap() == 0.25

