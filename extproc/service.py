@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 import time
 from collections.abc import Coroutine
@@ -206,9 +207,23 @@ async def stop_tasks(tasks: list[asyncio.Task[None]], within_s: float = TASKS_ST
         log.error("background task %s did not stop within %.0f s; shutting down without it", task.get_coro(), within_s)
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit, and return it. Each
+    backend holds a kept-alive connection for its scrape and one for its probes, and its KV event
+    sockets: past a few hundred backends a soft limit of 1,024 (some hosts' default) would fail
+    connections, and a failed probe reads as a dead backend. (Go's runtime does the same.)"""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def main(config: ExtProcConfig) -> None:
     """Blocking entry point."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("open files limit: %d", raise_open_files_limit())
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
+import subprocess
+import sys
 import time
 
 from extproc.service import background, stop_tasks
@@ -53,3 +56,21 @@ def test_a_task_that_swallows_its_cancel_is_left_behind_not_waited_for(caplog):
     with caplog.at_level(logging.ERROR, logger="kvroute"):
         waited = asyncio.run(main())
     assert waited < 5 and "did not stop" in caplog.text
+
+
+def test_the_open_files_soft_limit_is_raised_to_the_hard_one():
+    """A kept-alive connection per backend for the scrape and one for the probes: at 1,000
+    backends a soft limit of 1,024 would fail probes, and a failed probe reads as a dead backend."""
+    code = (
+        "import resource; from extproc.service import raise_open_files_limit; "
+        "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[1])"
+    )
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, preexec_fn=low_soft_limit
+    ).stdout.split()
+    soft, hard = int(out[0]), int(out[1])
+    assert soft > 256 and (soft == hard or hard == resource.RLIM_INFINITY)
