@@ -107,7 +107,7 @@ class EventSubscriber:
         discovery_interval_s: float = 30.0,
         replay_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
-        read_gap_s: float = 0.25,
+        read_gap_s: float = 0.02,
     ) -> None:
         """`read_gap_s`: after a burst of a backend's batches, its next are read this much later."""
         self._router = router
