@@ -255,3 +255,5 @@ def test_approximate_mode_reads_a_backends_next_batches_a_gap_later():
     router = Router(Settings())
     subscriber = EventSubscriber(router, BackendPool([], router.remove_backend, 1), read_gap_s=0.25)
     assert not router.mode.precise and subscriber._gap() == 0.25
+    assert subscriber._context.get(zmq.MAX_SOCKETS) >= 16_384  # ZMQ's own default, 1,023: a fleet of 1,000 backends
+    subscriber._context.destroy(linger=0)

@@ -45,6 +45,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 # engine answers (each reply within the per-reply timeout is not enough: one that never ends).
 MAX_REPLAY_BATCHES = 10_000
 REPLAY_TOTAL_S = 30.0
+MAX_SOCKETS = 16_384  # a SUB socket per publisher (per backend and data-parallel rank) and replays
 BURST_MAX = 256  # batches read in one go before the loop's other work gets a turn
 _ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]*):(\d{1,5})$")
 _ANY_HOST = {"*", "0.0.0.0", "[::]", "::", ""}
@@ -117,6 +118,7 @@ class EventSubscriber:
         self._discovery_interval_s = discovery_interval_s
         self._replay_timeout_s = replay_timeout_s
         self._context = zmq.asyncio.Context()
+        self._context.set(zmq.MAX_SOCKETS, MAX_SOCKETS)  # ZMQ's default, 1,023, is fewer than a large fleet's
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._logged: set[tuple[str, str]] = set()
         self.status: dict[str, str] = {}
