@@ -103,12 +103,10 @@ class _Connection(asyncio.Protocol):
         self._body = bytearray()
 
     def _fail(self, exc: BaseException) -> None:
-        self.reusable = False
         answer, self.answer = self.answer, None
         if answer is not None and not answer.done():
             answer.set_exception(exc)
-        if self.transport is not None:
-            self.transport.abort()
+        self.close()
 
     def close(self) -> None:
         self.reusable = False
