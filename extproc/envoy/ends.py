@@ -47,6 +47,11 @@ RECORD = {
     "f": "%RESPONSE_FLAGS%",  # Envoy's short flags ("UF": the upstream connection failed)
 }
 TOKEN_FIELD = "k"
+# Set on the records of the backstop logger (bootstrap._access_log), which sends every entry a
+# second time, batched: Envoy's Fluentd logger drops what is logged while its connection is being
+# made when its buffer holds one record (the immediate logger's), and the backstop's larger buffer
+# keeps them. A backstop record whose exchange is already ended is the expected duplicate.
+BACKSTOP_FIELD = "b"
 
 
 class EndsProtocol(asyncio.Protocol):
