@@ -19,6 +19,7 @@ from extproc.core.engine import EngineSample
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy.authz import Authz
+from extproc.envoy.ends import BACKSTOP_FIELD
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Processor
 from extproc.runtime.metrics import Metrics
@@ -126,6 +127,25 @@ def test_entries_it_did_not_open_change_nothing(parts: Any):
     authz.ended(entry(headers[EXCHANGE_HEADER] + "0", 200, A))
     assert errors(metrics, "unknown_exchange") == 2
     assert active(router) == 1 and router.stats.learned == 0
+
+
+def test_the_backstop_copy_ends_what_its_own_record_did_not_and_is_otherwise_ignored(parts: Any):
+    router, _, metrics, _, authz = parts
+    ends = []
+    for _ in range(3):
+        _, headers, _ = check(authz, BODY)
+        ends.append(entry(headers[EXCHANGE_HEADER], 200, headers[DESTINATION_HEADER]))
+    first, lost, overtaken = ends
+    authz.ended(first)
+    authz.ended({**first, BACKSTOP_FIELD: "1"})  # the expected copy
+    authz.ended({**lost, BACKSTOP_FIELD: "1"})  # Envoy dropped its own record
+    authz.ended({**overtaken, BACKSTOP_FIELD: "1"})  # the copy came first ...
+    authz.ended(overtaken)  # ... and then its own record
+    assert router.stats.learned == 3 and active(router) == 0
+    assert errors(metrics, "late_end") == 2 and errors(metrics, "unknown_exchange") == 0
+    authz.ended(overtaken)  # a third record of it is no copy
+    authz.ended({**entry("ffff", 200, A), BACKSTOP_FIELD: "1"})  # a copy of nothing kvroute knows: nothing
+    assert errors(metrics, "unknown_exchange") == 1 and router.stats.learned == 3
 
 
 def test_an_exchange_whose_entry_never_comes_is_swept(parts: Any):

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from bench.harness import peers, report
 from bench.harness.fleets import (
@@ -169,6 +172,8 @@ def run_router(
             summary["adapter_swaps_per_min"] = round(60 * swaps / summary["wall_s"], 1) if summary["wall_s"] else None
         if router.stack is not None and router.stack.ext_proc:
             summary.update(reuse(router.stack))
+            if router.stack.transport == "ext_authz":
+                summary.update(ends(router.stack))
         if placing and router.stack is not None:  # placement's own loads and unloads (vLLM's runtime API)
             admin = f"127.0.0.1:{router.stack.admin_port}"
             for action in ("load", "unload"):
@@ -187,6 +192,18 @@ def run_router(
     summary["bound_hit_rate"] = round(bound, 4)
     summary["fraction_of_bound"] = round(hit / bound, 4) if hit is not None and bound else None
     return summary, records
+
+
+def ends(stack: Stack) -> dict[str, int]:
+    """The ext_authz transport's request ends (docs/envoy.md): the entries Envoy's immediate
+    access logger dropped, and how many of those kvroute ended from the backstop's copy instead."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.envoy_admin_port}/stats?format=json", timeout=10) as page:
+        stats = {s["name"]: s.get("value", 0) for s in orjson.loads(page.read())["stats"] if "name" in s}
+    admins = [f"127.0.0.1:{port}" for port in stack.admin_ports]
+    return {
+        "ends_dropped_by_envoy": int(stats.get("access_logs.fluentd.kvroute_ends.entries_lost", 0)),
+        "ends_late": round(sum(counter(a, "kvroute_errors_total", kind="late_end") for a in admins)),
+    }
 
 
 def reuse(stack: Stack) -> dict[str, float | None]:

@@ -27,6 +27,7 @@ import hmac
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ SWEEP_INTERVAL_S = 30.0
 # sample counted running or waiting there, is not being served: its entry was lost (a log stream
 # cut as a replica stopped: Envoy does not send an entry again).
 UNREPORTED_S = 30.0
+ENDED_LATE_KEPT = 4096  # exchanges the backstop ended whose own record may still come (Authz.ended)
 _UNSPLIT = (
     "Envoy asks over ext_authz, which cannot hand a prefill over: every request is served whole "
     "(`kvroute envoy-config --transport ext_proc`, the chart's envoy.transport: ext_proc)"
@@ -98,6 +100,9 @@ class Authz:
         self._forward = forward
         self.forwarded = 0
         self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
+        # exchanges the backstop's copy ended, so that their own record, should it still come
+        # (the two loggers' connections race), is not counted unknown; the oldest go past the bound
+        self._ended_late: OrderedDict[str, None] = OrderedDict()
         # per policy's pool: its backend set, and whether it prefills
         self._roles: dict[int, tuple[tuple[Backend, ...], bool]] = {}
         self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
@@ -204,18 +209,22 @@ class Authz:
         """A request's access-log record (ends.RECORD): where it was served and with what status.
         The core learns from a 2xx and the exchange releases what it held."""
         key = record.get("x")
-        opened = self._open.pop(key, None) if isinstance(key, str) else None
+        key = key if isinstance(key, str) else ""  # (no exchange has that id)
+        opened = self._open.pop(key, None)
         backstop = BACKSTOP_FIELD in record
         if opened is None:
-            owner = key.partition(".")[0] if isinstance(key, str) and "." in key else ""
+            owner = key.partition(".")[0] if "." in key else ""
             forward = self._forward
             if owner not in ("", self._replica) and forward is not None and forward(owner, msgpack.packb(record)):
                 self.forwarded += 1
-            elif not backstop:  # (a backstop record for an ended exchange is the expected copy)
-                self._metrics.errors.labels("unknown_exchange").inc()
+            elif not (backstop or self._ended_late.pop(key, False) is None):
+                self._metrics.errors.labels("unknown_exchange").inc()  # (else an expected copy)
             return
-        if backstop:  # the immediate record was lost (Envoy dropped it while connecting)
+        if backstop:  # its own record was lost (Envoy dropped it while connecting) or is still coming
             self._metrics.errors.labels("late_end").inc()
+            self._ended_late[key] = None
+            if len(self._ended_late) > ENDED_LATE_KEPT:
+                self._ended_late.popitem(last=False)
         stream = opened[0]
         upstream, status, details, flags = record.get("u"), record.get("c"), record.get("d"), record.get("f")
         self._processor.responded(

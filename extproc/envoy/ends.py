@@ -7,7 +7,8 @@ Fluentd logger (`envoy.access_loggers.fluentd`) writes each entry, as it is logg
 TCP connection per Envoy worker (through a relay inside Envoy: bootstrap._ENDS_RELAY says why):
 MessagePack in the Forward protocol's forward mode, `[tag, [[time, record], ...]]`, the record a
 map whose fields the bootstrap names (`RECORD`). Read here from the socket as it comes, it costs
-a few microseconds.
+a few microseconds. A second, backstop logger sends every record again, batched, over its own
+connection (`BACKSTOP_FIELD`).
 
 The connection comes to the ext_authz port (one port, one Service, one TLS setup for both): its
 first byte tells them apart, `0x92` (a two-element MessagePack array) for the log, an HTTP
