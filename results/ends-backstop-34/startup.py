@@ -6,10 +6,11 @@ backend, in the order sent: '0' where kvroute predicted nothing cached and the e
 import json
 import os
 import sys
+from pathlib import Path
 
-trace = [json.loads(line) for line in open(os.environ.get("AGENTIC", "agentic.jsonl"))]
+trace = [json.loads(line) for line in Path(os.environ.get("AGENTIC", "agentic.jsonl")).read_text().splitlines()]
 for path in sys.argv[1:]:
-    records = sorted(json.load(open(path)), key=lambda r: r["sent_at"])
+    records = sorted(json.loads(Path(path).read_text()), key=lambda r: r["sent_at"])
     last: dict[str, dict] = {}
     marks = []
     for record in records:
