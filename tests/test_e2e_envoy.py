@@ -272,7 +272,7 @@ def test_the_access_log_is_made_again_to_a_restarted_extproc(tmp_path: Path):
 
 def test_a_burst_of_first_requests_ends_every_one_of_them(tmp_path: Path):
     """ext_authz transport: Envoy's immediate log drops the entries logged while its first
-    connection is being made (one or two of 32 here, 6-15 of 16 on vLLM-CPU); the backstop logger
+    connection is being made (one or two of 32 here, 6 to all 16 of 16 on vLLM-CPU); the backstop logger
     brings them within its flush period, so every request is learned and released long before
     the 30 s sweep would have found it."""
     with Stack(tmp_path, sims=2, transport="ext_authz") as stack:

