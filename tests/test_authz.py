@@ -262,6 +262,25 @@ def test_with_siblings_an_entry_goes_to_the_replica_that_decided_it(parts: Any):
     mine.ended_elsewhere(b"\xff not an entry")
     sibling.ended(entry("ffff", 200, A))
     assert errors(metrics, "unknown_exchange") == 2
+    # the backstop's copies: forwarded too, the second one ignored by the replica it reaches
+    _, headers, _ = check(mine, BODY)
+    record = entry(headers[EXCHANGE_HEADER], 200, headers[DESTINATION_HEADER])
+    sibling.ended({**record, BACKSTOP_FIELD: "1"})  # the copy overtook its record, at the sibling
+    mine.ended(record)  # and the record itself reached the replica that decided it
+    mine.ended_elsewhere(sent[-1][1])
+    assert active(router) == 0 and router.stats.learned == 2
+    assert errors(metrics, "unknown_exchange") == 2 and errors(metrics, "late_end") == 0
+
+
+def test_exchange_ids_name_their_process_without_replicas_too(parts: Any):
+    """A log connection may reach another process (a rolling update's new pod): an id of one
+    process must not be another's."""
+    router, pool, metrics, clock, first = parts
+    second = Authz(Processor(router, pool, metrics, clock=clock), metrics, TOKEN, clock, 60.0)
+    _, headers, _ = check(first, BODY)
+    second.ended({**entry(headers[EXCHANGE_HEADER], 200, headers[DESTINATION_HEADER]), BACKSTOP_FIELD: "1"})
+    _, own, _ = check(second, BODY)
+    assert own[EXCHANGE_HEADER] != headers[EXCHANGE_HEADER] and active(router) == 2
 
 
 def _logged(*records: dict[str, Any]) -> bytes:

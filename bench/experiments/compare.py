@@ -196,7 +196,8 @@ def run_router(
 
 def ends(stack: Stack) -> dict[str, int]:
     """The ext_authz transport's request ends (docs/envoy.md): the entries Envoy's immediate
-    access logger dropped, and how many of those kvroute ended from the backstop's copy instead."""
+    access logger dropped, and the requests kvroute ended from the backstop's copy (those dropped,
+    and those whose copy overtook their own record)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{stack.envoy_admin_port}/stats?format=json", timeout=10) as page:
         stats = {s["name"]: s.get("value", 0) for s in orjson.loads(page.read())["stats"] if "name" in s}
     admins = [f"127.0.0.1:{port}" for port in stack.admin_ports]

@@ -26,6 +26,7 @@ import asyncio
 import hmac
 import itertools
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -97,6 +98,9 @@ class Authz:
         self._max_age_s = max_age_s
         self._ids = itertools.count(1)
         self._replica = replica
+        # Exchange ids name their process: without replicas too, a log connection may reach another
+        # process (a rolling update's new pod), whose own counter would give the same ids.
+        self._id_prefix = f"{replica or os.urandom(4).hex()}."
         self._forward = forward
         self.forwarded = 0
         self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
@@ -172,7 +176,7 @@ class Authz:
         owner = self._processor.owner_of(stream)  # the policy that decided it
         if self._disaggregated(owner.pool):
             self._unsplit()
-        key = f"{self._replica}.{next(self._ids):x}" if self._replica else f"{next(self._ids):x}"
+        key = f"{self._id_prefix}{next(self._ids):x}"
         self._open[key] = (stream, self._clock())
         router = owner.router
         router.sent(exchange, self._clock())
