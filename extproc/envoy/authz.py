@@ -106,7 +106,7 @@ class Authz:
         self._open: dict[str, tuple[Stream, float]] = {}  # exchange id -> its stream, when decided
         # exchanges the backstop's copy ended, so that their own record, should it still come
         # (the two loggers' connections race), is not counted unknown; the oldest go past the bound
-        self._ended_late: OrderedDict[str, None] = OrderedDict()
+        self._ended_late: OrderedDict[str, bool] = OrderedDict()
         # per policy's pool: its backend set, and whether it prefills
         self._roles: dict[int, tuple[tuple[Backend, ...], bool]] = {}
         self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
@@ -221,12 +221,12 @@ class Authz:
             forward = self._forward
             if owner not in ("", self._replica) and forward is not None and forward(owner, msgpack.packb(record)):
                 self.forwarded += 1
-            elif not (backstop or self._ended_late.pop(key, False) is None):
+            elif not (backstop or self._ended_late.pop(key, False)):
                 self._metrics.errors.labels("unknown_exchange").inc()  # (else an expected copy)
             return
         if backstop:  # its own record was lost (Envoy dropped it while connecting) or is still coming
             self._metrics.errors.labels("late_end").inc()
-            self._ended_late[key] = None
+            self._ended_late[key] = True
             if len(self._ended_late) > ENDED_LATE_KEPT:
                 self._ended_late.popitem(last=False)
         stream = opened[0]
