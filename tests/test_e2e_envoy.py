@@ -193,6 +193,7 @@ def test_four_megabyte_body_is_routed(stack: Stack):
 
 
 def test_client_disconnect_mid_stream_releases_load(stack: Stack):
+    settle(stack)  # (the tests before may have requests still ending)
     conn, _ = open_stream(stack, [{"role": "user", "content": "stream please"}])
     assert in_flight(stack) == 1
     leave(conn)

@@ -227,7 +227,11 @@ def test_two_operator_replicas_one_works_and_the_other_takes_over(cluster: Clust
     writes = {name: cluster.log(name).count("ready backends") for name in (paused, active)}
     cluster.set_ready("sim-0", SIM_IPS[0], False)
     eventually(lambda: f"{SIM_IPS[0]}:{PORT}" not in cluster.ready(), timeout_s=15, message="the active one works")
-    assert cluster.log(active).count("ready backends") > writes[active]
+    eventually(  # (it logs once the API server has answered its write, after the status shows)
+        lambda: cluster.log(active).count("ready backends") > writes[active],
+        timeout_s=15,
+        message="the active one logs",
+    )
     assert cluster.log(paused).count("ready backends") == writes[paused]  # the paused one wrote nothing
     stop(cluster.operators.pop(active), signal.SIGTERM)  # its pod is deleted
     cluster.set_ready("sim-0", SIM_IPS[0], True)

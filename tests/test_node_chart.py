@@ -206,6 +206,11 @@ def test_a_deleted_vllm_pod_leaves_the_status_and_the_routing_within_seconds(rel
     gone = f"{victim['status']['podIP']}:8000"
     release.cp.kubectl("delete", "pod", "-n", LLM, victim["metadata"]["name"], "--wait=false")
     eventually(lambda: gone not in release.status_backends(), 15, "the deleted pod leaves the status")
+    replicas = [f"http://{ip}:9003" for ip in release.ready_ips(SYSTEM, "app.kubernetes.io/component=extproc")]
+    healthy = f'kvroute_backend_healthy{{backend="{gone}"}} 1'
+    eventually(  # each ext_proc follows the status through its own watch, a moment later
+        lambda: not any(healthy in get(r, "/metrics")[2].decode() for r in replicas), 15, "the ext_procs drop it"
+    )
     for i in range(20):
         assert release.chat(f"after the deletion {i} " * 20)["x-kvroute-backend"] != gone
     release.wait_rolled_out()  # the Deployment's replacement, for the tests after this one

