@@ -21,9 +21,10 @@ from bench.harness.store import PASSWORD, RedisServer
 from extproc.core.calibration import DEFAULT_BYTES_PER_TOKEN, PRIOR_TOKENS
 from extproc.core.decision import Label
 from extproc.core.flow import FlowQueue, Held, QueueLimits, Refusal
+from extproc.core.load import PeerLoads
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.replicas.redis_link import APPLY_BLOCKS, APPLY_SLICE, RedisLink
+from extproc.replicas.redis_link import APPLY_BLOCKS, APPLY_SLICE, RedisLink, _load_vector
 from extproc.runtime.pool import BackendPool
 from tests.test_router import FLEET, A, chat, ok
 
@@ -295,13 +296,38 @@ async def test_malformed_and_foreign_entries_are_skipped(redis_server):
             msgpack.packb(("l", "other", "10.9.9.9:8000", [1, 2, 3])),  # not a backend of this pool
             msgpack.packb(("L", "other", "", {A: "bad"})),
             msgpack.packb(("F", "other", "", ([(0, {"x" * 500: 1.0})], 0))),  # a flow id no replica sends
+            msgpack.packb(("L", "other", "", {A: (float("inf"), 0, 0)})),  # int() of it once stopped the link
+            msgpack.packb(("L", "other", "", {A: (-5, 0, 0)})),
+            msgpack.packb(("L", "other", "", {A: (1 << 40, 1, 0)})),
         ]
         for message in junk:
             await client.xadd(f"{replica.group}:events", {"m": message})
-        await until(lambda: replica.link.counts["bad"] >= 8)
+        await until(lambda: replica.link.counts["bad"] >= 11)
         assert replica.router.index.entries_by_backend().get("10.9.9.9:8000") is None
         assert replica.link.counts["applied"] == 0
+        # the link still follows: a sibling's learning after all that is applied
+        await client.xadd(f"{replica.group}:events", {"m": msgpack.packb(("l", "other", A, [1, 2, 3]))})
+        await until(lambda: replica.link.counts["applied"] == 1)
+        assert replica.link.connected and replica.link.counts["bad"] == 11
         await client.aclose()
+
+
+def test_a_siblings_load_vector_is_bounded_and_kept_to_this_replicas_backends():
+    known = {A}.__contains__
+    invented = {f"10.9.{i // 250}.{i % 250}:8000": (1, 1, 0) for i in range(2000)}
+    assert _load_vector(invented | {A: (4, 2, 10**12)}, known) == {A: (4, 2, 10**12)}
+    for bad in ((float("inf"), 0, 0), (-1, 0, 0), (0, 1 << 31, 0), (0, 0, -1), (1.5, 0, 0), ("3", 0, 0), (1, 2)):
+        with pytest.raises((ValueError, TypeError)):
+            _load_vector({A: bad}, known)
+
+
+def test_peer_loads_forget_a_backend_no_sibling_loads_any_more():
+    peers = PeerLoads(max_age_s=1.0)
+    peers.update("r1", {f"10.9.0.{i}:8000": (1, 1) for i in range(100)}, 0.0)
+    peers.update("r1", {A: (2, 1)}, 0.1)
+    assert peers.totals(0.2) == {A: (2, 1)} and len(peers._sums) == 1  # (the table, not only the view)
+    peers.changes(5.0)  # r1 went quiet
+    assert peers.totals(5.0) == {} and not peers._sums
 
 
 @pytest.mark.parametrize("size", [1, 3])

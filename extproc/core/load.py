@@ -260,7 +260,11 @@ class PeerLoads:
             vector[backend] = value
         if old != new:
             reserved, active = self._sums.get(backend, (0, 0))
-            self._sums[backend] = (reserved - old[0] + new[0], active - old[1] + new[1])
+            total = (reserved - old[0] + new[0], active - old[1] + new[1])
+            if total == (0, 0):  # (a backend no sibling loads any more leaves the table)
+                self._sums.pop(backend, None)
+            else:
+                self._sums[backend] = total
             self._changed.add(backend)
 
     def update(self, replica: str, vector: dict[str, tuple[int, int]], now: float) -> None:

@@ -38,7 +38,7 @@ from extproc.core.backends import Backend
 from extproc.core.pairs import disaggregated
 from extproc.envoy import messages as msg
 from extproc.envoy.calls import Call, CallProtocol, answer
-from extproc.envoy.ends import BACKSTOP_FIELD, EndsProtocol, Sniffer
+from extproc.envoy.ends import BACKSTOP_FIELD, RECORD_LIMITS, EndsProtocol, Sniffer
 from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -53,6 +53,7 @@ SWEEP_INTERVAL_S = 30.0
 # cut as a replica stopped: Envoy does not send an entry again).
 UNREPORTED_S = 30.0
 ENDED_LATE_KEPT = 4096  # exchanges the backstop ended whose own record may still come (Authz.ended)
+FORWARDED_MAX_BYTES = 64 * 1024  # a request's record from a sibling: a few hundred bytes; past this it is not one
 _UNSPLIT = (
     "Envoy asks over ext_authz, which cannot hand a prefill over: every request is served whole "
     "(`kvroute envoy-config --transport ext_proc`, the chart's envoy.transport: ext_proc)"
@@ -242,8 +243,8 @@ class Authz:
 
     def ended_elsewhere(self, data: bytes) -> None:
         """A record a sibling's log connection got for an exchange this replica decided."""
-        try:
-            record = msgpack.unpackb(data, raw=False)
+        try:  # (bounded as Envoy's own records are: it comes through the replica store)
+            record = msgpack.unpackb(data, raw=False, **RECORD_LIMITS) if len(data) <= FORWARDED_MAX_BYTES else None
         except (msgpack.UnpackException, ValueError, TypeError):
             record = None
         if not isinstance(record, dict):

@@ -34,7 +34,7 @@ MAX_PENDING_BYTES = 1 << 20  # an entry is a few hundred bytes; a stream that bu
 # A record's fields are short strings and its entries come one per message (the logger flushes
 # each): the parser keeps every finished element of a message still coming, so these bound what one
 # message can make it hold, whatever its declared sizes.
-_LIMITS = {"max_str_len": 4096, "max_bin_len": 0, "max_ext_len": 0, "max_map_len": 64, "max_array_len": 4096}
+RECORD_LIMITS = {"max_str_len": 4096, "max_bin_len": 0, "max_ext_len": 0, "max_map_len": 64, "max_array_len": 4096}
 PROOF_BYTES = 64 * 1024  # a stream must prove the token within this many bytes ...
 PROOF_TIMEOUT_S = 10.0  # ... and this long after its first byte, or it is closed
 
@@ -70,7 +70,7 @@ class EndsProtocol(asyncio.Protocol):
         self._token = token.encode()
         self._refused = refused
         self._proven = not token
-        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_PENDING_BYTES, **_LIMITS)
+        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_PENDING_BYTES, **RECORD_LIMITS)
         self._transport: asyncio.BaseTransport | None = None
         self._unproven_bytes = 0
         self._proof_deadline: asyncio.TimerHandle | None = None

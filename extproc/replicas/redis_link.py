@@ -79,6 +79,8 @@ DIGEST_BYTES = 16
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
 MAX_BANDS = 64  # a sibling's flow shares with more bands, or more flows a band than any replica tracks, are refused
 ENDS_TTL_MS = 60_000  # a replica's inbox of request ends lives this long after the last one sent to it
+MAX_COUNT = 1 << 31  # a sibling's reserved blocks or requests on one backend past this is not a count
+MAX_SENT = 1 << 62  # nor bytes sent to one backend past this
 FLOWS_PERIOD_S = 0.1  # flow shares are sent on change at most this often (they change with every dispatch)
 
 
@@ -91,6 +93,22 @@ def _adapter_move(payload: object) -> bool:
         and valid_name(payload[0])
         and isinstance(payload[1], str)
     )
+
+
+def _load_vector(payload: Any, known: Callable[[str], bool]) -> dict[str, tuple[int, int, int]]:
+    """A sibling's load vector (backend -> reserved blocks, active requests, bytes sent), checked,
+    bounded and kept to this replica's backends (so no table grows by what a writer invents);
+    ValueError otherwise."""
+    vector: dict[str, tuple[int, int, int]] = {}
+    for backend, (reserved, active, sent) in payload.items():
+        counts = (reserved, active, sent)
+        if not all(type(v) is int for v in counts) or not (0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT):
+            raise ValueError("load vector")
+        if not 0 <= sent < MAX_SENT:
+            raise ValueError("load vector")
+        if isinstance(backend, str) and known(backend):
+            vector[backend] = counts
+    return vector
 
 
 def _is_hash(value: object) -> bool:
@@ -447,7 +465,7 @@ class RedisLink:
                 self._peer_flows[replica] = (self._clock(), _flow_shares(payload))
                 return work
             if kind in (LOAD, LOAD_DELTA):
-                vector = {str(b): (int(r), int(a), int(s)) for b, (r, a, s) in payload.items()}
+                vector = _load_vector(payload, self._pool.is_known)
                 loads = {b: (r, a) for b, (r, a, _) in vector.items()}
                 if kind == LOAD:
                     self._peers.update(replica, loads, self._clock())
@@ -471,7 +489,7 @@ class RedisLink:
                 raise ValueError(kind)
             self.counts["applied"] += 1
             self.lag_s = max(0.0, now - when)
-        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, msgpack.UnpackException):
             self.counts["bad"] += 1
         return work
 
