@@ -184,6 +184,21 @@ def test_malformed_body_is_passed_through_fail_open_and_counted(stack: Stack):
     assert metric(stack.admin_url, 'kvroute_decisions_total{decision="fallback"}') == fallbacks + 1
 
 
+def test_an_llm_path_spelled_otherwise_is_routed_as_itself(stack: Stack):
+    """Envoy matches kvroute's routes on the normalized path, so a client cannot pass an LLM
+    request unasked (its body unread, past flow control) by spelling the path another way that
+    the engine's server still takes; an escaped slash is refused."""
+    for path in (
+        "/v1/chat/%63ompletions",
+        "/v1//chat/completions",
+        "/v1/chat/./completions",
+        "/v1/x/../chat/completions",
+    ):
+        status, headers, body = post(stack.url, chat([{"role": "user", "content": path}]), path=path)
+        assert status == 200 and "x-kvroute-decision" in headers, (path, status, body)
+    assert post(stack.url, chat([{"role": "user", "content": "s"}]), path="/v1/chat%2Fcompletions")[0] == 400
+
+
 def test_four_megabyte_body_is_routed(stack: Stack):
     big = chat([{"role": "user", "content": text(RNG, 4 * 1024 * 1024)}])
     status, headers, body = post(stack.url, big)

@@ -13,7 +13,7 @@ from extproc.core.backends import Backend, Role
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy.headers import DESTINATION_HEADER, PENDING_HEADER
-from extproc.envoy.processor import Processor, Stream
+from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.pool import BackendPool
@@ -223,6 +223,23 @@ def test_non_llm_paths_pass_through_to_a_known_backend_never_the_clients_choice(
     assert metrics.errors.labels("client_destination_header")._value.get() == 1
     assert sum(router.stats.decisions.values()) == 0
     assert all(load == (0, 0) for load in router.loads.snapshot().values())  # nothing reserved
+
+
+def test_an_llm_path_spelled_otherwise_is_read_as_the_engine_would_read_it(parts):
+    """A gateway that does not normalize paths (kvroute's own Envoy does) still gets the request
+    read and routed, not passed through past flow control and the transfer parameters' check."""
+    router, _, _, processor = parts
+    spelled = ("/v1/chat/%63ompletions", "//v1/completions", "/v1/x/../chat/completions", "/v1/chat%2Fcompletions")
+    for path in spelled:
+        stream = Stream()
+        processor.handle(request_headers(path), stream)
+        reply = processor.handle(body(), stream)
+        assert DESTINATION_HEADER in set_headers(reply.request_body.response.header_mutation), path
+    assert sum(router.stats.decisions.values()) == len(spelled)
+    for path, read in (("/v1/models", False), ("/v1/chat/completionsx", False), ("/v1/chat/%2e%2e/completions", True)):
+        stream = Stream()
+        processor.handle(request_headers(path), stream)
+        assert (stream.phase is Phase.BODY) is read, path
 
 
 def test_a_request_that_may_be_held_is_marked_pending_until_decided(parts):

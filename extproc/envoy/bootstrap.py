@@ -591,6 +591,13 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         "stat_prefix": "kvroute",
         "codec_type": "AUTO",
         "request_headers_timeout": "10s",  # a client that never finishes its headers holds nothing for long
+        # The routes ask kvroute by exact path: a path spelled otherwise (`%63ompletions`, `//`, `./`),
+        # which the engine's server still takes as the same one, must not pass unasked, with
+        # whatever it carries (transfer parameters) and past flow control. An escaped slash
+        # names no engine path: refused.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "route_config": {"name": "llm", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": _http_filters(layout),
     }

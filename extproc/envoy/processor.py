@@ -19,7 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import posixpath
+import re
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -62,6 +65,21 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 256 * 1024
 OFFLOAD_BYTES_PRECISE = 16 * 1024
 _LLM_PATHS = frozenset(LLM_PATHS)
+_SPELLED_OTHERWISE = re.compile(r"%|//|/\.")
+
+
+def llm_path(path: str) -> bool:
+    """One of the paths kvroute routes by prompt, also as the engine's server would read it when
+    spelled otherwise (percent-escapes, repeated slashes, dot segments): kvroute's own Envoy
+    normalizes paths first, but a gateway may not, and a request passed through unread would go
+    past flow control with whatever it carries."""
+    if path in _LLM_PATHS:
+        return True
+    if _SPELLED_OTHERWISE.search(path) is None:
+        return False
+    return posixpath.normpath("/" + urllib.parse.unquote(path).lstrip("/")) in _LLM_PATHS
+
+
 # The 429 for a decision that refused the request, by its label.
 _REFUSALS = {Label.SHED: msg.SHED, Label.SHED_SLO: msg.SHED_SLO}
 HELD_BYTES = 64 * 1024 * 1024  # a full-duplex body beyond this is routed unread and passed on as it comes
@@ -576,7 +594,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if spoofed:
             self._metrics.errors.labels("client_destination_header").inc()
         path = headers.get(":path", "").partition("?")[0]
-        if headers.get(":method") != "POST" or path not in _LLM_PATHS:
+        if headers.get(":method") != "POST" or not llm_path(path):
             return self._passed_through(stream, spoofed)
         if end_of_stream:
             owner = self._unread(stream)
