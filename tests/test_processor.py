@@ -304,6 +304,25 @@ def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfe
     assert metrics.errors.labels("internal")._value.get() == 1
 
 
+def test_in_a_split_fleet_a_body_kvroute_cannot_read_is_refused_not_passed_on():
+    """JSON that orjson refuses and the engine's server (Python's json) takes: NaN, a number past
+    a double, a lone surrogate. Passed on unread, its transfer parameters would reach the decode
+    server unstripped; an aggregated fleet still routes it least loaded."""
+    forged = b'{"model": "m", "prompt": "p", "temperature": NaN, "kv_transfer_params": {"remote_host": "10.9.9.9"}}'
+    for raw in (forged, forged.replace(b"NaN", b"1e400"), forged.replace(b'"p"', b'"\\ud800"')):
+        for roles, refused in (((Role.PREFILL, Role.BOTH), True), ((Role.BOTH, Role.BOTH), False)):
+            router = Router(Settings(hash_key=b"k" * 16))
+            pool = BackendPool([Backend(A, role=roles[0]), Backend(B, role=roles[1])], router.remove_backend, 2)
+            metrics = Metrics(router, pool)
+            processor = Processor(router, pool, metrics, clock=lambda: 100.0)
+            stream = Stream()
+            processor.handle(request_headers("/v1/completions"), stream)
+            reply = processor.handle(body(raw), stream)
+            assert (reply.immediate_response.status.code == 400) is refused, (raw, roles)
+            assert metrics.errors.labels("unread_in_split_fleet")._value.get() == int(refused)
+            assert all(load == (0, 0) for load in router.loads.snapshot().values()) or not refused
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"messages": 5}', b"\xff\xfe"])
 def test_bad_bodies_route_fail_open_and_are_counted(parts, raw):
     router, _, metrics, processor = parts

@@ -51,6 +51,15 @@ NO_CANDIDATE = pb.ProcessingResponse(
         details="kvroute_no_subset_candidate",
     )
 )
+# A fleet that splits prefill from decode: a body kvroute could not read may carry transfer
+# parameters it cannot strip (they name the address a decode server pulls from).
+UNREAD_IN_SPLIT_FLEET = pb.ProcessingResponse(
+    immediate_response=pb.ImmediateResponse(
+        status=pb.HttpStatus(code=400),
+        body=b"the request body is not JSON kvroute can read (this fleet passes on none it cannot check)",
+        details="kvroute_unread_body",
+    )
+)
 # The empty reply to each kind of message: Envoy expects the reply to match what it sent.
 CONTINUE = {
     "request_headers": CONTINUE_HEADERS,

@@ -37,6 +37,7 @@ from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, Outcome, ResponseStart
 from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import TTFT_HEADERS, classify
+from extproc.core.pairs import disaggregated
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
@@ -639,8 +640,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self, stream: Stream, body: bytes | None, kind: str, parsed: Parsed | None = None
     ) -> pb.ProcessingResponse:
         """The reply to the request_headers or request_body message that decides: the destination
-        as a header mutation and as metadata, a 429 when shed, or a 503 when the gateway's subset
-        leaves no backend."""
+        as a header mutation and as metadata, a 429 when shed, a 503 when the gateway's subset
+        leaves no backend, or a 400 for a body that cannot be checked for transfer parameters."""
         stream.advance(Phase.DECIDED)
         backends = self._candidates(stream)
         if stream.subset is not None and not backends:
@@ -650,12 +651,25 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         exchange = stream.exchange
         if exchange is not None and exchange.decision.label in _REFUSALS:
             return _REFUSALS[exchange.decision.label]
+        if exchange is not None and self._refuses_unread(stream, exchange, body):
+            return msg.UNREAD_IN_SPLIT_FLEET
         stream.destination = target
         reply = msg.routing(kind, target)
         if target is not None and exchange is not None and stream.span is not None and self._tracer is not None:
             reply = msg.copied(reply)
             self._traced(stream, stream.span, self._tracer, exchange, getattr(reply, kind).response.header_mutation)
         return reply
+
+    def _refuses_unread(self, stream: Stream, exchange: Exchange, body: bytes | None) -> bool:
+        """A body kvroute could not read (or would not: too large), in a fleet that splits prefill
+        from decode, is refused rather than passed on: it may carry transfer parameters kvroute
+        cannot strip. Elsewhere such a body goes least loaded, and the engine answers it."""
+        unread = exchange.request is None and (body is not None or stream.held_bytes > 0)  # (not an empty body)
+        if not unread or not disaggregated(self.pool.backends):
+            return False
+        exchange.end()
+        self._metrics.errors.labels("unread_in_split_fleet").inc()
+        return True
 
     def _decide(
         self, stream: Stream, body: bytes | None, backends: Sequence[Backend], parsed: Parsed | None
