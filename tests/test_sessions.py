@@ -155,6 +155,12 @@ def test_a_tenant_header_scopes_session_ids():
     b = derive_session_key({"x-session-id": "s1", "x-tenant": "b"}, {}, ("x-session-id",), "x-tenant")
     assert a != b and a.endswith("session:s1")
     assert derive_session_key({"x-session-id": "s1"}, {}, ("x-session-id",), "") == "session:s1"
+    # a tenant value too long to keep stays its own tenant (it once fell into the unnamed one's)
+    keys = {
+        derive_session_key({"x-session-id": "s1", **tenant}, {}, ("x-session-id",), "x-tenant")
+        for tenant in ({}, {"x-tenant": "t" * 600}, {"x-tenant": "t" * 601})
+    }
+    assert len(keys) == 3 and all(key is not None and len(key) < 600 for key in keys)
 
 
 def test_a_binding_remembers_how_many_blocks_the_last_prompt_put_there():

@@ -42,8 +42,10 @@ def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str:
     return ""
 
 
-def _flow_id(value: str) -> str:
-    if len(value) <= MAX_FLOW_ID:
+def bounded_id(value: str, limit: int = MAX_FLOW_ID) -> str:
+    """A client-named identifier (a flow, a tenant) kept apart from every other, at most about
+    `limit` characters: a longer one is replaced by a digest of it."""
+    if len(value) <= limit:
         return value
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
@@ -68,7 +70,7 @@ def classify(
     ttft = _first(headers, TTFT_HEADERS)
     return RequestClass(
         priority,
-        _flow_id(flow) if flow else DEFAULT_FLOW,
+        bounded_id(flow) if flow else DEFAULT_FLOW,
         _ttft_s(ttft) if ttft else None,
         objective,
         objective is None or objective in priorities,

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from extproc.core.departures import Departures
+from extproc.core.objectives import bounded_id
 from extproc.core.settings import SESSION_HEADERS
 
 USER_HEADER = "x-user-id"
@@ -47,7 +48,8 @@ def derive_session_key(
     key = _unscoped_key(headers, body, session_headers)
     if key is None or not tenant_header:
         return key
-    return f"{_text(headers.get(tenant_header)) or ''}\0{key}"
+    tenant = headers.get(tenant_header)
+    return f"{bounded_id(tenant, MAX_ID_CHARS) if isinstance(tenant, str) else ''}\0{key}"
 
 
 def _unscoped_key(headers: Mapping[str, str], body: Mapping[str, Any], session_headers: tuple[str, ...]) -> str | None:
