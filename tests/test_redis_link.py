@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import random
 import secrets
@@ -444,6 +445,7 @@ async def test_siblings_move_an_adapter_as_told_forget_the_word_unless_said_agai
 
     async with replicas(redis_server, 2) as (one, two):
         old, new, other = (b.address for b in FLEET[:3])
+        two.router.reconfigure(dataclasses.replace(two.router.settings, adapter_sources=(("ours", "/adapters/ours"),)))
         book = two.router.adapters
         for backend in (old, other):
             book.listing(backend, ["ours"])
@@ -464,8 +466,9 @@ async def test_siblings_move_an_adapter_as_told_forget_the_word_unless_said_agai
         assert book.listers("ours", [old, new]) == [old, new]
         one.link.adapter_leaving(old, "not a name!", new)  # malformed: counted, skipped
         one.link.adapter_leaving(old, "ours", "10.9.9.9:1")  # to a backend not in the pool: skipped
-        await until(lambda: two.link.counts["bad"] == 2)
-        assert not book.any_leaving()
+        one.link.adapter_leaving(old, "theirs", new)  # an adapter the policy does not place: skipped
+        await until(lambda: two.link.counts["bad"] == 3)
+        assert not book.any_leaving() and book.listers("theirs", [old, new, other]) == []
 
 
 @pytest.mark.parametrize(

@@ -394,6 +394,13 @@ class RedisLink:
             if self._leaving:
                 self._forget_leaving(self._clock())
 
+    def _places(self, adapter: str, target: str) -> bool:
+        """A sibling's move names an adapter placement may move (the policy lists its source: a
+        sibling places no other) to a backend of this replica's pool; no other word is applied, so
+        no writer to the store can fill the table of known adapter names."""
+        sources = self._router.settings.adapter_sources
+        return self._pool.is_known(target) and any(name == adapter for name, _ in sources)
+
     def _adapter_leaving(self, backend: str, adapter: str, target: str, now: float) -> None:
         """A sibling moves `adapter` off `backend` to `target` (its word, applied)."""
         key = (backend, adapter)
@@ -482,7 +489,7 @@ class RedisLink:
                 work = max(work, len(payload))
             elif kind == BOUND and isinstance(payload, bytes) and len(payload) == DIGEST_BYTES:
                 self._router.peer_bound(payload, backend, min(when, now))
-            elif kind == ADAPTER_LEAVING and _adapter_move(payload) and self._pool.is_known(payload[1]):
+            elif kind == ADAPTER_LEAVING and _adapter_move(payload) and self._places(payload[0], payload[1]):
                 if now - when < LEAVING_FRESH_S:
                     self._adapter_leaving(backend, payload[0], payload[1], now)
             else:
