@@ -70,6 +70,7 @@ def through_envoy(
         for level, concurrency in enumerate(concurrencies):
             requests = workload.generate(names, sessions, tenants, seed=level + 1)
             before = {role: cpu_seconds(pids) for role, pids in roles.items()}
+            started = time.perf_counter()
             summary = asyncio.run(
                 replay(
                     stack.url,
@@ -80,8 +81,9 @@ def through_envoy(
                     headers=workload.tenant_headers,
                 )
             )
+            wall = time.perf_counter() - started  # (the summary's is rounded to 0.1 s: 0 for a fast small run)
             used = {role: cpu_seconds(pids) - before[role] for role, pids in roles.items()}
-            ok, wall = summary["ok"], summary["wall_s"]
+            ok = summary["ok"]
             rows.append(
                 {
                     "path": "envoy",
@@ -94,7 +96,7 @@ def through_envoy(
                     "failed": dict(
                         Counter(_failure(record) for record in summary["records"] if record["status"] != 200)
                     ),
-                    "requests_per_s": round(ok / wall, 1) if wall else None,
+                    "requests_per_s": round(ok / wall, 1),
                     "e2e_p50_ms": summary["e2e_p50_ms"],
                     "e2e_p99_ms": summary["e2e_p99_ms"],
                     "hit_rate": summary["hit_rate_usage"],
@@ -102,7 +104,7 @@ def through_envoy(
                         f"{role}_cpu_us_per_request": round(cpu / ok * 1e6, 1) if ok else None
                         for role, cpu in used.items()
                     },
-                    **{f"{role}_cores": round(cpu / wall, 2) if wall else None for role, cpu in used.items()},
+                    **{f"{role}_cores": round(cpu / wall, 2) for role, cpu in used.items()},
                 }
             )
     return rows
