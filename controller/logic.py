@@ -7,12 +7,16 @@ the policy's own, or those of the InferencePool it references (`spec.poolRef`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from controller.reuse import POLICY_ANNOTATION
 from extproc.core.backends import Role
 from extproc.core.policy import MODELS_KEY, ROLE_LABELS, StatusBackend, routing_changes
+from extproc.core.settings import Settings
+
+_DEFAULTS = Settings()  # what spec.routing's values are checked against (as the ext_proc applies them)
 
 
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
@@ -152,6 +156,20 @@ def _condition(kind: str, ok: bool, reason: str, message: str, previous: Mapping
     return {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
 
 
+def _routing_verdict(routing: Any) -> tuple[bool, str, str]:
+    """Whether the ext_proc takes `spec.routing` as written, why not, in the condition's words.
+    Values the CRD's schema lets through but the settings refuse (a bound the schema cannot say)
+    are refused here too, so the condition says what the ext_procs do: keep their last settings."""
+    try:
+        changes, unknown = routing_changes(routing)
+        dataclasses.replace(_DEFAULTS, **changes)
+    except (ValueError, TypeError) as exc:
+        return False, "InvalidValue", f"spec.routing not applied, the last accepted settings kept: {exc}"[:1024]
+    if unknown:
+        return False, "UnknownFields", f"spec.routing fields kvroute does not know, ignored: {', '.join(unknown)}"
+    return True, "Accepted", "every spec.routing field is known"
+
+
 def desired_status(
     policy: Mapping[str, Any],
     pods: Iterable[Mapping[str, Any]],
@@ -185,17 +203,7 @@ def desired_status(
         previous,
         now,
     )
-    _, unknown = routing_changes(spec.get("routing"))
-    accepted = _condition(
-        "RoutingAccepted",
-        not unknown,
-        "UnknownFields" if unknown else "Accepted",
-        f"spec.routing fields kvroute does not know, ignored: {', '.join(unknown)}"
-        if unknown
-        else "every spec.routing field is known",
-        previous,
-        now,
-    )
+    accepted = _condition("RoutingAccepted", *_routing_verdict(spec.get("routing")), previous, now)
     return {
         "backends": found,
         "readyBackends": ready,

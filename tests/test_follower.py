@@ -82,12 +82,30 @@ def test_settings_change_live_and_the_key_never_comes_from_the_policy():
     assert router.settings.block_size == BASE.block_size
 
 
-def test_invalid_routing_keeps_the_previous_state():
+def test_invalid_routing_keeps_the_last_settings_and_still_follows_the_backends():
+    """The API server takes values the settings refuse (the CRD cannot say every bound): the
+    settings stay as they were, said in /readyz until a good spec comes, and the backends still
+    follow the status, or a rolling update of the fleet would leave kvroute routing to none."""
     router, pool, follower = make()
     follower.apply("ADDED", published(pod("a")))
     follower.apply("MODIFIED", published(pod("a"), pod("b", "10.1.0.2"), routing={"blockSize": 12}, generation=2))
-    assert router.settings == BASE and len(pool.backends) == 1
-    assert "block_size" in follower.state.last_error
+    assert router.settings == BASE and len(pool.backends) == 2
+    assert "block_size" in follower.state.problems[0] and follower.state.last_error is None
+    follower.apply("MODIFIED", published(pod("b", "10.1.0.2"), routing={"blockSize": 256}, generation=3))
+    assert router.settings.block_size == 256 and len(pool.backends) == 1 and follower.state.problems == []
+
+
+def test_a_backend_entry_this_process_cannot_use_leaves_out_only_itself():
+    status = {
+        "backends": [{"ip": "10.1.0.1", "port": 70000, "ready": True}, {"ip": "10.1.0.2", "port": 8000, "ready": True}]
+    }
+    backends, refused = backends_from_status(status)
+    assert [b.address for b in backends] == ["10.1.0.2:8000"] and refused[0].startswith("10.1.0.1:70000")
+    _, pool, follower = make()
+    body = published(pod("a"))
+    body["status"] = status
+    follower.apply("ADDED", body)
+    assert [b.address for b in pool.backends] == ["10.1.0.2:8000"] and "70000" in follower.state.problems[0]
 
 
 def test_unknown_routing_fields_are_reported_and_the_known_ones_applied():
@@ -107,7 +125,7 @@ def test_deleted_policy_leaves_nothing_to_route_to():
 def test_ipv6_and_models():
     assert backends_from_status(
         {"backends": [{"pod": "a", "ip": "fd00::5", "port": 8000, "ready": True, "models": ["llama"]}]}
-    ) == [Backend("[fd00::5]:8000", frozenset({"llama"}))]
+    ) == ([Backend("[fd00::5]:8000", frozenset({"llama"}))], [])
     assert routing_changes(None) == ({}, [])
 
 

@@ -70,6 +70,18 @@ def test_unknown_routing_fields_are_reported_in_a_condition():
 
 
 @pytest.mark.parametrize(
+    "routing", [{"flowWeights": {"a": 2_000_000}}, {"queueMetricFlows": [""]}, {"flowWeights": {"a" * 200: 1}}]
+)
+def test_a_value_the_schema_lets_through_but_the_settings_refuse_is_not_accepted(routing):
+    """The condition says what the ext_procs do with it: keep their last accepted settings."""
+    result = status(policy(routing=routing), pod("a", "10.1.0.1"))
+    accepted = next(c for c in result["conditions"] if c["type"] == "RoutingAccepted")
+    assert (accepted["status"], accepted["reason"]) == ("False", "InvalidValue")
+    assert "last accepted settings kept" in accepted["message"]
+    assert result["readyBackends"] == 1  # the backends are published all the same
+
+
+@pytest.mark.parametrize(
     "unready",
     [pod("a", ready=False), pod("a", terminating=True), pod("a", ip="")],
     ids=["not-ready", "terminating", "no-ip"],

@@ -292,6 +292,8 @@ def _warnings(served: ServedPolicy) -> list[str]:
         warnings.append(f"backend probes failing ({pool.last_probe_error}); health may be stale")
     if policy is not None and policy.unknown_fields:
         warnings.append(f"policy spec.routing fields ignored: {', '.join(policy.unknown_fields)}")
+    if policy is not None:
+        warnings += [f"policy: {problem}" for problem in policy.problems[:8]]
     return warnings + served.warnings()
 
 
@@ -315,5 +317,6 @@ def _state(served: ServedPolicy) -> dict[str, Any]:
             "generation": policy.generation,
             "last_error": policy.last_error,
             "unknown_fields": policy.unknown_fields,
+            "problems": policy.problems,
         },
     }

@@ -31,12 +31,16 @@ log = logging.getLogger(__name__)
 RETRY_S = 2.0
 
 
-def backends_from_status(status: Mapping[str, Any] | None) -> list[Backend]:
-    """The ready backends the operator published."""
-    return [
-        Backend(parse_address(f"{ip}:{port}"), frozenset(models), role=Role.parse(role))
-        for ip, port, models, role in ready_backends(status)
-    ]
+def backends_from_status(status: Mapping[str, Any] | None) -> tuple[list[Backend], list[str]]:
+    """The ready backends the operator published, and why any entry was left out (an address or
+    role this process cannot use must not keep the others from being followed)."""
+    backends, refused = [], []
+    for ip, port, models, role in ready_backends(status):
+        try:
+            backends.append(Backend(parse_address(f"{ip}:{port}"), frozenset(models), role=Role.parse(role)))
+        except (ValueError, TypeError) as exc:
+            refused.append(f"{ip}:{port}: {exc}"[:200])
+    return backends, refused
 
 
 class PolicyFollower:
@@ -72,25 +76,31 @@ class PolicyFollower:
             return
         pool_ref = (policy.get("spec") or {}).get("poolRef")
         self.pool = pool_ref.get("name") if isinstance(pool_ref, Mapping) and pool_ref.get("name") else None
+        backends, refused = backends_from_status(policy.get("status"))
+        problems = [f"backend {entry} left out" for entry in refused]
         try:
             changes, unknown = routing_changes((policy.get("spec") or {}).get("routing"))
             settings = dataclasses.replace(self._base, **changes)
-            backends = backends_from_status(policy.get("status"))
-        except (ValueError, TypeError) as exc:
-            self.state.last_error = f"policy rejected: {exc}"
-            log.error("policy %s/%s not applied: %s", self.namespace, self.name, exc)
-            return
-        if unknown != self.state.unknown_fields:
-            self.state.unknown_fields = unknown
-            if unknown:
-                log.warning("policy %s/%s: ignoring unknown spec.routing fields %s", self.namespace, self.name, unknown)
-        if settings != self._router.settings:
-            self._router.reconfigure(settings)
-            problem = self._on_settings(settings)
-            if problem is not None:
-                task = asyncio.get_running_loop().create_task(self._report(policy, problem))
-                self._reports.add(task)
-                task.add_done_callback(self._reports.discard)
+        except (ValueError, TypeError) as exc:  # the last good settings stay; the backends still follow
+            problems.insert(0, f"spec.routing rejected, the last accepted settings kept: {exc}")
+        else:
+            if unknown != self.state.unknown_fields:
+                self.state.unknown_fields = unknown
+                if unknown:
+                    log.warning(
+                        "policy %s/%s: ignoring unknown spec.routing fields %s", self.namespace, self.name, unknown
+                    )
+            if settings != self._router.settings:
+                self._router.reconfigure(settings)
+                problem = self._on_settings(settings)
+                if problem is not None:
+                    task = asyncio.get_running_loop().create_task(self._report(policy, problem))
+                    self._reports.add(task)
+                    task.add_done_callback(self._reports.discard)
+        if problems != self.state.problems:
+            for problem in problems:
+                log.error("policy %s/%s: %s", self.namespace, self.name, problem)
+        self.state.problems = problems
         self._pool.replace(backends)
         self.state.generation = (policy.get("metadata") or {}).get("generation", 0)
 

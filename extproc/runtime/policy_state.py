@@ -16,5 +16,6 @@ class PolicyState:
     name: str  # NAMESPACE/NAME
     connected: bool = False
     generation: int = 0
-    last_error: str | None = None
+    last_error: str | None = None  # the watch's
     unknown_fields: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what the last applied policy had that was not taken
