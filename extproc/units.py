@@ -123,11 +123,16 @@ async def build_unit(
     clock = time.monotonic
     room = WaitingRoom(
         lambda: router.settings,
-        lambda backends: has_room(
-            router.loads, [b.address for b in backends if b.healthy], router.settings, clock(), router.block_tokens()
+        lambda backends: has_room(  # (as the pool sees them now: a request held since may name one gone)
+            router.loads,
+            [b.address for b in backends if pool.routable(b.address)],
+            router.settings,
+            clock(),
+            router.block_tokens(),
         ),
         WaitingRoomMetrics(metrics.registry),
         clock,
+        lambda: pool.backends,
     )
     link = None
     if config.replica_store:  # siblings share learning, sessions and load through the store

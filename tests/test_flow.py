@@ -246,6 +246,17 @@ def test_a_request_that_cannot_run_now_is_passed_over_for_the_next_flows():
     assert queue.pop() is blocked
 
 
+def test_within_one_flow_a_request_that_can_run_passes_a_head_that_cannot():
+    """Every request of one tenant (one flow), two models: the head's model is saturated, the
+    next one's is not. It goes; the head keeps its place."""
+    queue = FlowQueue(QueueLimits())
+    blocked = _held(queue.hold(0, "t", 1, 1, now=0))
+    later = [_held(queue.hold(0, "t", 1, 1, now=1 + i)) for i in range(3)]
+    assert queue.pop(eligible=lambda h: h is not blocked) is later[0]
+    assert queue.pop(eligible=lambda h: h is later[2]) is later[2]
+    assert queue.pop() is blocked and queue.pop() is later[1] and queue.pop() is None
+
+
 def test_the_siblings_are_told_what_was_served_not_the_levelling():
     queue = FlowQueue(QueueLimits())
     queue.set_peers({0: {"a": 10_000.0}}, held=0)

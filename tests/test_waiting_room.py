@@ -198,3 +198,32 @@ def test_a_turn_weighs_the_room_of_requests_for_the_same_candidates_once():
         assert all(h.state is State.EVICTED for h in await asyncio.gather(*tasks))
 
     asyncio.run(main())
+
+
+def test_a_request_held_for_the_whole_fleet_waits_for_room_in_the_fleet_of_its_turn():
+    """Held while the one backend was saturated; that backend leaves and another joins with room:
+    its turn comes on the newcomer, not on the snapshot of its arrival."""
+
+    async def main() -> None:
+        pool = {"backends": (Backend("10.0.0.1:8000"),)}
+        saturated = {"10.0.0.1:8000"}
+
+        def room(backends: object) -> bool:
+            return any(b.address not in saturated for b in backends)  # type: ignore[attr-defined]
+
+        waiting = WaitingRoom(
+            lambda: Settings(hash_key=bytes(16)),
+            room,
+            WaitingRoomMetrics(CollectorRegistry()),
+            clock,
+            lambda: pool["backends"],
+        )
+        task = asyncio.create_task(waiting.wait(klass("a"), 100, 10, pool["backends"]))
+        await asyncio.sleep(0.01)
+        assert len(waiting) == 1
+        pool["backends"] = (Backend("10.0.0.2:8000"),)  # the policy's fleet changed
+        waiting.pump()
+        held = await asyncio.wait_for(task, 1.0)
+        assert isinstance(held, Held) and held.state is State.DISPATCHED
+
+    asyncio.run(main())

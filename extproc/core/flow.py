@@ -38,6 +38,7 @@ OVERFLOW_FLOW = "other"  # the flow of every flow id beyond `max_flows` in a ban
 COMPACT_AT = 64  # requests that left the queue, kept in its lists until they reach a head, before a sweep
 YIELD_S = 0.3  # a turn that is a sibling replica's is left to it this long (its news comes every 0.1 s)
 YIELD_MARGIN = 1.0  # tokens of attained cost within which two flows' turns are equal: no yielding on ties
+SCAN_DEPTH = 64  # past a head that cannot run, how many of its flow's next requests are weighed
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,26 @@ class _Flow:
         while waiting and waiting[0].state is not State.WAITING:
             heapq.heappop(waiting)
         return waiting[0] if waiting else None
+
+    def first(self, eligible: Callable[[Held], bool] | None) -> Held | None:
+        """The earliest-deadline request that can run now: the head, or when it cannot (its
+        model's backends are saturated) the next one that can, among the first SCAN_DEPTH, so one
+        model's saturation does not hold another's requests in the same flow."""
+        head = self.head()
+        if head is None or eligible is None or eligible(head):
+            return head
+        for held in heapq.nsmallest(SCAN_DEPTH, self.waiting)[1:]:
+            if held.state is State.WAITING and eligible(held):
+                return held
+        return None
+
+    def take(self, held: Held) -> None:
+        """Out of the heap: the head popped, another removed."""
+        if self.waiting[0] is held:
+            heapq.heappop(self.waiting)
+        else:
+            self.waiting.remove(held)
+            heapq.heapify(self.waiting)
 
 
 class _Band:
@@ -167,7 +188,8 @@ class FlowQueue:
         """The request to dispatch next (strict priority, then the least served flow, then the
         earliest deadline), charged to its flow; None when nothing waits. `eligible`: whether a
         request can run now (some of its own candidates have room); one that cannot is passed
-        over for the next flow's, so requests for a saturated model do not block another's.
+        over for the next one of its flow that can (`_Flow.first`), else for the next flow's, so
+        requests for a saturated model do not block another's.
 
         With siblings (`set_peers`), a turn that is a sibling's (it holds a request of a higher
         band, or of a flow the fleet has served less) is left to it: None, for up to `YIELD_S`
@@ -180,13 +202,13 @@ class FlowQueue:
             peers = self._peer_attained.get(priority, {})
             ranked = sorted(band.backlogged(), key=lambda item: item[1].attained + peers.get(item[0], 0.0))
             for name, flow in ranked:
-                head = flow.head()
-                if head is None or (eligible is not None and not eligible(head)):
+                held = flow.first(eligible)
+                if held is None:
                     continue
                 if now is not None and self._yields(priority, flow.attained + peers.get(name, 0.0), now):
                     return None
                 self._yielding_since = None
-                held = heapq.heappop(flow.waiting)
+                flow.take(held)
                 band.flows.move_to_end(name)
                 band.floor = flow.attained + peers.get(name, 0.0)
                 flow.attained += held.cost / flow.weight

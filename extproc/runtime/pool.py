@@ -89,6 +89,11 @@ class BackendPool:
     def is_known(self, address: str) -> bool:
         return address in self._backends
 
+    def routable(self, address: str) -> bool:
+        """Known and healthy now."""
+        backend = self._backends.get(address)
+        return backend is not None and backend.healthy
+
     def canonical(self, address: str) -> str | None:
         """The pool's own string for a known address (so millions of bindings share one), or None."""
         backend = self._backends.get(address)

@@ -75,17 +75,22 @@ class WaitingRoom:
         room: Callable[[Sequence[Backend]], bool],
         metrics: WaitingRoomMetrics,
         clock: Callable[[], float],
+        fleet: Callable[[], Sequence[Backend]] = tuple,
     ) -> None:
-        """`room(candidates)`: whether one of them can take a request now."""
+        """`room(candidates)`: whether one of them can take a request now. `fleet()`: the pool's
+        routable backends now; a request held for all of them waits for room among those of its
+        turn, not those of its arrival (a backend added meanwhile counts, one gone does not)."""
         self._settings = settings
         self._room = room
+        self._fleet = fleet
         self._metrics = metrics
         self._clock = clock
         self._limits = self._limits_of(settings())
         self._weights = settings().flow_weights
         self._queue = FlowQueue(self._limits, dict(self._weights))
-        # each held request's wake-up and its own candidates (whose room its turn waits for)
-        self._waiting: dict[Held, tuple[asyncio.Future[State], Sequence[Backend]]] = {}
+        # each held request's wake-up and its own candidates (whose room its turn waits for; None:
+        # the whole fleet, as it is at the turn)
+        self._waiting: dict[Held, tuple[asyncio.Future[State], Sequence[Backend] | None]] = {}
         self._holding = asyncio.Event()  # set while anything is held: `run` sleeps on it otherwise
         # the request dispatched last and when, until it has reserved its backend
         self._dispatching: tuple[Held, float] | None = None
@@ -156,7 +161,7 @@ class WaitingRoom:
             self._metrics.flow_outcomes.labels(self._flow_label(request_class.flow), held.value).inc()
             return held
         future: asyncio.Future[State] = asyncio.get_running_loop().create_future()
-        self._waiting[held] = (future, candidates)
+        self._waiting[held] = (future, None if candidates is self._fleet() else candidates)
         self._holding.set()
         self._metrics.held.labels(priority).inc()
         self.pump()
@@ -191,12 +196,13 @@ class WaitingRoom:
             return
         waiting = self._waiting
         answers: dict[int, bool] = {}  # candidates (by identity: alive while held) -> room now
+        fleet = self._fleet()
 
         def eligible(held: Held) -> bool:
             entry = waiting.get(held)
             if entry is None:
                 return False
-            candidates = entry[1]
+            candidates = fleet if entry[1] is None else entry[1]
             room = answers.get(id(candidates))
             if room is None:
                 room = answers[id(candidates)] = self._room(candidates)
