@@ -172,7 +172,7 @@ def pools_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict
 @kopf.on.event("", "v1", "pods", registry=REGISTRY)
 @kopf.on.event(contract.GROUP, contract.VERSION, contract.PLURAL, registry=REGISTRY)
 @kopf.on.event(contract.POOL_GROUP, contract.POOL_VERSION, contract.POOL_PLURAL, registry=REGISTRY)  # type: ignore[arg-type]
-def changed(
+async def changed(
     namespace: str | None,
     memo: kopf.Memo,
     pods_by_namespace: kopf.Index[str, dict[str, Any]],
@@ -180,7 +180,9 @@ def changed(
     pools_by_namespace: kopf.Index[str, dict[str, Any]],
     **_: Any,
 ) -> None:
-    """Any pod, policy or InferencePool event: settle that namespace's policies soon."""
+    """Any pod, policy or InferencePool event: settle that namespace's policies soon. A coroutine,
+    so that kopf runs it on the event loop: a plain function would run in its thread pool, and
+    the reconciler's wake-up event and set of namespaces are the loop's alone."""
     memo.reconciler.touch(namespace or "", pods_by_namespace, policies_by_namespace, pools_by_namespace)
 
 

@@ -48,7 +48,12 @@ def test_kopf_handlers_feed_the_reconciler():
             touched.append(namespace)
 
     memo = kopf.Memo(reconciler=Recorder())
-    operator.changed(namespace="llm", memo=memo, pods_by_namespace={}, policies_by_namespace={}, pools_by_namespace={})
+    assert asyncio.iscoroutinefunction(operator.changed)  # on kopf's event loop, not in its thread pool
+    asyncio.run(
+        operator.changed(
+            namespace="llm", memo=memo, pods_by_namespace={}, policies_by_namespace={}, pools_by_namespace={}
+        )
+    )
     pool = operator.pools_by_namespace(namespace="llm", body=kopf.Body(inference_pool("p", (8000, 8001))))
     assert pool == {"llm": {"name": "p", "selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [8000, 8001]}}
     assert touched == ["llm"]
