@@ -227,3 +227,28 @@ def test_a_request_held_for_the_whole_fleet_waits_for_room_in_the_fleet_of_its_t
         assert isinstance(held, Held) and held.state is State.DISPATCHED
 
     asyncio.run(main())
+
+
+def test_requests_held_when_flow_control_is_turned_off_all_go():
+    """A policy turned flow control off while requests were held: newcomers go at once, and the
+    held ones must not wait behind them for room that never comes."""
+
+    async def main() -> None:
+        settings = {"now": Settings(hash_key=bytes(16))}
+        waiting = WaitingRoom(lambda: settings["now"], Fleet(0).room, WaitingRoomMetrics(CollectorRegistry()), clock)
+
+        async def request() -> Held | Refusal:
+            held = await waiting.wait(klass("a"), 100, 10, BACKENDS)
+            if isinstance(held, Held):
+                waiting.started(held)
+            return held
+
+        tasks = [asyncio.create_task(request()) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert len(waiting) == 3
+        settings["now"] = Settings(hash_key=bytes(16), flow_control=False)
+        waiting.pump()
+        held = await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+        assert all(isinstance(h, Held) and h.state is State.DISPATCHED for h in held)
+
+    asyncio.run(main())

@@ -197,11 +197,14 @@ class WaitingRoom:
         waiting = self._waiting
         answers: dict[int, bool] = {}  # candidates (by identity: alive while held) -> room now
         fleet = self._fleet()
+        released = not self._settings().flow_control  # turned off while requests were held: they all go
 
         def eligible(held: Held) -> bool:
             entry = waiting.get(held)
             if entry is None:
                 return False
+            if released:
+                return True
             candidates = fleet if entry[1] is None else entry[1]
             room = answers.get(id(candidates))
             if room is None:
