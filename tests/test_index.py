@@ -281,6 +281,17 @@ def test_room_is_kept_for_every_prefill_in_flight_until_given_back_once():
     assert index.entries_by_backend()[B] == 6
 
 
+def test_a_prompt_longer_than_the_cache_makes_no_more_room_than_its_learning_keeps():
+    index = LocalIndex(ttl_s=60, capacity_blocks=10, learn_share=0.5)
+    index.learn(list(range(1, 6)), A, 0)
+    index.learn(list(range(11, 16)), A, 1)
+    room = index.make_room(A, [], 31)
+    assert index.entries_by_backend()[A] == 5  # half the picture stays while it prefills
+    room.give_back()
+    index.learn(list(range(100, 131)), A, 2)  # what its end teaches: the head, half the picture
+    assert index.entries_by_backend()[A] == 10
+
+
 def held(index: LocalIndex) -> int:
     """What the index's containers hold, measured afresh."""
     lrus = sum(blocks.nbytes() + sys.getsizeof(blocks) for blocks in index._backends.values())

@@ -179,7 +179,10 @@ class LocalIndex:
         prefix it holds (`held`, which becomes its most recent) and stores `count` new blocks,
         for which the least recent others go now. Those blocks stay taken beside every other
         in-flight prefill's until the returned room is given back (learned, or ended): without
-        that, concurrent prefills evicted for one request's blocks at a time."""
+        that, concurrent prefills evicted for one request's blocks at a time. At most what its
+        learning will keep (`learn_share` of the backend's picture, as `learn`), so one prompt
+        longer than the cache does not empty the picture for as long as it runs."""
+        count = min(count, max(1, int(self._limit(backend) * self._learn_share)))
         self._room[backend] = self._room.get(backend, 0) + count
         blocks = self._backends.get(backend)
         if blocks:
