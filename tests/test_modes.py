@@ -68,3 +68,16 @@ def test_precise_mode_releases_the_prefill_it_holds_when_another_mode_takes_over
     router.use_precise(tokenizer=None)  # type: ignore[arg-type]  # (a new tokenizer path: a new picture)
     assert router.loads.snapshot()[A] == (0, 1)  # the new picture would never release it
     assert exchange.end()
+
+
+def test_a_new_block_size_keeps_what_precise_mode_learned_from_the_engines_and_a_new_key_does_not():
+    """The engines report only blocks they newly store: a precise picture emptied by a setting it
+    does not use (kvroute's own text block size) would miss every prefix they still hold."""
+    router = Router(Settings(hash_key=b"test-key-16bytes"))
+    router.use_precise(tokenizer=None)  # type: ignore[arg-type]
+    router.engine_events(A, [BlockStored((1, 2), None, (0,) * 32, 16, ())])
+    assert router.index.entries_by_backend() == {A: 2}
+    router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
+    assert router.index.entries_by_backend() == {A: 2} and isinstance(router.mode, PreciseMode)
+    router.reconfigure(Settings(hash_key=b"another-key-16by", block_size=256))
+    assert router.index.entries_by_backend() == {}

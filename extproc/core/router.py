@@ -132,9 +132,12 @@ class Router:
             self.churn.remove_backend(backend)
 
     def reconfigure(self, settings: Settings) -> None:
-        """Apply new settings live, keeping what the index holds. A new block size or key makes
-        every known chain meaningless, so the index is emptied; sessions and reservations stay."""
-        rehash = (settings.block_size, settings.hash_key) != (self.settings.block_size, self.settings.hash_key)
+        """Apply new settings live, keeping what the index holds. A new key makes every known
+        chain meaningless, and so does a new block size in approximate mode (precise mode's blocks
+        are the engines'), so the index is emptied; sessions and reservations stay. (Emptying a
+        precise index would lose the prefixes the engines still hold: they report only new blocks.)"""
+        resized = settings.block_size != self.settings.block_size and not self.mode.precise
+        rehash = resized or settings.hash_key != self.settings.hash_key
         if rehash:
             self._drop_all()  # before a precise index is replaced: its backends' turnover goes too
             self.ttft.clear()
