@@ -424,3 +424,27 @@ def test_requests_learned_at_their_end_keep_their_new_blocks_room_in_the_picture
     assert sent[1].end() and not sent[1].end()
     serve(router, prompt(), 4, only)
     assert router.index.entries_by_backend()[A] == 3 * size  # every room back, once
+
+
+def test_a_session_sent_bound_is_put_back_when_its_request_is_not_served():
+    """ext_authz binds a conversation when it sends it (its next turn may come before the end is
+    reported); served, the binding stays; not served, it is as the ext_proc transport, which
+    binds only on a 2xx, would have left it: the one before, or none."""
+    router = make_router()
+    failed = ResponseStart(upstream=B, known=True, status=503, from_upstream=True)
+    first = router.begin(chat([], "s", "one"), [Backend(B)], 0)
+    router.sent(first, 0)
+    assert router.sessions.get("session:s", 0) == B
+    router.response_started(first, failed, 1)
+    assert router.sessions.get("session:s", 1) is None  # a first turn not served: unbound
+    serve(router, chat([], "s", "two"), 2, [Backend(A)])
+    before = router.sessions.binding("session:s", 2)
+    assert before is not None and before[0] == A and before[1] > 0
+    again = router.begin(chat([], "s", "three"), [Backend(A), Backend(B)], 3)
+    router.sent(again, 3)
+    assert router.sessions.binding("session:s", 3) == (A, 0)  # bound ahead, its size not known yet
+    router.response_started(again, ResponseStart(upstream=A, known=True, status=503, from_upstream=True), 4)
+    assert router.sessions.binding("session:s", 4) == before  # the binding it replaced is back
+    served = router.begin(chat([], "s", "four"), [Backend(B)], 5)
+    router.sent(served, 5)
+    assert router.response_started(served, ok(B), 6).learned and router.sessions.get("session:s", 6) == B

@@ -398,6 +398,8 @@ class Router:
         success = 200 <= start.status < 300
         if exchange.room is not None:  # learned below, or never: no longer beside the picture
             exchange.room.give_back()
+        if exchange.unsent is not None and not success and request is not None:
+            self._unbind_sent(exchange, request, now)
         if reservation is not None:
             self.mode.response_started(reservation, request, start, success)
         served = start.upstream if start.known else ""
@@ -475,7 +477,22 @@ class Router:
         new = exchange.decision.total_blocks - exchange.predicted_blocks
         exchange.room = self.mode.make_room(backend, held, new)
         if request.session_key is not None:
+            exchange.unsent = (self.sessions.binding(request.session_key, now),)
             self.sessions.bind(request.session_key, backend, now)
+
+    def _unbind_sent(self, exchange: Exchange, request: PromptRequest, now: float) -> None:
+        """A request `sent` bound its session for was not served: the binding it replaced comes
+        back (none: the session is unbound), as the ext_proc transport, which binds only on a 2xx,
+        would have left it; unless a later turn has bound it since."""
+        key = request.session_key
+        unsent, exchange.unsent = exchange.unsent, None
+        if key is None or unsent is None or self.sessions.binding(key, now) != (exchange.decision.backend, 0):
+            return
+        (before,) = unsent
+        if before is None:
+            self.sessions.forget(key)
+        else:
+            self.sessions.bind(key, before[0], now, before[1])
 
     def peer_learned(self, chain: Sequence[int], backend: str, when: float) -> None:
         """A sibling replica learned that a known backend holds this chain (at `when`, on this
