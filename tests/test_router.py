@@ -256,13 +256,18 @@ def test_a_backend_back_at_the_same_address_is_bound_to_and_home_to_nothing_it_h
     assert router.sessions.get("session:other", 22) == home and router.homes.get(head + 1) == home
 
 
-def test_binding_dropped_when_backend_stops_serving_the_model():
+def test_a_binding_to_a_backend_that_stops_serving_the_model_is_passed_over_until_served_elsewhere():
+    """Not forgotten by weighing it (a dry run, or a backend suspect for a moment, must not lose
+    the conversation's place); the turn served elsewhere rebinds it there."""
     router = make_router()
     home = converse(router, 2, "s")[0].backend
     changed = [Backend(b.address, frozenset({"other"}) if b.address == home else frozenset()) for b in FLEET]
-    decision = router.begin(chat([], "s", "again"), changed, 10).decision
-    assert decision.backend != home
-    assert router.sessions.get("session:s", 11) is None
+    assert router.query(chat([], "s", "again"), changed, 10).backend != home
+    assert router.sessions.get("session:s", 10) == home  # the dry run changed nothing
+    exchange = router.begin(chat([], "s", "again"), changed, 10)
+    assert exchange.decision.backend not in (None, home)
+    router.response_started(exchange, ok(exchange.decision.backend), 11)
+    assert router.sessions.get("session:s", 11) == exchange.decision.backend
 
 
 def test_no_candidates_when_nobody_serves_the_model():

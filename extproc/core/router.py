@@ -174,11 +174,10 @@ class Router:
         candidates, positions = self._candidates(request, backends, adapter)
         chain = self.chain_of(request)
         session_backend, session_blocks = None, 0
-        if request.session_key is not None:
+        if request.session_key is not None:  # (a binding to a backend not among the candidates is
+            # passed over, not forgotten: this is a dry run too, and the turn served elsewhere rebinds it)
             binding = self.sessions.binding(request.session_key, now)
-            if binding is not None and binding[0] not in (candidates if positions is None else positions):
-                self.sessions.forget(request.session_key)
-            elif binding is not None:
+            if binding is not None and binding[0] in (candidates if positions is None else positions):
                 session_backend, session_blocks = binding
         home = self.homes.get(chain[0]) if chain else None
         bound = (session_backend, session_blocks, home)
