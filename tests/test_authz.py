@@ -362,10 +362,11 @@ def test_the_port_takes_calls_and_the_access_log_on_one_socket(parts: Any):
     asyncio.run(scenario())
 
 
-def test_a_call_envoy_leaves_while_its_request_waits_for_its_adapter_frees_its_turn():
-    """Flow control dispatched the request, then it waited for placement to load its adapter, and
-    Envoy closed the call: its turn is given back at once (the ext_proc path's stream end does the
-    same), or every request held behind it waits for the waiting room's stall tick, not run here."""
+def test_a_request_waiting_for_its_adapter_holds_no_turn_and_leaves_nothing_behind():
+    """Placement comes before flow control's turn: while one request waits for its adapter to
+    load, a request held behind the saturated fleet is dispatched as soon as there is room (the
+    turn once waited for the first, until the waiting room's stall tick, not run here); and when
+    Envoy closes the first call, nothing of it stays held."""
     from prometheus_client import CollectorRegistry
 
     from extproc.envoy.calls import Call
@@ -390,15 +391,15 @@ def test_a_call_envoy_leaves_while_its_request_waits_for_its_adapter_frees_its_t
         await asyncio.sleep(0.05)
         second = asyncio.create_task(authz.check(call("m", "f2")))
         await asyncio.sleep(0.05)
-        assert len(room) == 2  # both held
+        assert len(room) == 1 and not first.done()  # the second held; the first waits for its adapter
         room_free = True
-        room.pump()  # the first is dispatched, and waits for its adapter
-        await asyncio.sleep(0.05)
-        assert not first.done()
+        room.pump()
+        async with asyncio.timeout(5):
+            assert await second  # dispatched at once
         first.cancel()  # Envoy closed the call
         await asyncio.gather(first, return_exceptions=True)
-        async with asyncio.timeout(5):
-            assert await second  # dispatched at once, not at a stall tick that never comes
+        assert len(room) == 0 and authz.state()["open_exchanges"] == 1  # the second's alone
+        assert sum(active for _, active in router.loads.snapshot().values()) == 1
 
     asyncio.run(scenario())
 

@@ -276,16 +276,18 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     async def decide_body(self, stream: Stream, body: bytes, parsed: Parsed | None = None) -> pb.ProcessingResponse:
         """A buffered LLM request's body decides (both transports: ext_authz.py too): read off the
         loop when large (`parsed`: already read), its policy's processor chosen by its model,
-        flow control's turn, adapter placement, the decision. The reply as the ext_proc protocol
-        sends it; a failure never stops the request, it only skips routing."""
+        adapter placement, flow control's turn, the decision. The reply as the ext_proc protocol
+        sends it; a failure never stops the request, it only skips routing. Placement comes
+        before the turn: a request waiting for its adapter to load must not hold the turn, which
+        stops every other dispatch until it reserves its backend."""
         if parsed is None:
             owner, parsed = await self._owned(stream, body)
             if owner is not self:
                 return await owner.decide_body(stream, body, parsed)
+        parsed = await self._placed(body, stream, parsed)
         parsed, refused = await self._wait_turn(body, stream, parsed, len(body))
         if refused is not None:
             return refused
-        parsed = await self._placed(body, stream, parsed)
         try:
             reply = self._on_request_body(body, stream, parsed)
         except Exception:
@@ -409,11 +411,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     async def _release_read(
         self, stream: Stream, body: bytes, end_of_stream: bool, read: bool, parsed: Parsed | None
     ) -> list[pb.ProcessingResponse]:
+        parsed = await self._placed(body if read else None, stream, parsed)  # (before the turn: decide_body)
         parsed, refused = await self._wait_turn(body if read else None, stream, parsed, stream.held_bytes)
         if refused is not None:
             stream.held, stream.held_bytes = None, 0
             return [refused]
-        parsed = await self._placed(body if read else None, stream, parsed)
         decided = self._routing_reply(stream, body if read else None, "request_headers", parsed)
         self._dispatched(stream)
         if decided.HasField("immediate_response"):
