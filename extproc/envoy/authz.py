@@ -34,8 +34,6 @@ from typing import Any
 
 import msgpack
 
-from extproc.core.backends import Backend
-from extproc.core.pairs import disaggregated
 from extproc.envoy import messages as msg
 from extproc.envoy.calls import Call, CallProtocol, answer
 from extproc.envoy.ends import BACKSTOP_FIELD, RECORD_LIMITS, EndsProtocol, Sniffer
@@ -43,7 +41,6 @@ from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PRE
 from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
-from extproc.runtime.pool import BackendPool
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +105,6 @@ class Authz:
         # exchanges the backstop's copy ended, so that their own record, should it still come
         # (the two loggers' connections race), is not counted unknown; the oldest go past the bound
         self._ended_late: OrderedDict[str, bool] = OrderedDict()
-        # per policy's pool: its backend set, and whether it prefills
-        self._roles: dict[int, tuple[tuple[Backend, ...], bool]] = {}
         self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
         self.unsplit = 0  # requests served whole in a fleet with prefill servers: see `warnings`
 
@@ -175,7 +170,7 @@ class Authz:
             self._processor.closed(stream)
             return answer(200, routed)
         owner = self._processor.owner_of(stream)  # the policy that decided it
-        if self._disaggregated(owner.pool):
+        if owner.splits():
             self._unsplit()
         key = f"{self._id_prefix}{next(self._ids):x}"
         self._open[key] = (stream, self._clock())
@@ -186,14 +181,6 @@ class Authz:
             backend = exchange.decision.backend
             routed += router.decision_headers(exchange, backend, exchange.predicted_blocks)
         return answer(200, routed)
-
-    def _disaggregated(self, pool: BackendPool) -> bool:
-        """The policy's fleet has prefill servers (worked out once per backend set)."""
-        backends = pool.backends
-        known = self._roles.get(id(pool))
-        if known is None or known[0] is not backends:
-            known = self._roles[id(pool)] = backends, disaggregated(backends)
-        return known[1]
 
     def _unsplit(self) -> None:
         """A request a disaggregated fleet would have split, served whole: this transport cannot
@@ -207,7 +194,7 @@ class Authz:
         """For /readyz: a disaggregated fleet asked over this transport."""
         routes = self._processor.routes
         processors = (self._processor,) if routes is None else routes.processors
-        split = any(self._disaggregated(processor.pool) for processor in processors)
+        split = any(processor.splits() for processor in processors)
         return [f"prefill/decode: {_UNSPLIT}"] if self.unsplit and split else []
 
     def ended(self, record: Mapping[str, Any]) -> None:

@@ -37,7 +37,6 @@ from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, Outcome, ResponseStart
 from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import TTFT_HEADERS, classify
-from extproc.core.pairs import disaggregated
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
@@ -205,6 +204,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     @property
     def pool(self) -> BackendPool:
         return self._pool
+
+    def splits(self) -> bool:
+        """The policy's fleet has prefill servers (the routing core's memo: once per backend set)."""
+        return self._router.pipeline.memo.disaggregated(self._pool.backends)
 
     def owner_of(self, stream: Stream) -> Processor:
         """The processor whose policy decides the stream: its model's, once its body was read."""
@@ -667,7 +670,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         from decode, is refused rather than passed on: it may carry transfer parameters kvroute
         cannot strip. Elsewhere such a body goes least loaded, and the engine answers it."""
         unread = exchange.request is None and (body is not None or stream.held_bytes > 0)  # (not an empty body)
-        if not unread or not disaggregated(self.pool.backends):
+        if not unread or not self.splits():
             return False
         exchange.end()
         self._metrics.errors.labels("unread_in_split_fleet").inc()
