@@ -79,8 +79,8 @@ class Exchange:
         self.reservation = reservation  # the load it puts on its backend until released (load.py)
         self.room: Room | None = None  # its unlearned blocks' room in the picture (Router.sent)
         # Router.sent bound its session ahead of the outcome: the binding it replaced (its
-        # backend and blocks, or None), put back should the request not be served
-        self.unsent: tuple[tuple[str, int] | None] | None = None
+        # backend and blocks; "" if none), put back should the request not be served
+        self.unsent: tuple[str, int] | None = None
         self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
         self.queued = False  # flow control held it before it was decided

@@ -174,8 +174,9 @@ class Router:
         candidates, positions = self._candidates(request, backends, adapter)
         chain = self.chain_of(request)
         session_backend, session_blocks = None, 0
-        if request.session_key is not None:  # (a binding to a backend not among the candidates is
-            # passed over, not forgotten: this is a dry run too, and the turn served elsewhere rebinds it)
+        if request.session_key is not None:
+            # a binding to a backend not among the candidates is passed over, not forgotten: this is
+            # a dry run too, and the turn served elsewhere rebinds it
             binding = self.sessions.binding(request.session_key, now)
             if binding is not None and binding[0] in (candidates if positions is None else positions):
                 session_backend, session_blocks = binding
@@ -476,7 +477,7 @@ class Router:
         new = exchange.decision.total_blocks - exchange.predicted_blocks
         exchange.room = self.mode.make_room(backend, held, new)
         if request.session_key is not None:
-            exchange.unsent = (self.sessions.binding(request.session_key, now),)
+            exchange.unsent = self.sessions.binding(request.session_key, now) or ("", 0)
             self.sessions.bind(request.session_key, backend, now)
 
     def _unbind_sent(self, exchange: Exchange, request: PromptRequest, now: float) -> None:
@@ -484,14 +485,13 @@ class Router:
         back (none: the session is unbound), as the ext_proc transport, which binds only on a 2xx,
         would have left it; unless a later turn has bound it since."""
         key = request.session_key
-        unsent, exchange.unsent = exchange.unsent, None
-        if key is None or unsent is None or self.sessions.binding(key, now) != (exchange.decision.backend, 0):
+        before, exchange.unsent = exchange.unsent, None
+        if key is None or before is None or self.sessions.binding(key, now) != (exchange.decision.backend, 0):
             return
-        (before,) = unsent
-        if before is None:
-            self.sessions.forget(key)
-        else:
+        if before[0]:
             self.sessions.bind(key, before[0], now, before[1])
+        else:
+            self.sessions.forget(key)
 
     def peer_learned(self, chain: Sequence[int], backend: str, when: float) -> None:
         """A sibling replica learned that a known backend holds this chain (at `when`, on this

@@ -102,9 +102,8 @@ def _load_vector(payload: Any, known: Callable[[str], bool]) -> dict[str, tuple[
     vector: dict[str, tuple[int, int, int]] = {}
     for backend, (reserved, active, sent) in payload.items():
         counts = (reserved, active, sent)
-        if not all(type(v) is int for v in counts) or not (0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT):
-            raise ValueError("load vector")
-        if not 0 <= sent < MAX_SENT:
+        ints = all(type(v) is int for v in counts)
+        if not (ints and 0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT and 0 <= sent < MAX_SENT):
             raise ValueError("load vector")
         if isinstance(backend, str) and known(backend):
             vector[backend] = counts
