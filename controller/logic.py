@@ -56,6 +56,7 @@ def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     return {
         "name": metadata.get("name", ""),
+        "uid": metadata.get("uid", ""),
         "labels": dict(metadata.get("labels") or {}),
         "models": (metadata.get("labels") or {}).get(MODELS_KEY) or (metadata.get("annotations") or {}).get(MODELS_KEY),
         "ip": status.get("podIP") or "",
@@ -68,8 +69,10 @@ def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
 def pool_summary(pool: Mapping[str, Any]) -> dict[str, Any]:
     """What the operator keeps of an InferencePool: its name, pod selector and target ports."""
     spec = pool.get("spec") or {}
+    metadata = pool.get("metadata") or {}
     return {
-        "name": (pool.get("metadata") or {}).get("name", ""),
+        "name": metadata.get("name", ""),
+        "uid": metadata.get("uid", ""),
         "selector": dict(spec.get("selector") or {}),
         "targetPorts": [p["number"] for p in spec.get("targetPorts") or [] if isinstance(p.get("number"), int)],
     }

@@ -21,6 +21,7 @@ from aiohttp import web
 from kubernetes_asyncio import client, config
 
 from controller import logic
+from controller.audit import Auditor
 from controller.late_crds import Insights, follow_late_crd
 from controller.reconciler import Reconciler
 from controller.reuse import leading
@@ -120,10 +121,13 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.reconciler = reconciler
     memo.reconciler_task = asyncio.create_task(reconciler.run())
     tasks = [memo.reconciler_task]
+    priority = settings.peering.priority
     if memo.reuse_interval_s > 0:
-        priority = settings.peering.priority
         reader = ReuseReader(reconciler, memo.reuse_interval_s, lambda: _leading(priority))
         tasks.append(asyncio.create_task(reader.run()))
+    if memo.audit_interval_s > 0:
+        auditor = Auditor(reconciler, memo.audit_interval_s, lambda: _leading(priority))
+        tasks.append(asyncio.create_task(auditor.run()))
     tasks += [
         asyncio.create_task(follow_late_crd(memo.insights, settings, REGISTRY, group, plural))
         for group, plural in ((contract.GROUP, contract.PLURAL), (contract.POOL_GROUP, contract.POOL_PLURAL))
@@ -155,6 +159,7 @@ def policies_by_namespace(namespace: str | None, name: str, body: kopf.Body, **_
     return {
         namespace or "": {
             "name": name,
+            "uid": body.metadata.uid or "",
             "metadata": {"generation": body.metadata.get("generation", 0)},
             "spec": dict(body.spec),
             "status": dict(body.status),
@@ -186,12 +191,22 @@ async def changed(
     memo.reconciler.touch(namespace or "", pods_by_namespace, policies_by_namespace, pools_by_namespace)
 
 
-def main(health_host: str = "0.0.0.0", health_port: int = 8080, reuse_interval_s: float = 30.0) -> None:
+def main(
+    health_host: str = "0.0.0.0",
+    health_port: int = 8080,
+    reuse_interval_s: float = 30.0,
+    audit_interval_s: float = 60.0,
+) -> None:
     """Blocking entry point: all namespaces, peering on; /healthz and /readyz on the health port;
-    the ext_procs' reuse counters read every `reuse_interval_s` (0: never)."""
+    the ext_procs' reuse counters read every `reuse_interval_s` (0: never); the indexes checked
+    against the API server every `audit_interval_s` (controller/audit.py; 0: never)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     insights = Insights()  # what kopf follows; shared so that late CRDs can be looked up again
     memo = kopf.Memo(
-        health_host=health_host, health_port=health_port, insights=insights, reuse_interval_s=reuse_interval_s
+        health_host=health_host,
+        health_port=health_port,
+        insights=insights,
+        reuse_interval_s=reuse_interval_s,
+        audit_interval_s=audit_interval_s,
     )
     kopf.run(registry=REGISTRY, clusterwide=True, peering_name=PEERING, memo=memo, insights=insights)

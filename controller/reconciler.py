@@ -39,6 +39,7 @@ class Reconciler:
         self._policies: Snapshot = {}
         self._pools: Snapshot = {}
         self._reuse: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, policy) -> status.reuse
+        self.gone: frozenset[str] = frozenset()  # uids the indexes hold and the API server has not (audit.py)
         self.patches = 0
         self.errors = 0
         self.last_error: str | None = None
@@ -50,12 +51,43 @@ class Reconciler:
         self._wake.set()
 
     @property
-    def pods(self) -> Snapshot:
+    def indexed_pods(self) -> Snapshot:
         return self._pods
 
     @property
-    def policies(self) -> Snapshot:
+    def indexed_policies(self) -> Snapshot:
         return self._policies
+
+    @property
+    def indexed_pools(self) -> Snapshot:
+        return self._pools
+
+    @property
+    def pods(self) -> dict[str, list[Mapping[str, Any]]]:
+        """The pods the API server still has, by namespace."""
+        return {namespace: self._live(entries) for namespace, entries in self._pods.items()}
+
+    @property
+    def policies(self) -> dict[str, list[Mapping[str, Any]]]:
+        """The policies the API server still has, by namespace."""
+        return {namespace: self._live(entries) for namespace, entries in self._policies.items()}
+
+    def _live(self, entries: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [entry for entry in entries if entry.get("uid") not in self.gone]
+
+    def forget(self, gone: Iterable[str]) -> None:
+        """The audit's latest verdict: these indexed objects are gone. Every namespace whose view
+        changes with it is settled again."""
+        gone = frozenset(gone)
+        changed = gone ^ self.gone
+        self.gone = gone
+        if not changed:
+            return
+        for snapshot in (self._pods, self._policies, self._pools):
+            for namespace, entries in snapshot.items():
+                if any(entry.get("uid") in changed for entry in entries):
+                    self._dirty.add(namespace)
+        self._wake.set()
 
     def set_reuse(self, namespace: str, name: str, reuse: dict[str, Any]) -> None:
         """The policy's reuse summary (controller/reuse.py) changed; write it soon."""
@@ -67,9 +99,9 @@ class Reconciler:
     async def settle(self, namespaces: Iterable[str]) -> None:
         """Write the status of every policy in these namespaces whose status must change."""
         for namespace in namespaces:
-            pods = list(self._pods.get(namespace, ()))
-            pools = list(self._pools.get(namespace, ()))
-            for policy in list(self._policies.get(namespace, ())):
+            pods = self._live(self._pods.get(namespace, ()))
+            pools = self._live(self._pools.get(namespace, ()))
+            for policy in self._live(self._policies.get(namespace, ())):
                 try:
                     desired = logic.desired_status(policy, pods, self._clock(), pools)
                     reuse = self._reuse.get((namespace, policy["name"]))

@@ -32,6 +32,13 @@ def parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds between reads of the ext_procs' reuse counters into the policies' status (0: off)",
     )
+    controller.add_argument(
+        "--audit-interval",
+        type=float,
+        default=60.0,
+        help="seconds between checks of the operator's watched objects against the API server, which drop "
+        "those deleted while its watch was cut off (0: off)",
+    )
 
     envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")
     envoy.add_argument("--listen-port", type=int, default=_LAYOUT.listen_port)
@@ -169,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "controller":
         from controller import operator
 
-        operator.main(args.health_host, args.health_port, args.reuse_interval)
+        operator.main(args.health_host, args.health_port, args.reuse_interval, args.audit_interval)
     elif args.command == "envoy-config":
         _envoy_config(args)
     elif args.command == "tls-certs":

@@ -75,9 +75,11 @@ class Cluster:
         return {f"{b['ip']}:{b['port']}" for b in self.status(policy).get("backends", []) if b["ready"]}
 
     def start_operator(self, name: str, missing_crd_events: bool = False) -> subprocess.Popen:
-        """`missing_crd_events`: kopf's rescans on CRD events switched off (operator_missing_crd_events.py)."""
+        """`missing_crd_events`: kopf's rescans on CRD events switched off (operator_missing_crd_events.py).
+        Its indexes are checked against the API server every second (controller/audit.py)."""
         kubeconfig = self.cp.kubeconfig_for(SYSTEM, f"{RELEASE}-controller")
         args = ("controller", "--health-host", "127.0.0.1", "--health-port", str(free_port()), "--reuse-interval", "1")
+        args += ("--audit-interval", "1")
         argv = [sys.executable, str(MISSING_CRD_EVENTS), *args] if missing_crd_events else kvroute_command(*args)
         env = {**self.cp.env(kubeconfig), "PYTHONUNBUFFERED": "1"}
         self.operators[name] = spawn(argv, self.workdir / f"{name}.log", env=env)
@@ -250,6 +252,30 @@ def test_a_restarted_operator_converges_to_the_same_status(cluster: Cluster):
     cluster.set_ready("sim-2", SIM_IPS[2], True)
     cluster.cp.kubectl("delete", "pod", "sim-late", "-n", NS, "--wait=false")
     eventually(lambda: cluster.ready() == {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}, timeout_s=30, message="settled")
+
+
+def test_a_pod_deleted_while_the_operator_was_cut_off_leaves_the_status(cluster: Cluster):
+    """The operator frozen, the store moved on, the API server restarted (its watch cache then starts
+    past the operator's resource version), the pod deleted: the watch resumes with 410 Gone and
+    kopf's fresh list, which never reports the deletion. The operator's audit (every second here)
+    drops the pod."""
+    gone = f"{SIM_IPS[4]}:{PORT}"
+    cluster.add_pod("sim-cut-off", SIM_IPS[4])
+    eventually(lambda: gone in cluster.ready(), timeout_s=30, message="the pod is listed")
+    operators = list(cluster.operators.values())
+    for process in operators:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        cluster.cp.kubectl("create", "configmap", "cut-off", "-n", NS)  # unseen by the operator's watches
+        cluster.cp.stop_apiserver()
+        cluster.cp.start_apiserver()
+        cluster.cp.kubectl("delete", "pod", "sim-cut-off", "-n", NS, "--wait=false")
+    finally:
+        for process in operators:
+            process.send_signal(signal.SIGCONT)
+    eventually(lambda: gone not in cluster.ready(), timeout_s=60, message="the deleted pod leaves the status")
+    assert cluster.ready() == {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}
+    cluster.cp.kubectl("delete", "configmap", "cut-off", "-n", NS)
 
 
 # --- the ext_proc following the policy --------------------------------------------------------

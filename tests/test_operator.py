@@ -55,7 +55,8 @@ def test_kopf_handlers_feed_the_reconciler():
         )
     )
     pool = operator.pools_by_namespace(namespace="llm", body=kopf.Body(inference_pool("p", (8000, 8001))))
-    assert pool == {"llm": {"name": "p", "selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [8000, 8001]}}
+    expected = {"name": "p", "uid": "", "selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [8000, 8001]}
+    assert pool == {"llm": expected}
     assert touched == ["llm"]
 
 
@@ -66,12 +67,14 @@ def test_startup_configures_kopf_quietly(monkeypatch):
         return operator.client.Configuration(host="https://127.0.0.1:1")
 
     monkeypatch.setattr(operator, "_client_configuration", local)
-    memo = kopf.Memo(health_host="127.0.0.1", health_port=0, insights=Insights(), reuse_interval_s=30.0)
+    memo = kopf.Memo(
+        health_host="127.0.0.1", health_port=0, insights=Insights(), reuse_interval_s=30.0, audit_interval_s=60.0
+    )
 
     async def scenario() -> None:
         await operator.start(settings=settings, memo=memo)
-        # the reconciler, the reuse reader and the two late-CRD followers
-        assert len(memo.tasks) == 4 and not any(task.done() for task in memo.tasks)
+        # the reconciler, the reuse reader, the auditor and the two late-CRD followers
+        assert len(memo.tasks) == 5 and not any(task.done() for task in memo.tasks)
         await operator.stop(memo=memo)
         assert all(task.cancelled() for task in memo.tasks)
 
@@ -92,7 +95,9 @@ def test_a_startup_that_fails_on_its_probe_port_leaves_nothing_running(monkeypat
     async def scenario() -> None:
         taken = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = taken.sockets[0].getsockname()[1]
-        memo = kopf.Memo(health_host="127.0.0.1", health_port=port, insights=Insights(), reuse_interval_s=30.0)
+        memo = kopf.Memo(
+            health_host="127.0.0.1", health_port=port, insights=Insights(), reuse_interval_s=30.0, audit_interval_s=60.0
+        )
         before = len(asyncio.all_tasks())
         try:
             with pytest.raises(OSError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from controller.audit import stale
 from controller.reconciler import Reconciler
 from tests.controller_objects import T0, pools, record, summaries
 from tests.k8s_objects import inference_pool, pod, policy, pool_policy
@@ -96,3 +97,38 @@ def test_the_reconciler_settles_pool_policies_when_their_pool_appears():
     asyncio.run(scenario())
     assert [p["readyBackends"] for p in patched] == [0, 1]
     assert patched[0]["conditions"][1]["reason"] == "PoolNotFound"
+
+
+def test_stale_condemns_only_indexed_objects_of_covered_namespaces_that_the_list_lacks():
+    indexed = {"llm": {"a", "b"}, "other": {"c"}}
+    # b deleted while cut off; d created after the index was read (the list may or may not have it);
+    # "other" not listed, so nothing there is judged
+    assert stale(indexed, {"llm": {"a", "d"}}) == {"b"}
+    assert stale(indexed, {"llm": set(), "other": {"c"}}) == {"a", "b"}
+    assert stale(indexed, {}) == set()
+
+
+def test_reconciler_leaves_out_what_the_audit_found_gone_and_takes_it_back():
+    patches: list[dict[str, Any]] = []
+
+    async def patch(_namespace: str, _name: str, new: dict[str, Any]) -> None:
+        patches.append(new)
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0)
+        pods = {"llm": summaries(pod("a"), pod("b", "10.1.0.2"))}
+        gone_uid = pods["llm"][1]["uid"]
+        assert gone_uid  # the summaries carry the pods' uids
+        reconciler.touch("llm", pods, {"llm": [record("llm", policy())]}, {})
+        await reconciler.settle(["llm"])
+        assert patches[-1]["readyBackends"] == 2
+        reconciler.forget({gone_uid})
+        assert [p["name"] for p in reconciler.pods["llm"]] == ["a"] and len(reconciler.indexed_pods["llm"]) == 2
+        await reconciler.settle(["llm"])
+        assert patches[-1]["readyBackends"] == 1
+        assert [b["ip"] for b in patches[-1]["backends"]] == [pods["llm"][0]["ip"]]
+        reconciler.forget(set())  # a later audit no longer finds it gone (it never does in practice)
+        await reconciler.settle(["llm"])
+        assert patches[-1]["readyBackends"] == 2
+
+    asyncio.run(scenario())
