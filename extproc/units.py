@@ -139,7 +139,7 @@ async def build_unit(
         from extproc.replicas.redis_link import ReplicaCollector, connect
 
         group = replica_group(config, unit, several)
-        link = connect(router, pool, config.replica_store, config.replica_store_password_file, group, room.queue)
+        link = connect(router, pool, config.replica_store, config.replica_store_password_file, group, room)
         router.join(link, secrets.randbelow(1 << 30))
         metrics.registry.register(ReplicaCollector(link))
     # LoRA adapters the policy places (none: idle); with siblings, one replica moves an adapter

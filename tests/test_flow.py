@@ -287,3 +287,18 @@ def test_a_sibling_holding_a_higher_band_takes_the_turn_and_ties_are_not_yielded
     assert queue.pop(now=1.0) is None
     queue.set_peers({0: {"a": 100.0}}, held=1, heads={0: 100.0})  # the same turn as ours: no yielding
     assert queue.pop(now=1.0) is not None
+
+
+def test_a_siblings_head_that_cannot_run_takes_no_turn_from_this_replica():
+    """A replica holding only requests for a saturated model publishes no head, so its siblings do
+    not leave each of their turns to it (every turn would wait YIELD_S: about 3 dispatches a second)."""
+    sibling = FlowQueue(QueueLimits())
+    stuck = sibling.hold(0, "a", 100, 1, now=0)
+    assert isinstance(stuck, Held)
+    assert sibling.heads() == {0: 0.0}
+    assert sibling.heads(eligible=lambda h: h is not stuck) == {}  # its model's backends are all full
+    assert sibling.heads(eligible=lambda h: True) == {0: 0.0}
+    queue = FlowQueue(QueueLimits())
+    queue.hold(0, "b", 100, 1, now=0)
+    queue.set_peers({0: {"b": 500.0}}, held=1, heads=sibling.heads(eligible=lambda h: h is not stuck))
+    assert queue.pop(now=1.0) is not None  # no yielding

@@ -252,3 +252,22 @@ def test_requests_held_when_flow_control_is_turned_off_all_go():
         assert all(isinstance(h, Held) and h.state is State.DISPATCHED for h in held)
 
     asyncio.run(main())
+
+
+def test_the_siblings_are_told_only_the_heads_that_can_run_here():
+    """The replica link publishes `heads()`: a request whose candidates are all saturated is no
+    sibling's reason to leave a turn to this replica."""
+
+    async def main() -> None:
+        fleet = Fleet(0)
+        room = make(Settings(hash_key=bytes(16)), fleet)
+        task = asyncio.create_task(room.wait(klass("a"), 100, 10, BACKENDS))
+        await asyncio.sleep(0.01)
+        assert len(room) == 1 and room.shares() == ({}, 1)
+        assert room.heads() == {}  # held, and nowhere to run
+        fleet.slots = 1
+        assert room.heads() == {0: 0.0}  # room opened: its turn, for the siblings to leave to it
+        room.drain()
+        await task
+
+    asyncio.run(main())

@@ -265,20 +265,27 @@ class FlowQueue:
         served = {p: {n: f.served for n, f in band.flows.items() if f.served} for p, band in self._bands.items()}
         return {p: flows for p, flows in served.items() if flows}, self._total
 
-    def heads(self) -> dict[int, float]:
+    def heads(self, eligible: Callable[[Held], bool] | None = None) -> dict[int, float]:
         """Per band holding requests here, the least fleet-wide attained cost of its flows that
-        hold one: whose turn it would be here, for the siblings to leave it to this replica."""
+        hold one: whose turn it would be here, for the siblings to leave it to this replica.
+        `eligible` (as `pop` takes it): only flows holding a request that can run now count, or
+        a head for a saturated model would have every sibling yield each of its turns to it."""
         out = {}
         for priority, band in self._bands.items():
-            least = min(self._scores(priority, band), default=None)
+            least = min(self._scores(priority, band, eligible), default=None)
             if least is not None:
                 out[priority] = least
         return out
 
-    def _scores(self, priority: int, band: _Band) -> Iterator[float]:
-        """Each backlogged flow's fleet-wide attained cost in this band: what orders their turns."""
+    def _scores(self, priority: int, band: _Band, eligible: Callable[[Held], bool] | None = None) -> Iterator[float]:
+        """Each backlogged flow's fleet-wide attained cost in this band: what orders their turns
+        (with `eligible`, of the flows holding a request that can run now)."""
         peers = self._peer_attained.get(priority, {})
-        return (f.attained + peers.get(n, 0.0) for n, f in band.backlogged())
+        return (
+            f.attained + peers.get(n, 0.0)
+            for n, f in band.backlogged()
+            if eligible is None or f.first(eligible) is not None
+        )
 
     def set_peers(
         self, attained: Mapping[int, Mapping[str, float]], held: int, heads: Mapping[int, float] | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -99,10 +99,19 @@ class WaitingRoom:
     def __len__(self) -> int:
         return len(self._queue)
 
-    @property
-    def queue(self) -> FlowQueue:
-        """The queue itself: the replica link shares its fairness and bound with the siblings."""
-        return self._queue
+    # What the replica link shares with the siblings (its FlowShares): the queue's fairness and
+    # bound, and its heads as far as they can run now.
+
+    def shares(self) -> tuple[dict[int, dict[str, float]], int]:
+        return self._queue.shares()
+
+    def heads(self) -> dict[int, float]:
+        return self._queue.heads(self._eligibility())
+
+    def set_peers(
+        self, attained: Mapping[int, Mapping[str, float]], held: int, heads: Mapping[int, float] | None = None
+    ) -> None:
+        self._queue.set_peers(attained, held, heads)
 
     @staticmethod
     def _limits_of(settings: Settings) -> QueueLimits:
@@ -194,6 +203,15 @@ class WaitingRoom:
         backends' saturation judged for each of 256 flows held the loop 117 ms."""
         if self._dispatching is not None or not len(self._queue):
             return
+        held = self._queue.pop(self._eligibility(), self._clock())
+        if held is None:
+            return
+        self._dispatching = (held, self._clock())
+        self._finish(held)
+
+    def _eligibility(self) -> Callable[[Held], bool]:
+        """Whether a held request can run now: some of its own candidates have room. Each set of
+        candidates is judged once per call of this (see `pump`)."""
         waiting = self._waiting
         answers: dict[int, bool] = {}  # candidates (by identity: alive while held) -> room now
         fleet = self._fleet()
@@ -211,11 +229,7 @@ class WaitingRoom:
                 room = answers[id(candidates)] = self._room(candidates)
             return room
 
-        held = self._queue.pop(eligible, self._clock())
-        if held is None:
-            return
-        self._dispatching = (held, self._clock())
-        self._finish(held)
+        return eligible
 
     def _ended(self, now: float) -> None:
         for held in self._queue.ended(now):
