@@ -17,7 +17,9 @@ from extproc.core.settings import Settings
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 PIPELINE = assemble(AdapterBook())
-SETTINGS = Settings(hash_key=bytes(16))  # gates: abs 32, rel 1.5; active request = 4 blocks; stick at 0.5
+# gates: abs 32, rel 1.5; active request = 4 blocks; stick at 0.5; a session moves once past the gates
+# (the default also waits for its backend to be saturated: the last test)
+SETTINGS = Settings(hash_key=bytes(16), session_moves="gates")
 
 
 def loads(**active: int) -> LoadTracker:
@@ -165,3 +167,20 @@ def test_requests_are_shed_only_when_every_candidate_is_at_the_limit():
     assert (one_left.label, one_left.backend) == (Label.LOAD_OVERRIDE, C)  # not shed: C has room
     unlimited = run({A: 20}, session_backend=A, loads=loads(a=9, b=9, c=9))
     assert unlimited.backend == A  # 0: never shed
+
+
+def test_by_default_a_conversation_leaves_only_a_saturated_backend():
+    """Past both gates, A still starts the turn at once while it is not saturated: the conversation
+    stays with its cached context. Once A is saturated too (here by its prefill backlog, 40 blocks
+    of 128 tokens against saturationPrefillTokens 1,000), load moves it."""
+    default = Settings(hash_key=bytes(16))  # session_moves "saturated"
+    busy = LoadTracker()
+    busy.reserve(A, 40)  # 40 blocks of prefill and one request in flight: 44 of load, past both gates
+    kept = run({A: 20}, session_backend=A, loads=busy, settings=default, block_tokens=128)
+    assert (kept.label, kept.backend) == (Label.SESSION_MATCH, A)
+    backlogged = Settings(hash_key=bytes(16), saturation_prefill_tokens=1_000)
+    moved = run({A: 20}, session_backend=A, loads=busy, settings=backlogged, block_tokens=128)
+    assert moved.backend != A and moved.label == Label.LOAD_OVERRIDE
+    assert run({A: 20}, session_backend=A, loads=busy, block_tokens=128).backend != A  # "gates": past them is enough
+    # a prompt bound nowhere but held on A is no session: the prefix rule's gates are unchanged
+    assert run({A: 20}, loads=busy, settings=default).backend != A

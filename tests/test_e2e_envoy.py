@@ -448,6 +448,7 @@ def test_load_overrides_affinity_and_the_conversation_follows(tmp_path: Path, bo
     served). Without a response body (full_duplex_request) kvroute's own count ends at the
     response headers, so the pile is seen through the engine's running count."""
     gates = ["--balance-abs-gate", "10", "--balance-rel-gate", "1.5", "--engine-scrape-interval-s", "0.1"]
+    gates += ["--session-moves", "gates"]  # past the gates is enough (the default waits for saturation too)
     sim_args = ["--step-s", "0.05"]  # 2,000 tokens: the held streams outlive the test
     with Stack(tmp_path, sims=3, sim_args=sim_args, extproc_args=gates, **layout_for(body_mode)) as stack:
         history = [{"role": "system", "content": text(RNG, 3000)}, {"role": "user", "content": "start"}]

@@ -109,7 +109,7 @@ def busy_session(router: Router) -> tuple[str, list, list[dict[str, Any]]]:
 
 
 def test_imbalance_overrides_session_affinity():
-    router = make_router()
+    router = make_router(session_moves="gates")  # past the gates is enough (the default: and saturated)
     home, held, history = busy_session(router)
     moved = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
     assert moved.backend != home
@@ -215,14 +215,15 @@ def test_conversations_that_find_their_context_evicted_widen_the_balance_gates()
 
 
 def test_under_pressure_a_conversation_stays_where_load_alone_would_move_it():
-    router = make_router()
+    router = make_router(session_moves="gates")
     home, held, history = busy_session(router)
     for _ in range(40):
         router.pressure.returned(100, 40)  # conversations keep finding most of their context gone
     stayed = router.begin(chat(history, "busy", "next"), FLEET, 10).decision
     assert (stayed.backend, stayed.label) == (home, Label.SESSION_MATCH)
     assert router.state().gate_factor > 1
-    router.reconfigure(Settings(hash_key=b"test-key-16bytes", cache_pressure_gates=False))  # operators can turn it off
+    off = Settings(hash_key=b"test-key-16bytes", session_moves="gates", cache_pressure_gates=False)
+    router.reconfigure(off)  # operators can turn it off
     moved = router.query(chat(history, "busy", "next"), FLEET, 11)
     assert moved.backend != home and moved.label == Label.LOAD_OVERRIDE
     assert router.state().gate_factor == 1.0  # what the decisions apply, not the pressure

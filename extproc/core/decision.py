@@ -63,6 +63,7 @@ class DecisionInputs(NamedTuple):
     bootstrap: bool = False  # a conversation's first request (or one kvroute cannot chain)
     home: str | None = None  # where the prompt's head was first placed (homes.py)
     gate_factor: float = 1.0  # how much the balance gates are widened under cache pressure (pressure.py)
+    block_tokens: float = 0.0  # tokens per block of the chain (saturation_prefill_tokens reads it)
     home_ties: bool = True  # the home wins among backends holding as much of the prompt
     ttft_objective_s: float | None = None  # the request's TTFT objective, if it has one
     sheddable: bool = False  # it may be refused rather than served late

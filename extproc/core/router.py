@@ -260,6 +260,7 @@ class Router:
             bootstrap=bootstrap,
             home=home,
             gate_factor=gate_factor,
+            block_tokens=self.block_tokens() if session_backend is not None else 0.0,
             home_ties=home_ties,
             ttft_objective_s=request.ttft_objective_s,
             sheddable=request.sheddable,

@@ -28,7 +28,9 @@ Pick rules, in order, each winning outright unless its backend is past both bala
 (widened under cache pressure): a session's binding, and that of a backend already holding at
 least `prefix_stick_ratio` of the prompt. Moving such a request would not only recompute its
 prefix but copy the conversation into a second cache, which under cache pressure evicts someone
-else's. Where several backends hold as much of it, the prompt head's home (homes.py) is that
+else's. A session's backend keeps it past the gates too until it is saturated (saturation.py;
+`session_moves` "saturated", the default): an engine with room starts the turn at once. Where several
+backends hold as much of it, the prompt head's home (homes.py) is that
 backend while the caches hold what returning conversations need (`home_ties`): otherwise one copy
 made while the home was busy would draw half of the head's new conversations into a second cache
 for good. Where caches are starved that copy spreads them, which pays more, so the cheaper holder
@@ -46,6 +48,7 @@ from extproc.core.adapters import AdapterBook, Affinity
 from extproc.core.backends import Backend, Role
 from extproc.core.decision import CandidateCost, DecisionInputs, Label, overloaded
 from extproc.core.request import PromptRequest
+from extproc.core.saturation import saturated
 
 _MATCHED = attrgetter("matched")
 _ADAPTER_COST = attrgetter("adapter_cost")
@@ -82,11 +85,27 @@ class Standing:
         (then its cost decides, the evicting term included; with that term 0 slots do not matter),
         nor for KV room."""
         inputs = self.inputs
-        if candidate.adapter is Affinity.EVICT and inputs.settings.adapter_evict_cost > 0:
+        return not self._waits(candidate) and not overloaded(
+            candidate.load, self.least, inputs.settings, inputs.gate_factor
+        )
+
+    def keeps_session(self, candidate: CandidateCost) -> bool:
+        """The conversation's backend keeps it: within the gates, or with `session_moves`
+        "saturated" (the default) past them but not saturated (saturation.py), where the engine
+        starts it at once."""
+        if self.within_gates(candidate):
+            return True
+        inputs = self.inputs
+        if inputs.settings.session_moves != "saturated" or self._waits(candidate):
             return False
-        if candidate.kv_room_cost > 0:  # it would wait there for room: its cost decides
-            return False
-        return not overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
+        load = inputs.loads.get(candidate.backend)
+        return not saturated(load, inputs.settings, inputs.now, inputs.block_tokens)
+
+    def _waits(self, candidate: CandidateCost) -> bool:
+        """It would wait for an adapter slot or for KV room: its cost decides."""
+        if candidate.adapter is Affinity.EVICT and self.inputs.settings.adapter_evict_cost > 0:
+            return True
+        return candidate.kv_room_cost > 0
 
 
 class CandidateFilter(Protocol):
@@ -218,7 +237,7 @@ def ttft_objective(inputs: DecisionInputs, candidates: list[CandidateCost]) -> l
 def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
     """A conversation stays where its context is (sessions.py)."""
     session = standing.session
-    if session is not None and standing.within_gates(session):
+    if session is not None and standing.keeps_session(session):
         return session, Label.SESSION_MATCH
     return None
 

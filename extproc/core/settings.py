@@ -321,6 +321,16 @@ class Settings:
     balance_rel_gate: float = _setting(
         1.5, "...and is more than this multiple of the least loaded backend's load.", POSITIVE, "balanceRelGate"
     )
+    session_moves: str = _setting(
+        "saturated",
+        "When load moves a conversation off its backend. saturated: once that backend is past both balance "
+        "gates and saturated as flow control judges it (saturationWaitingRequests, saturationKVUsage, "
+        "maxBackendRequests, saturationPrefillTokens): an engine with room starts the turn at once, and a move "
+        "recomputes the conversation's context and copies it into a second cache. gates: once past the gates "
+        "(before 2026-12-06).",
+        policy="sessionMoves",
+        choices=("gates", "saturated"),
+    )
     prefix_stick_ratio: float = _setting(
         0.5,
         "A request stays on a backend holding this share of its prompt unless past the balance gates.",
