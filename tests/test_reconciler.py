@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from controller.audit import stale
-from controller.reconciler import Reconciler
+from controller.reconciler import PatchStatus, Reconciler
 from tests.controller_objects import T0, pools, record, summaries
 from tests.k8s_objects import inference_pool, pod, policy, pool_policy
 
@@ -78,11 +78,18 @@ def test_a_malformed_policy_does_not_stop_the_others():
     asyncio.run(scenario())
 
 
-def test_the_reconciler_settles_pool_policies_when_their_pool_appears():
+def recorder() -> tuple[list[dict[str, Any]], PatchStatus]:
+    """A status patch that keeps the statuses it was given, in order."""
     patched: list[dict[str, Any]] = []
 
     async def patch(_namespace: str, _name: str, new: dict[str, Any]) -> None:
         patched.append(new)
+
+    return patched, patch
+
+
+def test_the_reconciler_settles_pool_policies_when_their_pool_appears():
+    patched, patch = recorder()
 
     async def scenario() -> None:
         reconciler = Reconciler(patch, debounce_s=0)
@@ -109,10 +116,7 @@ def test_stale_condemns_only_indexed_objects_of_covered_namespaces_that_the_list
 
 
 def test_reconciler_leaves_out_what_the_audit_found_gone_and_takes_it_back():
-    patches: list[dict[str, Any]] = []
-
-    async def patch(_namespace: str, _name: str, new: dict[str, Any]) -> None:
-        patches.append(new)
+    patches, patch = recorder()
 
     async def scenario() -> None:
         reconciler = Reconciler(patch, debounce_s=0)
