@@ -63,10 +63,15 @@ async def _listed(list_page: ListPage) -> dict[str, set[str]]:
 
 
 async def _json(call: Awaitable[Any]) -> dict[str, Any]:
-    """A list call made with `_preload_content=False`: its JSON, parsed once, not into models."""
+    """A list call made with `_preload_content=False`: its JSON, parsed once, not into models.
+    Unpreloaded, kubernetes-asyncio hands back any status; an error's body (a Status, no items)
+    would read as an empty list, condemning everything indexed, so it is raised here."""
     response = await call
     try:
-        return dict(orjson.loads(await response.read()))
+        body = await response.read()
+        if not 200 <= response.status <= 299:
+            raise ApiException(status=response.status, reason=body[:200].decode("utf-8", "replace"))
+        return dict(orjson.loads(body))
     finally:
         response.release()
 

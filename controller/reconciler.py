@@ -83,6 +83,11 @@ class Reconciler:
         self.gone = gone
         if not changed:
             return
+        error = self.last_error or ""
+        for namespace, policies in self._policies.items():
+            for policy in policies:  # its failed patch (404) is no reason to stay unready
+                if policy.get("uid") in gone and error.startswith(f"{namespace}/{policy.get('name')}: "):
+                    self.last_error = None
         for snapshot in (self._pods, self._policies, self._pools):
             for namespace, entries in snapshot.items():
                 if any(entry.get("uid") in changed for entry in entries):

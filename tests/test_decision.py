@@ -176,6 +176,9 @@ def test_by_default_a_conversation_leaves_only_a_saturated_backend():
     default = Settings(hash_key=bytes(16))  # session_moves "saturated"
     busy = LoadTracker()
     busy.reserve(A, 40)  # 40 blocks of prefill and one request in flight: 44 of load, past both gates
+    unknown = run({A: 20}, session_backend=A, loads=busy, settings=default, block_tokens=128)
+    assert unknown.backend != A  # no engine sample yet: saturation cannot be told, the gates decide
+    busy.get(A).report(running=1, waiting=0, kv_usage=0.3, now=0.0)  # the engine runs it, nothing waits
     kept = run({A: 20}, session_backend=A, loads=busy, settings=default, block_tokens=128)
     assert (kept.label, kept.backend) == (Label.SESSION_MATCH, A)
     backlogged = Settings(hash_key=bytes(16), saturation_prefill_tokens=1_000)

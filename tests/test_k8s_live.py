@@ -20,10 +20,13 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from bench.harness.processes import free_port, spawn, stop, wait_http
 from bench.harness.stack import PICKER_GATEWAY, Stack, dev_command, kvroute_command
 from bench.harness.tiny_model import tokenizer_files
+from controller.audit import Auditor
+from controller.reconciler import Reconciler
 from extproc.kube.objectives import ObjectiveWatcher
 from tests.controlplane import ROOT, ControlPlane
 from tests.e2e import eventually, get, post, until
@@ -276,6 +279,33 @@ def test_a_pod_deleted_while_the_operator_was_cut_off_leaves_the_status(cluster:
     eventually(lambda: gone not in cluster.ready(), timeout_s=60, message="the deleted pod leaves the status")
     assert cluster.ready() == {f"{ip}:{PORT}" for ip in SIM_IPS[:3]}
     cluster.cp.kubectl("delete", "configmap", "cut-off", "-n", NS)
+
+
+def test_an_audit_the_api_server_refuses_condemns_nothing(cluster: Cluster):
+    """A list the API server answers with an error (here 403: a ServiceAccount with no rights) must
+    not read as an empty one: the audit fails, logged and retried, and nothing indexed is left out."""
+    cluster.cp.kubectl("create", "serviceaccount", "audit-nobody", "-n", NS)
+    kubeconfig = cluster.cp.kubeconfig_for(NS, "audit-nobody")
+
+    async def audit() -> Reconciler:
+        async def patch(_namespace: str, _name: str, _status: dict[str, Any]) -> None:
+            raise AssertionError("nothing to write")
+
+        reconciler = Reconciler(patch)
+        indexed = {"uid": "uid-live", "name": "live", "policy": None}
+        reconciler.touch(NS, {NS: [indexed]}, {NS: [{"name": "default", "uid": "uid-policy"}]}, {})
+        configuration = client.Configuration()
+        await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+        async with client.ApiClient(configuration) as api:
+            with pytest.raises(ApiException) as refused:
+                await Auditor(reconciler, 1.0, lambda: asyncio.sleep(0, True)).audit(api)
+        assert refused.value.status == 403
+        return reconciler
+
+    try:
+        assert asyncio.run(audit()).gone == frozenset()
+    finally:
+        cluster.cp.kubectl("delete", "serviceaccount", "audit-nobody", "-n", NS)
 
 
 # --- the ext_proc following the policy --------------------------------------------------------

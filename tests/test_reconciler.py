@@ -136,3 +136,25 @@ def test_reconciler_leaves_out_what_the_audit_found_gone_and_takes_it_back():
         assert patches[-1]["readyBackends"] == 2
 
     asyncio.run(scenario())
+
+
+def test_a_policy_forgotten_after_its_patch_failed_leaves_the_operator_ready():
+    """A policy deleted while the watch was cut off: its patch failed (404); once the audit
+    finds it gone, that failure no longer keeps /readyz at 503."""
+
+    async def missing(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        raise LookupError(f"kvroutingpolicies {name!r} not found")
+
+    async def scenario() -> None:
+        reconciler = Reconciler(missing, debounce_s=0)
+        gone = record("llm", policy("gone"))
+        gone["uid"] = "uid-gone"
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [gone]}, {})
+        await reconciler.settle(["llm"])
+        assert reconciler.last_error and reconciler.last_error.startswith("llm/gone: ")
+        reconciler.forget({"uid-other"})
+        assert reconciler.last_error  # another object's verdict changes nothing
+        reconciler.forget({"uid-gone"})
+        assert reconciler.last_error is None
+
+    asyncio.run(scenario())

@@ -254,20 +254,30 @@ def test_requests_held_when_flow_control_is_turned_off_all_go():
     asyncio.run(main())
 
 
-def test_the_siblings_are_told_only_the_heads_that_can_run_here():
-    """The replica link publishes `heads()`: a request whose candidates are all saturated is no
-    sibling's reason to leave a turn to this replica."""
+def test_the_siblings_are_told_no_head_held_for_a_model_whose_backends_are_full():
+    """The replica link publishes `heads()`. A request held because its own candidates are full
+    while the fleet has room elsewhere is no sibling's reason to leave a turn to this replica; with
+    the whole fleet full it is (a freed slot then goes to the fleet's next turn)."""
 
     async def main() -> None:
-        fleet = Fleet(0)
-        room = make(Settings(hash_key=bytes(16)), fleet)
-        task = asyncio.create_task(room.wait(klass("a"), 100, 10, BACKENDS))
+        x, y = Backend("10.0.0.1:8000"), Backend("10.0.0.2:8000")
+        full = {x.address}
+
+        def room(backends: object) -> bool:
+            return any(b.address not in full for b in backends)  # type: ignore[attr-defined]
+
+        waiting = WaitingRoom(
+            lambda: Settings(hash_key=bytes(16)), room, WaitingRoomMetrics(CollectorRegistry()), clock, lambda: (x, y)
+        )
+        task = asyncio.create_task(waiting.wait(klass("a"), 100, 10, (x,)))  # its model is served by x alone
         await asyncio.sleep(0.01)
-        assert len(room) == 1 and room.shares() == ({}, 1)
-        assert room.heads() == {}  # held, and nowhere to run
-        fleet.slots = 1
-        assert room.heads() == {0: 0.0}  # room opened: its turn, for the siblings to leave to it
-        room.drain()
+        assert len(waiting) == 1 and waiting.shares() == ({}, 1)
+        assert waiting.heads() == {}  # held for x, while y has room
+        full.add(y.address)
+        assert waiting.heads() == {0: 0.0}  # the whole fleet full: its turn, for the siblings to leave to it
+        full.clear()
+        assert waiting.heads() == {0: 0.0}  # x has room: it can run
+        waiting.drain()
         await task
 
     asyncio.run(main())

@@ -29,7 +29,8 @@ Pick rules, in order, each winning outright unless its backend is past both bala
 least `prefix_stick_ratio` of the prompt. Moving such a request would not only recompute its
 prefix but copy the conversation into a second cache, which under cache pressure evicts someone
 else's. A session's backend keeps it past the gates too until it is saturated (saturation.py;
-`session_moves` "saturated", the default): an engine with room starts the turn at once. Where several
+`session_moves` "saturated", the default; without a fresh engine sample, the gates alone): an
+engine with room starts the turn at once. Where several
 backends hold as much of it, the prompt head's home (homes.py) is that
 backend while the caches hold what returning conversations need (`home_ties`): otherwise one copy
 made while the home was busy would draw half of the head's new conversations into a second cache
@@ -92,13 +93,15 @@ class Standing:
     def keeps_session(self, candidate: CandidateCost) -> bool:
         """The conversation's backend keeps it: within the gates, or with `session_moves`
         "saturated" (the default) past them but not saturated (saturation.py), where the engine
-        starts it at once."""
+        starts it at once. Without a fresh engine sample that cannot be told: the gates decide."""
         if self.within_gates(candidate):
             return True
         inputs = self.inputs
         if inputs.settings.session_moves != "saturated" or self._waits(candidate):
             return False
         load = inputs.loads.get(candidate.backend)
+        if not load.engine_fresh(inputs.now):
+            return False
         return not saturated(load, inputs.settings, inputs.now, inputs.block_tokens)
 
     def _waits(self, candidate: CandidateCost) -> bool:

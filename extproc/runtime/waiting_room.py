@@ -106,6 +106,12 @@ class WaitingRoom:
         return self._queue.shares()
 
     def heads(self) -> dict[int, float]:
+        """A held request whose own candidates are saturated while some of the fleet has room
+        (its model's backends are full) is no head: siblings would leave it turns it cannot take.
+        With the whole fleet saturated every held one is, so that a freed slot goes to the
+        fleet's next turn, not to whichever replica sees it first."""
+        if len(self._queue) and not self._room(self._fleet()):
+            return self._queue.heads()
         return self._queue.heads(self._eligibility())
 
     def set_peers(
