@@ -33,15 +33,21 @@ def uids(snapshot: Snapshot) -> dict[str, set[str]]:
     return {namespace: {e["uid"] for e in entries if e.get("uid")} for namespace, entries in snapshot.items()}
 
 
-def stale(indexed: Mapping[str, Collection[str]], listed: Mapping[str, Collection[str]]) -> set[str]:
-    """The uids indexed (before the list was asked for) in a namespace the list covers, and absent
-    from it. An object created after the index was read is not in `indexed`, so a list that
-    predates it cannot condemn it."""
+def stale(
+    indexed: Mapping[str, Collection[str]],
+    listed: Mapping[str, Collection[str]],
+    covered: Collection[str] | None = None,
+) -> set[str]:
+    """The uids indexed (before the list was asked for) in a namespace the list covers (`covered`;
+    by default those it names, a cluster-wide list every one), and absent from it. An object
+    created after the index was read is not in `indexed`, so a list that predates it cannot
+    condemn it."""
+    covered = listed.keys() if covered is None else covered
     return {
         uid
         for namespace, known in indexed.items()
-        if namespace in listed
-        for uid in set(known) - set(listed[namespace])
+        if namespace in covered
+        for uid in set(known) - set(listed.get(namespace, ()))
     }
 
 
@@ -147,10 +153,9 @@ class Auditor:
         ext_procs = {ns for ns, entries in reconciler.indexed_pods.items() if any(e.get("policy") for e in entries)}
         namespaces = sorted(set(policies) | ext_procs)
         listed_pods, listed_policies, listed_pools = await list_uids(api, namespaces, bool(pools))
-        covered = {namespace: listed_policies.get(namespace, set()) for namespace in policies}
-        gone = stale(pods, listed_pods) | stale(policies, covered)
+        gone = stale(pods, listed_pods) | stale(policies, listed_policies, policies.keys())
         if listed_pools is not None:
-            gone |= stale(pools, {namespace: listed_pools.get(namespace, set()) for namespace in pools})
+            gone |= stale(pools, listed_pools, pools.keys())
         if new := gone - reconciler.gone:
             log.warning("%d objects were deleted while the operator's watch was cut off; left out", len(new))
         reconciler.forget(gone)

@@ -85,24 +85,26 @@ class Standing:
         """It may win outright: not past both balance gates, and not waiting for an adapter slot
         (then its cost decides, the evicting term included; with that term 0 slots do not matter),
         nor for KV room."""
-        inputs = self.inputs
-        return not self._waits(candidate) and not overloaded(
-            candidate.load, self.least, inputs.settings, inputs.gate_factor
-        )
+        return not self._waits(candidate) and not self._overloaded(candidate)
 
     def keeps_session(self, candidate: CandidateCost) -> bool:
         """The conversation's backend keeps it: within the gates, or with `session_moves`
         "saturated" (the default) past them but not saturated (saturation.py), where the engine
         starts it at once. Without a fresh engine sample that cannot be told: the gates decide."""
-        if self.within_gates(candidate):
+        if self._waits(candidate):
+            return False
+        if not self._overloaded(candidate):
             return True
         inputs = self.inputs
-        if inputs.settings.session_moves != "saturated" or self._waits(candidate):
+        if inputs.settings.session_moves != "saturated":
             return False
         load = inputs.loads.get(candidate.backend)
-        if not load.engine_fresh(inputs.now):
-            return False
-        return not saturated(load, inputs.settings, inputs.now, inputs.block_tokens)
+        return load.engine_fresh(inputs.now) and not saturated(load, inputs.settings, inputs.now, inputs.block_tokens)
+
+    def _overloaded(self, candidate: CandidateCost) -> bool:
+        """Past both balance gates (widened under cache pressure)."""
+        inputs = self.inputs
+        return overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
 
     def _waits(self, candidate: CandidateCost) -> bool:
         """It would wait for an adapter slot or for KV room: its cost decides."""
