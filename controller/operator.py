@@ -14,6 +14,8 @@ import asyncio
 import datetime
 import logging
 import random
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -31,6 +33,8 @@ from extproc.core import policy as contract
 log = logging.getLogger(__name__)
 REGISTRY = kopf.OperatorRegistry()
 PEERING = "kvroute"  # kopf's ClusterKopfPeering object the replicas coordinate through
+# where the kubelet mounts a pod's own namespace beside its service account's token
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -123,7 +127,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     tasks = [memo.reconciler_task]
     priority = settings.peering.priority
     if memo.reuse_interval_s > 0:
-        reader = ReuseReader(reconciler, memo.reuse_interval_s, lambda: _leading(priority))
+        reader = ReuseReader(reconciler, memo.reuse_interval_s, lambda: _leading(priority), memo.extproc_namespaces)
         tasks.append(asyncio.create_task(reader.run()))
     if memo.audit_interval_s > 0:
         auditor = Auditor(reconciler, memo.audit_interval_s, lambda: _leading(priority))
@@ -191,15 +195,29 @@ async def changed(
     memo.reconciler.touch(namespace or "", pods_by_namespace, policies_by_namespace, pools_by_namespace)
 
 
+def own_namespace(path: Path = SERVICE_ACCOUNT_NAMESPACE) -> tuple[str, ...]:
+    """The namespace of the pod the operator runs in, from its service account's mount; none
+    outside a cluster."""
+    try:
+        namespace = path.read_text().strip()
+    except OSError:
+        return ()
+    return (namespace,) if namespace else ()
+
+
 def main(
     health_host: str = "0.0.0.0",
     health_port: int = 8080,
     reuse_interval_s: float = 30.0,
     audit_interval_s: float = 60.0,
+    extproc_namespaces: Sequence[str] | None = None,
 ) -> None:
     """Blocking entry point: all namespaces, peering on; /healthz and /readyz on the health port;
-    the ext_procs' reuse counters read every `reuse_interval_s` (0: never); the indexes checked
-    against the API server every `audit_interval_s` (controller/audit.py; 0: never)."""
+    the ext_procs' reuse counters read every `reuse_interval_s` (0: never), from a policy's own
+    namespace and `extproc_namespaces` (None: the namespace the operator runs in, if in a cluster);
+    the indexes checked against the API server every `audit_interval_s` (controller/audit.py; 0: never)."""
+    if extproc_namespaces is None:
+        extproc_namespaces = own_namespace()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     insights = Insights()  # what kopf follows; shared so that late CRDs can be looked up again
     memo = kopf.Memo(
@@ -208,5 +226,6 @@ def main(
         insights=insights,
         reuse_interval_s=reuse_interval_s,
         audit_interval_s=audit_interval_s,
+        extproc_namespaces=tuple(extproc_namespaces),
     )
     kopf.run(registry=REGISTRY, clusterwide=True, peering_name=PEERING, memo=memo, insights=insights)

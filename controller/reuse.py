@@ -99,16 +99,40 @@ def summary(replicas: Iterable[ReplicaReuse], expected: int) -> dict[str, Any]:
     }
 
 
-def extproc_endpoints(policy: str, pods: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """(pod, http://ip:port) of every ready ext_proc pod serving `policy` (namespace/name)."""
+def extproc_endpoints(
+    policy: str, pods: Mapping[str, Iterable[Mapping[str, Any]]], trusted: Iterable[str] = ()
+) -> list[tuple[str, str]]:
+    """(pod, http://ip:port) of every ready ext_proc pod serving `policy` (namespace/name), among
+    `pods` by namespace: only from the policy's own namespace or a `trusted` one (where the
+    operator's installation runs the ext_procs). A pod elsewhere that claims the policy would add
+    figures of its own to another namespace's status."""
     out = []
-    for pod in pods:
-        port = pod["ports"].get(ADMIN_PORT)
-        served = (pod.get("policy") or "").split(",")
-        if policy in served and pod["ready"] and pod["ip"] and port:
-            host = f"[{pod['ip']}]" if ":" in pod["ip"] else pod["ip"]
-            out.append((pod["name"], f"http://{host}:{port}"))
+    for namespace in {policy.partition("/")[0], *trusted}:
+        for pod in pods.get(namespace, ()):
+            port = pod["ports"].get(ADMIN_PORT)
+            if _serves(pod, policy) and pod["ready"] and pod["ip"] and port:
+                host = f"[{pod['ip']}]" if ":" in pod["ip"] else pod["ip"]
+                out.append((pod["name"], f"http://{host}:{port}"))
     return sorted(out)
+
+
+def untrusted_claims(
+    policy: str, pods: Mapping[str, Iterable[Mapping[str, Any]]], trusted: Iterable[str] = ()
+) -> list[str]:
+    """namespace/pod of every pod that claims `policy` from a namespace `extproc_endpoints` does not
+    read: reported, never summed."""
+    allowed = {policy.partition("/")[0], *trusted}
+    return sorted(
+        f"{namespace}/{pod['name']}"
+        for namespace, entries in pods.items()
+        if namespace not in allowed
+        for pod in entries
+        if _serves(pod, policy)
+    )
+
+
+def _serves(pod: Mapping[str, Any], policy: str) -> bool:
+    return policy in (pod.get("policy") or "").split(",")
 
 
 def leading(peering_status: Mapping[str, Any] | None, own_priority: int, now: datetime.datetime) -> bool:

@@ -3,19 +3,21 @@
 
 Only the replica kopf's peering lets work reads and writes: a standby's pod list may be stale.
 A replica that cannot be read is left out of the sums (the summary says how many answered), logged
-once until it answers again, and counted.
+once until it answers again, and counted. Only ext_procs in the policy's own namespace or one the
+operator trusts are read (controller/reuse.py `extproc_endpoints`); a pod elsewhere that claims a
+policy is logged once and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 
 from controller.reconciler import Reconciler
-from controller.reuse import ReplicaReuse, extproc_endpoints, parse, summary
+from controller.reuse import ReplicaReuse, extproc_endpoints, parse, summary, untrusted_claims
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +28,21 @@ READ_TIMEOUT_S = 3.0
 class ReuseReader:
     """One loop for every policy; `leading` says whether this replica works now."""
 
-    def __init__(self, reconciler: Reconciler, interval_s: float, leading: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        interval_s: float,
+        leading: Callable[[], Awaitable[bool]],
+        trusted: Iterable[str] = (),
+    ) -> None:
         self._reconciler = reconciler
         self._interval_s = interval_s
         self._leading = leading
+        self._trusted = frozenset(trusted)  # namespaces besides a policy's own whose ext_procs are read
         self._failing: set[str] = set()  # pods whose last read failed (logged once)
+        self._refused: set[str] = set()  # pods claiming a policy from an untrusted namespace (logged once)
         self.errors = 0
+        self.untrusted = 0
 
     async def run(self) -> None:
         """Forever, every interval; survives any error (logged, counted)."""
@@ -48,11 +59,12 @@ class ReuseReader:
 
     async def read_all(self, http: aiohttp.ClientSession) -> None:
         """Every policy with ext_proc pods: read them all at once, hand the sums on."""
-        pods = [pod for namespace_pods in self._reconciler.pods.values() for pod in namespace_pods]
+        pods = self._reconciler.pods
         for namespace, policies in list(self._reconciler.policies.items()):
             for policy in list(policies):
                 name = f"{namespace}/{policy['name']}"
-                endpoints = extproc_endpoints(name, pods)
+                self._refuse(name, untrusted_claims(name, pods, self._trusted))
+                endpoints = extproc_endpoints(name, pods, self._trusted)
                 if not endpoints:
                     continue
                 read = await asyncio.gather(*(self._read(http, pod, url, name) for pod, url in endpoints))
@@ -60,6 +72,18 @@ class ReuseReader:
                 if not replicas:  # none answered: the last sums stand rather than zeros
                     continue
                 self._reconciler.set_reuse(namespace, policy["name"], summary(replicas, len(endpoints)))
+
+    def _refuse(self, policy: str, claims: list[str]) -> None:
+        for pod in claims:
+            self.untrusted += 1
+            if pod not in self._refused:
+                self._refused.add(pod)
+                log.warning(
+                    "pod %s claims policy %s from a namespace whose ext_procs are not read (the policy's own and "
+                    "--extproc-namespaces are); its counters are left out",
+                    pod,
+                    policy,
+                )
 
     async def _read(self, http: aiohttp.ClientSession, pod: str, url: str, policy: str) -> ReplicaReuse | None:
         try:

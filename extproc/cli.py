@@ -39,6 +39,13 @@ def parser() -> argparse.ArgumentParser:
         help="seconds between checks of the operator's watched objects against the API server, which drop "
         "those deleted while its watch was cut off (0: off)",
     )
+    controller.add_argument(
+        "--extproc-namespaces",
+        type=lambda value: tuple(n for n in value.split(",") if n),
+        default=None,
+        help="comma-separated namespaces whose ext_proc pods may report reuse for policies of other namespaces "
+        "(a policy's own namespace always may; default: the namespace the operator runs in)",
+    )
 
     envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")
     envoy.add_argument("--listen-port", type=int, default=_LAYOUT.listen_port)
@@ -176,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "controller":
         from controller import operator
 
-        operator.main(args.health_host, args.health_port, args.reuse_interval, args.audit_interval)
+        operator.main(
+            args.health_host, args.health_port, args.reuse_interval, args.audit_interval, args.extproc_namespaces
+        )
     elif args.command == "envoy-config":
         _envoy_config(args)
     elif args.command == "tls-certs":

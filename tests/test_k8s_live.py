@@ -39,11 +39,11 @@ SIM_IPS = [f"127.0.0.{i}" for i in range(2, 7)]
 BODY = {"model": "sim-model", "max_tokens": 2}
 
 
-def pod_manifest(name: str, ip_label: str, app: str = "sim") -> dict[str, Any]:
+def pod_manifest(name: str, ip_label: str, app: str = "sim", namespace: str = NS) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS, "labels": {"app": app, "ip": ip_label}},
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app": app, "ip": ip_label}},
         "spec": {"containers": [{"name": "vllm", "image": "sim", "ports": [{"name": "http", "containerPort": PORT}]}]},
     }
 
@@ -60,7 +60,7 @@ class Cluster:
         self.cp.apply([pod_manifest(name, ip.replace(".", "-"), app)])
         self.set_ready(name, ip, ready)
 
-    def set_ready(self, name: str, ip: str, ready: bool) -> None:
+    def set_ready(self, name: str, ip: str, ready: bool, namespace: str = NS) -> None:
         status = {
             "phase": "Running",
             "podIP": ip,
@@ -68,7 +68,15 @@ class Cluster:
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         }
         self.cp.kubectl(
-            "patch", "pod", name, "-n", NS, "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
+            "patch",
+            "pod",
+            name,
+            "-n",
+            namespace,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": status}),
         )
 
     def status(self, policy: str = "default") -> dict[str, Any]:
@@ -332,14 +340,21 @@ def test_a_conversation_stays_on_its_pod(cluster: Cluster):
 
 def test_the_policy_status_sums_the_extprocs_reuse_and_kubectl_get_shows_it(cluster: Cluster):
     """The operator finds the ext_proc pod serving the policy by its annotation, reads its
-    /metrics on the admin port, and writes the sums and ratios that `kubectl get kvrp` shows."""
-    pod = pod_manifest("extproc-0", "127-0-0-1", app="extproc")
-    pod["metadata"]["annotations"] = {"kvroute.io/policy": f"{NS}/default"}
-    pod["spec"]["containers"] = [
-        {"name": "extproc", "image": "kvroute", "ports": [{"name": "admin", "containerPort": cluster.stack.admin_port}]}
-    ]
-    cluster.cp.apply([pod])
+    /metrics on the admin port, and writes the sums and ratios that `kubectl get kvrp` shows. A pod
+    in another tenant's namespace that claims the same policy (here pointing at the same counters,
+    which would double every sum) is not read."""
+
+    def extproc_pod(name: str, namespace: str) -> dict[str, Any]:
+        pod = pod_manifest(name, "127-0-0-1", app="extproc", namespace=namespace)
+        pod["metadata"]["annotations"] = {"kvroute.io/policy": f"{NS}/default"}
+        admin = {"name": "admin", "containerPort": cluster.stack.admin_port}
+        pod["spec"]["containers"] = [{"name": "extproc", "image": "kvroute", "ports": [admin]}]
+        return pod
+
+    cluster.cp.kubectl("create", "namespace", "other-tenant")
+    cluster.cp.apply([extproc_pod("extproc-0", NS), extproc_pod("intruder", "other-tenant")])
     cluster.set_ready("extproc-0", "127.0.0.1", True)
+    cluster.set_ready("intruder", "127.0.0.1", True, namespace="other-tenant")
     try:
         for turn in range(3):  # one conversation: each turn finds the previous one cached
             chat(cluster, "a long shared history " * 60 + f"turn {turn}", "reuse-1")
@@ -353,6 +368,11 @@ def test_the_policy_status_sums_the_extprocs_reuse_and_kubectl_get_shows_it(clus
         reuse = cluster.status()["reuse"]
         assert reuse["availableTokens"] == own["available_tokens"] and reuse["promptTokens"] == own["prompt_tokens"]
         assert own["routed_tokens"] > 0 and reuse["routingEfficiency"] == round(own["routing_efficiency"], 3)
+        assert reuse["extprocsExpected"] == 1
+        refused = "pod other-tenant/intruder claims policy"
+        eventually(
+            lambda: any(refused in cluster.log(name) for name in cluster.operators), timeout_s=10, message="logged"
+        )
         table = cluster.cp.kubectl("get", "kvrp", "default", "-n", NS).stdout.splitlines()
         columns = table[0].split()
         assert columns[:5] == ["NAME", "READY", "BACKENDS", "EFFICIENCY", "ACCURACY"] and "RATE" in columns
@@ -360,6 +380,7 @@ def test_the_policy_status_sums_the_extprocs_reuse_and_kubectl_get_shows_it(clus
         assert float(row["EFFICIENCY"]) == reuse["routingEfficiency"]
     finally:
         cluster.cp.kubectl("delete", "pod", "extproc-0", "-n", NS, "--wait=false")
+        cluster.cp.kubectl("delete", "namespace", "other-tenant", "--wait=false")
 
 
 def test_scaling_pods_changes_the_backend_set_within_seconds(cluster: Cluster):

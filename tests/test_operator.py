@@ -68,7 +68,12 @@ def test_startup_configures_kopf_quietly(monkeypatch):
 
     monkeypatch.setattr(operator, "_client_configuration", local)
     memo = kopf.Memo(
-        health_host="127.0.0.1", health_port=0, insights=Insights(), reuse_interval_s=30.0, audit_interval_s=60.0
+        health_host="127.0.0.1",
+        health_port=0,
+        insights=Insights(),
+        reuse_interval_s=30.0,
+        audit_interval_s=60.0,
+        extproc_namespaces=(),
     )
 
     async def scenario() -> None:
@@ -96,7 +101,12 @@ def test_a_startup_that_fails_on_its_probe_port_leaves_nothing_running(monkeypat
         taken = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = taken.sockets[0].getsockname()[1]
         memo = kopf.Memo(
-            health_host="127.0.0.1", health_port=port, insights=Insights(), reuse_interval_s=30.0, audit_interval_s=60.0
+            health_host="127.0.0.1",
+            health_port=port,
+            insights=Insights(),
+            reuse_interval_s=30.0,
+            audit_interval_s=60.0,
+            extproc_namespaces=(),
         )
         before = len(asyncio.all_tasks())
         try:

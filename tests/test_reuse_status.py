@@ -12,7 +12,9 @@ from test_attribution import sample
 from test_router import FLEET, A, chat, make_router, serve
 
 from controller import logic
-from controller.reuse import ReplicaReuse, extproc_endpoints, leading, parse, summary
+from controller.operator import own_namespace
+from controller.reuse import ReplicaReuse, extproc_endpoints, leading, parse, summary, untrusted_claims
+from extproc.cli import parser
 from extproc.core.router import Router
 from extproc.runtime.metrics import Metrics, PolicyLabelled
 from extproc.runtime.pool import BackendPool
@@ -71,20 +73,44 @@ def test_ready_ext_proc_pods_of_the_policy_are_read_on_their_admin_port():
         }
         return logic.pod_summary(body)
 
-    pods = [
-        pod("b", "llm/default"),
-        pod("a", "llm/default", ip="fd00::1"),
-        pod("c", "llm/other"),
-        pod("d", "llm/default", ready=False),
-        pod("e", None),
-        pod("f", "llm/chat,llm/default", ip="10.0.0.6"),  # one ext_proc serving two policies
+    pods = {
+        "llm": [
+            pod("b", "llm/default"),
+            pod("a", "llm/default", ip="fd00::1"),
+            pod("c", "llm/other"),
+            pod("d", "llm/default", ready=False),
+            pod("e", None),
+            pod("f", "llm/chat,llm/default", ip="10.0.0.6"),  # one ext_proc serving two policies
+        ],
+        "kvroute": [pod("g", "llm/default", ip="10.0.1.7")],  # where the chart runs the ext_procs
+        "tenant": [pod("h", "llm/default", ip="10.0.2.8"), pod("i", "tenant/default", ip="10.0.2.9")],
+    }
+    assert extproc_endpoints("llm/default", pods, trusted=["kvroute"]) == [
+        ("a", "http://[fd00::1]:9003"),
+        ("b", "http://10.0.0.1:9003"),
+        ("f", "http://10.0.0.6:9003"),
+        ("g", "http://10.0.1.7:9003"),
     ]
+    assert extproc_endpoints("llm/chat", pods) == [("f", "http://10.0.0.6:9003")]
+    # a pod in another tenant's namespace that claims the policy is never read, only reported
     assert extproc_endpoints("llm/default", pods) == [
         ("a", "http://[fd00::1]:9003"),
         ("b", "http://10.0.0.1:9003"),
         ("f", "http://10.0.0.6:9003"),
     ]
-    assert extproc_endpoints("llm/chat", pods) == [("f", "http://10.0.0.6:9003")]
+    assert untrusted_claims("llm/default", pods, trusted=["kvroute"]) == ["tenant/h"]
+    assert untrusted_claims("llm/default", pods) == ["kvroute/g", "tenant/h"]
+    assert untrusted_claims("tenant/default", pods) == []
+
+
+def test_the_operator_trusts_the_namespace_it_runs_in(tmp_path):
+    mounted = tmp_path / "namespace"
+    mounted.write_text("kvroute\n")
+    assert own_namespace(mounted) == ("kvroute",)
+    assert own_namespace(tmp_path / "absent") == ()  # outside a cluster: a policy's own namespace only
+    assert parser().parse_args(["controller"]).extproc_namespaces is None  # then: the namespace it runs in
+    named = parser().parse_args(["controller", "--extproc-namespaces", "kvroute,gateway,"])
+    assert named.extproc_namespaces == ("kvroute", "gateway")
 
 
 def test_an_extproc_serving_several_policies_gives_each_its_own_sums():
