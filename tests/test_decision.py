@@ -78,13 +78,26 @@ def test_overloaded_needs_both_the_absolute_and_the_relative_gate(load: float, l
 
 
 def test_under_cache_pressure_the_gates_widen_for_sessions_and_heads():
-    moved = run(session_backend=A, loads=loads(a=9))  # past both gates, as above
+    busy = {"b": 1, "c": 1}  # the least loaded at 4 blocks
+    moved = run(session_backend=A, loads=loads(a=10, **busy))  # 40 > 4 + 32 and 40 > 1.5 * 4
     assert moved.label == Label.LOAD_OVERRIDE
-    kept = run(session_backend=A, loads=loads(a=9), gate_factor=2.0)  # 36 < 2 * 32
+    kept = run(session_backend=A, loads=loads(a=10, **busy), gate_factor=2.0)  # 36 < 2 * 32
     assert (kept.label, kept.backend) == (Label.SESSION_MATCH, A)
-    homed = run(home=A, loads=loads(a=9), gate_factor=2.0)
+    homed = run(home=A, loads=loads(a=10, **busy), gate_factor=2.0)
     assert (homed.label, homed.backend) == (Label.PREFIX_HOME, A)
-    assert run(session_backend=A, loads=loads(a=17), gate_factor=2.0).label == Label.LOAD_OVERRIDE  # 68 > 64
+    assert run(session_backend=A, loads=loads(a=19, **busy), gate_factor=2.0).label == Label.LOAD_OVERRIDE  # 72 > 64
+
+
+def test_with_a_candidate_idle_the_gates_do_not_widen():
+    """However starved the caches look, a backend past the configured gates does not keep a
+    conversation or a head while another does nothing: the cost decides."""
+    for factor in (1.0, 2.0, 16.0):
+        session = run(session_backend=A, loads=loads(a=9, b=1), gate_factor=factor)  # C idle
+        assert (session.label, session.backend) == (Label.LOAD_OVERRIDE, C)
+        head = run(home=A, loads=loads(a=9, b=1), gate_factor=factor)
+        assert (head.label, head.backend) == (Label.LEAST_LOADED, C)
+        held = run({A: 20}, loads=loads(a=9, b=1), gate_factor=factor)
+        assert (held.label, held.backend) == (Label.LOAD_OVERRIDE, C)  # 36 of load against 20 blocks of prefill
 
 
 def test_a_head_goes_home_only_while_nothing_holds_any_of_it_and_home_is_within_the_gates():

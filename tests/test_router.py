@@ -217,6 +217,7 @@ def test_conversations_that_find_their_context_evicted_widen_the_balance_gates()
 def test_under_pressure_a_conversation_stays_where_load_alone_would_move_it():
     router = make_router(session_moves="gates")
     home, held, history = busy_session(router)
+    held += [r for b in FLEET if b.address != home for r in occupy(router, b.address, 1)]  # none idle
     for _ in range(40):
         router.pressure.returned(100, 40)  # conversations keep finding most of their context gone
     stayed = router.begin(chat(history, "busy", "next"), FLEET, 10).decision

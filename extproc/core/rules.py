@@ -25,7 +25,7 @@ where none is, a sheddable one is refused (served late it would only take time f
 any other goes where it is predicted soonest. Backends without a prediction yet count as in time.
 
 Pick rules, in order, each winning outright unless its backend is past both balance gates
-(widened under cache pressure): a session's binding, and that of a backend already holding at
+(widened under cache pressure while no candidate is idle): a session's binding, and that of a backend already holding at
 least `prefix_stick_ratio` of the prompt. Moving such a request would not only recompute its
 prefix but copy the conversation into a second cache, which under cache pressure evicts someone
 else's. A session's backend keeps it past the gates too until it is saturated (saturation.py;
@@ -102,9 +102,13 @@ class Standing:
         return load.engine_fresh(inputs.now) and not saturated(load, inputs.settings, inputs.now, inputs.block_tokens)
 
     def _overloaded(self, candidate: CandidateCost) -> bool:
-        """Past both balance gates (widened under cache pressure)."""
+        """Past both balance gates, widened under cache pressure while no candidate is idle: with
+        one idle, the cost decides (its wait against the prefill an idle backend would redo), so a
+        picture that wrongly shows contexts evicted cannot keep one backend taking every request
+        while another does nothing."""
         inputs = self.inputs
-        return overloaded(candidate.load, self.least, inputs.settings, inputs.gate_factor)
+        factor = inputs.gate_factor if self.least > 0 else 1.0
+        return overloaded(candidate.load, self.least, inputs.settings, factor)
 
     def _waits(self, candidate: CandidateCost) -> bool:
         """It would wait for an adapter slot or for KV room: its cost decides."""
