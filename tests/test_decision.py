@@ -15,7 +15,7 @@ from extproc.core.load import LoadTracker
 from extproc.core.pipeline import assemble
 from extproc.core.settings import Settings
 
-A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
 PIPELINE = assemble(AdapterBook())
 # gates: abs 32, rel 1.5; active request = 4 blocks; stick at 0.5; a session moves once past the gates
 # (the default also waits for its backend to be saturated: the last test)
@@ -98,6 +98,20 @@ def test_with_a_candidate_idle_the_gates_do_not_widen():
         assert (head.label, head.backend) == (Label.LEAST_LOADED, C)
         held = run({A: 20}, loads=loads(a=9, b=1), gate_factor=factor)
         assert (held.label, held.backend) == (Label.LOAD_OVERRIDE, C)  # 36 of load against 20 blocks of prefill
+
+
+def test_a_backend_with_requests_in_flight_is_not_idle_whatever_they_weigh():
+    """With `active_request_cost` 0 a backend whose requests only decode weighs nothing, yet it is
+    busy: the gates stay widened."""
+    weightless = Settings(hash_key=bytes(16), session_moves="gates", active_request_cost=0)
+    tracker = LoadTracker()
+    tracker.reserve(A, 100)  # 100 blocks of prefill queued on the session's backend
+    tracker.reserve(B, 0)
+    tracker.reserve(C, 0)  # B and C: a request each, decoding
+    kept = run(session_backend=A, loads=tracker, settings=weightless, gate_factor=16.0)
+    assert (kept.label, kept.backend) == (Label.SESSION_MATCH, A)  # 100 < 16 * 32
+    moved = run(session_backend=A, loads=tracker, settings=weightless, gate_factor=16.0, candidates=[A, B, C, D])
+    assert moved.label == Label.LOAD_OVERRIDE and moved.backend in (B, C, D)  # D is idle: 100 > 32
 
 
 def test_a_head_goes_home_only_while_nothing_holds_any_of_it_and_home_is_within_the_gates():

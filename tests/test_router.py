@@ -227,7 +227,7 @@ def test_under_pressure_a_conversation_stays_where_load_alone_would_move_it():
     router.reconfigure(off)  # operators can turn it off
     moved = router.query(chat(history, "busy", "next"), FLEET, 11)
     assert moved.backend != home and moved.label == Label.LOAD_OVERRIDE
-    assert router.state().gate_factor == 1.0  # what the decisions apply, not the pressure
+    assert router.state().gate_factor == 1.0  # what the decisions apply (while none is idle), not the pressure
     for r in held:
         r.finish()
 

@@ -150,7 +150,7 @@ class RouterState:
     prediction_trust: dict[str, float]  # backends trusted less than fully
     prefix_homes: int
     cache_pressure: float  # share of their last prompt returning conversations find evicted
-    gate_factor: float  # how much the balance gates are widened, as decisions apply it
+    gate_factor: float  # how much the balance gates are widened while no candidate is idle
     engine_events: dict[str, int]
     reuse: dict[str, float | None]  # prefix reuse available, routed, delivered (attribution.py)
 

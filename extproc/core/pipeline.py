@@ -106,14 +106,17 @@ class Pipeline:
         bound = inputs.session_backend
         session = None
         least = room[0].load
-        for candidate in room:  # one pass: the session's backend among the admitted, the lowest load
+        idle = False
+        for candidate in room:  # one pass: the session's backend among the admitted, the lowest load, an idle one
             if candidate.backend == bound:
                 session = candidate
             if candidate.load < least:
                 least = candidate.load
+            if candidate.active == 0 and candidate.load == 0:
+                idle = True
         session_full = session is None and bound is not None and any(c.backend == bound for c in costs)
         best_prefix = max(map(_MATCHED, costs))
-        standing = Standing(inputs, room, ranked, least, best_prefix, session, session_full)
+        standing = Standing(inputs, room, ranked, least, idle, best_prefix, session, session_full)
         for rule in self.rules:
             picked = rule(standing)
             if picked is not None:

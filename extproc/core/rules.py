@@ -72,6 +72,7 @@ class Standing:
     room: list[CandidateCost]  # the admitted ones
     ranked: list[CandidateCost]  # the admitted ones, cheapest first
     least: float  # the lowest load among the admitted
+    idle: bool  # one of the admitted has nothing in flight and no prefill queued
     best_prefix: int  # the most blocks any candidate holds
     session: CandidateCost | None  # the session's backend, if admitted
     session_full: bool  # the session's backend is a candidate but was not admitted
@@ -107,7 +108,7 @@ class Standing:
         picture that wrongly shows contexts evicted cannot keep one backend taking every request
         while another does nothing."""
         inputs = self.inputs
-        factor = inputs.gate_factor if self.least > 0 else 1.0
+        factor = 1.0 if self.idle else inputs.gate_factor
         return overloaded(candidate.load, self.least, inputs.settings, factor)
 
     def _waits(self, candidate: CandidateCost) -> bool:

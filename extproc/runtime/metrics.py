@@ -76,7 +76,8 @@ class _RouterCollector(Collector):
         )
         yield GaugeMetricFamily(
             "kvroute_balance_gate_factor",
-            "how much wider than configured the balance gates are under cache pressure (1 with cachePressureGates off)",
+            "how much wider than configured the balance gates are under cache pressure while no backend is idle "
+            "(1 with cachePressureGates off)",
             value=state.gate_factor,
         )
         yield GaugeMetricFamily("kvroute_prefix_homes", "prompt heads with a home backend", value=state.prefix_homes)
