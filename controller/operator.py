@@ -35,6 +35,7 @@ REGISTRY = kopf.OperatorRegistry()
 PEERING = "kvroute"  # kopf's ClusterKopfPeering object the replicas coordinate through
 # where the kubelet mounts a pod's own namespace beside its service account's token
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+REFUSED_SHOWN = 20  # untrusted ext_proc claims /readyz lists by name (all are counted)
 
 
 async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -59,13 +60,18 @@ async def _leading(priority: int) -> bool:
     return leading(peering.get("status"), priority, datetime.datetime.now(datetime.UTC))
 
 
-def _health_app(reconciler: Reconciler) -> web.Application:
+def _health_app(reconciler: Reconciler, reader: ReuseReader | None) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def readyz(_request: web.Request) -> web.Response:
         ok = reconciler.last_error is None
-        return web.json_response({"ready": ok, "last_error": reconciler.last_error}, status=200 if ok else 503)
+        body: dict[str, Any] = {"ready": ok, "last_error": reconciler.last_error}
+        if reader is not None and reader.refused:  # a warning, not unreadiness: the policies are served
+            claims = sorted(reader.refused)
+            body["untrusted_extprocs"] = [f"{pod} claims {policy}" for pod, policy in claims[:REFUSED_SHOWN]]
+            body["untrusted_extprocs_total"] = len(claims)
+        return web.json_response(body, status=200 if ok else 503)
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
@@ -112,9 +118,13 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.peering.priority = random.randint(1, 1_000_000)  # distinct priorities: one replica leads
     client.Configuration.set_default(await _client_configuration())
     reconciler = Reconciler(_patch_status)
+    priority = settings.peering.priority
+    reader = None
+    if memo.reuse_interval_s > 0:
+        reader = ReuseReader(reconciler, memo.reuse_interval_s, lambda: _leading(priority), memo.extproc_namespaces)
     # The probe port first: kopf retries a startup that failed (the port taken), and tasks started
     # before the failure would be left running beside the next attempt's.
-    health = web.AppRunner(_health_app(reconciler), access_log=None)
+    health = web.AppRunner(_health_app(reconciler, reader), access_log=None)
     await health.setup()
     try:
         await web.TCPSite(health, memo.health_host, memo.health_port).start()
@@ -125,9 +135,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.reconciler = reconciler
     memo.reconciler_task = asyncio.create_task(reconciler.run())
     tasks = [memo.reconciler_task]
-    priority = settings.peering.priority
-    if memo.reuse_interval_s > 0:
-        reader = ReuseReader(reconciler, memo.reuse_interval_s, lambda: _leading(priority), memo.extproc_namespaces)
+    if reader is not None:
         tasks.append(asyncio.create_task(reader.run()))
     if memo.audit_interval_s > 0:
         auditor = Auditor(reconciler, memo.audit_interval_s, lambda: _leading(priority))
@@ -195,14 +203,14 @@ async def changed(
     memo.reconciler.touch(namespace or "", pods_by_namespace, policies_by_namespace, pools_by_namespace)
 
 
-def own_namespace(path: Path = SERVICE_ACCOUNT_NAMESPACE) -> tuple[str, ...]:
-    """The namespace of the pod the operator runs in, from its service account's mount; none
-    outside a cluster."""
+def trusted_namespaces(extra: Sequence[str] = (), path: Path = SERVICE_ACCOUNT_NAMESPACE) -> tuple[str, ...]:
+    """Namespaces whose ext_proc pods may report for any policy: the one the operator runs in (its
+    service account's mount; none outside a cluster) and `extra`."""
     try:
-        namespace = path.read_text().strip()
+        own = path.read_text().strip()
     except OSError:
-        return ()
-    return (namespace,) if namespace else ()
+        own = ""
+    return tuple(dict.fromkeys(n for n in (own, *extra) if n))
 
 
 def main(
@@ -210,14 +218,12 @@ def main(
     health_port: int = 8080,
     reuse_interval_s: float = 30.0,
     audit_interval_s: float = 60.0,
-    extproc_namespaces: Sequence[str] | None = None,
+    extproc_namespaces: Sequence[str] = (),
 ) -> None:
     """Blocking entry point: all namespaces, peering on; /healthz and /readyz on the health port;
     the ext_procs' reuse counters read every `reuse_interval_s` (0: never), from a policy's own
-    namespace and `extproc_namespaces` (None: the namespace the operator runs in, if in a cluster);
-    the indexes checked against the API server every `audit_interval_s` (controller/audit.py; 0: never)."""
-    if extproc_namespaces is None:
-        extproc_namespaces = own_namespace()
+    namespace, the operator's and `extproc_namespaces`; the indexes checked against the API server
+    every `audit_interval_s` (controller/audit.py; 0: never)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     insights = Insights()  # what kopf follows; shared so that late CRDs can be looked up again
     memo = kopf.Memo(
@@ -226,6 +232,6 @@ def main(
         insights=insights,
         reuse_interval_s=reuse_interval_s,
         audit_interval_s=audit_interval_s,
-        extproc_namespaces=tuple(extproc_namespaces),
+        extproc_namespaces=trusted_namespaces(extproc_namespaces),
     )
     kopf.run(registry=REGISTRY, clusterwide=True, peering_name=PEERING, memo=memo, insights=insights)

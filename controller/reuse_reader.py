@@ -5,7 +5,9 @@ Only the replica kopf's peering lets work reads and writes: a standby's pod list
 A replica that cannot be read is left out of the sums (the summary says how many answered), logged
 once until it answers again, and counted. Only ext_procs in the policy's own namespace or one the
 operator trusts are read (controller/reuse.py `extproc_endpoints`); a pod elsewhere that claims a
-policy is logged once and counted.
+policy is logged once and listed in the operator's /readyz while it does. A policy that no
+trusted ext_proc serves any more gets an empty summary, so figures from before (an untrusted
+pod's, read by an older operator) do not stay.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ class ReuseReader:
         self._leading = leading
         self._trusted = frozenset(trusted)  # namespaces besides a policy's own whose ext_procs are read
         self._failing: set[str] = set()  # pods whose last read failed (logged once)
-        self._refused: set[str] = set()  # pods claiming a policy from an untrusted namespace (logged once)
+        # (namespace/pod, policy) claims from untrusted namespaces, as of the last round (logged once)
+        self.refused: set[tuple[str, str]] = set()
         self.errors = 0
-        self.untrusted = 0
 
     async def run(self) -> None:
         """Forever, every interval; survives any error (logged, counted)."""
@@ -58,32 +60,33 @@ class ReuseReader:
                     log.exception("reading the ext_procs' reuse counters failed; it goes on")
 
     async def read_all(self, http: aiohttp.ClientSession) -> None:
-        """Every policy with ext_proc pods: read them all at once, hand the sums on."""
+        """Every policy: read its trusted ext_procs all at once, hand the sums on."""
         pods = self._reconciler.pods
+        refused: set[tuple[str, str]] = set()
+        read_pods: set[str] = set()
         for namespace, policies in list(self._reconciler.policies.items()):
             for policy in list(policies):
                 name = f"{namespace}/{policy['name']}"
-                self._refuse(name, untrusted_claims(name, pods, self._trusted))
+                refused.update((pod, name) for pod in untrusted_claims(name, pods, self._trusted))
                 endpoints = extproc_endpoints(name, pods, self._trusted)
                 if not endpoints:
+                    self._reconciler.set_reuse(namespace, policy["name"], summary([], 0))
                     continue
+                read_pods.update(pod for pod, _ in endpoints)
                 read = await asyncio.gather(*(self._read(http, pod, url, name) for pod, url in endpoints))
                 replicas = [replica for replica in read if replica is not None]
                 if not replicas:  # none answered: the last sums stand rather than zeros
                     continue
                 self._reconciler.set_reuse(namespace, policy["name"], summary(replicas, len(endpoints)))
-
-    def _refuse(self, policy: str, claims: list[str]) -> None:
-        for pod in claims:
-            self.untrusted += 1
-            if pod not in self._refused:
-                self._refused.add(pod)
-                log.warning(
-                    "pod %s claims policy %s from a namespace whose ext_procs are not read (the policy's own and "
-                    "--extproc-namespaces are); its counters are left out",
-                    pod,
-                    policy,
-                )
+        for claimant, claimed in sorted(refused - self.refused):
+            log.warning(
+                "pod %s claims policy %s from a namespace whose ext_procs are not read (the policy's own, the "
+                "operator's and --extproc-namespaces are); its counters are left out",
+                claimant,
+                claimed,
+            )
+        self.refused = refused
+        self._failing &= read_pods  # a pod gone is logged afresh should it come back failing
 
     async def _read(self, http: aiohttp.ClientSession, pod: str, url: str, policy: str) -> ReplicaReuse | None:
         try:

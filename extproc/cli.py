@@ -42,9 +42,9 @@ def parser() -> argparse.ArgumentParser:
     controller.add_argument(
         "--extproc-namespaces",
         type=lambda value: tuple(n for n in value.split(",") if n),
-        default=None,
-        help="comma-separated namespaces whose ext_proc pods may report reuse for policies of other namespaces "
-        "(a policy's own namespace always may; default: the namespace the operator runs in)",
+        default=(),
+        help="comma-separated namespaces whose ext_proc pods may report reuse for policies of other namespaces, "
+        "besides the namespace the operator runs in (a policy's own namespace always may)",
     )
 
     envoy = commands.add_parser("envoy-config", help="write an Envoy bootstrap that routes by kvroute")

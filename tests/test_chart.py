@@ -127,6 +127,22 @@ def test_defaults_render_everything(helm, tmp_path):
     ]
 
 
+def test_the_operator_reads_ext_procs_of_the_namespaces_the_values_name(helm, tmp_path):
+    from extproc.cli import parser
+
+    def operator_args(values: dict[str, Any] | None = None) -> Any:
+        (controller,) = [
+            d
+            for d in template(helm, tmp_path, values)
+            if d["metadata"]["name"] == "kvroute-controller" and d["kind"] == "Deployment"
+        ]
+        return parser().parse_args(controller["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    assert operator_args().extproc_namespaces == ()  # the release's own namespace, from the pod's mount
+    named = operator_args({"controller": {"extprocNamespaces": ["gateway", "team-b"]}})
+    assert named.command == "controller" and named.extproc_namespaces == ("gateway", "team-b")
+
+
 def test_values_switch_parts_off_and_on(helm, tmp_path):
     assert not [k for k in kinds(template(helm, tmp_path, {"envoy": {"enabled": False}})) if "envoy" in k]
     assert "KVRoutingPolicy/default" not in kinds(template(helm, tmp_path, {"policy": {"create": False}}))

@@ -55,6 +55,7 @@ class Cluster:
         self.cp = cp
         self.workdir = workdir
         self.operators: dict[str, subprocess.Popen] = {}
+        self.health_urls: dict[str, str] = {}  # each operator's /healthz and /readyz
 
     def add_pod(self, name: str, ip: str, ready: bool = True, app: str = "sim") -> None:
         self.cp.apply([pod_manifest(name, ip.replace(".", "-"), app)])
@@ -89,7 +90,9 @@ class Cluster:
         """`missing_crd_events`: kopf's rescans on CRD events switched off (operator_missing_crd_events.py).
         Its indexes are checked against the API server every second (controller/audit.py)."""
         kubeconfig = self.cp.kubeconfig_for(SYSTEM, f"{RELEASE}-controller")
-        args = ("controller", "--health-host", "127.0.0.1", "--health-port", str(free_port()), "--reuse-interval", "1")
+        port = free_port()
+        self.health_urls[name] = f"http://127.0.0.1:{port}"
+        args = ("controller", "--health-host", "127.0.0.1", "--health-port", str(port), "--reuse-interval", "1")
         args += ("--audit-interval", "1")
         argv = [sys.executable, str(MISSING_CRD_EVENTS), *args] if missing_crd_events else kvroute_command(*args)
         env = {**self.cp.env(kubeconfig), "PYTHONUNBUFFERED": "1"}
@@ -373,6 +376,13 @@ def test_the_policy_status_sums_the_extprocs_reuse_and_kubectl_get_shows_it(clus
         eventually(
             lambda: any(refused in cluster.log(name) for name in cluster.operators), timeout_s=10, message="logged"
         )
+
+        def listed() -> bool:
+            running = [name for name, process in cluster.operators.items() if process.poll() is None]
+            ready = [json.loads(get(cluster.health_urls[name], "/readyz")[2]) for name in running]
+            return any(f"other-tenant/intruder claims {NS}/default" in r.get("untrusted_extprocs", []) for r in ready)
+
+        eventually(listed, timeout_s=10, message="the operator's /readyz lists the untrusted claim")
         table = cluster.cp.kubectl("get", "kvrp", "default", "-n", NS).stdout.splitlines()
         columns = table[0].split()
         assert columns[:5] == ["NAME", "READY", "BACKENDS", "EFFICIENCY", "ACCURACY"] and "RATE" in columns

@@ -4,6 +4,7 @@ replica works."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 
 import pytest
@@ -12,8 +13,9 @@ from test_attribution import sample
 from test_router import FLEET, A, chat, make_router, serve
 
 from controller import logic
-from controller.operator import own_namespace
+from controller.operator import trusted_namespaces
 from controller.reuse import ReplicaReuse, extproc_endpoints, leading, parse, summary, untrusted_claims
+from controller.reuse_reader import ReuseReader
 from extproc.cli import parser
 from extproc.core.router import Router
 from extproc.runtime.metrics import Metrics, PolicyLabelled
@@ -103,14 +105,49 @@ def test_ready_ext_proc_pods_of_the_policy_are_read_on_their_admin_port():
     assert untrusted_claims("tenant/default", pods) == []
 
 
-def test_the_operator_trusts_the_namespace_it_runs_in(tmp_path):
+def test_the_operator_trusts_the_namespace_it_runs_in_and_those_named(tmp_path):
     mounted = tmp_path / "namespace"
     mounted.write_text("kvroute\n")
-    assert own_namespace(mounted) == ("kvroute",)
-    assert own_namespace(tmp_path / "absent") == ()  # outside a cluster: a policy's own namespace only
-    assert parser().parse_args(["controller"]).extproc_namespaces is None  # then: the namespace it runs in
+    assert trusted_namespaces((), mounted) == ("kvroute",)
+    assert trusted_namespaces(("gateway", "kvroute"), mounted) == ("kvroute", "gateway")
+    assert trusted_namespaces((), tmp_path / "absent") == ()  # outside a cluster: a policy's own namespace only
+    assert parser().parse_args(["controller"]).extproc_namespaces == ()
     named = parser().parse_args(["controller", "--extproc-namespaces", "kvroute,gateway,"])
     assert named.extproc_namespaces == ("kvroute", "gateway")
+
+
+class Policies:
+    """What the reader reads of the reconciler, and the summaries it hands back."""
+
+    def __init__(self, pods: dict[str, list[dict]]) -> None:
+        self.pods = pods
+        self.policies = {"llm": [{"name": "default"}]}
+        self.reuse: dict[tuple[str, str], dict] = {}
+
+    def set_reuse(self, namespace: str, name: str, reuse: dict) -> None:
+        self.reuse[namespace, name] = reuse
+
+
+def test_an_untrusted_claim_is_logged_once_while_it_lasts_and_never_read(caplog):
+    claim = {"name": "intruder", "policy": "llm/default", "ready": True, "ip": "10.0.2.8", "ports": {"admin": 9003}}
+    policies = Policies({"tenant": [claim]})
+    reader = ReuseReader(policies, 30.0, lambda: asyncio.sleep(0, True))  # type: ignore[arg-type]
+
+    def round_() -> None:  # nothing trusted serves the policy: no read is made (no HTTP session needed)
+        asyncio.run(reader.read_all(None))  # type: ignore[arg-type]
+
+    for _ in range(3):
+        round_()
+    assert reader.refused == {("tenant/intruder", "llm/default")}
+    assert caplog.text.count("pod tenant/intruder claims policy llm/default") == 1
+    # no trusted ext_proc: the policy's summary is emptied (figures read before do not stay)
+    assert policies.reuse["llm", "default"] == summary([], 0) and summary([], 0)["extprocs"] == 0
+    policies.pods = {}
+    round_()
+    assert reader.refused == set()
+    policies.pods = {"tenant": [claim]}
+    round_()  # back: logged again
+    assert caplog.text.count("pod tenant/intruder claims policy llm/default") == 2
 
 
 def test_an_extproc_serving_several_policies_gives_each_its_own_sums():
