@@ -21,8 +21,9 @@ from typing import Any
 import kopf
 from aiohttp import web
 from kubernetes_asyncio import client, config
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controller import logic
+from controller import logic, metrics
 from controller.audit import Auditor
 from controller.late_crds import Insights, follow_late_crd
 from controller.reconciler import Reconciler
@@ -60,7 +61,7 @@ async def _leading(priority: int) -> bool:
     return leading(peering.get("status"), priority, datetime.datetime.now(datetime.UTC))
 
 
-def _health_app(reconciler: Reconciler, reader: ReuseReader | None) -> web.Application:
+def _health_app(reconciler: Reconciler, reader: ReuseReader | None, auditor: Auditor | None) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -73,9 +74,15 @@ def _health_app(reconciler: Reconciler, reader: ReuseReader | None) -> web.Appli
             body["untrusted_extprocs_total"] = len(claims)
         return web.json_response(body, status=200 if ok else 503)
 
+    counts = metrics.registry(reconciler, reader, auditor)
+
+    async def exposition(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(counts), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", exposition)
     return app
 
 
@@ -119,12 +126,14 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     client.Configuration.set_default(await _client_configuration())
     reconciler = Reconciler(_patch_status)
     priority = settings.peering.priority
-    reader = None
+    reader = auditor = None
     if memo.reuse_interval_s > 0:
         reader = ReuseReader(reconciler, memo.reuse_interval_s, lambda: _leading(priority), memo.extproc_namespaces)
+    if memo.audit_interval_s > 0:
+        auditor = Auditor(reconciler, memo.audit_interval_s, lambda: _leading(priority))
     # The probe port first: kopf retries a startup that failed (the port taken), and tasks started
     # before the failure would be left running beside the next attempt's.
-    health = web.AppRunner(_health_app(reconciler, reader), access_log=None)
+    health = web.AppRunner(_health_app(reconciler, reader, auditor), access_log=None)
     await health.setup()
     try:
         await web.TCPSite(health, memo.health_host, memo.health_port).start()
@@ -137,8 +146,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     tasks = [memo.reconciler_task]
     if reader is not None:
         tasks.append(asyncio.create_task(reader.run()))
-    if memo.audit_interval_s > 0:
-        auditor = Auditor(reconciler, memo.audit_interval_s, lambda: _leading(priority))
+    if auditor is not None:
         tasks.append(asyncio.create_task(auditor.run()))
     tasks += [
         asyncio.create_task(follow_late_crd(memo.insights, settings, REGISTRY, group, plural))

@@ -175,6 +175,12 @@ def test_monitoring_ships_the_checked_alerts_and_dashboard_and_tracing_goes_to_i
     assert endpoint["port"] == "admin" and endpoint["relabelings"] == [
         {"targetLabel": "job", "replacement": "kvroute-extproc"}
     ]
+    operator = docs["PodMonitor/kvroute-controller"]["spec"]
+    (endpoint,) = operator["podMetricsEndpoints"]
+    assert endpoint["port"] == "health" and endpoint["path"] == "/metrics"  # the port the Deployment names
+    controller = docs["Deployment/kvroute-controller"]["spec"]["template"]
+    assert {"name": "health", "containerPort": 8080} in controller["spec"]["containers"][0]["ports"]
+    assert operator["selector"]["matchLabels"].items() <= controller["metadata"]["labels"].items()
     extproc = docs["Deployment/kvroute-extproc"]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in extproc["env"]}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"

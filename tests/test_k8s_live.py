@@ -93,7 +93,7 @@ class Cluster:
         port = free_port()
         self.health_urls[name] = f"http://127.0.0.1:{port}"
         args = ("controller", "--health-host", "127.0.0.1", "--health-port", str(port), "--reuse-interval", "1")
-        args += ("--audit-interval", "1")
+        args += ("--audit-interval", "1", "--extproc-namespaces", SYSTEM)  # in the cluster: its own, from its mount
         argv = [sys.executable, str(MISSING_CRD_EVENTS), *args] if missing_crd_events else kvroute_command(*args)
         env = {**self.cp.env(kubeconfig), "PYTHONUNBUFFERED": "1"}
         self.operators[name] = spawn(argv, self.workdir / f"{name}.log", env=env)
@@ -377,12 +377,15 @@ def test_the_policy_status_sums_the_extprocs_reuse_and_kubectl_get_shows_it(clus
             lambda: any(refused in cluster.log(name) for name in cluster.operators), timeout_s=10, message="logged"
         )
 
+        running = [cluster.health_urls[name] for name, process in cluster.operators.items() if process.poll() is None]
+
         def listed() -> bool:
-            running = [name for name, process in cluster.operators.items() if process.poll() is None]
-            ready = [json.loads(get(cluster.health_urls[name], "/readyz")[2]) for name in running]
+            ready = [json.loads(get(url, "/readyz")[2]) for url in running]
             return any(f"other-tenant/intruder claims {NS}/default" in r.get("untrusted_extprocs", []) for r in ready)
 
         eventually(listed, timeout_s=10, message="the operator's /readyz lists the untrusted claim")
+        pages = [get(url, "/metrics")[2].decode().splitlines() for url in running]
+        assert any("kvroute_operator_untrusted_extproc_claims 1.0" in page for page in pages)  # and counts it
         table = cluster.cp.kubectl("get", "kvrp", "default", "-n", NS).stdout.splitlines()
         columns = table[0].split()
         assert columns[:5] == ["NAME", "READY", "BACKENDS", "EFFICIENCY", "ACCURACY"] and "RATE" in columns

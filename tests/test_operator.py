@@ -119,3 +119,39 @@ def test_a_startup_that_fails_on_its_probe_port_leaves_nothing_running(monkeypat
         await operator.stop(memo=memo)  # kopf's cleanup after a startup that never succeeded
 
     asyncio.run(scenario())
+
+
+def test_the_health_port_serves_the_operators_counts_and_untrusted_claims():
+    """What the operator would otherwise only log, on /metrics for Prometheus; the pods claiming
+    policies from untrusted namespaces by name on /readyz, which stays ready."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from controller.audit import Auditor
+    from controller.reconciler import Reconciler
+    from controller.reuse_reader import ReuseReader
+
+    async def scenario() -> tuple[str, dict]:
+        reconciler = Reconciler(lambda *_: asyncio.sleep(0))
+        reader = ReuseReader(reconciler, 30.0, lambda: asyncio.sleep(0, True))
+        auditor = Auditor(reconciler, 60.0, lambda: asyncio.sleep(0, True))
+        reconciler.errors, reconciler.patches, reader.errors, auditor.errors = 1, 7, 2, 3
+        reader.refused = {("tenant/intruder", "llm/default")}
+        reconciler.forget(frozenset({"uid-1", "uid-2"}))
+        async with TestClient(TestServer(operator._health_app(reconciler, reader, auditor))) as http:
+            page = await (await http.get("/metrics")).text()
+            ready = await http.get("/readyz")
+            assert ready.status == 200
+            return page, await ready.json()
+
+    page, ready = asyncio.run(scenario())
+    for line in (
+        "kvroute_operator_status_patches_total 7.0",
+        'kvroute_operator_errors_total{kind="status"} 1.0',
+        'kvroute_operator_errors_total{kind="reuse_read"} 2.0',
+        'kvroute_operator_errors_total{kind="audit"} 3.0',
+        "kvroute_operator_deleted_while_unwatched 2.0",
+        "kvroute_operator_untrusted_extproc_claims 1.0",
+    ):
+        assert line in page.splitlines()
+    assert ready["untrusted_extprocs"] == ["tenant/intruder claims llm/default"]
+    assert ready["untrusted_extprocs_total"] == 1
