@@ -433,6 +433,29 @@ def test_requests_learned_at_their_end_keep_their_new_blocks_room_in_the_picture
     assert router.index.entries_by_backend()[A] == 3 * size  # every room back, once
 
 
+def test_a_request_sent_makes_room_for_what_the_picture_lacks_not_for_what_trust_discounts():
+    """Trust (trust.py) discounts what the decision expects cached where the engine has delivered
+    less than the picture shows; the picture itself must still only make room for the blocks it
+    does not hold, or every request sent over ext_authz to a backend trusted below 1 would evict
+    others' blocks from the picture that the engine keeps."""
+
+    def prompt() -> PromptRequest:
+        return parse_request({"model": "m", "messages": [{"role": "user", "content": text(RNG, 3000)}]}, {})
+
+    older, recent = prompt(), prompt()
+    size = len(make_router().chain_of(older))
+    router = make_router(capacity_blocks=2 * size, capacity_auto=False)
+    only = [Backend(A)]
+    for request in (older, recent):
+        serve(router, request, 0, only)
+    router.trust.values[A] = 0.5  # the engine has delivered half of what the picture predicted
+    again = router.begin(recent, only, 1)
+    assert again.decision.picture_blocks == size and again.predicted_blocks == size // 2
+    router.sent(again, 1)
+    assert router.index.entries_by_backend()[A] == 2 * size  # nothing new stored: nothing evicted
+    assert router.index.lookup(router.chain_of(older), [A], 2)[A] == size
+
+
 def test_a_session_sent_bound_is_put_back_when_its_request_is_not_served():
     """ext_authz binds a conversation when it sends it (its next turn may come before the end is
     reported); served, the binding stays; not served, it is as the ext_proc transport, which

@@ -474,9 +474,9 @@ class Router:
         request, backend = exchange.request, exchange.decision.backend
         if request is None or backend is None:
             return
-        held = self.chain_of(request)[: exchange.predicted_blocks]
-        new = exchange.decision.total_blocks - exchange.predicted_blocks
-        exchange.room = self.mode.make_room(backend, held, new)
+        pictured = exchange.decision.picture_blocks  # what the picture holds there, not trust's discount of it
+        held = self.chain_of(request)[:pictured]
+        exchange.room = self.mode.make_room(backend, held, exchange.decision.total_blocks - pictured)
         if request.session_key is not None:
             exchange.unsent = self.sessions.binding(request.session_key, now) or ("", 0)
             self.sessions.bind(request.session_key, backend, now)
