@@ -107,7 +107,7 @@ def extproc_endpoints(
     operator's installation runs the ext_procs). A pod elsewhere that claims the policy would add
     figures of its own to another namespace's status."""
     out = []
-    for namespace in {policy.partition("/")[0], *trusted}:
+    for namespace in _readable(policy, trusted):
         for pod in pods.get(namespace, ()):
             port = pod["ports"].get(ADMIN_PORT)
             if _serves(pod, policy) and pod["ready"] and pod["ip"] and port:
@@ -121,14 +121,19 @@ def untrusted_claims(
 ) -> list[str]:
     """namespace/pod of every pod that claims `policy` from a namespace `extproc_endpoints` does not
     read: reported, never summed."""
-    allowed = {policy.partition("/")[0], *trusted}
+    readable = _readable(policy, trusted)
     return sorted(
         f"{namespace}/{pod['name']}"
         for namespace, entries in pods.items()
-        if namespace not in allowed
+        if namespace not in readable
         for pod in entries
         if _serves(pod, policy)
     )
+
+
+def _readable(policy: str, trusted: Iterable[str]) -> set[str]:
+    """The namespaces whose ext_procs may report for `policy`: its own and the trusted ones."""
+    return {policy.partition("/")[0], *trusted}
 
 
 def _serves(pod: Mapping[str, Any], policy: str) -> bool:

@@ -61,7 +61,11 @@ class ReuseReader:
 
     async def read_all(self, http: aiohttp.ClientSession) -> None:
         """Every policy: read its trusted ext_procs all at once, hand the sums on."""
-        pods = self._reconciler.pods
+        pods = {  # ext_proc pods only (they carry the annotation): every policy looks through them twice
+            namespace: claimants
+            for namespace, entries in self._reconciler.pods.items()
+            if (claimants := [pod for pod in entries if pod.get("policy")])
+        }
         refused: set[tuple[str, str]] = set()
         read_pods: set[str] = set()
         for namespace, policies in list(self._reconciler.policies.items()):
