@@ -59,8 +59,24 @@ def test_nothing_cached_goes_least_loaded():
 
 
 def test_session_wins_while_its_backend_is_within_the_gates():
-    decision = run({C: 20}, session_backend=A, loads=loads(a=8))  # A: 32 blocks of load, exactly at the abs gate
+    decision = run({A: 10, C: 20}, session_backend=A, loads=loads(a=8))  # A: 32 blocks of load, exactly at the abs gate
     assert (decision.label, decision.backend) == (Label.SESSION_MATCH, A)
+
+
+def test_a_conversation_whose_backend_lost_its_context_follows_it_to_a_backend_holding_it():
+    """Its backend shows under prefix_stick_ratio (0.5) of the prompt, another at least that: the
+    conversation goes there rather than computing the prompt again where it was."""
+    moved = run({A: 9, C: 10}, session_backend=A)
+    assert (moved.label, moved.backend) == (Label.PREFIX_MATCH, C)
+    still_held = run({A: 10, C: 20}, session_backend=A)  # half of it is still there: it stays
+    assert (still_held.label, still_held.backend) == (Label.SESSION_MATCH, A)
+    nowhere = run({A: 0, C: 9}, session_backend=A)  # no backend holds half of it
+    assert (nowhere.label, nowhere.backend) == (Label.SESSION_MATCH, A)
+    busy = run({C: 20}, session_backend=A, loads=loads(c=9))  # the holder is past both gates: it stays
+    assert (busy.label, busy.backend) == (Label.SESSION_MATCH, A)
+    off = Settings(hash_key=bytes(16), session_moves="gates", session_follows_context=False)
+    sticky = run({C: 20}, session_backend=A, settings=off)
+    assert (sticky.label, sticky.backend) == (Label.SESSION_MATCH, A)
 
 
 def test_session_is_overridden_only_past_both_gates():

@@ -456,6 +456,33 @@ def test_a_request_sent_makes_room_for_what_the_picture_lacks_not_for_what_trust
     assert router.index.lookup(router.chain_of(older), [A], 2)[A] == size
 
 
+@pytest.mark.parametrize("follows", [True, False])
+def test_a_conversation_whose_backend_lost_its_context_goes_where_the_prompt_is(follows):
+    """Two agent conversations start with the same long prompt (as capped agent contexts do), one
+    on each backend; the first one's backend then evicts it for other work. Its next turn goes to
+    the backend still holding the prompt, not back to compute it all again; it stays where it
+    was only with `session_follows_context` off."""
+    shared = text(RNG, 3000)
+
+    def turn(session: str, content: str) -> PromptRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        return parse_request(body, {"x-session-id": session})
+
+    size = len(make_router().chain_of(turn("x", shared)))
+    router = make_router(capacity_blocks=2 * size, capacity_auto=False, session_follows_context=follows)
+    serve(router, turn("first", shared), 0, [Backend(A)])
+    serve(router, turn("second", shared), 1, [Backend(B)])
+    for i in range(2):  # other work evicts it from A
+        serve(router, turn(f"other-{i}", text(RNG, 3000)), 2 + i, [Backend(A)])
+    assert router.index.lookup(router.chain_of(turn("x", shared)), [A, B], 4) == {A: 0, B: size}
+    decision = serve(router, turn("first", shared), 5, [Backend(A), Backend(B)])
+    if follows:
+        assert (decision.label, decision.backend, decision.matched_blocks) == (Label.PREFIX_MATCH, B, size)
+        assert router.sessions.get("session:first", 6) == B  # its next turns follow
+    else:
+        assert (decision.label, decision.backend, decision.matched_blocks) == (Label.SESSION_MATCH, A, 0)
+
+
 def test_a_session_sent_bound_is_put_back_when_its_request_is_not_served():
     """ext_authz binds a conversation when it sends it (its next turn may come before the end is
     reported); served, the binding stays; not served, it is as the ext_proc transport, which

@@ -25,8 +25,10 @@ where none is, a sheddable one is refused (served late it would only take time f
 any other goes where it is predicted soonest. Backends without a prediction yet count as in time.
 
 Pick rules, in order, each winning outright unless its backend is past both balance gates
-(widened under cache pressure while no candidate is idle): a session's binding, and that of a backend already holding at
-least `prefix_stick_ratio` of the prompt. Moving such a request would not only recompute its
+(widened under cache pressure while no candidate is idle): a conversation whose backend no longer
+shows `prefix_stick_ratio` of its prompt goes to a backend that shows that much
+(`session_follows_context`); a session's binding; a backend already holding at least
+`prefix_stick_ratio` of the prompt. Moving such a request would not only recompute its
 prefix but copy the conversation into a second cache, which under cache pressure evicts someone
 else's. A session's backend keeps it past the gates too until it is saturated (saturation.py;
 `session_moves` "saturated", the default; without a fresh engine sample, the gates alone): an
@@ -244,6 +246,26 @@ def ttft_objective(inputs: DecisionInputs, candidates: list[CandidateCost]) -> l
     return [] if inputs.sheddable else [soonest]
 
 
+def context_elsewhere(standing: Standing) -> tuple[CandidateCost, Label] | None:
+    """A conversation whose backend no longer shows its context (under `prefix_stick_ratio` of
+    the prompt) follows the prompt to a backend that shows that much, rather than computing it
+    all again where it was. The next turn finds it there too, so the move copies nothing the
+    conversation still had. Common where conversations share long prompts (agents' capped
+    contexts start alike): on the real agent sessions, over ext_authz, the conversation stayed
+    on an emptied backend while another held the whole prompt 16 times in one simulated run."""
+    session = standing.session
+    inputs = standing.inputs
+    if session is None or not inputs.settings.session_follows_context:
+        return None
+    share = inputs.settings.prefix_stick_ratio * inputs.total_blocks
+    if session.matched >= share or standing.best_prefix < share:
+        return None
+    holder = _holder(standing)
+    if holder.matched >= share and standing.within_gates(holder):
+        return holder, Label.PREFIX_MATCH
+    return None
+
+
 def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
     """A conversation stays where its context is (sessions.py)."""
     session = standing.session
@@ -257,10 +279,7 @@ def prefix_stickiness(standing: Standing) -> tuple[CandidateCost, Label] | None:
     inputs = standing.inputs
     if not standing.unbound or inputs.total_blocks <= 0:
         return None
-    holder = max(standing.room, key=_MATCHED)
-    homed = _homed(standing)
-    if inputs.home_ties and homed is not None and homed.matched >= holder.matched:
-        holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
+    holder = _holder(standing)
     if holder.matched >= inputs.settings.prefix_stick_ratio * inputs.total_blocks and standing.within_gates(holder):
         return holder, Label.PREFIX_MATCH
     return None
@@ -274,6 +293,15 @@ def prefix_home(standing: Standing) -> tuple[CandidateCost, Label] | None:
     if homed is not None and standing.within_gates(homed):
         return homed, Label.PREFIX_HOME
     return None
+
+
+def _holder(standing: Standing) -> CandidateCost:
+    """The admitted candidate holding the most of the prompt; among equal holders, the head's home."""
+    holder = max(standing.room, key=_MATCHED)
+    homed = _homed(standing)
+    if standing.inputs.home_ties and homed is not None and homed.matched >= holder.matched:
+        holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
+    return holder
 
 
 def _homed(standing: Standing) -> CandidateCost | None:

@@ -390,6 +390,12 @@ class Settings:
         "that the engine's own prefix-cache counters confirm (vllm:prefix_cache_hits_total), at most 1.",
         policy="predictionTrust",
     )
+    session_follows_context: bool = _setting(
+        True,
+        "A conversation whose backend no longer shows prefixStickRatio of its prompt goes to a backend that "
+        "shows that much (within the balance gates) instead of computing it again where it was.",
+        policy="sessionFollowsContext",
+    )
     cache_pressure_gates: bool = _setting(
         True,
         "Widen the balance gates that let a session or a prompt head leave its backend as returning "
