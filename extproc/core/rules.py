@@ -254,16 +254,11 @@ def context_elsewhere(standing: Standing) -> tuple[CandidateCost, Label] | None:
     contexts start alike): on the real agent sessions, over ext_authz, the conversation stayed
     on an emptied backend while another held the whole prompt 16 times in one simulated run."""
     session = standing.session
-    inputs = standing.inputs
-    if session is None or not inputs.settings.session_follows_context:
+    if session is None or not standing.inputs.settings.session_follows_context:
         return None
-    share = inputs.settings.prefix_stick_ratio * inputs.total_blocks
-    if session.matched >= share or standing.best_prefix < share:
+    if session.matched >= _stick_blocks(standing):
         return None
-    holder = _holder(standing)
-    if holder.matched >= share and standing.within_gates(holder):
-        return holder, Label.PREFIX_MATCH
-    return None
+    return _held_most(standing)
 
 
 def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
@@ -276,13 +271,9 @@ def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
 
 def prefix_stickiness(standing: Standing) -> tuple[CandidateCost, Label] | None:
     """A backend holding most of the prompt keeps it; among equal holders, the head's home."""
-    inputs = standing.inputs
-    if not standing.unbound or inputs.total_blocks <= 0:
+    if not standing.unbound or standing.inputs.total_blocks <= 0:
         return None
-    holder = _holder(standing)
-    if holder.matched >= inputs.settings.prefix_stick_ratio * inputs.total_blocks and standing.within_gates(holder):
-        return holder, Label.PREFIX_MATCH
-    return None
+    return _held_most(standing)
 
 
 def prefix_home(standing: Standing) -> tuple[CandidateCost, Label] | None:
@@ -295,13 +286,22 @@ def prefix_home(standing: Standing) -> tuple[CandidateCost, Label] | None:
     return None
 
 
-def _holder(standing: Standing) -> CandidateCost:
-    """The admitted candidate holding the most of the prompt; among equal holders, the head's home."""
+def _held_most(standing: Standing) -> tuple[CandidateCost, Label] | None:
+    """The admitted candidate holding the most of the prompt (among equal holders, the head's
+    home) wins if it holds `prefix_stick_ratio` of it and is within the gates."""
     holder = max(standing.room, key=_MATCHED)
     homed = _homed(standing)
     if standing.inputs.home_ties and homed is not None and homed.matched >= holder.matched:
         holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
-    return holder
+    if holder.matched >= _stick_blocks(standing) and standing.within_gates(holder):
+        return holder, Label.PREFIX_MATCH
+    return None
+
+
+def _stick_blocks(standing: Standing) -> float:
+    """Blocks of the prompt a backend must hold to keep it (`prefix_stick_ratio`)."""
+    inputs = standing.inputs
+    return inputs.settings.prefix_stick_ratio * inputs.total_blocks
 
 
 def _homed(standing: Standing) -> CandidateCost | None:
