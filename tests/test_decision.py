@@ -116,6 +116,24 @@ def test_with_a_candidate_idle_the_gates_do_not_widen():
         assert (held.label, held.backend) == (Label.LOAD_OVERRIDE, C)  # 36 of load against 20 blocks of prefill
 
 
+def test_a_move_pays_for_the_context_it_copies_under_cache_pressure():
+    """A conversation past the gates on a backend holding its context (36 of 40 blocks) with C
+    idle: the move's prefill (40 blocks against 4 + 40 of load) wins without pressure; with
+    returning conversations losing their context (gate factor 4: each copied block costs 0.75
+    more), the 36 blocks it would cache twice keep it where it is. A candidate holding the context
+    too is charged nothing for it."""
+    busy = loads(a=10, b=1)
+    assert run({A: 36}, total=40, session_backend=A, loads=busy).backend == C
+    kept = run({A: 36}, total=40, session_backend=A, loads=busy, gate_factor=4.0)
+    assert kept.backend == A
+    assert {c.backend: c.copy_cost for c in kept.candidates} == {A: 0.0, B: 27.0, C: 27.0}
+    assert run({A: 36, C: 36}, total=40, session_backend=A, loads=busy, gate_factor=4.0).backend == C
+    off = Settings(hash_key=bytes(16), session_moves="gates", move_copy_cost=0.0)
+    assert run({A: 36}, total=40, session_backend=A, loads=busy, gate_factor=4.0, settings=off).backend == C
+    unbound = run({A: 36}, total=40, loads=busy, gate_factor=4.0)  # no conversation to copy: the cost alone
+    assert unbound.backend == C and all(c.copy_cost == 0 for c in unbound.candidates)
+
+
 def test_a_backend_with_requests_in_flight_is_not_idle_whatever_they_weigh():
     """With `active_request_cost` 0 a backend whose requests only decode weighs nothing, yet it is
     busy: the gates stay widened."""
