@@ -341,7 +341,9 @@ def cheapest(standing: Standing) -> tuple[CandidateCost, Label]:
     if standing.inputs.kv_room is not None and _decided_by(_KV_ROOM_COST, chosen, ranked):
         return chosen, Label.KV_ROOM
     session = standing.session
-    if standing.session_full or (session is not None and chosen is not session):
+    if session is not None and chosen is session:
+        return chosen, Label.SESSION_MATCH  # past the gates, yet still the cheapest (its context, context_copy)
+    if standing.session_full or session is not None:
         return chosen, Label.LOAD_OVERRIDE
     if standing.best_prefix == 0:
         return chosen, Label.LEAST_LOADED
