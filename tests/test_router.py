@@ -483,28 +483,6 @@ def test_a_conversation_whose_backend_lost_its_context_goes_where_the_prompt_is(
         assert (decision.label, decision.backend, decision.matched_blocks) == (Label.SESSION_MATCH, A, 0)
 
 
-@pytest.mark.parametrize("copy_cost", [1.0, 0.0])
-def test_under_pressure_a_move_off_a_busy_backend_pays_for_the_context_it_copies(copy_cost):
-    """A conversation's backend holds most of its long prompt and is past the gates, another
-    backend idle (so the gates do not widen), while returning conversations find much of their
-    context evicted: its turn stays, since the move would cache its context twice and evict as
-    much that others need. Priced as its prefill alone (move_copy_cost 0), it moves."""
-    router = make_router(session_moves="gates", move_copy_cost=copy_cost)
-    history = [{"role": "user", "content": text(RNG, 9000)}, {"role": "assistant", "content": text(RNG, 3000)}]
-    serve(router, chat(history[:1], "agent", "go"), 0, [Backend(A)])
-    for _ in range(40):
-        router.pressure.returned(100, 60)
-    held = occupy(router, A, 10)  # 40 blocks of load: past the gates while B does nothing
-    decision = router.query(chat(history, "agent", "go on"), [Backend(A), Backend(B)], 10)
-    if copy_cost:
-        assert (decision.backend, decision.label) == (A, Label.SESSION_MATCH)
-        assert decision.candidates[1].copy_cost > 0
-    else:
-        assert (decision.backend, decision.label) == (B, Label.LOAD_OVERRIDE)
-    for r in held:
-        r.finish()
-
-
 def test_a_session_sent_bound_is_put_back_when_its_request_is_not_served():
     """ext_authz binds a conversation when it sends it (its next turn may come before the end is
     reported); served, the binding stays; not served, it is as the ext_proc transport, which

@@ -92,7 +92,6 @@ class CandidateCost:
     cost: float
     adapter: Affinity | None = None  # how it stands for the request's LoRA adapter (None: no adapter)
     prefill_cost: float = 0.0  # each term's share of `cost`: the prefill it would compute,
-    copy_cost: float = 0.0  # the conversation's context a move would cache twice,
     load_cost: float = 0.0  # the work waiting there,
     adapter_cost: float = 0.0  # its LoRA adapter's slot,
     kv_room_cost: float = 0.0  # and its engine's KV room
@@ -135,7 +134,6 @@ class Decision(NamedTuple):
                     "cost": c.cost,
                     "prefill_cost": round(c.prefill_cost, 4),
                     "load_cost": round(c.load_cost, 4),
-                    **({"copy_cost": round(c.copy_cost, 4)} if c.copy_cost else {}),
                     **({} if c.adapter is None else {"adapter": c.adapter.value, "adapter_cost": c.adapter_cost}),
                     **({"kv_room_cost": round(c.kv_room_cost, 4)} if c.kv_room_cost else {}),
                 }

@@ -173,7 +173,7 @@ def assemble(adapters: AdapterBook) -> Pipeline:
     affinity = rules.AdapterAffinity(adapters)
     return Pipeline(
         filters=(rules.serving_the_model, affinity.listing),
-        terms=(rules.prefill_cost, rules.context_copy, rules.load_cost, affinity.cost, rules.kv_room),
+        terms=(rules.prefill_cost, rules.load_cost, affinity.cost, rules.kv_room),
         admission=((rules.backend_limit, Label.SHED), (rules.ttft_objective, Label.SHED_SLO)),
         rules=(rules.context_elsewhere, rules.session_binding, rules.prefix_stickiness, rules.prefix_home),
     )

@@ -2,8 +2,6 @@
 
 Cost terms, summed per candidate, in blocks of prefill:
     prefill: novel_b * (1 + eviction_cost_weight * churn_b)
-    copy:    move_copy_cost * pressure * (blocks of the prompt the conversation's backend shows
-             beyond b's), for a bound conversation's other candidates (context_copy)
     load:    w * (reserved_b + active_request_cost * active_b)
     adapter: 0 where the request's LoRA adapter runs, adapter_load_cost where a slot is free,
              adapter_evict_cost where every slot holds another (AdapterAffinity; none without one)
@@ -159,26 +157,6 @@ def prefill_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) ->
     for candidate in candidates:
         candidate.prefill_cost = term = candidate.novel * (1 + weight * candidate.churn)
         candidate.cost += term
-
-
-def context_copy(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
-    """Moving a conversation off the backend that shows its context copies that context into
-    another cache, where it stays twice until the first copy ages out. Where caches are full the
-    copy evicts as much that other conversations need: each block copied costs `move_copy_cost`
-    more, scaled by cache pressure (pressure.py: 0 while returning conversations find their
-    context, toward 1 as they find it evicted). Without it a move off a busy backend was priced
-    as its prefill alone; on the real agent sessions those moves found 0.0-0.13 of their prompt
-    cached and cost up to 0.027 of the hit rate a run (docs/benchmarks.md)."""
-    bound = inputs.session_backend
-    weight = inputs.settings.move_copy_cost * (1.0 - 1.0 / inputs.gate_factor)
-    if bound is None or weight <= 0:
-        return
-    context = inputs.matched.get(bound, 0)
-    for candidate in candidates:
-        copied = context - candidate.matched
-        if copied > 0 and candidate.backend != bound:
-            candidate.copy_cost = term = weight * copied
-            candidate.cost += term
 
 
 def load_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
@@ -342,7 +320,7 @@ def cheapest(standing: Standing) -> tuple[CandidateCost, Label]:
         return chosen, Label.KV_ROOM
     session = standing.session
     if session is not None and chosen is session:
-        return chosen, Label.SESSION_MATCH  # past the gates, yet still the cheapest (its context, context_copy)
+        return chosen, Label.SESSION_MATCH  # past the gates, yet still the cheapest: it stayed
     if standing.session_full or session is not None:
         return chosen, Label.LOAD_OVERRIDE
     if standing.best_prefix == 0:

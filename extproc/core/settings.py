@@ -343,16 +343,6 @@ class Settings:
         NON_NEGATIVE,
         "evictionCostWeight",
     )
-    move_copy_cost: float = _setting(
-        1.0,
-        "Extra cost per block of a conversation's context that moving it off its backend copies into "
-        "another cache, scaled by cache pressure (0 while returning conversations find their context, "
-        "toward 1 as they find more of it evicted; none with cachePressureGates off): until the first "
-        "copy ages out the context is cached twice, and the copy takes as much room that other "
-        "conversations need. 0: a move costs its prefill.",
-        NON_NEGATIVE,
-        "moveCopyCost",
-    )
     churn_half_life_s: float = _setting(
         60.0, "Half-life of the recent-turnover count behind eviction_cost_weight.", POSITIVE, "churnHalfLifeSeconds"
     )
