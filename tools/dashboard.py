@@ -4,7 +4,8 @@ tests/test_monitoring.py fails if the file differs from what this renders, and r
 queries against a real Prometheus scraping a running stack.
 
 Every query reads the ext_proc's own metrics (job="kvroute-extproc", as the chart's PodMonitor
-labels them). Per-backend series are taken once per backend over the replicas (max or min), fleet
+labels them), but the last panel's, which reads the operator's (job="kvroute-controller", the
+chart's second PodMonitor). Per-backend series are taken once per backend over the replicas (max or min), fleet
 sums over replicas, except what the engines count (delivered reuse), which every replica reports
 alike: once per backend.
 """
@@ -20,12 +21,13 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "charts" / "kvroute" / "files" / "dashboard.json"
 JOB = 'job="kvroute-extproc"'
+OPERATOR_JOB = 'job="kvroute-controller"'
 RATE = "[$__rate_interval]"
 
 
-def _rate(metric: str, by: str = "", selector: str = "") -> str:
+def _rate(metric: str, by: str = "", selector: str = "", job: str = JOB) -> str:
     grouping = f" by ({by})" if by else ""
-    return f"sum{grouping} (rate({metric}{{{JOB}{selector}}}{RATE}))"
+    return f"sum{grouping} (rate({metric}{{{job}{selector}}}{RATE}))"
 
 
 class Panel(NamedTuple):
@@ -158,12 +160,24 @@ PANELS = (
             ),
         ),
     ),
+    Panel(
+        "Operator",
+        "Policy statuses the operator writes per second (each publishes a policy's ready backends), "
+        "failures it logged and went on from, by what failed, and pods claiming a policy from a "
+        "namespace whose ext_procs it does not read.",
+        "short",
+        (
+            (_rate("kvroute_operator_status_patches_total", job=OPERATOR_JOB), "statuses written/s"),
+            (_rate("kvroute_operator_errors_total", "kind", job=OPERATOR_JOB), "{{kind}} failures/s"),
+            (f"max (kvroute_operator_untrusted_extproc_claims{{{OPERATOR_JOB}}})", "untrusted claims"),
+        ),
+    ),
 )
 
 
-def queries() -> list[str]:
-    """Every panel's PromQL, with Grafana's `$__rate_interval` left in."""
-    return [expr for panel in PANELS for expr, _ in panel.queries]
+def queries(job: str = JOB) -> list[str]:
+    """Every panel's PromQL reading this job's metrics, with Grafana's `$__rate_interval` left in."""
+    return [expr for panel in PANELS for expr, _ in panel.queries if job in expr]
 
 
 def render() -> dict[str, Any]:
