@@ -254,6 +254,35 @@ def test_requests_held_when_flow_control_is_turned_off_all_go():
     asyncio.run(main())
 
 
+def test_a_publish_judges_the_fleets_room_once():
+    """`heads()` runs on every publish to the siblings: a request held for the whole fleet has the
+    fleet's room judged once, not again for the request."""
+
+    async def main() -> None:
+        x = Backend("10.0.0.1:8000")
+        judged: list[int] = []
+        full = True
+
+        def room(backends: object) -> bool:
+            judged.append(1)
+            return not full
+
+        waiting = WaitingRoom(
+            lambda: Settings(hash_key=bytes(16)), room, WaitingRoomMetrics(CollectorRegistry()), clock, lambda: (x,)
+        )
+        task = asyncio.create_task(waiting.wait(klass("a"), 100, 10, None))  # held for the whole fleet
+        await asyncio.sleep(0.01)
+        assert len(waiting) == 1
+        full = False
+        judged.clear()
+        assert waiting.heads() == {0: 0.0}
+        assert len(judged) == 1
+        waiting.drain()
+        await task
+
+    asyncio.run(main())
+
+
 def test_the_siblings_are_told_no_head_held_for_a_model_whose_backends_are_full():
     """The replica link publishes `heads()`. A request held because its own candidates are full
     while the fleet has room elsewhere is no sibling's reason to leave a turn to this replica; with

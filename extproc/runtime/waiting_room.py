@@ -110,9 +110,12 @@ class WaitingRoom:
         (its model's backends are full) is no head: siblings would leave it turns it cannot take.
         With the whole fleet saturated every held one is, so that a freed slot goes to the
         fleet's next turn, not to whichever replica sees it first."""
-        if len(self._queue) and not self._room(self._fleet()):
+        if not len(self._queue):
+            return {}
+        fleet = self._fleet()
+        if not self._room(fleet):
             return self._queue.heads()
-        return self._queue.heads(self._eligibility())
+        return self._queue.heads(self._eligibility(fleet, True))  # the fleet judged once
 
     def set_peers(
         self, attained: Mapping[int, Mapping[str, float]], held: int, heads: Mapping[int, float] | None = None
@@ -215,12 +218,15 @@ class WaitingRoom:
         self._dispatching = (held, self._clock())
         self._finish(held)
 
-    def _eligibility(self) -> Callable[[Held], bool]:
+    def _eligibility(self, fleet: Sequence[Backend] | None = None, room: bool | None = None) -> Callable[[Held], bool]:
         """Whether a held request can run now: some of its own candidates have room. Each set of
-        candidates is judged once per call of this (see `pump`)."""
+        candidates is judged once per call of this (see `pump`); `fleet` and its `room`, where the
+        caller has just judged them."""
         waiting = self._waiting
-        answers: dict[int, bool] = {}  # candidates (by identity: alive while held) -> room now
-        fleet = self._fleet()
+        if fleet is None:
+            fleet = self._fleet()
+        # candidates (by identity: alive while held) -> room now
+        answers: dict[int, bool] = {} if room is None else {id(fleet): room}
         released = not self._settings().flow_control  # turned off while requests were held: they all go
 
         def eligible(held: Held) -> bool:
