@@ -186,10 +186,48 @@ def test_bad_adapter_names_are_bounded_and_never_kept():
     for bad in ("", "x" * (MAX_NAME + 1), "../etc", "sp ace", "a\nb"):
         assert book.adapter_of(bad) is None
     assert len(book.state()[A]["listed"]) == MAX_LISTED  # type: ignore[arg-type]
+    book.engine(A, ["ok-1", "y" * (MAX_NAME + 1)], 2, 0.0)
+    assert book.adapter_of("ok-1") and book.adapter_of("y" * (MAX_NAME + 1)) is None
+
+
+def test_the_fleets_adapter_names_are_those_held_now_and_the_last_ones_held():
+    """Backends that listed thousands of adapters and left (or unloaded them) cannot fill the
+    fleet's table for good: a name a live backend lists is always an adapter, and of the names no
+    backend holds any more the `MAX_KNOWN` last are remembered (an adapter idle everywhere keeps
+    its affinity), the oldest forgotten."""
+    book = AdapterBook()
+    book.listing(A, ["sql"])
     for backend in range(10):
-        book.listing(f"10.9.0.{backend}:8000", (f"b{backend}-{i}" for i in range(MAX_LISTED)))
-    assert sum(book.adapter_of(f"b9-{i}") is not None for i in range(MAX_LISTED)) == 0  # the fleet's table is full
-    assert book.adapter_of("ok-1") and len(book._known) == MAX_KNOWN
+        departed = f"10.9.0.{backend}:8000"
+        book.listing(departed, (f"b{backend}-{i}" for i in range(MAX_LISTED)))
+        book.engine(departed, [f"b{backend}-0", "sql"], 4, 0.0)
+        book.remove_backend(departed)
+    assert book.adapter_of("sql") and book.adapter_of(f"b9-{MAX_LISTED - 1}")  # held, and held last
+    assert book.adapter_of("b0-0") is None and len(book._known) == MAX_KNOWN  # the oldest forgotten
+    book.listing(B, ["late-1"])
+    assert book.adapter_of("late-1") and "late-1" in book._held and "late-1" not in book._known
+    book.listing(B, [])  # unloaded: remembered, newest
+    assert book.adapter_of("late-1") and next(reversed(book._known)) == "late-1"
+    book.listing(A, [])
+    assert set(book._held) == set() and len(book._known) == MAX_KNOWN
+
+
+def test_adapters_are_routed_where_they_are_listed_when_backends_declare_their_models():
+    """vLLM serves an adapter under its own name, which a backend's declared models
+    (`spec.models`, the pods' kvroute.io/models) do not list: the listing makes it a candidate."""
+    router = make_router()
+    fleet = [Backend(x, models=frozenset({"base-model"})) for x in (A, B, C)]
+    router.adapters.listing(B, ["sql"])
+    router.adapters.listing(C, ["sql"])
+    for i in range(4):
+        exchange = router.begin(request("sql", f"q{i}"), fleet, float(i))
+        assert exchange.decision.backend in (B, C)
+        exchange.end()
+    assert router.begin(request("base-model"), fleet, 9.0).decision.backend is not None
+    unknown = router.begin(request("other-model"), fleet, 10.0)
+    assert unknown.decision.backend is None and unknown.decision.label is Label.NO_CANDIDATES
+    down = [Backend(A, models=frozenset({"base-model"})), Backend(B, frozenset({"base-model"}), healthy=False)]
+    assert router.begin(request("sql", "q9"), down, 11.0).decision.backend is None  # B lists it, but is down
 
 
 def test_precise_keys_an_adapter_an_engine_lists_before_any_event_names_it():

@@ -98,6 +98,14 @@ def test_a_model_no_policy_lists_goes_to_a_policy_that_serves_any_else_finds_no_
     a.processor.closed(stream)
 
 
+def test_an_adapter_goes_to_the_policy_whose_engines_list_it(policies):
+    """vLLM serves a LoRA adapter under its own name, which no policy's declared models list."""
+    a, b = policies
+    b.router.adapters.listing(B2, ["sql-lora"])
+    _, target = decide(a.processor, chat("sql-lora"))
+    assert target.split(",")[0] == B2 and (a.decisions(), b.decisions()) == (0, 1)
+
+
 def test_the_choice_follows_the_policies_backend_sets(policies):
     a, b = policies
     a.pool.replace([Backend(A1, frozenset({"model-a", "model-c"}))])

@@ -88,9 +88,15 @@ def test_requests_go_where_their_adapter_runs_and_away_from_slots_held_by_others
 
 def test_a_name_no_engine_lists_is_routed_as_the_model_and_answered_by_the_engine(servers: list[str], tmp_path: Path):
     with Stack(tmp_path, backends=servers, extproc_args=("--decision-headers", "true")) as stack:
-        for name in ("unknown-adapter", "x" * 5000, "../../etc/passwd", "a b"):
+        names = ("unknown-adapter", "x" * 5000, "../../etc/passwd", "a b")
+        for name in names:
             status, _, answer = post(stack.url, {**body(name, 2), "stream": False})
             assert status == 404, answer  # vLLM's answer for a model it does not serve
+        # each decided by kvroute (routed as a base-model request), none an error it went on from:
+        # the engine's 404 alone would come either way
+        decided = metric(stack.admin_url, 'kvroute_decisions_total{decision="least_loaded"}')
+        assert decided == len(names), log_tails(tmp_path)
+        assert metric(stack.admin_url, 'kvroute_errors_total{kind="internal"}') == 0
         assert post(stack.url, {**body(MODEL, 2), "stream": False})[0] == 200
         assert all(len(state["listed"] or ()) <= len(ADAPTERS) for state in stack.debug_state()["adapters"].values())
 

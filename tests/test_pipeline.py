@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core import rules
 from extproc.core.adapters import AdapterBook
 from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, Label
@@ -40,7 +39,7 @@ def test_a_rule_is_one_line_where_the_pipeline_is_assembled():
 def test_candidates_are_the_healthy_backends_serving_the_model():
     fleet = [*FLEET, Backend("10.0.0.4:8000", healthy=False)]
     assert assemble(AdapterBook()).candidates(chat("q"), fleet) == [A, B]
-    assert rules.serving_the_model(chat("q"), []) == []
+    assert assemble(AdapterBook()).candidates(chat("q"), []) == []
 
 
 def test_admission_sheds_when_every_candidate_is_at_its_limit():

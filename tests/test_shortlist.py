@@ -161,6 +161,11 @@ def test_client_chosen_model_names_cannot_grow_the_memo_without_bound():
         name = parse_request({"model": f"m{index}", "messages": [{"role": "user", "content": "hi"}]})
         router.pipeline.kept_candidates(name, fleet)
     assert len(router.pipeline.memo._by_model) <= MEMO_MODELS
+    router.pipeline.memo._by_model.clear()
+    for index in range(3):  # a name as long as a body may be is answered, never kept
+        long = parse_request({"model": f"{index}" + "x" * 1_000_000, "messages": [{"role": "user", "content": "hi"}]})
+        assert router.pipeline.kept_candidates(long, fleet)[0] == [b.address for b in fleet]
+    assert not router.pipeline.memo._by_model
 
 
 def test_a_request_the_shortlist_would_refuse_is_weighed_against_the_whole_fleet():

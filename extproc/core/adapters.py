@@ -12,13 +12,17 @@ late by a scrape. What kvroute knows at once: its own requests in flight there, 
 (load.py). A backend's running set is the union of the two.
 
 Every name comes from an engine or a client, so every table here is bounded: names longer than
-`MAX_NAME` or not shaped like a model id are ignored, at most `MAX_LISTED` per backend and
-`MAX_KNOWN` in all are kept (a request naming anything else is routed as a base-model request).
+`MAX_NAME` or not shaped like a model id are ignored, at most `MAX_LISTED` per backend listing or
+running set are kept. The fleet's adapter names are those some backend lists or runs now, and the
+`MAX_KNOWN` last seen of those none holds any more (an adapter idle everywhere still gets its
+affinity weighed); a request naming anything else is routed as a base-model request. So departed
+backends or unloaded adapters cannot fill the table for good.
 """
 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -26,8 +30,8 @@ from enum import StrEnum
 from extproc.core.load import ENGINE_SAMPLE_MAX_AGE_S, BackendLoad
 
 MAX_NAME = 256
-MAX_LISTED = 1024  # adapters kept per backend listing
-MAX_KNOWN = 4096  # adapter names kept across the fleet
+MAX_LISTED = 1024  # adapters kept per backend listing (and per running set)
+MAX_KNOWN = 4096  # adapter names no backend holds now, remembered, the least recently held forgotten first
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
 
 
@@ -58,11 +62,12 @@ class EngineAdapters:
 class AdapterBook:
     """The fleet's adapters, per backend: what the engines report, bounded."""
 
-    __slots__ = ("_backends", "_known")
+    __slots__ = ("_backends", "_held", "_known")
 
     def __init__(self) -> None:
         self._backends: dict[str, EngineAdapters] = {}
-        self._known: set[str] = set()
+        self._held: dict[str, int] = {}  # name -> how many backends' listings and running sets name it
+        self._known: OrderedDict[str, None] = OrderedDict()  # names none holds now, least recently held first
 
     def _entry(self, backend: str) -> EngineAdapters:
         entry = self._backends.get(backend)
@@ -70,28 +75,50 @@ class AdapterBook:
             entry = self._backends[backend] = EngineAdapters()
         return entry
 
-    def _names(self, names: Iterable[str], limit: int) -> frozenset[str]:
+    @staticmethod
+    def _names(names: Iterable[str], limit: int) -> frozenset[str]:
         kept: set[str] = set()
         for name in names:
             if len(kept) >= limit:
                 break
             if valid_name(name):
                 kept.add(name)
-                if len(self._known) < MAX_KNOWN:
-                    self._known.add(name)
         return frozenset(kept)
+
+    def _recount(self, old: frozenset[str] | None, new: frozenset[str] | None) -> None:
+        """A listing or running set replaced: the fleet's names follow (one its last holder drops
+        is remembered among the `MAX_KNOWN` last)."""
+        held, known = self._held, self._known
+        for name in old or ():
+            count = held[name] - 1
+            if count:
+                held[name] = count
+            else:
+                del held[name]
+                known[name] = None
+                if len(known) > MAX_KNOWN:
+                    known.popitem(last=False)
+        for name in new or ():
+            count = held.get(name, 0)
+            if not count:
+                known.pop(name, None)
+            held[name] = count + 1
 
     def listing(self, backend: str, adapters: Iterable[str]) -> None:
         """The adapters a backend lists (`/v1/models` entries with a parent model)."""
         entry = self._entry(backend)
-        entry.listed = self._names(adapters, MAX_LISTED)
+        listed = self._names(adapters, MAX_LISTED)
+        self._recount(entry.listed, listed)
+        entry.listed = listed
         if entry.leaving:  # gone from the listing: moved off
             entry.leaving &= entry.listed
 
     def engine(self, backend: str, running: Iterable[str], slots: int | None, now: float) -> None:
         """The adapters of a backend's running and waiting requests, and its slot count."""
         entry = self._entry(backend)
-        entry.running = self._names(running, MAX_LISTED)
+        names = self._names(running, MAX_LISTED)
+        self._recount(entry.running, names)
+        entry.running = names
         entry.slots = slots if slots is None or slots > 0 else None
         entry.engine_at = now
 
@@ -115,7 +142,9 @@ class AdapterBook:
         """A load (or unload) just done there: the listing says so before the next read of it."""
         entry = self._entry(backend)
         listed = entry.listed or frozenset()
-        entry.listed = self._names([*listed, adapter], MAX_LISTED) if present else listed - {adapter}
+        now = self._names([*listed, adapter], MAX_LISTED) if present else listed - {adapter}
+        self._recount(entry.listed, now)
+        entry.listed = now
         entry.leaving -= {adapter}
 
     def leave(self, backend: str, adapter: str, leaving: bool = True) -> None:
@@ -145,11 +174,15 @@ class AdapterBook:
         return entry.running
 
     def remove_backend(self, backend: str) -> None:
-        self._backends.pop(backend, None)
+        entry = self._backends.pop(backend, None)
+        if entry is not None:
+            self._recount(entry.listed, None)
+            self._recount(entry.running, None)
 
     def adapter_of(self, model: str) -> str | None:
-        """`model` if it names an adapter some engine has reported, else None (a base model)."""
-        return model if model in self._known else None
+        """`model` if it names an adapter some engine lists or runs now, or did lately, else None
+        (a base model)."""
+        return model if model in self._held or model in self._known else None
 
     def listers(self, adapter: str, backends: Sequence[str]) -> list[str]:
         """Of `backends`, those that list `adapter` or have not said what they list; those moving it

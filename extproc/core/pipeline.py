@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from extproc.core import rules
-from extproc.core.adapters import AdapterBook
+from extproc.core.adapters import MAX_NAME, AdapterBook
 from extproc.core.backends import Backend
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
 from extproc.core.pairs import disaggregated
@@ -59,9 +59,12 @@ class CandidateMemo:
         return False
 
     def put(self, model: str, candidates: list[str]) -> tuple[list[str], dict[str, int]]:
+        entry = (candidates, {c: i for i, c in enumerate(candidates)})
+        if len(model) > MAX_NAME:  # a client's name of any length up to the body's: not kept
+            return entry
         if len(self._by_model) >= MEMO_MODELS:
             self._by_model.clear()
-        entry = self._by_model[model] = (candidates, {c: i for i, c in enumerate(candidates)})
+        self._by_model[model] = entry
         return entry
 
 
@@ -172,7 +175,7 @@ def assemble(adapters: AdapterBook) -> Pipeline:
     """kvroute's decision, stage by stage, with the fleet's LoRA adapters as the engines report them."""
     affinity = rules.AdapterAffinity(adapters)
     return Pipeline(
-        filters=(rules.serving_the_model, affinity.listing),
+        filters=(affinity.serving, affinity.listing),
         terms=(rules.prefill_cost, rules.load_cost, affinity.cost, rules.kv_room),
         admission=((rules.backend_limit, Label.SHED), (rules.ttft_objective, Label.SHED_SLO)),
         rules=(rules.context_elsewhere, rules.session_binding, rules.prefix_stickiness, rules.prefix_home),

@@ -145,12 +145,6 @@ class PickRule(Protocol):
     def __call__(self, standing: Standing) -> tuple[CandidateCost, Label] | None: ...
 
 
-def serving_the_model(request: PromptRequest, backends: Sequence[Backend]) -> Sequence[Backend]:
-    """Healthy backends that serve the request's model (all models, if a backend has not said),
-    whole: a prefill backend only takes prefill legs (pairs.py)."""
-    return [b for b in backends if b.serves(request.model) and b.role is not Role.PREFILL]
-
-
 def prefill_cost(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None:
     """The prefill each would compute, dearer where the cache turns over fast."""
     weight = inputs.settings.eviction_cost_weight
@@ -177,6 +171,17 @@ class AdapterAffinity:
 
     def __init__(self, book: AdapterBook) -> None:
         self.book = book
+
+    def serving(self, request: PromptRequest, backends: Sequence[Backend]) -> Sequence[Backend]:
+        """Healthy backends that serve the request's model: one they declare (all models, if a
+        backend has not said), or an adapter their engine lists, which is served under its own
+        name; whole: a prefill backend only takes prefill legs (pairs.py)."""
+        model, has = request.model, self.book.has
+        return [
+            b
+            for b in backends
+            if b.role is not Role.PREFILL and (b.serves(model) or (b.healthy and has(b.address, model)))
+        ]
 
     def listing(self, request: PromptRequest, backends: Sequence[Backend]) -> Sequence[Backend]:
         """Backends that list the request's adapter (or have not said); all of them if none does."""

@@ -2,9 +2,11 @@
 
 A policy serves the models its backends list (`KVRoutingPolicy.spec.models`, or each pod's
 `kvroute.io/models`); a model several policies list goes to the first of them, in the order the
-process was given. A model none lists goes to the first policy with a backend that lists no model
-(such a backend serves any), else to the first policy, whose router then finds no candidate
-(`no_candidates`): Envoy sends the request on round robin and the engine answers its own 404.
+process was given. A LoRA adapter, served under its own name, which no policy's models list, goes
+to the first policy one of whose engines lists or ran it (its adapter book). A model none lists goes
+to the first policy with a backend that lists no model (such a backend serves any), else to the
+first policy, whose router then finds no candidate (`no_candidates`): Envoy sends the request on
+round robin and the engine answers its own 404.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ class PolicyDispatch:
         """The processor that decides a request for `model` ("": a request whose model is not
         known), by the map as `refresh` last left it. Safe from a worker thread."""
         _, by_model, unlisted = self._map
-        return by_model.get(model, unlisted)
+        found = by_model.get(model)
+        if found is not None:
+            return found
+        return next((p for p in self._processors if p.router.adapters.adapter_of(model)), unlisted)
 
     def may_hold(self, stream: Stream) -> bool:
         """Whether some policy's flow control would hold a request arriving now (its model is not
