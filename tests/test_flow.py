@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.flow import OVERFLOW_FLOW, YIELD_S, FlowQueue, Held, QueueLimits, Refusal, State
+from extproc.core.objectives import DEFAULT_FLOW
 
 
 def _held(result: Held | Refusal) -> Held:
@@ -97,7 +98,34 @@ def test_band_bounds_in_requests_and_bytes():
     assert isinstance(queue.hold(0, "a", 1, 400, now=0), Held)
     assert isinstance(queue.hold(1, "a", 1, 900, now=0), Held)  # another band has its own bounds
     assert isinstance(queue.hold(0, "b", 1, 0, now=0), Held)
-    assert queue.hold(0, "c", 1, 0, now=0) is Refusal.BAND_FULL  # requests
+    assert queue.hold(0, "b", 1, 0, now=0) is Refusal.BAND_FULL  # requests ("a" holds no more than "b" would)
+    assert queue.hold(0, "a", 1, 0, now=0) is Refusal.BAND_FULL  # nor would "a" gain from its own
+
+
+def test_one_flow_cannot_keep_the_others_out_by_filling_the_queue_first():
+    """A flow holding more than another's newcomer would gives up its newest (evicted, answered
+    429) for it, in requests and in bytes, down to level shares; the flooding flow itself is refused."""
+    queue = FlowQueue(QueueLimits(max_requests=6, max_bytes=1_000, max_total=6))
+    flood = [_held(queue.hold(0, "flood", 1, 100, now=i)) for i in range(6)]
+    assert queue.hold(0, "flood", 1, 1, now=6) is Refusal.BAND_FULL
+    light = _held(queue.hold(0, "light", 1, 1, now=7))
+    assert flood[-1].state is State.EVICTED and queue.ended(now=7) == [flood[-1]]
+    big = _held(queue.hold(0, "other", 1, 600, now=8))  # bytes: two more of the flood's go
+    assert [h.state for h in flood] == [State.WAITING] * 3 + [State.EVICTED] * 3
+    assert queue.ended(now=8) == [flood[4], flood[3]]
+    assert isinstance(queue.hold(0, "fourth", 1, 1, now=9), Held)  # there is room for it
+    assert isinstance(queue.hold(0, "fifth", 1, 1, now=10), Held) and flood[2].state is State.EVICTED
+    assert isinstance(queue.hold(0, "sixth", 1, 1, now=11), Held) and flood[1].state is State.EVICTED
+    assert queue.hold(0, "seventh", 1, 1, now=12) is Refusal.BAND_FULL  # every flow holds one: level
+    assert [h.flow for h in _drain(queue)].count("flood") == 1
+    assert light.state is big.state is State.DISPATCHED
+
+
+def test_a_full_queue_of_another_band_is_made_room_for_within_the_requests_own_band():
+    queue = FlowQueue(QueueLimits(max_total=3))
+    flood = [_held(queue.hold(0, "flood", 1, 1, now=i)) for i in range(3)]
+    assert queue.hold(0, "flood", 1, 1, now=3) is Refusal.QUEUE_FULL
+    assert isinstance(queue.hold(0, "light", 1, 1, now=3), Held) and flood[-1].state is State.EVICTED
 
 
 def test_a_full_queue_sheds_the_newest_sheddable_request_first():
@@ -138,6 +166,27 @@ def test_a_flood_of_distinct_flow_ids_is_bounded_and_cannot_starve_a_known_flow(
     assert flows.count("default") >= 8  # one of at most five flows: a fifth of the dispatches
     assert set(flows) <= {"default", OVERFLOW_FLOW, "flood-0", "flood-1", "flood-2"}
     assert len(queue.waiting()[0]) <= 5
+
+
+def test_a_flood_of_distinct_flow_ids_cannot_lump_the_default_or_a_weighted_flow_with_it():
+    """The default flow (and a flow the policy weighs) idle when the flood comes: its next request
+    still gets its own flow, not a place at the back of the flood's overflow."""
+    queue = FlowQueue(QueueLimits(max_flows=4, max_requests=100_000, max_total=100_000), {"gold": 2.0})
+    queue.hold(0, DEFAULT_FLOW, 100, 1, now=0)
+    queue.hold(0, "gold", 100, 1, now=0)
+    assert {h.flow for h in (queue.pop(), queue.pop()) if h is not None} == {DEFAULT_FLOW, "gold"}  # both idle now
+    for i in range(5_000):
+        queue.hold(0, f"flood-{i}", 100, 1, now=i)
+    late = _held(queue.hold(0, DEFAULT_FLOW, 100, 1, now=5_000))
+    weighted = _held(queue.hold(0, "gold", 100, 1, now=5_000))
+    assert late.flow == DEFAULT_FLOW and weighted.flow == "gold"
+    first = [h for h in (queue.pop() for _ in range(8)) if h is not None]
+    assert late in first and weighted in first
+    assert len(queue.waiting()[0]) <= 6
+    fresh = FlowQueue(QueueLimits(max_flows=4, max_requests=100_000, max_total=100_000))
+    for i in range(100):  # the flood first: the default flow's first request still gets its own
+        fresh.hold(0, f"flood-{i}", 100, 1, now=i)
+    assert _held(fresh.hold(0, DEFAULT_FLOW, 100, 1, now=100)).flow == DEFAULT_FLOW
 
 
 def test_idle_flows_are_forgotten_when_new_ones_arrive():

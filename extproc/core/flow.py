@@ -14,10 +14,15 @@ inside an engine, where nothing can reorder it. Dispatch order:
   of those that would expire before it).
 
 Bounds: each band holds at most `max_requests` and `max_bytes`; past its TTL a held request
-expires (the adapter answers 429; `ended` lists them). The queue as a whole holds at most `max_total`; when full, a
-request evicts the newest held request of the lowest sheddable band below its own priority, or is
-refused. At most `max_flows` distinct flows are tracked per band; later ones share one overflow
-flow, so a flood of distinct flow ids can neither grow memory nor starve the flows already known.
+expires (the adapter answers 429; `ended` lists them). The queue as a whole holds at most
+`max_total`; when full, a request evicts the newest held request of the lowest sheddable band
+below its own priority. Still full (or its band is), a request of a flow holding fewer in its band
+than another flow there takes the place of that flow's newest (evicted, answered 429), so one
+flow cannot keep the others out by filling the queue first; else it is refused. At most
+`max_flows` distinct flows are tracked per band; later ones share one overflow flow, so a flood
+of distinct flow ids can neither grow memory nor starve the flows already known; the default flow
+and the flows the policy weighs are never lumped in with them nor forgotten (they are few, and
+named by the operator, not by clients).
 
 Fleet-wide: sibling replicas exchange each flow's attained cost and their held counts (`shares`,
 `set_peers`), so a flow's turn counts what every replica served it and `max_total` bounds what
@@ -33,6 +38,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+
+from extproc.core.objectives import DEFAULT_FLOW
 
 OVERFLOW_FLOW = "other"  # the flow of every flow id beyond `max_flows` in a band
 COMPACT_AT = 64  # requests that left the queue, kept in its lists until they reach a head, before a sweep
@@ -59,7 +66,7 @@ class State(StrEnum):
     DISPATCHED = "dispatched"
     CANCELLED = "cancelled"  # the client left
     EXPIRED = "expired"  # held past its band's TTL
-    EVICTED = "evicted"  # made room for a request of higher priority
+    EVICTED = "evicted"  # made room for a request of higher priority, or of a flow holding fewer
 
 
 class Refusal(StrEnum):
@@ -89,10 +96,11 @@ class Held:
 
 
 class _Flow:
-    __slots__ = ("attained", "served", "waiting", "weight")
+    __slots__ = ("attained", "held", "served", "waiting", "weight")
 
     def __init__(self, weight: float) -> None:
         self.weight = weight
+        self.held = 0  # its requests waiting here
         self.served = 0.0  # cost dispatched here, over the weight: what the siblings are told
         self.attained = 0.0  # `served` plus the levelling it got coming back from idle (this replica's own)
         self.waiting: list[Held] = []  # a heap by (deadline, seq); cancelled entries are skipped lazily
@@ -166,9 +174,15 @@ class FlowQueue:
         say why not. `ttft_s`: its TTFT objective, which orders it within its flow."""
         limits = self.limits
         band = self._band(priority)
-        if band.held >= limits.max_requests or band.bytes + size > limits.max_bytes:
+        if size > limits.max_bytes:
             return Refusal.BAND_FULL
-        if self._total + self._peer_held >= limits.max_total and not self._evict_below(priority):
+        if self._band_full(band, size) and not self._push_out(band, flow, size):
+            return Refusal.BAND_FULL
+        if (
+            self._total + self._peer_held >= limits.max_total
+            and not self._evict_below(priority)
+            and not self._push_out(band, flow, size)
+        ):
             return Refusal.QUEUE_FULL
         deadline = now + (limits.ttl_s if ttft_s is None else min(ttft_s, limits.ttl_s))
         held = Held(priority, self._flow_name(band, flow), cost, size, now, deadline, next(self._seq))
@@ -178,6 +192,7 @@ class FlowQueue:
             least = min(self._scores(priority, band), default=band.floor)
             state.attained = max(state.attained, least - self._peer_attained.get(priority, {}).get(held.flow, 0.0))
         heapq.heappush(state.waiting, held)
+        state.held += 1
         band.arrivals.append(held)
         band.held += 1
         band.bytes += size
@@ -322,9 +337,17 @@ class FlowQueue:
         return band
 
     def _flow_name(self, band: _Band, flow: str) -> str:
-        if flow in band.flows or len(band.flows) < self.limits.max_flows:
+        named = self.weights
+        if flow in band.flows or len(band.flows) < self.limits.max_flows or flow == DEFAULT_FLOW or flow in named:
             return flow
-        idle = next((name for name, f in band.flows.items() if name != OVERFLOW_FLOW and f.head() is None), None)
+        idle = next(
+            (
+                name
+                for name, f in band.flows.items()
+                if name != OVERFLOW_FLOW and name != DEFAULT_FLOW and name not in named and f.head() is None
+            ),
+            None,
+        )
         if idle is None:
             return OVERFLOW_FLOW
         del band.flows[idle]  # forget the least recently served idle flow: its credit was levelled anyway
@@ -350,9 +373,43 @@ class FlowQueue:
                 return True
         return False
 
+    def _band_full(self, band: _Band, size: int) -> bool:
+        return band.held >= self.limits.max_requests or band.bytes + size > self.limits.max_bytes
+
+    def _push_out(self, band: _Band, flow: str, size: int) -> bool:
+        """Room for a request of `flow` made from the flow holding most in its band: that flow's
+        newest go (evicted, answered 429), as many as the room needs, while it would still hold
+        more than `flow` then. False, and nothing evicted, when that cannot make room."""
+        own = band.flows.get(flow)
+        mine = own.held if own is not None else 0
+        counts = {name: f.held for name, f in band.flows.items() if f.held and name != flow}
+        victims: list[Held] = []
+        taken = set()
+        held, used, total = band.held, band.bytes, self._total + self._peer_held
+        limits = self.limits
+        while held >= limits.max_requests or used + size > limits.max_bytes or total >= limits.max_total:
+            heavy = max(counts, key=counts.__getitem__, default=None)
+            if heavy is None or counts[heavy] < mine + 2:  # no flow would still hold more than this one
+                return False
+            newest = (h for h in reversed(band.arrivals) if h.flow == heavy and h.state is State.WAITING)
+            victim = next((h for h in newest if h.seq not in taken), None)
+            if victim is None:
+                return False
+            victims.append(victim)
+            taken.add(victim.seq)
+            counts[heavy] -= 1
+            held, used, total = held - 1, used - victim.size, total - 1
+        for victim in victims:
+            self._leave(victim, State.EVICTED)
+            self._evicted.append(victim)
+        return True
+
     def _leave(self, held: Held, state: State) -> None:
         held.state = state
         band = self._bands[held.band]
+        flow = band.flows.get(held.flow)
+        if flow is not None:
+            flow.held -= 1
         band.held -= 1
         band.bytes -= held.size
         self._total -= 1
