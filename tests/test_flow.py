@@ -91,6 +91,19 @@ def test_held_past_the_ttl_is_ended_once_and_frees_its_place():
     assert queue.pop() is young
 
 
+def test_a_sheddable_request_held_past_its_ttft_objective_expires_then_not_at_the_ttl():
+    queue = FlowQueue(QueueLimits(ttl_s=30))
+    late = _held(queue.hold(-1, "a", 1, 1, now=0, ttft_s=1.0))
+    later = _held(queue.hold(-1, "a", 1, 1, now=0, ttft_s=2.0))
+    plain = _held(queue.hold(-1, "b", 1, 1, now=0))  # no objective: the TTL
+    critical = _held(queue.hold(0, "c", 1, 1, now=0, ttft_s=1.0))  # not sheddable: served late rather than not
+    assert queue.ended(now=0.9) == []
+    assert queue.ended(now=1.0) == [late] and late.state is State.EXPIRED
+    assert queue.ended(now=5.0) == [later] and len(queue) == 2
+    assert queue.ended(now=29.9) == []
+    assert sorted(queue.ended(now=30.0), key=lambda h: h.seq) == [plain, critical]
+
+
 def test_band_bounds_in_requests_and_bytes():
     queue = FlowQueue(QueueLimits(max_requests=3, max_bytes=1_000))
     assert isinstance(queue.hold(0, "a", 1, 600, now=0), Held)

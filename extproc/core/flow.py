@@ -11,7 +11,8 @@ inside an engine, where nothing can reorder it. Dispatch order:
   backlogged flow, so idling banks no credit;
 - within a flow, earliest deadline first: a request's TTFT objective, else its band's TTL (so
   requests without an objective go in arrival order, and an objective only moves a request ahead
-  of those that would expire before it).
+  of those that would expire before it). A sheddable request (priority below zero) expires at its
+  objective: held past it, it would be refused when dispatched anyway (SLO admission).
 
 Bounds: each band holds at most `max_requests` and `max_bytes`; past its TTL a held request
 expires (the adapter answers 429; `ended` lists them). The queue as a whole holds at most
@@ -254,9 +255,17 @@ class FlowQueue:
 
     def ended(self, now: float) -> list[Held]:
         """Requests that left the queue undispatched since the last call: held past their band's
-        TTL (expired, now) or evicted for a request of higher priority. Answer each 429."""
+        TTL, or a sheddable one past its TTFT objective, which it can no longer meet (expired,
+        now); or evicted for another. Answer each 429."""
         ended, self._evicted = self._evicted, []
         cutoff = now - self.limits.ttl_s
+        for priority, band in self._bands.items():
+            if priority >= 0:
+                continue
+            for flow in band.flows.values():  # each flow's heap is in deadline order
+                while (head := flow.head()) is not None and head.deadline <= now:
+                    self._leave(head, State.EXPIRED)
+                    ended.append(head)
         for band in self._bands.values():
             arrivals = band.arrivals
             while arrivals and (arrivals[0].state is not State.WAITING or arrivals[0].arrived <= cutoff):
