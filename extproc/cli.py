@@ -165,9 +165,16 @@ def _envoy_config(args: argparse.Namespace) -> None:
     from extproc.envoy.bootstrap import render
 
     try:
-        text = render(envoy_layout(args))
+        layout = envoy_layout(args)
+        text = render(layout)
     except ValueError as exc:  # a layout the flags describe but Envoy could not route by
         sys.exit(f"kvroute envoy-config: {exc}")
+    if layout.transport == "ext_authz":  # the ext_proc's authz port is off unless given: say so once
+        ports = ", ".join(map(str, layout.authz_ports))
+        sys.stderr.write(
+            f"kvroute envoy-config: this Envoy asks each route over ext_authz on port {ports}: run the ext_proc "
+            f"with --authz-port (else every request goes on unrouted, round robin), or use --transport ext_proc\n"
+        )
     if args.output:
         Path(args.output).write_text(text)
     else:

@@ -55,6 +55,10 @@ def test_the_default_transport_is_ext_authz_and_says_what_needs_ext_proc(tmp_pat
     main(["envoy-config", "--backend", "10.0.0.1:8000", "-o", str(path)])
     filters = [f["name"] for f in _manager(yaml.safe_load(path.read_text()))["http_filters"]]
     assert "envoy.filters.http.ext_authz" in filters and "envoy.filters.http.ext_proc" not in filters
+    # the ext_proc's authz port is off unless given: the command says what to run it with
+    assert "run the ext_proc with --authz-port" in capsys.readouterr().err
+    main(["envoy-config", "--backend", "10.0.0.1:8000", "--transport", "ext_proc", "-o", str(path)])
+    assert capsys.readouterr().err == ""
     for extra in (["--body-mode", "full_duplex"], ["--destination-from", "metadata"], ["--extproc-tls"]):
         with pytest.raises(SystemExit) as refused:
             main(["envoy-config", "--backend", "10.0.0.1:8000", *extra])
