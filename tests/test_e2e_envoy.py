@@ -673,14 +673,27 @@ def test_flow_control_holds_requests_while_the_backend_is_full_and_never_loses_o
         assert _queue(stack, held_count) == 0
 
 
-@pytest.mark.parametrize("layout", ["buffered", pytest.param("picker_original_dst", marks=pytest.mark.layouts)])
+DYING = {**LAYOUTS, "ext_authz_closed": {"transport": "ext_authz", "fail_open": False}}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "buffered",
+        pytest.param("picker_original_dst", marks=pytest.mark.layouts),
+        pytest.param("ext_authz", marks=pytest.mark.layouts),
+        pytest.param("ext_authz_closed", marks=pytest.mark.layouts),
+    ],
+)
 def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Path, layout: str):
-    """A request held when the ext_proc dies is answered, never sent on past the queue: kvroute's
-    own Envoy fails open, but the request still carries the pending mark the ext_proc set on its
-    headers, and the bootstrap's route answers that 503; a picker gateway failing closed answers
-    it with a 5xx of its own."""
+    """A request held when the ext_proc dies: over ext_proc it is answered, never sent on past the
+    queue: kvroute's own Envoy fails open, but the request still carries the pending mark the
+    ext_proc set on its headers, and the bootstrap's route answers that 503; a picker gateway
+    failing closed answers it with a 5xx of its own. Over ext_authz Envoy's check call simply
+    fails, as for a request never held: failing open it goes on unrouted (what docs/envoy.md and
+    the README say), failing closed it is answered 5xx."""
     args = ["--max-backend-requests", "1"]
-    with Stack(tmp_path, sims=1, extproc_args=args, **LAYOUTS[layout]) as stack:
+    with Stack(tmp_path, sims=1, extproc_args=args, **DYING[layout]) as stack:
         blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
         try:
             answers: list[tuple] = []
@@ -692,15 +705,20 @@ def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Pa
             stack.stop_process("extproc", signal.SIGKILL)
             held.join(30)
             status, headers, _ = answers[0]
-            if LAYOUTS[layout].get("fail_open", True):
+            fail_open = DYING[layout].get("fail_open", True)
+            if not fail_open:
+                assert status >= 500
+            elif layout == "ext_authz":  # the bypass: served, by no decision of kvroute's
+                assert status == 200 and "x-kvroute-decision" not in headers
+            else:
                 assert status == 503 and headers["x-kvroute-decision"] == "undecided"
                 assert headers["retry-after"] == "1"
-            else:
-                assert status >= 500
             # A request that reaches no ext_proc at all still fails open: unrouted, not refused.
             status, headers, _ = post(stack.url, chat([{"role": "user", "content": "after"}]))
-            if LAYOUTS[layout].get("fail_open", True):
+            if fail_open:
                 assert status == 200 and "x-kvroute-decision" not in headers
+            else:
+                assert status >= 500
         finally:
             leave(blocker)
 
