@@ -347,3 +347,33 @@ def test_a_placer_whose_claim_swallowed_its_stop_still_stops():
                 await running
 
     asyncio.run(scenario())
+
+
+def test_a_request_waiting_for_its_adapter_stops_waiting_when_no_load_is_coming():
+    """The load failed (or no server may take the adapter yet) and nothing is in flight: the
+    requests waiting for it go on after that round, not each at the end of its own timeout."""
+    import asyncio
+
+    from extproc.core.backends import Backend
+    from extproc.core.router import Router
+    from extproc.runtime.placer import AdapterPlacer
+    from extproc.runtime.pool import BackendPool
+
+    async def scenario() -> tuple[list[bool], int, dict[tuple[str, str], int]]:
+        router = Router(SETTINGS)
+        refusing = "127.0.0.1:9"  # a load carried out there is refused at once
+        pool = BackendPool([Backend(refusing)], router.remove_backend, 2)
+        router.adapters.listing(refusing, [])
+        placer = AdapterPlacer(router, pool)
+        running = asyncio.create_task(placer.run(0.05))
+        try:
+            async with asyncio.timeout(60):  # (each would wait its whole 600 s otherwise)
+                answers = [await placer.ensure("sql", 600.0) for _ in range(3)]
+        finally:
+            running.cancel()
+        return answers, placer.rounds, dict(placer.placement.counts)
+
+    answers, rounds, counts = asyncio.run(scenario())
+    assert answers == [False, False, False]
+    assert counts == {("load", "failed"): 1}  # one load tried; the next rounds wait out its hold
+    assert rounds <= 12

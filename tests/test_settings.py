@@ -205,3 +205,12 @@ def test_header_settings_refuse_what_is_no_header_name():
     with pytest.raises(ValueError, match="session_headers must be HTTP header names"):
         Settings(session_headers=(":authority",))
     assert Settings(session_headers=()).session_headers == ()  # only the body names conversations
+
+
+def test_adapter_sources_take_only_names_vllm_can_serve():
+    """Placement would load a name the servers' listing then drops, and wait for it on every request."""
+    for bad in ("my sql", "../etc", "-x", "a\nb"):
+        with pytest.raises(ValueError, match="adapter_sources"):
+            Settings(adapter_sources={bad: "/adapters/x"})
+    good = Settings(adapter_sources={"org/sql-v2.1": "/adapters/x"})
+    assert good.adapter_sources == (("org/sql-v2.1", "/adapters/x"),)

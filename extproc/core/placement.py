@@ -165,6 +165,10 @@ class AdapterPlacement:
                 moves.append(move)
         return moves
 
+    def pending(self, adapter: str) -> bool:
+        """A move of `adapter` is being carried out."""
+        return adapter in self._pending
+
     def skip(self, move: Move) -> None:
         """Another replica acts for this adapter (or balances) now: the move is not made here."""
         self._pending.discard(move.adapter)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from extproc.core.adapters import valid_name
+
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
@@ -97,9 +99,16 @@ def parse_pairs(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _pairs(setting: str, cast: Callable[[Any], Any], check: Callable[[Any], bool], what: str) -> Callable[[Any], Any]:
+def _pairs(
+    setting: str,
+    cast: Callable[[Any], Any],
+    check: Callable[[Any], bool],
+    what: str,
+    named: Callable[[str], bool] = bool,
+) -> Callable[[Any], Any]:
     """A name -> value setting (a number, or a path), held as sorted (name, value) pairs so
-    Settings stays hashable; from a mapping (YAML, a policy) or pairs (text)."""
+    Settings stays hashable; from a mapping (YAML, a policy) or pairs (text). `named`: what else a
+    name must be."""
 
     def normalize(value: Any) -> tuple[tuple[str, Any], ...]:
         items: Any = list(value.items()) if isinstance(value, dict) else value
@@ -113,6 +122,8 @@ def _pairs(setting: str, cast: Callable[[Any], Any], check: Callable[[Any], bool
             name, number = pair
             if not isinstance(name, str) or not 0 < len(name) <= MAX_FLOW_ID or isinstance(number, bool):
                 raise ValueError(f"{setting}: names of 1-{MAX_FLOW_ID} characters, got {name!r}")
+            if not named(name):
+                raise ValueError(f"{setting}: {name!r} is not shaped like a model id (as vLLM names an adapter)")
             try:
                 number = cast(number)
             except (TypeError, ValueError):
@@ -281,7 +292,9 @@ class Settings:
         "policy a map, as text "
         '"support=/adapters/support,sql=/adapters/sql".',
         policy="adapterSources",
-        normalize=_pairs("adapter_sources", _adapter_path, lambda _path: True, "a path of 1-4096 characters"),
+        normalize=_pairs(
+            "adapter_sources", _adapter_path, lambda _path: True, "a path of 1-4096 characters", valid_name
+        ),
         parse=parse_pairs,
         schema="paths",
     )

@@ -56,6 +56,8 @@ class AdapterPlacer:
         self._clock = clock
         self._wake = asyncio.Event()
         self._round_done = asyncio.Event()
+        self.rounds = 0  # rounds begun
+        self._elsewhere: set[str] = set()  # adapters whose move a sibling replica claimed this round
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +65,10 @@ class AdapterPlacer:
 
     async def ensure(self, adapter: str, timeout_s: float) -> bool:
         """Before routing a request for `adapter`: if the policy places it and no server lists it,
-        ask for it and wait (at most `timeout_s`) until one does. True if a server lists it now."""
+        ask for it and wait (at most `timeout_s`) until one does. True if a server lists it now.
+        A round begun after the ask that loads it nowhere (its load failed, or no server may take
+        it yet) and leaves no move of it in flight, here or claimed by a sibling, ends the wait at
+        once: nothing is coming, and the request goes on as to a server that loads it itself."""
         router = self._router
 
         def listed() -> bool:  # a copy being moved off counts: it serves until the new one is known
@@ -74,6 +79,7 @@ class AdapterPlacer:
         if listed():
             return True
         deadline = self._clock() + timeout_s
+        asked_after = self.rounds
         while not listed():
             left = deadline - self._clock()
             if left <= 0:
@@ -84,6 +90,13 @@ class AdapterPlacer:
                 async with asyncio.timeout(left):
                     await self._round_done.wait()
             except TimeoutError:
+                return False
+            if (
+                self.rounds > asked_after
+                and not listed()
+                and not self.placement.pending(adapter)
+                and adapter not in self._elsewhere
+            ):
                 return False
         return True
 
@@ -104,6 +117,8 @@ class AdapterPlacer:
 
     async def round(self, session: aiohttp.ClientSession) -> None:
         router = self._router
+        self.rounds += 1
+        self._elsewhere = set()
         if not router.settings.adapter_sources:
             return
         self.placement.keep({b.address for b in self._pool.backends})
@@ -118,6 +133,7 @@ class AdapterPlacer:
                 moves.append(move)
             else:
                 self.placement.skip(move)
+                self._elsewhere.add(move.adapter)
             if stop_asked():
                 raise asyncio.CancelledError
         results = await asyncio.gather(*(self._carry_out(session, move) for move in moves))
