@@ -12,6 +12,7 @@ import orjson
 import pytest
 import yaml
 
+from extproc.core.settings import Settings
 from extproc.envoy.bootstrap import EnvoyLayout, render
 from tests.controlplane import ROOT, ControlPlane, binaries
 from tests.e2e import eventually
@@ -207,6 +208,25 @@ def envoy_bootstrap(docs: list[dict[str, Any]], tmp_path: Path) -> str:
     (tmp_path / "token").write_text(token)
     args[args.index("--extproc-token-file") + 1] = str(tmp_path / "token")
     return render(envoy_layout(parser().parse_args(args)))
+
+
+def test_envoys_message_timeout_outlasts_the_longest_hold_of_the_policies_it_writes(helm, tmp_path):
+    """A policy holding requests longer than the default 30 s (queueTTLSeconds), or waiting longer
+    for a prefill leg, still answers each request itself: Envoy's message timeout follows, as
+    `message_timeout_ms` derives it."""
+    from extproc.envoy.bootstrap import MESSAGE_TIMEOUT_MS, message_timeout_ms
+
+    def timeout(values: dict[str, Any]) -> int:
+        docs = template(helm, tmp_path, values)
+        envoy = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-envoy")
+        (init,) = envoy["spec"]["template"]["spec"]["initContainers"]
+        return int(init["args"][init["args"].index("--message-timeout-ms") + 1])
+
+    assert timeout({}) == MESSAGE_TIMEOUT_MS
+    longer = {"policy": {"routing": {"queueTTLSeconds": 120, "blockSize": 512}}}
+    assert timeout(longer) == message_timeout_ms(Settings(queue_ttl_s=120)) == 165_000
+    extra = {"policy": {"extra": [{"name": "code", "selector": {}, "routing": {"prefillTimeoutSeconds": 90.5}}]}}
+    assert timeout(extra) == message_timeout_ms(Settings(pd_prefill_timeout_s=90.5))
 
 
 @pytest.mark.parametrize("transport", ["ext_authz", "ext_proc"])

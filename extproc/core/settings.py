@@ -514,8 +514,9 @@ class Settings:
     queue_max_requests: int = _setting(
         1024,
         "Requests flow control holds at most, in all priority bands together; when full, the newest "
-        "sheddable request (priority below 0) below the newcomer's priority makes room, else the newcomer "
-        "gets 429.",
+        "sheddable request (priority below 0) below the newcomer's priority makes room, else the newest of "
+        "the flow holding most in the newcomer's band while it would still hold more than the newcomer's "
+        "flow, else the newcomer gets 429.",
         Bounds(minimum=1),
         "queueMaxRequests",
     )
