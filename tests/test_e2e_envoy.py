@@ -21,7 +21,7 @@ import pytest
 
 from bench.harness.stack import PICKER_GATEWAY, Stack, layout_for
 from bench.workload import text
-from tests.e2e import LONG_PROMPT_SIM, eventually, get, metric, post
+from tests.e2e import LONG_PROMPT_SIM, eventually, get, log_tails, metric, post
 
 pytestmark = pytest.mark.envoy
 
@@ -719,6 +719,31 @@ def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Pa
                 assert status == 200 and "x-kvroute-decision" not in headers
             else:
                 assert status >= 500
+        finally:
+            leave(blocker)
+
+
+@pytest.mark.parametrize("layout", ["buffered", pytest.param("ext_authz", marks=pytest.mark.layouts)])
+def test_a_graceful_stop_answers_every_held_request_before_the_ext_proc_exits(tmp_path: Path, layout: str):
+    """SIGTERM (a rolling update) while a request is held: the ext_proc answers it 429 with
+    `retry-after` (`evicted`) through Envoy before it exits, over either transport: never left to
+    Envoy's timer or sent on unrouted."""
+    args = ["--max-backend-requests", "1"]
+    with Stack(tmp_path, sims=1, extproc_args=args, **LAYOUTS[layout]) as stack:
+        blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
+        try:
+            answers: list[tuple] = []
+            held = threading.Thread(
+                target=lambda: answers.append(post(stack.url, chat([{"role": "user", "content": "h"}])))
+            )
+            held.start()
+            eventually(lambda: _queue(stack, 'requests{priority="0"}') == 1, message="a request held")
+            stack.stop_process("extproc", signal.SIGTERM)  # returns once the process has exited
+            held.join(30)
+            assert answers, "the held request was not answered"
+            status, headers, body = answers[0]
+            assert status == 429 and headers["x-kvroute-queue"] == "evicted", (status, body, log_tails(tmp_path))
+            assert headers["retry-after"] == "1"
         finally:
             leave(blocker)
 
