@@ -101,6 +101,38 @@ def test_a_cancelled_request_frees_its_place_and_a_stop_answers_everything_held(
     asyncio.run(main())
 
 
+def test_held_requests_and_their_wait_are_counted_by_flow_under_bounded_labels():
+    """Queue length and time held per flow, as per band: named only for the flows
+    queue_metric_flows lists, every other as 'other'; back to 0 however each left."""
+
+    async def main() -> None:
+        registry = CollectorRegistry()
+        fleet = Fleet(0)
+        settings = Settings(hash_key=bytes(16), queue_metric_flows=("gold",))
+        room = WaitingRoom(lambda: settings, fleet.room, WaitingRoomMetrics(registry), clock)
+
+        def held(flow: str) -> float | None:
+            return registry.get_sample_value("kvroute_queue_flow_requests", {"flow": flow})
+
+        tasks = [asyncio.create_task(room.wait(klass(f), 1, 1, BACKENDS)) for f in ("gold", "tenant-x", "tenant-y")]
+        await asyncio.sleep(0.01)
+        assert (held("gold"), held("other"), held("tenant-x")) == (1, 2, None)
+        tasks[2].cancel()
+        await asyncio.sleep(0.01)
+        assert held("other") == 1
+        fleet.slots = 1
+        room.pump()
+        first = await asyncio.wait_for(asyncio.shield(tasks[0]), 5)  # gold: the first held
+        assert isinstance(first, Held) and first.state is State.DISPATCHED
+        waited = registry.get_sample_value("kvroute_queue_flow_wait_seconds_count", {"flow": "gold"})
+        assert waited == 1 and held("gold") == 0
+        room.drain()
+        assert (await tasks[1]).state is State.EVICTED  # type: ignore[union-attr]
+        assert held("gold") == held("other") == 0
+
+    asyncio.run(main())
+
+
 def test_objectives_priorities_come_from_the_policy_and_inference_objectives_win():
     settings = Settings(hash_key=bytes(16), objective_priorities={"batch": -1, "chat": 5})
 

@@ -57,11 +57,21 @@ class WaitingRoomMetrics:
             ["flow"],
             registry=registry,
         )
+        self.flow_held = Gauge(
+            "kvroute_queue_flow_requests",
+            "Requests held by flow control, by flow (only the flows queue_metric_flows names; the rest as 'other')",
+            ["flow"],
+            registry=registry,
+        )
+        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.wait_seconds = Histogram(
-            "kvroute_queue_wait_seconds",
-            "Time held before dispatch",
-            ["priority"],
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            "kvroute_queue_wait_seconds", "Time held before dispatch", ["priority"], buckets=buckets, registry=registry
+        )
+        self.flow_wait_seconds = Histogram(
+            "kvroute_queue_flow_wait_seconds",
+            "Time held before dispatch, by flow (only the flows queue_metric_flows names; the rest as 'other')",
+            ["flow"],
+            buckets=buckets,
             registry=registry,
         )
 
@@ -91,6 +101,7 @@ class WaitingRoom:
         # each held request's wake-up and its own candidates (whose room its turn waits for; None:
         # the whole fleet, as it is at the turn)
         self._waiting: dict[Held, tuple[asyncio.Future[State], Sequence[Backend] | None]] = {}
+        self._labels: dict[Held, str] = {}  # each held request's flow label, as counted when it came
         self._holding = asyncio.Event()  # set while anything is held: `run` sleeps on it otherwise
         # the request dispatched last and when, until it has reserved its backend
         self._dispatching: tuple[Held, float] | None = None
@@ -182,12 +193,14 @@ class WaitingRoom:
         self._waiting[held] = (future, None if candidates is self._fleet() else candidates)
         self._holding.set()
         self._metrics.held.labels(priority).inc()
+        label = self._labels[held] = self._flow_label(held.flow)
+        self._metrics.flow_held.labels(label).inc()
         self.pump()
         try:
             await future
         except asyncio.CancelledError:
             if self._queue.cancel(held):
-                self._metrics.held.labels(priority).dec()
+                self._left(held)
                 self._count(held, State.CANCELLED.value)
             else:
                 self.started(held)  # its turn came as it left: the next one's turn now
@@ -195,7 +208,9 @@ class WaitingRoom:
         finally:
             self._waiting.pop(held, None)
         if held.state is State.DISPATCHED:
-            self._metrics.wait_seconds.labels(priority).observe(self._clock() - held.arrived)
+            waited = self._clock() - held.arrived
+            self._metrics.wait_seconds.labels(priority).observe(waited)
+            self._metrics.flow_wait_seconds.labels(label).observe(waited)
         return held
 
     def started(self, held: Held) -> None:
@@ -257,8 +272,13 @@ class WaitingRoom:
         if outcome == State.DISPATCHED.value:
             self._metrics.flow_cost.labels(flow).inc(held.cost)
 
-    def _finish(self, held: Held) -> None:
+    def _left(self, held: Held) -> None:
+        """Out of the queue: the held gauges drop, by the labels it was counted under."""
         self._metrics.held.labels(str(held.band)).dec()
+        self._metrics.flow_held.labels(self._labels.pop(held, OTHER_FLOWS)).dec()
+
+    def _finish(self, held: Held) -> None:
+        self._left(held)
         self._count(held, held.state.value)
         waiter = self._waiting.get(held)
         if waiter is not None and not waiter[0].done():
