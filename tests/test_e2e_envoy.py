@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import http.client
 import itertools
 import random
 import signal
 import ssl
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -692,35 +694,22 @@ def test_what_envoy_does_with_a_held_request_when_the_ext_proc_dies(tmp_path: Pa
     failing closed answers it with a 5xx of its own. Over ext_authz Envoy's check call simply
     fails, as for a request never held: failing open it goes on unrouted (what docs/envoy.md and
     the README say), failing closed it is answered 5xx."""
-    args = ["--max-backend-requests", "1"]
-    with Stack(tmp_path, sims=1, extproc_args=args, **DYING[layout]) as stack:
-        blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
-        try:
-            answers: list[tuple] = []
-            held = threading.Thread(
-                target=lambda: answers.append(post(stack.url, chat([{"role": "user", "content": "h"}])))
-            )
-            held.start()
-            eventually(lambda: _queue(stack, 'requests{priority="0"}') == 1, message="a request held")
-            stack.stop_process("extproc", signal.SIGKILL)
-            held.join(30)
-            status, headers, _ = answers[0]
-            fail_open = DYING[layout].get("fail_open", True)
-            if not fail_open:
-                assert status >= 500
-            elif layout == "ext_authz":  # the bypass: served, by no decision of kvroute's
-                assert status == 200 and "x-kvroute-decision" not in headers
-            else:
-                assert status == 503 and headers["x-kvroute-decision"] == "undecided"
-                assert headers["retry-after"] == "1"
-            # A request that reaches no ext_proc at all still fails open: unrouted, not refused.
-            status, headers, _ = post(stack.url, chat([{"role": "user", "content": "after"}]))
-            if fail_open:
-                assert status == 200 and "x-kvroute-decision" not in headers
-            else:
-                assert status >= 500
-        finally:
-            leave(blocker)
+    with _one_held_when_the_extproc_stops(tmp_path, DYING[layout], signal.SIGKILL) as (stack, answer):
+        status, headers, _ = answer
+        fail_open = DYING[layout].get("fail_open", True)
+        if not fail_open:
+            assert status >= 500
+        elif layout == "ext_authz":  # the bypass: served, by no decision of kvroute's
+            assert status == 200 and "x-kvroute-decision" not in headers
+        else:
+            assert status == 503 and headers["x-kvroute-decision"] == "undecided"
+            assert headers["retry-after"] == "1"
+        # A request that reaches no ext_proc at all still fails open: unrouted, not refused.
+        status, headers, _ = post(stack.url, chat([{"role": "user", "content": "after"}]))
+        if fail_open:
+            assert status == 200 and "x-kvroute-decision" not in headers
+        else:
+            assert status >= 500
 
 
 @pytest.mark.parametrize("layout", ["buffered", pytest.param("ext_authz", marks=pytest.mark.layouts)])
@@ -728,8 +717,19 @@ def test_a_graceful_stop_answers_every_held_request_before_the_ext_proc_exits(tm
     """SIGTERM (a rolling update) while a request is held: the ext_proc answers it 429 with
     `retry-after` (`evicted`) through Envoy before it exits, over either transport: never left to
     Envoy's timer or sent on unrouted."""
-    args = ["--max-backend-requests", "1"]
-    with Stack(tmp_path, sims=1, extproc_args=args, **LAYOUTS[layout]) as stack:
+    with _one_held_when_the_extproc_stops(tmp_path, LAYOUTS[layout], signal.SIGTERM) as (_, answer):
+        status, headers, body = answer
+        assert status == 429 and headers["x-kvroute-queue"] == "evicted", (status, body, log_tails(tmp_path))
+        assert headers["retry-after"] == "1"
+
+
+@contextlib.contextmanager
+def _one_held_when_the_extproc_stops(
+    tmp_path: Path, layout: dict, sig: int
+) -> Iterator[tuple[Stack, tuple[int, dict[str, str], bytes]]]:
+    """One simulated backend busy with a stream (one request a backend), one more request held by
+    flow control, then the ext_proc stopped with `sig`: the stack and the held request's answer."""
+    with Stack(tmp_path, sims=1, extproc_args=["--max-backend-requests", "1"], **layout) as stack:
         blocker, _ = open_stream(stack, [{"role": "user", "content": "blocker"}])
         try:
             answers: list[tuple] = []
@@ -738,12 +738,10 @@ def test_a_graceful_stop_answers_every_held_request_before_the_ext_proc_exits(tm
             )
             held.start()
             eventually(lambda: _queue(stack, 'requests{priority="0"}') == 1, message="a request held")
-            stack.stop_process("extproc", signal.SIGTERM)  # returns once the process has exited
+            stack.stop_process("extproc", sig)  # returns once the process has exited
             held.join(30)
             assert answers, "the held request was not answered"
-            status, headers, body = answers[0]
-            assert status == 429 and headers["x-kvroute-queue"] == "evicted", (status, body, log_tails(tmp_path))
-            assert headers["retry-after"] == "1"
+            yield stack, answers[0]
         finally:
             leave(blocker)
 
