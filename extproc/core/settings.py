@@ -405,11 +405,8 @@ class Settings:
     )
     session_follows_context: bool = _setting(
         True,
-        "A conversation's binding holds while its backend shows prefixStickRatio of the prompt and of what its "
-        "last prompt put there. Showing less of the prompt, the turn goes to a backend that shows that much "
-        "(within the balance gates) instead of computing it again where it was; its context evicted there and "
-        "held nowhere, the cost decides where it goes, as for a prompt no cache holds, so conversations packed "
-        "on a backend too small for them all do not keep evicting each other there.",
+        "A conversation whose backend no longer shows prefixStickRatio of its prompt goes to a backend that "
+        "shows that much (within the balance gates) instead of computing it again where it was.",
         policy="sessionFollowsContext",
     )
     cache_pressure_gates: bool = _setting(
