@@ -260,13 +260,11 @@ class FlowQueue:
         ended, self._evicted = self._evicted, []
         cutoff = now - self.limits.ttl_s
         for priority, band in self._bands.items():
-            if priority >= 0:
-                continue
-            for flow in band.flows.values():  # each flow's heap is in deadline order
-                while (head := flow.head()) is not None and head.deadline <= now:
-                    self._leave(head, State.EXPIRED)
-                    ended.append(head)
-        for band in self._bands.values():
+            if priority < 0:  # sheddable: each flow's heap is in deadline order
+                for flow in band.flows.values():
+                    while (head := flow.head()) is not None and head.deadline <= now:
+                        self._leave(head, State.EXPIRED)
+                        ended.append(head)
             arrivals = band.arrivals
             while arrivals and (arrivals[0].state is not State.WAITING or arrivals[0].arrived <= cutoff):
                 held = arrivals.popleft()
