@@ -20,6 +20,7 @@ from extproc.core.modes import ApproximateMode
 from extproc.core.pressure import MAX_GATE_FACTOR
 from extproc.core.request import PromptRequest, parse_request
 from extproc.core.router import Router
+from extproc.core.sessions import NO_CONTEXT
 from extproc.core.settings import Settings
 from tests.strategies import json_values, messages, shaping
 
@@ -483,6 +484,36 @@ def test_a_conversation_whose_backend_lost_its_context_goes_where_the_prompt_is(
         assert (decision.label, decision.backend, decision.matched_blocks) == (Label.SESSION_MATCH, A, 0)
 
 
+@pytest.mark.parametrize("follows", [True, False])
+def test_a_conversation_whose_context_is_gone_is_placed_by_the_cost_unless_its_prompts_do_not_extend(follows):
+    """A conversation's backend evicts its context and no backend holds it: its next turn,
+    continuing the last prompt, is placed by the cost (here the idle backend) rather than kept on
+    the busy one. A turn that does not extend the last prompt says nothing of what was evicted:
+    x-session-id keeps it where it was, as with `session_follows_context` off."""
+    first = text(RNG, 3000)
+
+    def turn(session: str, *contents: str) -> PromptRequest:
+        roles = ("user", "assistant")
+        body = {"model": "m", "messages": [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]}
+        return parse_request(body, {"x-session-id": session})
+
+    size = len(make_router().chain_of(turn("x", first)))
+    router = make_router(capacity_blocks=2 * size, capacity_auto=False, session_follows_context=follows)
+    serve(router, turn("s", first), 0, [Backend(A)])
+    for i in range(2):  # other work evicts it from A
+        serve(router, turn(f"other-{i}", text(RNG, 3000)), 1 + i, [Backend(A)])
+    held = occupy(router, A, 1)  # A is busy, B idle: load alone would not move a bound conversation
+    continuing = router.query(turn("s", first, "an answer", "a question"), [Backend(A), Backend(B)], 3)
+    unrelated = router.query(turn("s", text(RNG, 3000)), [Backend(A), Backend(B)], 3)
+    assert (unrelated.label, unrelated.backend) == (Label.SESSION_MATCH, A)
+    if follows:
+        assert (continuing.label, continuing.backend) == (Label.LOAD_OVERRIDE, B)
+    else:
+        assert (continuing.label, continuing.backend) == (Label.SESSION_MATCH, A)
+    for r in held:
+        r.finish()
+
+
 def test_a_session_sent_bound_is_put_back_when_its_request_is_not_served():
     """ext_authz binds a conversation when it sends it (its next turn may come before the end is
     reported); served, the binding stays; not served, it is as the ext_proc transport, which
@@ -496,10 +527,10 @@ def test_a_session_sent_bound_is_put_back_when_its_request_is_not_served():
     assert router.sessions.get("session:s", 1) is None  # a first turn not served: unbound
     serve(router, chat([], "s", "two"), 2, [Backend(A)])
     before = router.sessions.binding("session:s", 2)
-    assert before is not None and before[0] == A and before[1] > 0
+    assert before is not None and before[0] == A and before[1][0] > 0
     again = router.begin(chat([], "s", "three"), [Backend(A), Backend(B)], 3)
     router.sent(again, 3)
-    assert router.sessions.binding("session:s", 3) == (A, 0)  # bound ahead, its size not known yet
+    assert router.sessions.binding("session:s", 3) == (A, NO_CONTEXT)  # bound ahead, its prompt not known yet
     router.response_started(again, ResponseStart(upstream=A, known=True, status=503, from_upstream=True), 4)
     assert router.sessions.binding("session:s", 4) == before  # the binding it replaced is back
     served = router.begin(chat([], "s", "four"), [Backend(B)], 5)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core import departures
-from extproc.core.sessions import EXPIRE_SLICE, SessionTable, derive_session_key
+from extproc.core.sessions import EXPIRE_SLICE, NO_CONTEXT, SessionTable, context_of, continued, derive_session_key
 
 
 @pytest.mark.parametrize(
@@ -163,13 +163,21 @@ def test_a_tenant_header_scopes_session_ids():
     assert len(keys) == 3 and all(key is not None and len(key) < 600 for key in keys)
 
 
-def test_a_binding_remembers_how_many_blocks_the_last_prompt_put_there():
+def test_a_binding_remembers_the_last_prompt_by_its_size_and_last_block():
     table = SessionTable(ttl_s=10, capacity=10, key=bytes(16))
-    table.bind("s1", "A", 0, 42)
-    assert table.binding("s1", 1) == ("A", 42) and table.get("s1", 1) == "A"
-    table.bind_digest(table.bind("s2", "B", 0), "C", 1)  # a sibling's binding: the size is not known here
-    assert table.binding("s2", 2) == ("C", 0)
+    table.bind("s1", "A", 0, context_of([7, 8, 42]))
+    assert table.binding("s1", 1) == ("A", (3, 42)) and table.get("s1", 1) == "A"
+    table.bind_digest(table.bind("s2", "B", 0), "C", 1)  # a sibling's binding: the prompt is not known here
+    assert table.binding("s2", 2) == ("C", NO_CONTEXT)
     assert table.binding("s1", 11) is None  # expired
+
+
+def test_a_prompt_continues_the_last_one_only_through_its_last_block():
+    last = context_of([1, 2, 3])
+    assert continued(last, [1, 2, 3]) == 3 and continued(last, [1, 2, 3, 4, 5]) == 3  # the same, or longer
+    assert continued(last, [1, 2, 9, 4]) == 0  # it differs at the last block: a prompt that does not extend it
+    assert continued(last, [1, 2]) == 0  # shorter
+    assert continued(NO_CONTEXT, [1, 2, 3]) == 0 and continued(context_of([]), [1]) == 0  # not known
 
 
 class EagerSessions:

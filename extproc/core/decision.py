@@ -59,7 +59,9 @@ class DecisionInputs(NamedTuple):
     churn: Mapping[str, float] = _NO_CHURN  # recent cache turnover per candidate
     picture: Mapping[str, int] | None = None  # the picture before trust (None: as `matched`)
     session_backend: str | None = None  # where the request's session is bound
-    session_blocks: int = 0  # blocks the session's last prompt put there
+    # blocks the session's last prompt put there, which this prompt continues (0: it does not, or
+    # that prompt is not known here: sessions.continued)
+    session_blocks: int = 0
     bootstrap: bool = False  # a conversation's first request (or one kvroute cannot chain)
     home: str | None = None  # where the prompt's head was first placed (homes.py)
     gate_factor: float = 1.0  # how much the balance gates are widened under cache pressure (pressure.py)

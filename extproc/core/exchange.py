@@ -16,6 +16,7 @@ from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from extproc.core.index import Room
 from extproc.core.load import Reservation
 from extproc.core.request import PromptRequest
+from extproc.core.sessions import Context
 
 
 class Reset(StrEnum):
@@ -79,8 +80,8 @@ class Exchange:
         self.reservation = reservation  # the load it puts on its backend until released (load.py)
         self.room: Room | None = None  # its unlearned blocks' room in the picture (Router.sent)
         # Router.sent bound its session ahead of the outcome: the binding it replaced (its
-        # backend and blocks; "" if none), put back should the request not be served
-        self.unsent: tuple[str, int] | None = None
+        # backend and its last prompt's Context; "" if none), put back should the request not be served
+        self.unsent: tuple[str, Context] | None = None
         self.predicted_blocks = predicted_blocks  # leading blocks expected cached where it was sent
         self.outcome: Outcome | None = None
         self.queued = False  # flow control held it before it was decided

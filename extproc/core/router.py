@@ -30,7 +30,7 @@ from extproc.core.pipeline import Pipeline, assemble
 from extproc.core.pressure import CachePressure
 from extproc.core.replicas import ReplicaLink
 from extproc.core.request import PromptRequest, PromptTokenizer, parse_request
-from extproc.core.sessions import SessionTable
+from extproc.core.sessions import NO_CONTEXT, SessionTable, context_of, continued
 from extproc.core.settings import MAX_OUTPUT_COST, Settings
 from extproc.core.shortlist import shortlist
 from extproc.core.trust import PredictionTrust
@@ -179,7 +179,7 @@ class Router:
             # a dry run too, and the turn served elsewhere rebinds it
             binding = self.sessions.binding(request.session_key, now)
             if binding is not None and binding[0] in (candidates if positions is None else positions):
-                session_backend, session_blocks = binding
+                session_backend, session_blocks = binding[0], continued(binding[1], chain)
         home = self.homes.get(chain[0]) if chain else None
         bound = (session_backend, session_blocks, home)
         splitting = self._splitting(backends)
@@ -458,7 +458,7 @@ class Router:
             replicas.learned(backend, shared)
         self.stats.learned += 1
         if request.session_key is not None:
-            session = self.sessions.bind(request.session_key, backend, now, len(self.chain_of(request)))
+            session = self.sessions.bind(request.session_key, backend, now, context_of(self.chain_of(request)))
             if replicas is not None:
                 replicas.bound(session, backend)
         return added
@@ -478,7 +478,7 @@ class Router:
         held = self.chain_of(request)[:pictured]
         exchange.room = self.mode.make_room(backend, held, exchange.decision.total_blocks - pictured)
         if request.session_key is not None:
-            exchange.unsent = self.sessions.binding(request.session_key, now) or ("", 0)
+            exchange.unsent = self.sessions.binding(request.session_key, now) or ("", NO_CONTEXT)
             self.sessions.bind(request.session_key, backend, now)
 
     def _unbind_sent(self, exchange: Exchange, request: PromptRequest, now: float) -> None:
@@ -487,7 +487,7 @@ class Router:
         would have left it; unless a later turn has bound it since."""
         key = request.session_key
         before, exchange.unsent = exchange.unsent, None
-        if key is None or before is None or self.sessions.binding(key, now) != (exchange.decision.backend, 0):
+        if key is None or before is None or self.sessions.binding(key, now) != (exchange.decision.backend, NO_CONTEXT):
             return
         if before[0]:
             self.sessions.bind(key, before[0], now, before[1])

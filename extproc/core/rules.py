@@ -267,11 +267,23 @@ def context_elsewhere(standing: Standing) -> tuple[CandidateCost, Label] | None:
 
 
 def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
-    """A conversation stays where its context is (sessions.py)."""
+    """A conversation stays where its context is (sessions.py). Where this prompt continues its
+    last one and its backend no longer shows `prefix_stick_ratio` of that (its context, evicted
+    since), nothing holds it there any more: the cost decides, as for a prompt no cache holds, the
+    part its backend still shows counted there (a backend holding more of it took it in
+    `context_elsewhere`, within the gates). Staying kept conversations packed on a backend whose
+    cache could not hold them all, each evicting the others' contexts every turn (on the skewed
+    workload on vLLM-CPU, three long conversations found 0.02-0.05 of their prompts cached for up
+    to eight turns running while the other server had room: docs/benchmarks.md). A conversation
+    whose prompts do not extend each other, or whose last prompt is not known here, stays."""
     session = standing.session
-    if session is not None and standing.keeps_session(session):
-        return session, Label.SESSION_MATCH
-    return None
+    if session is None or not standing.keeps_session(session):
+        return None
+    inputs = standing.inputs
+    context = inputs.session_blocks  # 0: it does not continue the last prompt, or that is not known
+    if inputs.settings.session_follows_context and session.matched < inputs.settings.prefix_stick_ratio * context:
+        return None
+    return session, Label.SESSION_MATCH
 
 
 def prefix_stickiness(standing: Standing) -> tuple[CandidateCost, Label] | None:
@@ -326,6 +338,8 @@ def cheapest(standing: Standing) -> tuple[CandidateCost, Label]:
     session = standing.session
     if session is not None and chosen is session:
         return chosen, Label.SESSION_MATCH  # past the gates, yet still the cheapest: it stayed
+    if session is not None and chosen.matched > session.matched:
+        return chosen, Label.PREFIX_MATCH  # it went where more of its prompt is
     if standing.session_full or session is not None:
         return chosen, Label.LOAD_OVERRIDE
     if standing.best_prefix == 0:

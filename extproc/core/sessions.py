@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from extproc.core.departures import Departures
@@ -23,6 +23,25 @@ MAX_ID_CHARS = 512
 # Expired bindings one bind drops at most: after a quiet spell longer than the TTL, the first bind
 # found them all expired and dropped them at once (20 ms for 100,000).
 EXPIRE_SLICE = 1024
+
+# What a binding knows of the session's last prompt there: its blocks and its last block's hash
+# (the hash names the whole prefix through it: chain.py). (0, 0): not known here, e.g. bound by
+# another replica, or as the request was sent and before it was served.
+Context = tuple[int, int]
+NO_CONTEXT: Context = (0, 0)
+
+
+def context_of(chain: Sequence[int]) -> Context:
+    return (len(chain), chain[-1]) if chain else NO_CONTEXT
+
+
+def continued(context: Context, chain: Sequence[int]) -> int:
+    """Blocks of the session's last prompt that this chain continues: all of them, or 0 where it
+    does not (or the last prompt is not known). Only then does what its backend still shows of
+    them say how much of the conversation's context was evicted there; a session whose prompts do
+    not extend each other is still kept on its backend, but says nothing of its cache."""
+    blocks, last = context
+    return blocks if 0 < blocks <= len(chain) and chain[blocks - 1] == last else 0
 
 
 def _text(value: Any) -> str | None:
@@ -71,12 +90,15 @@ def _unscoped_key(headers: Mapping[str, str], body: Mapping[str, Any], session_h
     return None
 
 
-def _bound_to(binding: tuple[str, float, int]) -> str:
+_Binding = tuple[str, float, int, int]  # backend, last access, the Context flat
+
+
+def _bound_to(binding: _Binding) -> str:
     return binding[0]
 
 
 class SessionTable:
-    """digest(session key) -> (backend, last access, blocks of its last prompt there), with a TTL
+    """digest(session key) -> (backend, last access, its last prompt's Context there), with a TTL
     and LRU capacity.
 
     The bindings to a backend that left (`leave`) are dropped as they are met (departures.py). A
@@ -89,8 +111,8 @@ class SessionTable:
         self._ttl = ttl_s
         self._capacity = capacity
         self._key = key
-        self._bindings: OrderedDict[bytes, tuple[str, float, int]] = OrderedDict()
-        self._gone: Departures[bytes, tuple[str, float, int]] = Departures(_bound_to)
+        self._bindings: OrderedDict[bytes, _Binding] = OrderedDict()
+        self._gone: Departures[bytes, _Binding] = Departures(_bound_to)
 
     def _digest(self, session_key: str) -> bytes:
         return hashlib.blake2b(session_key.encode("utf-8", "surrogatepass"), key=self._key, digest_size=16).digest()
@@ -115,9 +137,9 @@ class SessionTable:
         binding = self.binding(session_key, now)
         return None if binding is None else binding[0]
 
-    def binding(self, session_key: str, now: float) -> tuple[str, int] | None:
-        """The bound backend and how many blocks the session's last prompt put there (0: not known
-        here, e.g. bound by another replica), or None if unbound or expired (then dropped)."""
+    def binding(self, session_key: str, now: float) -> tuple[str, Context] | None:
+        """The bound backend and the Context of the session's last prompt there, or None if unbound
+        or expired (then dropped)."""
         key = self._digest(session_key)
         binding = self._bindings.get(key)
         if binding is None:
@@ -125,22 +147,22 @@ class SessionTable:
         if binding[1] < now - self._ttl or binding[0] in self._gone:
             del self._bindings[key]
             return None
-        return binding[0], binding[2]
+        return binding[0], (binding[2], binding[3])
 
-    def bind(self, session_key: str, backend: str, now: float, blocks: int = 0) -> bytes:
+    def bind(self, session_key: str, backend: str, now: float, context: Context = NO_CONTEXT) -> bytes:
         """Bind (or refresh) a session; returns its digest, the only form it is shared in."""
         key = self._digest(session_key)
-        self.bind_digest(key, backend, now, blocks)
+        self.bind_digest(key, backend, now, context)
         return key
 
-    def bind_digest(self, key: bytes, backend: str, now: float, blocks: int = 0) -> None:
+    def bind_digest(self, key: bytes, backend: str, now: float, context: Context = NO_CONTEXT) -> None:
         """Bind by digest: what another replica shared (same hash key, so the same digest). A binding
         older than the one held changes nothing (a sibling's snapshot may be replayed late)."""
         held = self._bindings.get(key)
         if held is not None and held[1] > now and held[0] not in self._gone:
             return
         self._gone.returning(self._bindings, backend)
-        self._bindings[key] = (backend, now, blocks)
+        self._bindings[key] = (backend, now, context[0], context[1])
         self._bindings.move_to_end(key)
         self._gone.full(self._bindings, self._capacity)
         while len(self._bindings) > self._capacity:
@@ -157,7 +179,7 @@ class SessionTable:
     def remove_backend(self, backend: str, before: float = float("inf")) -> int:
         """Drop the bindings to a backend whose cache was reset (emptied after `before`: the
         bindings used since may already point at its new content); return how many."""
-        gone = [key for key, (bound, seen, _) in self._bindings.items() if bound == backend and seen <= before]
+        gone = [key for key, held in self._bindings.items() if held[0] == backend and held[1] <= before]
         for key in gone:
             del self._bindings[key]
         return len(gone)
@@ -169,7 +191,7 @@ class SessionTable:
         for _ in range(EXPIRE_SLICE):
             if not self._bindings:
                 return
-            key, (_, seen, _) = next(iter(self._bindings.items()))
-            if seen >= cutoff:
+            key, held = next(iter(self._bindings.items()))
+            if held[1] >= cutoff:
                 return
             del self._bindings[key]
