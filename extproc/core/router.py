@@ -182,36 +182,47 @@ class Router:
                 session_backend, session_blocks = binding[0], continued(binding[1], chain)
         home = self.homes.get(chain[0]) if chain else None
         bound = (session_backend, session_blocks, home)
-        splitting = self._splitting(backends)
+        weighs_room = self._weighs_kv_room(backends)
         if self._shortlisting(adapter, candidates):
             kept = set(self.index.holders(chain[0], now)) if chain else set()
             kept.update(b for b in (session_backend, home) if b is not None)
             short = shortlist(candidates, kept, self._turn, positions)
-            decision = self._weigh(request, adapter, short, chain, bound, splitting, now)
+            decision = self._weigh(request, adapter, short, chain, bound, weighs_room, now)
             if decision.backend is not None:
                 return decision
             # every shortlisted backend refused it (its limit, the TTFT objective): the whole
             # fleet is weighed before the request is refused
-        return self._weigh(request, adapter, candidates, chain, bound, splitting, now)
+        return self._weigh(request, adapter, candidates, chain, bound, weighs_room, now)
 
-    def _splitting(self, backends: Sequence[Backend]) -> bool:
-        """Requests to these backends may be split (pairs.py): decode backends then hold
-        long-running requests' contexts, and their KV room is weighed (rules.kv_room)."""
+    def _weighs_kv_room(self, backends: Sequence[Backend]) -> bool:
+        """KV room is weighed (rules.kv_room) in every fleet with `kv_room_everywhere`, else where
+        requests may be split (pairs.py), as decode backends then hold long-running contexts."""
         settings = self.settings
-        if settings.pd_threshold_tokens <= 0 or settings.kv_room_cost <= 0:
+        if settings.kv_room_cost <= 0:
+            return False
+        if settings.kv_room_everywhere:
+            return True
+        if settings.pd_threshold_tokens <= 0:
             return False
         return settings.pd_flexible or self.pipeline.memo.disaggregated(backends)
 
     def _kv_room(self, candidates: Sequence[str], now: float) -> dict[str, float]:
-        """Blocks of the current chains each candidate's engine has free of running requests, by
-        its last fresh sample and its reported cache size (none where either is missing)."""
+        """Blocks of the current chains each candidate's KV cache has free of the requests in flight
+        there: of kvroute's own (waiting ones too, which no sample shows yet) or of the running ones
+        at the engine's last fresh sample (other clients' too), whichever takes more; none where the
+        cache size is not reported."""
         per_block = self.block_tokens()
         room: dict[str, float] = {}
         for backend in candidates:
             load, tokens = self.loads.get(backend), self._kv_tokens.get(backend)
-            if tokens and per_block > 0 and load.engine_fresh(now):
+            if not tokens or per_block <= 0:
+                continue
+            size = tokens / per_block
+            taken = float(load.footprint)
+            if load.engine_fresh(now):
                 used = min(max(load.engine_kv_usage, 0.0), 1.0)  # a gauge out of range says nothing more
-                room[backend] = (1.0 - used) * tokens / per_block
+                taken = max(taken, used * size)
+            room[backend] = size - taken
         return room
 
     def _candidates(
@@ -235,10 +246,10 @@ class Router:
         candidates: list[str],
         chain: Sequence[int],
         bound: tuple[str | None, int, str | None],
-        splitting: bool,
+        weighs_room: bool,
         now: float,
     ) -> Decision:
-        """The pipeline's decision among these candidates; `splitting`: with their KV room."""
+        """The pipeline's decision among these candidates; `weighs_room`: with their KV room."""
         session_backend, session_blocks, home = bound
         picture, matched, home = self.mode.picture(chain, candidates, home, now)
         churn = self.churn.rates(candidates, now)
@@ -266,7 +277,7 @@ class Router:
             sheddable=request.sheddable,
             ttft=self.ttft,
             adapter=adapter,
-            kv_room=self._kv_room(candidates, now) if splitting else None,
+            kv_room=self._kv_room(candidates, now) if weighs_room else None,
         )
         return self.pipeline.decide(inputs)
 
@@ -303,7 +314,7 @@ class Router:
             ahead, in_flight = load.reserved_blocks + load.peer_reserved, load.requests(now)
             adapter = self.adapters.adapter_of(request.model)
             blocks = decision.total_blocks - decision.matched_blocks
-            reservation = self.loads.reserve(decision.backend, blocks, adapter)
+            reservation = self.loads.reserve(decision.backend, blocks, adapter, decision.total_blocks)
             reservation.sent_at, reservation.work, reservation.in_flight = now, ahead + reservation.blocks, in_flight
             reservation.predicted_s = self.ttft.predict(decision.backend, reservation.work, in_flight)
             predicted = self.mode.routed(request, decision, reservation, now)
@@ -332,7 +343,8 @@ class Router:
         if exchange.reservation is not None:  # the decode backend pulls the prompt instead of computing it
             exchange.reservation.release_prefill()
         leg = decision._replace(label=Label.PREFILL, backend=backend, second=None, matched_blocks=held, returning=None)
-        reservation = self.loads.reserve(backend, len(chain) - held, self.adapters.adapter_of(request.model))
+        size = len(chain)
+        reservation = self.loads.reserve(backend, size - held, self.adapters.adapter_of(request.model), size)
         reservation.sent_at = now
         predicted = self.mode.routed(request, leg, reservation, now)
         self.stats.decisions[Label.PREFILL] += 1

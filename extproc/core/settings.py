@@ -507,13 +507,20 @@ class Settings:
     )
     kv_room_cost: float = _setting(
         1.0,
-        "In fleets that split requests (prefill backends, or flexibleDisaggregation): cost, in blocks of "
-        "prefill, of each block of a request's prompt that does not fit in what the engine's running "
-        "requests leave free of its KV cache (vllm:kv_cache_usage_perc of its cache size): there it waits "
-        "for running requests to finish, or preempts one. So a long decode goes where its context fits. "
-        "0: KV usage is not weighed.",
+        "Cost, in blocks of prefill, of each block of a request's prompt that does not fit in what the "
+        "requests in flight leave free of the engine's KV cache (see kvRoomEverywhere): there it waits for "
+        "them to finish, or preempts one. So a long prompt or decode goes where its context fits. 0: KV room "
+        "is not weighed.",
         NON_NEGATIVE,
         "kvRoomCost",
+    )
+    kv_room_everywhere: bool = _setting(
+        True,
+        "Weigh KV room (kvRoomCost) in every fleet, not only in fleets that split requests: a prompt that "
+        "does not fit beside the requests in flight on an engine (kvroute's own, waiting ones too, or the "
+        "running ones its last sample shows) waits there, and what it has cached there may be evicted while "
+        "it waits. false: only in fleets that split requests.",
+        policy="kvRoomEverywhere",
     )
     queue_max_requests: int = _setting(
         1024,
