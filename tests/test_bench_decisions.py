@@ -57,9 +57,9 @@ def test_four_replicas_sharing_find_as_much_cached_as_one(mode):
 
 @pytest.mark.slow
 def test_a_conversation_whose_context_is_gone_is_placed_by_the_cost_in_the_replay():
-    """`session_follows_context`: a conversation whose backend no longer shows half its prompt is
+    """`release_evicted_sessions`: a conversation whose backend no longer shows half its prompt is
     not held there (rules.session_binding). Replayed over the tuning slice's 480 requests on two
     engines holding half the working set, the engines find more cached with it than without."""
     with_rule = decisions.engine_hit_rate(AGENTS, 480, "approximate")
-    without = decisions.engine_hit_rate(AGENTS, 480, "approximate", session_follows_context=False)
+    without = decisions.engine_hit_rate(AGENTS, 480, "approximate", release_evicted_sessions=False)
     assert with_rule > without + 0.01

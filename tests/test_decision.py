@@ -75,6 +75,8 @@ def test_a_conversation_whose_backend_lost_its_context_follows_it_to_a_backend_h
     assert (nowhere.label, nowhere.backend) == (Label.PREFIX_MATCH, C)
     least = run({A: 2, C: 2}, loads=loads(a=2), **learned)  # nothing holds it: the cheapest
     assert (least.label, least.backend) == (Label.LOAD_OVERRIDE, C)  # (within the gates, A would keep it)
+    kept = Settings(hash_key=bytes(16), release_evicted_sessions=False)
+    assert run({A: 0, C: 9}, settings=kept, **learned).backend == A  # with the rule off it stays
     unlearned = run({A: 0, C: 9}, session_backend=A)  # bound as its last turn was sent, not learned yet
     assert (unlearned.label, unlearned.backend) == (Label.SESSION_MATCH, A)
     busy = run({C: 20}, session_backend=A, loads=loads(c=9))  # the holder is past both gates: it stays

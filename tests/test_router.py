@@ -462,7 +462,7 @@ def test_a_conversation_whose_backend_lost_its_context_goes_where_the_prompt_is(
     """Two agent conversations start with the same long prompt (as capped agent contexts do), one
     on each backend; the first one's backend then evicts it for other work. Its next turn goes to
     the backend still holding the prompt, not back to compute it all again; it stays where it
-    was only with `session_follows_context` off."""
+    was only with `session_follows_context` and `release_evicted_sessions` off."""
     shared = text(RNG, 3000)
 
     def turn(session: str, content: str) -> PromptRequest:
@@ -470,7 +470,8 @@ def test_a_conversation_whose_backend_lost_its_context_goes_where_the_prompt_is(
         return parse_request(body, {"x-session-id": session})
 
     size = len(make_router().chain_of(turn("x", shared)))
-    router = make_router(capacity_blocks=2 * size, capacity_auto=False, session_follows_context=follows)
+    off = {"session_follows_context": follows, "release_evicted_sessions": follows}
+    router = make_router(capacity_blocks=2 * size, capacity_auto=False, **off)
     serve(router, turn("first", shared), 0, [Backend(A)])
     serve(router, turn("second", shared), 1, [Backend(B)])
     for i in range(2):  # other work evicts it from A
@@ -489,7 +490,7 @@ def test_a_conversation_whose_context_is_gone_is_placed_by_the_cost_unless_its_p
     """A conversation's backend evicts its context and no backend holds it: its next turn,
     continuing the last prompt, is placed by the cost (here the idle backend) rather than kept on
     the busy one. A turn that does not extend the last prompt says nothing of what was evicted:
-    x-session-id keeps it where it was, as with `session_follows_context` off."""
+    x-session-id keeps it where it was, as with `release_evicted_sessions` off."""
     first = text(RNG, 3000)
 
     def turn(session: str, *contents: str) -> PromptRequest:
@@ -498,7 +499,7 @@ def test_a_conversation_whose_context_is_gone_is_placed_by_the_cost_unless_its_p
         return parse_request(body, {"x-session-id": session})
 
     size = len(make_router().chain_of(turn("x", first)))
-    router = make_router(capacity_blocks=2 * size, capacity_auto=False, session_follows_context=follows)
+    router = make_router(capacity_blocks=2 * size, capacity_auto=False, release_evicted_sessions=follows)
     serve(router, turn("s", first), 0, [Backend(A)])
     for i in range(2):  # other work evicts it from A
         serve(router, turn(f"other-{i}", text(RNG, 3000)), 1 + i, [Backend(A)])

