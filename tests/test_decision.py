@@ -71,13 +71,13 @@ def test_a_conversation_whose_backend_lost_its_context_follows_it_to_a_backend_h
     still_held = run({A: 10, C: 20}, session_backend=A)  # half of it is still there: it stays
     assert (still_held.label, still_held.backend) == (Label.SESSION_MATCH, A)
     learned = {"session_backend": A, "session_blocks": 20}  # its last prompt was learned there
-    nowhere = run({A: 0, C: 9}, **learned)  # no backend holds half of it: the cost decides
+    releases = Settings(hash_key=bytes(16), session_moves="gates", release_evicted_sessions=True)
+    nowhere = run({A: 0, C: 9}, settings=releases, **learned)  # no backend holds half of it: the cost decides
     assert (nowhere.label, nowhere.backend) == (Label.PREFIX_MATCH, C)
-    least = run({A: 2, C: 2}, loads=loads(a=2), **learned)  # nothing holds it: the cheapest
+    least = run({A: 2, C: 2}, loads=loads(a=2), settings=releases, **learned)  # nothing holds it: the cheapest
     assert (least.label, least.backend) == (Label.LOAD_OVERRIDE, C)  # (within the gates, A would keep it)
-    kept = Settings(hash_key=bytes(16), release_evicted_sessions=False)
-    assert run({A: 0, C: 9}, settings=kept, **learned).backend == A  # with the rule off it stays
-    unlearned = run({A: 0, C: 9}, session_backend=A)  # bound as its last turn was sent, not learned yet
+    assert run({A: 0, C: 9}, **learned).backend == A  # with the rule off (the default) it stays
+    unlearned = run({A: 0, C: 9}, session_backend=A, settings=releases)  # bound as it was sent, not learned yet
     assert (unlearned.label, unlearned.backend) == (Label.SESSION_MATCH, A)
     busy = run({C: 20}, session_backend=A, loads=loads(c=9))  # the holder is past both gates: it stays
     assert (busy.label, busy.backend) == (Label.SESSION_MATCH, A)

@@ -410,11 +410,13 @@ class Settings:
         policy="sessionFollowsContext",
     )
     release_evicted_sessions: bool = _setting(
-        True,
+        False,
         "Where a conversation's prompt continues its last one, whose context its backend has evicted since "
         "(under prefixStickRatio of it shown there), and no backend holds it, the cost decides where it goes, "
         "as for a prompt no cache holds, so conversations packed on a backend too small for them all do not "
-        "keep evicting each other there. A conversation whose prompts do not extend each other stays bound.",
+        "keep evicting each other there. A conversation whose prompts do not extend each other stays bound. "
+        "Off by default: with kvRoomEverywhere, which keeps such conversations from queueing on one engine, "
+        "it lowered the hit rate on vLLM-CPU (docs/benchmarks.md).",
         policy="releaseEvictedSessions",
     )
     cache_pressure_gates: bool = _setting(
