@@ -120,6 +120,7 @@ def test_probes_state_and_metrics():
         router.loads.reserve(A, 3)
         state = await _json(await client.get("/debug/state"))
         own = {"reserved_blocks": 3, "active": 1, "peer_reserved_blocks": 0, "peer_active": 0}
+        own |= {"footprint_blocks": 0, "peer_footprint_blocks": 0}
         assert state["load"] == {A: {**own, "engine_requests": 0, "engine_kv_usage": 0.0}}
         assert "hash_key" not in state["settings"] and state["settings"]["block_size"] == 512
         metrics = (await (await monitoring.get("/metrics")).read()).decode()

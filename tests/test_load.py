@@ -5,20 +5,20 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.load import PROGRESS_COMPACT_AT, LoadTracker, PeerLoads
+from extproc.core.load import NO_LOAD, PROGRESS_COMPACT_AT, LoadTracker, LoadVector, PeerLoads
 
 
 def test_release_is_idempotent():
     loads = LoadTracker()
-    r = loads.reserve("A", 10)
-    assert loads.snapshot() == {"A": (10, 1)}
+    r = loads.reserve("A", 10, size=12)
+    assert loads.published() == {"A": (10, 1, 12)}  # (reserved, in flight, the whole prompt's blocks)
     r.release_prefill()
     r.release_prefill()
-    assert loads.snapshot() == {"A": (0, 1)}
+    assert loads.published() == {"A": (0, 1, 12)}
     r.finish()
     r.finish()
     r.release_prefill()
-    assert loads.snapshot() == {"A": (0, 0)}
+    assert loads.published() == {"A": (0, 0, 0)}
     assert r.finished
 
 
@@ -82,7 +82,7 @@ def test_ended_requests_waiting_behind_a_live_one_are_compacted():
 
 R1, R2 = "replica-1", "replica-2"
 PEER_BACKENDS = ["a", "b", "c"]
-_entry = st.tuples(st.integers(0, 5), st.integers(0, 3))
+_entry = st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 40))
 _ops = st.lists(
     st.tuples(
         st.sampled_from(["update", "merge", "wait"]),
@@ -98,9 +98,9 @@ def test_the_changes_handed_over_add_up_to_the_peers_sums(ops):
     """Whole vectors, deltas and replicas going quiet, in any order: the backends `changes` hands
     over, applied as they come, always give what summing every held vector gives."""
     peers = PeerLoads(max_age_s=1.0)
-    held: dict[str, dict[str, tuple[int, int]]] = {}
+    held: dict[str, dict[str, LoadVector]] = {}
     seen: dict[str, float] = {}
-    applied: dict[str, tuple[int, int]] = {}
+    applied: dict[str, LoadVector] = {}
     now = 0.0
     for op, replica, vector in ops:
         if op == "wait":
@@ -116,10 +116,10 @@ def test_the_changes_handed_over_add_up_to_the_peers_sums(ops):
         for gone in [r for r, at in seen.items() if now - at > 1.0]:
             del held[gone], seen[gone]
         applied.update(peers.changes(now))
-        expected = {b: (0, 0) for b in PEER_BACKENDS}
+        expected = {b: NO_LOAD for b in PEER_BACKENDS}
         for vector in held.values():
-            for backend, (reserved, active) in vector.items():
-                expected[backend] = (expected[backend][0] + reserved, expected[backend][1] + active)
-        assert {b: applied.get(b, (0, 0)) for b in PEER_BACKENDS} == expected
+            for backend, counts in vector.items():
+                expected[backend] = tuple(e + c for e, c in zip(expected[backend], counts, strict=True))
+        assert {b: applied.get(b, NO_LOAD) for b in PEER_BACKENDS} == expected
         totals = peers.totals(now)
         assert all(totals[b] == expected[b] for b in totals)

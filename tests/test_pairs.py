@@ -213,3 +213,30 @@ def test_in_any_fleet_a_prompt_that_does_not_fit_beside_the_requests_in_flight_g
     for i in range(2):
         router.response_started(router.begin(chat([], user_text=f"running {i}"), [first], 1), ok(first.address), 2)
     assert router.begin(chat([], user_text="next"), [first, second], 100).decision.backend == first.address
+
+
+def test_the_requests_sibling_replicas_have_in_flight_take_their_room_too():
+    """With several ext_proc replicas, each publishes its footprint with its load (the replica store,
+    `PeerLoads`): a prompt does not go where a sibling's requests, still waiting in the engine where
+    no sample shows them, leave no room for it, though its prefix is there."""
+    first, second = Backend("10.0.3.1:8000"), Backend("10.0.3.2:8000")
+    router = make_router()
+    size = router.begin(chat([], user_text="size"), [first], 0).decision.total_blocks
+    router = make_router()
+    cache = int(2.5 * size * router.block_tokens())
+    for backend in (first, second):
+        router.engine_sample(backend.address, EngineSample(0, 0, 0.0, 100.0, cache, 16), 0)
+    earlier = router.begin(chat([], user_text="next"), [first], 1)
+    router.response_started(earlier, ok(first.address), 2)
+    earlier.end()  # its prefix stays cached on the first backend
+
+    def where(sibling_footprint: int) -> tuple[str | None, float]:
+        router.loads.set_peers({first.address: (0, 2, sibling_footprint)})  # a sibling's two requests there
+        exchange = router.begin(chat([], user_text="next"), [first, second], 100)
+        exchange.end()
+        decision = exchange.decision
+        return decision.backend, next(c.kv_room_cost for c in decision.candidates if c.backend == first.address)
+
+    assert where(0) == (first.address, 0)  # the same requests, their size unknown: the prefix keeps it
+    backend, cost = where(2 * size)
+    assert backend == second.address and cost > 0

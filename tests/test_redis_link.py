@@ -139,13 +139,13 @@ async def test_a_prefix_learned_through_one_replica_is_found_through_another(red
 @in_loop
 async def test_load_through_one_replica_is_load_for_all_and_returns_to_zero(redis_server):
     async with replicas(redis_server, 2) as (first, second):
-        held = [first.router.loads.reserve(A, 10) for _ in range(5)]
+        held = [first.router.loads.reserve(A, 10, size=12) for _ in range(5)]
         await until(lambda: second.router.loads.get(A).peer_active == 5)
-        assert second.router.loads.get(A).peer_reserved == 50
+        assert (second.router.loads.get(A).peer_reserved, second.router.loads.get(A).peer_footprint) == (50, 60)
         for reservation in held:
             reservation.finish()
         await until(lambda: second.router.loads.get(A).peer_active == 0)
-        assert second.router.loads.get(A).peer_reserved == 0
+        assert (second.router.loads.get(A).peer_reserved, second.router.loads.get(A).peer_footprint) == (0, 0)
 
 
 @in_loop
@@ -316,17 +316,20 @@ async def test_malformed_and_foreign_entries_are_skipped(redis_server):
 def test_a_siblings_load_vector_is_bounded_and_kept_to_this_replicas_backends():
     known = {A}.__contains__
     invented = {f"10.9.{i // 250}.{i % 250}:8000": (1, 1, 0) for i in range(2000)}
-    assert _load_vector(invented | {A: (4, 2, 10**12)}, known) == {A: (4, 2, 10**12)}
-    for bad in ((float("inf"), 0, 0), (-1, 0, 0), (0, 1 << 31, 0), (0, 0, -1), (1.5, 0, 0), ("3", 0, 0), (1, 2)):
+    assert _load_vector(invented | {A: (4, 2, 10**12, 30)}, known) == {A: (4, 2, 10**12, 30)}
+    assert _load_vector({A: (4, 2, 7)}, known) == {A: (4, 2, 7, 0)}  # a replica of before the footprint
+    bad_vectors = [(float("inf"), 0, 0), (-1, 0, 0), (0, 1 << 31, 0), (0, 0, -1), (1.5, 0, 0), ("3", 0, 0), (1, 2)]
+    bad_vectors += [(0, 0, 0, -1), (0, 0, 0, 1 << 31), (0, 0, 0, 1.0), (0, 0, 0, 0, 0)]
+    for bad in bad_vectors:
         with pytest.raises((ValueError, TypeError)):
             _load_vector({A: bad}, known)
 
 
 def test_peer_loads_forget_a_backend_no_sibling_loads_any_more():
     peers = PeerLoads(max_age_s=1.0)
-    peers.update("r1", {f"10.9.0.{i}:8000": (1, 1) for i in range(100)}, 0.0)
-    peers.update("r1", {A: (2, 1)}, 0.1)
-    assert peers.totals(0.2) == {A: (2, 1)} and len(peers._sums) == 1  # (the table, not only the view)
+    peers.update("r1", {f"10.9.0.{i}:8000": (1, 1, 4) for i in range(100)}, 0.0)
+    peers.update("r1", {A: (2, 1, 8)}, 0.1)
+    assert peers.totals(0.2) == {A: (2, 1, 8)} and len(peers._sums) == 1  # (the table, not only the view)
     peers.changes(5.0)  # r1 went quiet
     assert peers.totals(5.0) == {} and not peers._sums
 

@@ -111,7 +111,8 @@ def test_killing_a_replica_or_the_store_under_load_loses_no_request(stack: Stack
     assert statuses == [200] * 60
     # Every reservation, own and seen from siblings, returns to zero when the load ends.
     idle = lambda state: all(  # noqa: E731
-        (b["reserved_blocks"], b["active"], b["peer_reserved_blocks"], b["peer_active"]) == (0, 0, 0, 0)
+        (b["reserved_blocks"], b["active"], b["footprint_blocks"]) == (0, 0, 0)
+        and (b["peer_reserved_blocks"], b["peer_active"], b["peer_footprint_blocks"]) == (0, 0, 0)
         for b in state["load"].values()
     )
     eventually(lambda: all(idle(stack.debug_state(r)) for r in range(2)), message="reservations back to zero")

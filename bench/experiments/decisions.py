@@ -174,7 +174,7 @@ class _Fanout:
                     else:
                         router.peer_bound(payload, backend, now)
         if len(self.routers) > 1:  # summed as the link sums its siblings' vectors (PeerLoads)
-            snapshots = [router.loads.snapshot() for router in self.routers]
+            snapshots = [router.loads.published() for router in self.routers]
             for index, (router, peers) in enumerate(zip(self.routers, self._peers, strict=True)):
                 for other, snapshot in enumerate(snapshots):
                     if other != index:

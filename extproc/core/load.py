@@ -8,8 +8,9 @@ waiting reservations oldest first (`BackendLoad.progress`). A backend that leave
 counters with it: late releases from its handles land on the detached counters and cannot
 disturb a backend re-added later.
 
-With several replicas, each backend's load also counts the other replicas' reservations as they
-last published them (`PeerLoads`), so a backend made busy through one replica is busy for all.
+With several replicas, each backend's load also counts the other replicas' reservations, requests
+and footprints as they last published them (`PeerLoads`), so a backend made busy through one
+replica is busy for all.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from collections.abc import Mapping
 ENGINE_SAMPLE_MAX_AGE_S = 2.0
 # Reservations waiting for engine progress are compacted (ended ones dropped) past this many.
 PROGRESS_COMPACT_AT = 256
+
+# One backend's load as a replica publishes it: (reserved prefill blocks, requests in flight,
+# footprint blocks), the counts `BackendLoad` keeps of its own requests.
+LoadVector = tuple[int, int, int]
+NO_LOAD: LoadVector = (0, 0, 0)
 
 
 class BackendLoad:
@@ -38,6 +44,7 @@ class BackendLoad:
         "engine_running",
         "footprint",
         "peer_active",
+        "peer_footprint",
         "peer_reserved",
         "reserved_blocks",
         "settled_at",
@@ -49,6 +56,7 @@ class BackendLoad:
         self.adapters: dict[str, int] = {}  # kvroute's own requests in flight, by LoRA adapter (adapters.py)
         self.peer_reserved = 0  # the other replicas' reservations on this backend, as last published
         self.peer_active = 0
+        self.peer_footprint = 0
         self.engine_requests = 0  # running + waiting at the engine's last sample
         self.engine_running = 0  # running at the engine's last sample
         self.engine_kv_usage = 0.0  # share of its KV blocks that running requests pin (for operators)
@@ -226,19 +234,23 @@ class LoadTracker:
         """backend -> (reserved blocks, this replica's own active requests)."""
         return {backend: (load.reserved_blocks, load.active) for backend, load in self._loads.items()}
 
-    def update_peers(self, changed: Mapping[str, tuple[int, int]]) -> None:
-        """The other replicas' summed load on these backends changed (`PeerLoads.changes`)."""
-        for backend, (reserved, active) in changed.items():
-            load = self.get(backend)
-            load.peer_reserved, load.peer_active = reserved, active
+    def published(self) -> dict[str, LoadVector]:
+        """backend -> this replica's own load as its siblings count it (`PeerLoads`)."""
+        return {backend: (load.reserved_blocks, load.active, load.footprint) for backend, load in self._loads.items()}
 
-    def set_peers(self, totals: Mapping[str, tuple[int, int]]) -> None:
-        """The other replicas' load per backend (reserved blocks, active requests), replacing the last."""
+    def update_peers(self, changed: Mapping[str, LoadVector]) -> None:
+        """The other replicas' summed load on these backends changed (`PeerLoads.changes`)."""
+        for backend, vector in changed.items():
+            load = self.get(backend)
+            load.peer_reserved, load.peer_active, load.peer_footprint = vector
+
+    def set_peers(self, totals: Mapping[str, LoadVector]) -> None:
+        """The other replicas' load per backend, replacing the last."""
         for backend, load in self._loads.items():
-            load.peer_reserved, load.peer_active = totals.get(backend, (0, 0))
+            load.peer_reserved, load.peer_active, load.peer_footprint = totals.get(backend, NO_LOAD)
         for backend in totals.keys() - self._loads.keys():
             load = self.get(backend)
-            load.peer_reserved, load.peer_active = totals[backend]
+            load.peer_reserved, load.peer_active, load.peer_footprint = totals[backend]
 
 
 class PeerLoads:
@@ -255,28 +267,28 @@ class PeerLoads:
 
     def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
-        self._vectors: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
-        self._sums: dict[str, tuple[int, int]] = {}  # backend -> summed over the vectors held
+        self._vectors: dict[str, tuple[float, dict[str, LoadVector]]] = {}
+        self._sums: dict[str, LoadVector] = {}  # backend -> summed over the vectors held
         self._changed: set[str] = set()
 
-    def _set(self, vector: dict[str, tuple[int, int]], backend: str, value: tuple[int, int] | None) -> None:
+    def _set(self, vector: dict[str, LoadVector], backend: str, value: LoadVector | None) -> None:
         """One replica's entry for a backend becomes `value` (None: gone); the sum follows."""
-        old = vector.get(backend, (0, 0))
-        new = (0, 0) if value is None else value
+        old = vector.get(backend, NO_LOAD)
+        new = NO_LOAD if value is None else value
         if value is None:
             vector.pop(backend, None)
         else:
             vector[backend] = value
         if old != new:
-            reserved, active = self._sums.get(backend, (0, 0))
-            total = (reserved - old[0] + new[0], active - old[1] + new[1])
-            if total == (0, 0):  # (a backend no sibling loads any more leaves the table)
+            held = self._sums.get(backend, NO_LOAD)
+            total = (held[0] - old[0] + new[0], held[1] - old[1] + new[1], held[2] - old[2] + new[2])
+            if total == NO_LOAD:  # (a backend no sibling loads any more leaves the table)
                 self._sums.pop(backend, None)
             else:
                 self._sums[backend] = total
             self._changed.add(backend)
 
-    def update(self, replica: str, vector: dict[str, tuple[int, int]], now: float) -> None:
+    def update(self, replica: str, vector: dict[str, LoadVector], now: float) -> None:
         """A replica's whole vector, replacing what was held of it."""
         held = self._vectors[replica][1] if replica in self._vectors else {}
         for backend in held.keys() - vector.keys():
@@ -285,7 +297,7 @@ class PeerLoads:
             self._set(held, backend, value)
         self._vectors[replica] = (now, held)
 
-    def merge(self, replica: str, delta: dict[str, tuple[int, int]], now: float) -> bool:
+    def merge(self, replica: str, delta: dict[str, LoadVector], now: float) -> bool:
         """The backends whose load changed at a replica since its last message; False (ignored)
         when no whole vector of it is held yet (it comes within a heartbeat)."""
         entry = self._vectors.get(replica)
@@ -303,21 +315,21 @@ class PeerLoads:
             for backend in list(held):
                 self._set(held, backend, None)
 
-    def changes(self, now: float) -> dict[str, tuple[int, int]]:
-        """backend -> summed (reserved blocks, active requests), for the backends whose sum moved
-        since the last call (a replica gone quiet takes its load away)."""
+    def changes(self, now: float) -> dict[str, LoadVector]:
+        """backend -> summed load, for the backends whose sum moved since the last call (a replica
+        gone quiet takes its load away)."""
         self._expire(now)
-        changed = {backend: self._sums.get(backend, (0, 0)) for backend in self._changed}
+        changed = {backend: self._sums.get(backend, NO_LOAD) for backend in self._changed}
         self._changed.clear()
         return changed
 
-    def totals(self, now: float) -> dict[str, tuple[int, int]]:
-        """backend -> summed (reserved blocks, active requests) of the replicas heard from lately."""
+    def totals(self, now: float) -> dict[str, LoadVector]:
+        """backend -> summed load of the replicas heard from lately."""
         self._expire(now)
-        totals: dict[str, tuple[int, int]] = {}
+        totals: dict[str, LoadVector] = {}
         for _, vector in self._vectors.values():
             for backend in vector:
-                totals[backend] = self._sums.get(backend, (0, 0))
+                totals[backend] = self._sums.get(backend, NO_LOAD)
         return totals
 
     def __len__(self) -> int:

@@ -208,9 +208,9 @@ class Router:
 
     def _kv_room(self, candidates: Sequence[str], now: float) -> dict[str, float]:
         """Blocks of the current chains each candidate's KV cache has free of the requests in flight
-        there: of kvroute's own (waiting ones too, which no sample shows yet) or of the running ones
-        at the engine's last fresh sample (other clients' too), whichever takes more; none where the
-        cache size is not reported."""
+        there: of kvroute's (this replica's and its siblings', waiting ones too, which no sample
+        shows yet) or of the running ones at the engine's last fresh sample (other clients' too),
+        whichever takes more; none where the cache size is not reported."""
         per_block = self.block_tokens()
         room: dict[str, float] = {}
         if per_block <= 0:
@@ -220,7 +220,7 @@ class Router:
             if not tokens:
                 continue
             size = tokens / per_block
-            taken = float(load.footprint)
+            taken = float(load.footprint + load.peer_footprint)
             if load.engine_fresh(now):
                 used = min(max(load.engine_kv_usage, 0.0), 1.0)  # a gauge out of range says nothing more
                 taken = max(taken, used * size)
@@ -631,10 +631,17 @@ class Router:
             progressing.discard(backend)
             self.loads.get(backend).release_awaiting()
 
-    def _backend_state(self, backend: str, reserved: int, active: int) -> BackendState:
+    def _backend_state(self, backend: str) -> BackendState:
         load = self.loads.get(backend)
         return BackendState(
-            reserved, active, load.peer_reserved, load.peer_active, load.engine_requests, load.engine_kv_usage
+            load.reserved_blocks,
+            load.active,
+            load.peer_reserved,
+            load.peer_active,
+            load.footprint,
+            load.peer_footprint,
+            load.engine_requests,
+            load.engine_kv_usage,
         )
 
     def state(self) -> RouterState:
@@ -646,7 +653,7 @@ class Router:
             index_shed=self.index.shed,
             index_entries_by_backend=by_backend,
             sessions=len(self.sessions),
-            load={backend: self._backend_state(backend, r, a) for backend, (r, a) in self.loads.snapshot().items()},
+            load={backend: self._backend_state(backend) for backend in self.loads.snapshot()},
             resets={str(reason): count for reason, count in self.stats.resets.items()},
             bytes_per_token=round(self.bytes_per_token.value, 3),
             prediction_trust={b: round(t, 3) for b, t in self.trust.values.items()},

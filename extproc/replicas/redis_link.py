@@ -39,7 +39,7 @@ from redis.typing import KeyT, StreamIdT
 from extproc.core.adapters import valid_name
 from extproc.core.backends import Backend
 from extproc.core.chain import HASH_MASK
-from extproc.core.load import PeerLoads
+from extproc.core.load import NO_LOAD, LoadVector, PeerLoads
 from extproc.core.router import Router
 from extproc.core.settings import MAX_FLOW_ID, MAX_QUEUE_FLOWS
 from extproc.runtime.config import read_token
@@ -49,6 +49,11 @@ from extproc.runtime.stopping import stop_asked
 # The client is made with decode_responses=False, so a stream's entries come as bytes (redis-py
 # types its replies as any reply).
 _Entries = list[tuple[bytes, dict[bytes, bytes]]]
+# One backend's entry of a replica's load vector on the wire: reserved blocks, requests in flight,
+# CBR bytes sent ever, footprint blocks. The footprint came later: a replica of before it sends three
+# (read as a footprint of 0) and counts a vector of four as bad, so during a rolling update it does
+# not see the newer replicas' load (the engines' own counts still do) until it is replaced.
+WireLoad = tuple[int, int, int, int]
 log = logging.getLogger("kvroute.replicas")
 
 LEARNED, BOUND, LOAD, FLOWS = "l", "s", "L", "F"
@@ -95,19 +100,28 @@ def _adapter_move(payload: object) -> bool:
     )
 
 
-def _load_vector(payload: Any, known: Callable[[str], bool]) -> dict[str, tuple[int, int, int]]:
-    """A sibling's load vector (backend -> reserved blocks, active requests, bytes sent), checked,
-    bounded and kept to this replica's backends (so no table grows by what a writer invents);
-    ValueError otherwise."""
-    vector: dict[str, tuple[int, int, int]] = {}
-    for backend, (reserved, active, sent) in payload.items():
-        counts = (reserved, active, sent)
-        ints = all(type(v) is int for v in counts)
-        if not (ints and 0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT and 0 <= sent < MAX_SENT):
+def _load_vector(payload: Any, known: Callable[[str], bool]) -> dict[str, WireLoad]:
+    """A sibling's load vector (backend -> reserved blocks, active requests, bytes sent, footprint
+    blocks; a replica of before the footprint sends the first three, read as a footprint of 0),
+    checked, bounded and kept to this replica's backends (so no table grows by what a writer
+    invents); ValueError otherwise."""
+    vector: dict[str, WireLoad] = {}
+    for backend, counts in payload.items():
+        reserved, active, sent, footprint = (*counts, 0) if len(counts) == 3 else counts
+        ints = all(type(v) is int for v in (reserved, active, sent, footprint))
+        if not (ints and 0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT and 0 <= footprint < MAX_COUNT):
+            raise ValueError("load vector")
+        if not 0 <= sent < MAX_SENT:
             raise ValueError("load vector")
         if isinstance(backend, str) and known(backend):
-            vector[backend] = counts
+            vector[backend] = (reserved, active, sent, footprint)
     return vector
+
+
+def _wire(load: LoadVector, sent: int) -> WireLoad:
+    """One backend's entry of this replica's load vector, in the order siblings read it."""
+    reserved, active, footprint = load
+    return reserved, active, sent, footprint
 
 
 def _is_hash(value: object) -> bool:
@@ -472,12 +486,12 @@ class RedisLink:
                 return work
             if kind in (LOAD, LOAD_DELTA):
                 vector = _load_vector(payload, self._pool.is_known)
-                loads = {b: (r, a) for b, (r, a, _) in vector.items()}
+                loads = {b: (r, a, f) for b, (r, a, _, f) in vector.items()}
                 if kind == LOAD:
                     self._peers.update(replica, loads, self._clock())
                 elif not self._peers.merge(replica, loads, self._clock()):
                     return work  # its whole vector comes within a heartbeat
-                self._peer_bytes(replica, {b: s for b, (_, _, s) in vector.items()})
+                self._peer_bytes(replica, {b: s for b, (_, _, s, _) in vector.items()})
                 return work
             if not self._pool.is_known(backend):
                 return work  # a backend this replica does not route to (yet): nothing to apply
@@ -541,7 +555,7 @@ class RedisLink:
     async def _publish_load(self) -> None:
         """This replica's load vector: on change, at most every load_period_s; at least every
         heartbeat_s, so siblings know it is alive."""
-        sent: dict[str, tuple[int, int, int]] | None = None
+        sent: dict[str, WireLoad] | None = None
         sent_at = float("-inf")
         flows_sent: Shares | None = None
         flows_at = float("-inf")
@@ -567,15 +581,16 @@ class RedisLink:
                 self._apply_peer_loads(now)
             await asyncio.sleep(self._load_period_s)
 
-    def _vector(self) -> dict[str, tuple[int, int, int]]:
-        """backend -> (reserved blocks, active requests, CBR bytes sent ever) of this replica, for
-        every backend of its pool from the start, so siblings' baselines start at zero."""
-        loads = self._router.loads.snapshot()
+    def _vector(self) -> dict[str, WireLoad]:
+        """backend -> (reserved blocks, active requests, CBR bytes sent ever, footprint blocks) of
+        this replica, for every backend of its pool from the start, so siblings' baselines start at
+        zero."""
+        loads = self._router.loads.published()
         sent = self._router.bytes_per_token.sent
         backends = {b.address for b in self._pool.backends} | loads.keys()
-        return {b: (*loads.get(b, (0, 0)), sent.get(b, 0)) for b in backends}
+        return {b: _wire(loads.get(b, NO_LOAD), sent.get(b, 0)) for b in backends}
 
-    async def _add_load(self, kind: str, vector: dict[str, tuple[int, int, int]], shares: Shares | None = None) -> None:
+    async def _add_load(self, kind: str, vector: dict[str, WireLoad], shares: Shares | None = None) -> None:
         message = msgpack.packb((kind, self.replica, "", vector))
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.xadd(self._load_key, {"m": message}, maxlen=1000, approximate=True)

@@ -84,11 +84,18 @@ class _RouterCollector(Collector):
         yield from _reuse(self._router.attribution)
         reserved = GaugeMetricFamily("kvroute_backend_reserved_blocks", "prefill blocks reserved", labels=["backend"])
         active = GaugeMetricFamily("kvroute_backend_active_requests", "requests in flight", labels=["backend"])
+        footprint = GaugeMetricFamily(
+            "kvroute_backend_footprint_blocks",
+            "blocks of the whole prompts of this replica's requests in flight (the KV cache they take as they run)",
+            labels=["backend"],
+        )
         for backend, load in state.load.items():
             reserved.add_metric([backend], load.reserved_blocks)
             active.add_metric([backend], load.active)
+            footprint.add_metric([backend], load.footprint_blocks)
         yield reserved
         yield active
+        yield footprint
         ttft = self._router.ttft
         yield CounterMetricFamily(
             "kvroute_ttft_observations",
