@@ -182,6 +182,55 @@ class _Fanout:
                 router.loads.set_peers(peers.totals(now))
 
 
+class _Request:
+    """One replayed request in flight: waiting in its engine's queue (`pinned` None) or running."""
+
+    __slots__ = ("backend", "exchange", "hashes", "pinned", "tokens")
+
+    def __init__(self, exchange: Exchange, backend: str, tokens: list[int]) -> None:
+        self.exchange, self.backend, self.tokens = exchange, backend, tokens
+        self.hashes = block_hashes(tokens, ENGINE_BLOCK_TOKENS)
+        self.pinned: list[int] | None = None
+
+
+class _Engines:
+    """The replay's engines: a block pool each, and (`queued`) vLLM's first-come queue in front of
+    it: a request whose blocks do not fit beside the running ones' waits, holding none, and what
+    it finds cached is counted when it starts; meanwhile the running ones' prompts may evict it."""
+
+    def __init__(self, fleet: Sequence[Backend], blocks: int, queued: bool, followers: list[Router] | None) -> None:
+        self.caches = {backend.address: EngineCache(BlockPool(blocks)) for backend in fleet}
+        self.queues: dict[str, deque[_Request]] = {backend.address: deque() for backend in fleet}
+        self.running = dict.fromkeys(self.caches, 0)
+        self.queued = queued
+        self.followers = followers  # precise mode: the routers that follow the engines' events
+        self.cached_blocks = 0
+
+    def arrive(self, request: _Request) -> None:
+        queue, pool = self.queues[request.backend], self.caches[request.backend].pool
+        if self.queued and self.running[request.backend] and (queue or not pool.can_acquire(request.hashes, 0)):
+            queue.append(request)
+        else:
+            self._start(request)
+
+    def end(self, request: _Request) -> None:
+        """A running request ends: its blocks unpinned, the queue's head started while it fits."""
+        backend = request.backend
+        self.caches[backend].pool.release(request.pinned or [], 0)
+        self.running[backend] -= 1
+        queue, pool = self.queues[backend], self.caches[backend].pool
+        while queue and (not self.running[backend] or pool.can_acquire(queue[0].hashes, 0)):
+            self._start(queue.popleft())
+
+    def _start(self, request: _Request) -> None:
+        pinned, cached, events = self.caches[request.backend].serve(request.tokens)
+        request.pinned = pinned
+        self.running[request.backend] += 1
+        self.cached_blocks += cached
+        for follower in self.followers or ():
+            follower.engine_events(request.backend, events)
+
+
 def engine_hit_rate(
     path: Path,
     limit: int,
@@ -194,13 +243,16 @@ def engine_hit_rate(
     lag: int = 0,
     shared: bool = True,
     offsets: int = 0,
+    engine_queue: bool = False,
     **settings: Any,
 ) -> float:
     """Replay `limit` requests of an agent trace (its own session ids) in file order on `backends`
     engines whose caches together hold `capacity_ratio` of the working set; the share of prompt
-    tokens the engines found cached. Each request pins its blocks from its start to its end, which
-    comes when the `window`-th request after it starts (a closed loop of `window` clients).
-    Approximate mode learns from its own routing; precise mode gets the engines' events.
+    tokens the engines found cached. `window` clients keep a request each in flight: when the
+    next is sent, the oldest running one ends. Without `engine_queue` every request runs at once,
+    its blocks pinned beyond the cache if need be; with it, as in vLLM, one that does not fit
+    waits (`_Engines`). Approximate mode learns from its own routing; precise mode gets the
+    engines' events.
     `replicas`: that many routers take the requests in turn (as Envoy spreads its streams), sharing
     what they learn and bind `lag` requests later and their load at once (`_Fanout`), or nothing
     (`shared` false: replicas each on its own, for comparison). `offsets` seeds the replicas'
@@ -214,7 +266,7 @@ def engine_hit_rate(
     fleet = tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))  # as the pool hands them over
     routers = [Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings)) for _ in range(replicas)]
     fanout = _Fanout(routers if shared else routers[:1], lag)
-    engines = {backend.address: EngineCache(BlockPool(blocks)) for backend in fleet}
+    engines = _Engines(fleet, blocks, engine_queue, routers if mode == "precise" else None)
     turns = random.Random(replicas + 1000 * offsets)  # each replica process starts its turn counter at random
     for router in routers:
         if replicas > 1 and shared:
@@ -227,8 +279,7 @@ def engine_hit_rate(
                 router.engine_sample(backend.address, sample, 0.0)
             else:
                 router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
-    inflight: deque[tuple[Exchange, str, list[int]]] = deque()
-    cached_tokens = prompt_total = 0
+    inflight: deque[_Request] = deque()
     for turn, (request, body, tokens) in enumerate(zip(requests, bodies, prompts, strict=True)):
         now = request.timestamp_ms / 1000.0
         router = routers[turn % replicas]
@@ -238,15 +289,20 @@ def engine_hit_rate(
         exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
         backend = exchange.decision.backend or fleet[0].address
         router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
-        pinned, cached, events = engines[backend].serve(tokens)
-        if mode == "precise":
-            for follower in routers:  # every replica follows the engines' own events
-                follower.engine_events(backend, events)
-        cached_tokens += cached * ENGINE_BLOCK_TOKENS
-        prompt_total += len(tokens)
-        inflight.append((exchange, backend, pinned))
+        sent = _Request(exchange, backend, tokens)
+        engines.arrive(sent)
+        inflight.append(sent)
         if len(inflight) > window:
-            ended, where, held = inflight.popleft()
-            ended.end()
-            engines[where].pool.release(held, 0)
-    return cached_tokens / prompt_total if prompt_total else 0.0
+            _end_oldest_running(inflight, engines)
+    while inflight:  # every request waiting is served
+        _end_oldest_running(inflight, engines)
+    prompt_total = sum(len(tokens) for tokens in prompts)
+    return engines.cached_blocks * ENGINE_BLOCK_TOKENS / prompt_total if prompt_total else 0.0
+
+
+def _end_oldest_running(inflight: deque[_Request], engines: _Engines) -> None:
+    """The oldest request in flight that runs ends (one waiting cannot end before it runs)."""
+    ended = next(r for r in inflight if r.pinned is not None)
+    inflight.remove(ended)
+    ended.exchange.end()
+    engines.end(ended)
