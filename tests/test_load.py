@@ -10,7 +10,7 @@ from extproc.core.load import NO_LOAD, PROGRESS_COMPACT_AT, LoadTracker, LoadVec
 
 def test_release_is_idempotent():
     loads = LoadTracker()
-    r = loads.reserve("A", 10, size=12)
+    r = loads.reserve("A", 10, chain=list(range(12)))
     assert loads.published() == {"A": (10, 1, 12)}  # (reserved, in flight, the whole prompt's blocks)
     r.release_prefill()
     r.release_prefill()

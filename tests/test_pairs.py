@@ -180,39 +180,67 @@ def test_kv_usage_out_of_range_counts_as_a_full_or_empty_cache():
     assert full_cost(-0.5, 0) == full_cost(0.0, 0) == 0
 
 
+def _own(tag: str) -> str:
+    """A user message of many blocks that no other prompt shares (tags of one length: one size)."""
+    return " ".join(f"{tag}-{k}" for k in range(600))
+
+
+def _two_in_flight_fleet(blocks_short: int, **settings: object) -> tuple[Router, Backend, Backend, int]:
+    """A router over two backends whose caches hold, beside two prompts of distinct text in flight,
+    `blocks_short` blocks less than a third such prompt needs (negative: more); their KV sizes
+    come from one sample, long before, so only the footprint is current. Also the prompts' size."""
+    first, second = Backend("10.0.3.1:8000"), Backend("10.0.3.2:8000")
+    probe = make_router(**settings)
+    chains = [probe.chain_of(chat([], user_text=_own(tag))) for tag in ("run-0", "run-1")]
+    size = len(chains[0])
+    head = next(i for i, (x, y) in enumerate(zip(*chains, strict=False)) if x != y)  # the system prompt's
+    router = make_router(**settings)
+    cache_blocks = 3 * size - 2 * head - blocks_short  # two held (their head once) and the third's own part
+    for backend in (first, second):
+        sample = EngineSample(0, 0, 0.0, 100.0, int(cache_blocks * router.block_tokens()), 16)
+        router.engine_sample(backend.address, sample, 0)
+    return router, first, second, size
+
+
 def test_in_any_fleet_a_prompt_that_does_not_fit_beside_the_requests_in_flight_goes_where_it_fits():
     """`kv_room_everywhere` (the default): kvroute's own requests in flight take their whole prompts' room at
     once, waiting ones too, which no engine sample shows yet; so a prompt does not queue behind them
     on an engine whose cache cannot hold them all, its cached prefix evicted while it waits (on the
     skewed workload on vLLM-CPU, long conversations found 0.02-0.05 of their prompts cached there).
     Their room is given back as they end."""
-    first, second = Backend("10.0.3.1:8000"), Backend("10.0.3.2:8000")
-
-    def fleet_of(**settings: object) -> Router:
-        router = make_router(**settings)
-        size = router.begin(chat([], user_text="size"), [first], 0).decision.total_blocks
-        router = make_router(**settings)
-        cache = int(2.5 * size * router.block_tokens())  # two prompts do not fit, one does
-        for backend in (first, second):  # one sample, long before: only the footprint is current
-            router.engine_sample(backend.address, EngineSample(0, 0, 0.0, 100.0, cache, 16), 0)
-        return router
-
-    router = fleet_of(kv_room_everywhere=True)
-    held = [router.begin(chat([], user_text=f"running {i}"), [first], 1) for i in range(2)]
+    router, first, second, _ = _two_in_flight_fleet(2, kv_room_everywhere=True)
+    held = [router.begin(chat([], user_text=_own(f"run-{i}")), [first], 1) for i in range(2)]
     for exchange in held:
         router.response_started(exchange, ok(first.address), 2)  # learned there: its prefix is held
-    decision = router.begin(chat([], user_text="next"), [first, second], 100).decision
+    decision = router.begin(chat([], user_text=_own("nxt-2")), [first, second], 100).decision
     assert decision.backend == second.address
     assert [c.kv_room_cost > 0 for c in decision.candidates if c.backend == first.address] == [True]
     for exchange in held:
         exchange.end()
     assert router.loads.get(first.address).footprint == 0
-    back = router.begin(chat([], user_text="after"), [first, second], 101).decision
+    back = router.begin(chat([], user_text=_own("aft-3")), [first, second], 101).decision
     assert back.backend == first.address and back.label is not Label.KV_ROOM
-    router = fleet_of(kv_room_everywhere=False)  # only in fleets that split: the prefix keeps it
+    router, first, second, _ = _two_in_flight_fleet(2, kv_room_everywhere=False)  # only in fleets that split
     for i in range(2):
-        router.response_started(router.begin(chat([], user_text=f"running {i}"), [first], 1), ok(first.address), 2)
-    assert router.begin(chat([], user_text="next"), [first, second], 100).decision.backend == first.address
+        exchange = router.begin(chat([], user_text=_own(f"run-{i}")), [first], 1)
+        router.response_started(exchange, ok(first.address), 2)
+    assert router.begin(chat([], user_text=_own("nxt-2")), [first, second], 100).decision.backend == first.address
+
+
+def test_prompts_in_flight_that_share_a_head_take_its_room_once():
+    """The system prompt and tools that requests in flight share are pinned once in the engine, and
+    a prompt that starts with them needs room only for the rest: counting every whole prompt (as
+    kvroute did) sent a conversation away from the backend holding its prefix for room it had."""
+    router, first, second, size = _two_in_flight_fleet(-2)
+    held = [router.begin(chat([], user_text=_own(f"run-{i}")), [first], 1) for i in range(2)]
+    for exchange in held:
+        router.response_started(exchange, ok(first.address), 2)
+    assert router.loads.get(first.address).footprint < 2 * size  # the shared head counted once
+    decision = router.begin(chat([], user_text=_own("run-0")), [first, second], 100).decision
+    assert decision.backend == first.address  # a third copy of a prompt in flight there needs no room
+    assert all(c.kv_room_cost == 0 for c in decision.candidates)
+    other = router.begin(chat([], user_text=_own("nxt-2")), [first, second], 100).decision
+    assert all(c.kv_room_cost == 0 for c in other.candidates)  # the rest of a new prompt fits: two blocks over
 
 
 def test_the_requests_sibling_replicas_have_in_flight_take_their_room_too():

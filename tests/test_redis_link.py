@@ -139,9 +139,11 @@ async def test_a_prefix_learned_through_one_replica_is_found_through_another(red
 @in_loop
 async def test_load_through_one_replica_is_load_for_all_and_returns_to_zero(redis_server):
     async with replicas(redis_server, 2) as (first, second):
-        held = [first.router.loads.reserve(A, 10, size=12) for _ in range(5)]
+        chains = [[*range(7), *range(100 * turn, 100 * turn + 5)] for turn in range(1, 6)]
+        held = [first.router.loads.reserve(A, 10, chain=chain) for chain in chains]
         await until(lambda: second.router.loads.get(A).peer_active == 5)
-        assert (second.router.loads.get(A).peer_reserved, second.router.loads.get(A).peer_footprint) == (50, 60)
+        # five prompts of twelve blocks sharing a head of seven: 32 distinct blocks held
+        assert (second.router.loads.get(A).peer_reserved, second.router.loads.get(A).peer_footprint) == (50, 32)
         for reservation in held:
             reservation.finish()
         await until(lambda: second.router.loads.get(A).peer_active == 0)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
+from extproc.core.footprint import Chain, InFlightBlocks
+
 # An engine sample older than this no longer says anything about the backend's load.
 ENGINE_SAMPLE_MAX_AGE_S = 2.0
 # Reservations waiting for engine progress are compacted (ended ones dropped) past this many.
@@ -42,10 +44,10 @@ class BackendLoad:
         "engine_kv_usage",
         "engine_requests",
         "engine_running",
-        "footprint",
         "peer_active",
         "peer_footprint",
         "peer_reserved",
+        "prompts",
         "reserved_blocks",
         "settled_at",
     )
@@ -61,14 +63,19 @@ class BackendLoad:
         self.engine_running = 0  # running at the engine's last sample
         self.engine_kv_usage = 0.0  # share of its KV blocks that running requests pin (for operators)
         self.engine_at = float("-inf")
-        # Blocks of the whole prompts of kvroute's own requests in flight here, waiting ones too:
-        # the KV cache they take as they run, which no sample shows before they start
-        self.footprint = 0
+        # The whole prompts of kvroute's own requests in flight here, waiting ones too: the KV cache
+        # they take as they run, which no sample shows before they start
+        self.prompts = InFlightBlocks()
         self.awaiting: deque[Reservation] = deque()  # prefill drained by engine progress, oldest first
         self._credit = 0.0  # progress of less than one block, kept for the next report
         # The latest moment kvroute learned a request here that has since ended: the engine ran
         # it, so a cache clear it reports later happened after that moment.
         self.settled_at = float("-inf")
+
+    @property
+    def footprint(self) -> int:
+        """Distinct blocks the prompts of kvroute's own requests in flight here take."""
+        return self.prompts.blocks
 
     def await_progress(self, reservation: Reservation) -> None:
         """Hold this reservation's prefill until the engine reports that much work stored."""
@@ -144,18 +151,20 @@ class Reservation:
         "adapter",
         "backend",
         "blocks",
+        "chain",
         "in_flight",
         "learned_at",
         "pending",
         "predicted_s",
         "sent_at",
-        "size",
         "work",
     )
 
-    def __init__(self, backend: str, load: BackendLoad, blocks: int, adapter: str | None = None, size: int = 0) -> None:
+    def __init__(
+        self, backend: str, load: BackendLoad, blocks: int, adapter: str | None = None, chain: Chain | None = None
+    ) -> None:
         self.backend = backend
-        self.size = size  # its whole prompt's blocks, counted in the backend's footprint while in flight
+        self.chain = chain  # its whole prompt's blocks, in the backend's footprint while in flight
         self.adapter = adapter  # the LoRA adapter it runs, counted in flight with it
         self.blocks = blocks
         self.pending = blocks  # prefill blocks still reserved
@@ -171,7 +180,8 @@ class Reservation:
         self._active_held = True
         load.reserved_blocks += blocks
         load.active += 1
-        load.footprint += size
+        if chain:
+            load.prompts.add(chain)
         if adapter is not None:
             load.adapters[adapter] = load.adapters.get(adapter, 0) + 1
 
@@ -192,7 +202,8 @@ class Reservation:
             self._active_held = False
             load = self._load
             load.active -= 1
-            load.footprint -= self.size
+            if self.chain:
+                load.prompts.remove(self.chain)
             adapter = self.adapter
             if adapter is not None:
                 left = load.adapters[adapter] - 1
@@ -222,9 +233,9 @@ class LoadTracker:
             load = self._loads[backend] = BackendLoad()
         return load
 
-    def reserve(self, backend: str, blocks: int, adapter: str | None = None, size: int = 0) -> Reservation:
-        """`blocks` of prefill to come; `size`: the whole prompt's, for the footprint."""
-        return Reservation(backend, self.get(backend), blocks, adapter, size)
+    def reserve(self, backend: str, blocks: int, adapter: str | None = None, chain: Chain | None = None) -> Reservation:
+        """`blocks` of prefill to come; `chain`: the whole prompt's blocks, for the footprint."""
+        return Reservation(backend, self.get(backend), blocks, adapter, chain)
 
     def remove_backend(self, backend: str) -> None:
         """Detach the backend's counters; handles still held release into the detached ones."""

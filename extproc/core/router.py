@@ -206,11 +206,12 @@ class Router:
             return False
         return settings.pd_flexible or self.pipeline.memo.disaggregated(backends)
 
-    def _kv_room(self, candidates: Sequence[str], now: float) -> dict[str, float]:
-        """Blocks of the current chains each candidate's KV cache has free of the requests in flight
-        there: of kvroute's (this replica's and its siblings', waiting ones too, which no sample
-        shows yet) or of the running ones at the engine's last fresh sample (other clients' too),
-        whichever takes more; none where the cache size is not reported."""
+    def _kv_room(self, candidates: Sequence[str], chain: list[int], now: float) -> dict[str, float]:
+        """Blocks of the current chains each candidate's KV cache has for `chain`: what the requests
+        in flight there leave free, of kvroute's (this replica's and its siblings', waiting ones
+        too, which no sample shows yet) or of the running ones at the engine's last fresh sample
+        (other clients' too), whichever takes more, plus the head of the prompt a request of its
+        own in flight there already holds; none where the cache size is not reported."""
         per_block = self.block_tokens()
         room: dict[str, float] = {}
         if per_block <= 0:
@@ -224,7 +225,7 @@ class Router:
             if load.engine_fresh(now):
                 used = min(max(load.engine_kv_usage, 0.0), 1.0)  # a gauge out of range says nothing more
                 taken = max(taken, used * size)
-            room[backend] = size - taken
+            room[backend] = size - taken + load.prompts.shared(chain)
         return room
 
     def _candidates(
@@ -246,7 +247,7 @@ class Router:
         request: PromptRequest,
         adapter: str | None,
         candidates: list[str],
-        chain: Sequence[int],
+        chain: list[int],
         bound: tuple[str | None, int, str | None],
         weighs_room: bool,
         now: float,
@@ -279,7 +280,7 @@ class Router:
             sheddable=request.sheddable,
             ttft=self.ttft,
             adapter=adapter,
-            kv_room=self._kv_room(candidates, now) if weighs_room else None,
+            kv_room=self._kv_room(candidates, chain, now) if weighs_room else None,
         )
         return self.pipeline.decide(inputs)
 
@@ -316,7 +317,7 @@ class Router:
             ahead, in_flight = load.reserved_blocks + load.peer_reserved, load.requests(now)
             adapter = self.adapters.adapter_of(request.model)
             blocks = decision.total_blocks - decision.matched_blocks
-            reservation = self.loads.reserve(decision.backend, blocks, adapter, decision.total_blocks)
+            reservation = self.loads.reserve(decision.backend, blocks, adapter, self.chain_of(request))
             reservation.sent_at, reservation.work, reservation.in_flight = now, ahead + reservation.blocks, in_flight
             reservation.predicted_s = self.ttft.predict(decision.backend, reservation.work, in_flight)
             predicted = self.mode.routed(request, decision, reservation, now)
@@ -345,8 +346,7 @@ class Router:
         if exchange.reservation is not None:  # the decode backend pulls the prompt instead of computing it
             exchange.reservation.release_prefill()
         leg = decision._replace(label=Label.PREFILL, backend=backend, second=None, matched_blocks=held, returning=None)
-        size = len(chain)
-        reservation = self.loads.reserve(backend, size - held, self.adapters.adapter_of(request.model), size)
+        reservation = self.loads.reserve(backend, len(chain) - held, self.adapters.adapter_of(request.model), chain)
         reservation.sent_at = now
         predicted = self.mode.routed(request, leg, reservation, now)
         self.stats.decisions[Label.PREFILL] += 1

@@ -86,7 +86,7 @@ class _RouterCollector(Collector):
         active = GaugeMetricFamily("kvroute_backend_active_requests", "requests in flight", labels=["backend"])
         footprint = GaugeMetricFamily(
             "kvroute_backend_footprint_blocks",
-            "blocks of the whole prompts of this replica's requests in flight (the KV cache they take as they run)",
+            "distinct blocks of the prompts of this replica's requests in flight (the KV cache they take as they run)",
             labels=["backend"],
         )
         for backend, load in state.load.items():
