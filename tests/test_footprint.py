@@ -38,16 +38,20 @@ def test_the_count_is_the_distinct_blocks_of_the_chains_in_flight_whatever_the_o
         assert prompts.shared(chain) == longest
 
 
-def test_a_chain_is_taken_out_by_identity_and_only_once():
+def test_equal_chains_are_taken_out_one_at_a_time_and_a_chain_not_held_changes_nothing():
+    """A thousand clients sending the same prompt: each removal is one bisection, not a search
+    among the equal chains."""
     prompts = InFlightBlocks()
-    first, twin = chain_of((1, 2, 3)), chain_of((1, 2, 3))
-    prompts.add(first)
-    prompts.add(twin)
-    assert prompts.blocks == 3 and len(prompts) == 2
-    prompts.remove(first)
-    prompts.remove(first)  # a second release finds nothing of it
+    same = [chain_of((1, 2, 3)) for _ in range(1000)]
+    for chain in same:
+        prompts.add(chain)
+    assert prompts.blocks == 3 and len(prompts) == 1000
+    prompts.remove(chain_of((1, 2, 4)))  # not held
+    for chain in same[:-1]:
+        prompts.remove(chain)
     assert prompts.blocks == 3 and len(prompts) == 1
-    prompts.remove(twin)
+    prompts.remove(same[-1])
+    prompts.remove(same[-1])  # nothing equal left
     assert prompts.blocks == 0 and len(prompts) == 0
 
 

@@ -52,13 +52,13 @@ class InFlightBlocks:
         chains.insert(at, chain)
 
     def remove(self, chain: Chain) -> None:
-        """Take out this very chain (by identity: equal chains of other requests stay)."""
+        """Take out one chain equal to this one (equal chains are interchangeable: the chains form
+        a multiset; a reservation removes its own once). A chain not held changes nothing."""
         if not chain:
             return
         chains = self._chains
-        start, end = bisect_left(chains, chain), bisect_right(chains, chain)
-        at = next((i for i in range(start, end) if chains[i] is chain), None)
-        if at is None:
+        at = bisect_left(chains, chain)
+        if at == len(chains) or chains[at] != chain:
             return
         del chains[at]
         self.blocks -= self._novel(chain, at, at)
