@@ -216,9 +216,9 @@ class _Engines:
     def end(self, request: _Request) -> None:
         """A running request ends: its blocks unpinned, the queue's head started while it fits."""
         backend = request.backend
-        self.caches[backend].pool.release(request.pinned or [], 0)
-        self.running[backend] -= 1
         queue, pool = self.queues[backend], self.caches[backend].pool
+        pool.release(request.pinned or [], 0)
+        self.running[backend] -= 1
         while queue and (not self.running[backend] or pool.can_acquire(queue[0].hashes, 0)):
             self._start(queue.popleft())
 

@@ -132,7 +132,7 @@ class BackendState:
     active: int  # kvroute's own requests in flight there
     peer_reserved_blocks: int  # sibling replicas' reservations, as last published
     peer_active: int
-    footprint_blocks: int  # whole prompts of kvroute's own requests in flight there (KV room)
+    footprint_blocks: int  # distinct blocks of the prompts of kvroute's own requests in flight there (KV room)
     peer_footprint_blocks: int  # the siblings', as last published
     engine_requests: int  # running + waiting at the engine's last sample
     engine_kv_usage: float  # share of its KV blocks running requests pin

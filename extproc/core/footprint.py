@@ -48,7 +48,7 @@ class InFlightBlocks:
             return
         chains = self._chains
         at = bisect_right(chains, chain)
-        self.blocks += self._novel(chain, at, at)
+        self.blocks += self._novel(chain, at)
         chains.insert(at, chain)
 
     def remove(self, chain: Chain) -> None:
@@ -61,7 +61,7 @@ class InFlightBlocks:
         if at == len(chains) or chains[at] != chain:
             return
         del chains[at]
-        self.blocks -= self._novel(chain, at, at)
+        self.blocks -= self._novel(chain, at)
 
     def shared(self, chain: Chain) -> int:
         """Leading blocks of `chain` a chain in flight already holds."""
@@ -71,11 +71,11 @@ class InFlightBlocks:
         after = common_prefix(chain, chains[at]) if at < len(chains) else 0
         return max(before, after)
 
-    def _novel(self, chain: Chain, before: int, after: int) -> int:
-        """Blocks `chain` adds to the others, placed between chains[before - 1] and chains[after]."""
+    def _novel(self, chain: Chain, at: int) -> int:
+        """Blocks `chain` adds to the others, placed between chains[at - 1] and chains[at]."""
         chains = self._chains
-        previous = chains[before - 1] if before else None
-        following = chains[after] if after < len(chains) else None
+        previous = chains[at - 1] if at else None
+        following = chains[at] if at < len(chains) else None
         novel = len(chain)
         if previous is not None:
             novel -= common_prefix(previous, chain)

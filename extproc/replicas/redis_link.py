@@ -109,9 +109,8 @@ def _load_vector(payload: Any, known: Callable[[str], bool]) -> dict[str, WireLo
     for backend, counts in payload.items():
         reserved, active, sent, footprint = (*counts, 0) if len(counts) == 3 else counts
         ints = all(type(v) is int for v in (reserved, active, sent, footprint))
-        if not (ints and 0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT and 0 <= footprint < MAX_COUNT):
-            raise ValueError("load vector")
-        if not 0 <= sent < MAX_SENT:
+        counts_ok = 0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT and 0 <= footprint < MAX_COUNT
+        if not (ints and counts_ok and 0 <= sent < MAX_SENT):
             raise ValueError("load vector")
         if isinstance(backend, str) and known(backend):
             vector[backend] = (reserved, active, sent, footprint)
