@@ -138,6 +138,24 @@ def _parser() -> argparse.ArgumentParser:
     decisions.add_argument("--out", type=Path, help="write one line per decision here")
     decisions.add_argument("--mode", choices=("approximate", "precise"), default="approximate", help="index mode")
     decisions.set_defaults(run=_decisions)
+    placement = bench.add_parser(
+        "placement", help="conversations' placement on a timed closed loop, in seconds: kvroute, sglang's rule (JSON)"
+    )
+    placement.add_argument("--trace", required=True, type=Path, help="agent trace (its own session ids)")
+    placement.add_argument("--limit", type=int, default=480, help="first N requests (default: %(default)s)")
+    placement.add_argument("--capacity-ratio", type=float, default=0.5, help="both caches over the working set")
+    placement.add_argument("--seeds", type=int, default=8, help="timing seeds each placement is judged on")
+    placement.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=orjson.loads,
+        help="kvroute settings as JSON, e.g. '{\"kv_room_cost\": 0}' (repeatable)",
+    )
+    placement.add_argument(
+        "--sweeps", type=int, default=0, help="search a fixed placement with hindsight, this many sweeps (minutes each)"
+    )
+    placement.set_defaults(run=_placement)
     soak = bench.add_parser("soak", help="never-repeating prompts: does the ext_proc's memory plateau? (JSON)")
     soak.add_argument("--requests", type=int, default=200_000)
     soak.add_argument("--concurrency", type=int, default=32)
@@ -522,6 +540,13 @@ def _decisions(args: argparse.Namespace) -> None:
     from bench.experiments import decisions
 
     print(orjson.dumps(decisions.run(args.trace, args.limit, args.out, args.mode)).decode())
+
+
+def _placement(args: argparse.Namespace) -> None:
+    from bench.experiments import placement
+
+    result = placement.main(args.trace, args.limit, args.capacity_ratio, args.seeds, args.variant, args.sweeps)
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 
 
 def _soak(args: argparse.Namespace) -> None:

@@ -182,38 +182,39 @@ class _Fanout:
                 router.loads.set_peers(peers.totals(now))
 
 
-class _Request:
+class ReplayedRequest:
     """One replayed request in flight: waiting in its engine's queue (`pinned` None) or running."""
 
-    __slots__ = ("backend", "exchange", "hashes", "pinned", "tokens")
+    __slots__ = ("backend", "cached", "exchange", "hashes", "pinned", "tokens")
 
-    def __init__(self, exchange: Exchange, backend: str, tokens: list[int]) -> None:
+    def __init__(self, exchange: Exchange | None, backend: str, tokens: list[int]) -> None:
         self.exchange, self.backend, self.tokens = exchange, backend, tokens
         self.hashes = block_hashes(tokens, ENGINE_BLOCK_TOKENS)
         self.pinned: list[int] | None = None
+        self.cached = 0  # blocks it found cached when it started
 
 
-class _Engines:
+class QueuedEngines:
     """The replay's engines: a block pool each, and (`queued`) vLLM's first-come queue in front of
     it: a request whose blocks do not fit beside the running ones' waits, holding none, and what
     it finds cached is counted when it starts; meanwhile the running ones' prompts may evict it."""
 
     def __init__(self, fleet: Sequence[Backend], blocks: int, queued: bool, followers: list[Router] | None) -> None:
         self.caches = {backend.address: EngineCache(BlockPool(blocks)) for backend in fleet}
-        self.queues: dict[str, deque[_Request]] = {backend.address: deque() for backend in fleet}
+        self.queues: dict[str, deque[ReplayedRequest]] = {backend.address: deque() for backend in fleet}
         self.running = dict.fromkeys(self.caches, 0)
         self.queued = queued
         self.followers = followers  # precise mode: the routers that follow the engines' events
         self.cached_blocks = 0
 
-    def arrive(self, request: _Request) -> None:
+    def arrive(self, request: ReplayedRequest) -> None:
         queue, pool = self.queues[request.backend], self.caches[request.backend].pool
         if self.queued and self.running[request.backend] and (queue or not pool.can_acquire(request.hashes, 0)):
             queue.append(request)
         else:
             self._start(request)
 
-    def end(self, request: _Request) -> None:
+    def end(self, request: ReplayedRequest) -> None:
         """A running request ends: its blocks unpinned, the queue's head started while it fits."""
         backend = request.backend
         queue, pool = self.queues[backend], self.caches[backend].pool
@@ -222,9 +223,9 @@ class _Engines:
         while queue and (not self.running[backend] or pool.can_acquire(queue[0].hashes, 0)):
             self._start(queue.popleft())
 
-    def _start(self, request: _Request) -> None:
+    def _start(self, request: ReplayedRequest) -> None:
         pinned, cached, events = self.caches[request.backend].serve(request.tokens)
-        request.pinned = pinned
+        request.pinned, request.cached = pinned, cached
         self.running[request.backend] += 1
         self.cached_blocks += cached
         for follower in self.followers or ():
@@ -251,7 +252,7 @@ def engine_hit_rate(
     tokens the engines found cached. `window` clients keep a request each in flight: when the
     next is sent, the oldest running one ends. Without `engine_queue` every request runs at once,
     its blocks pinned beyond the cache if need be; with it, as in vLLM, one that does not fit
-    waits (`_Engines`). Approximate mode learns from its own routing; precise mode gets the
+    waits (`QueuedEngines`). Approximate mode learns from its own routing; precise mode gets the
     engines' events.
     `replicas`: that many routers take the requests in turn (as Envoy spreads its streams), sharing
     what they learn and bind `lag` requests later and their load at once (`_Fanout`), or nothing
@@ -266,7 +267,7 @@ def engine_hit_rate(
     fleet = tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))  # as the pool hands them over
     routers = [Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings)) for _ in range(replicas)]
     fanout = _Fanout(routers if shared else routers[:1], lag)
-    engines = _Engines(fleet, blocks, engine_queue, routers if mode == "precise" else None)
+    engines = QueuedEngines(fleet, blocks, engine_queue, routers if mode == "precise" else None)
     turns = random.Random(replicas + 1000 * offsets)  # each replica process starts its turn counter at random
     for router in routers:
         if replicas > 1 and shared:
@@ -279,7 +280,7 @@ def engine_hit_rate(
                 router.engine_sample(backend.address, sample, 0.0)
             else:
                 router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
-    inflight: deque[_Request] = deque()
+    inflight: deque[ReplayedRequest] = deque()
     for turn, (request, body, tokens) in enumerate(zip(requests, bodies, prompts, strict=True)):
         now = request.timestamp_ms / 1000.0
         router = routers[turn % replicas]
@@ -289,7 +290,7 @@ def engine_hit_rate(
         exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
         backend = exchange.decision.backend or fleet[0].address
         router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
-        sent = _Request(exchange, backend, tokens)
+        sent = ReplayedRequest(exchange, backend, tokens)
         engines.arrive(sent)
         inflight.append(sent)
         if len(inflight) > window:
@@ -300,9 +301,10 @@ def engine_hit_rate(
     return engines.cached_blocks * ENGINE_BLOCK_TOKENS / prompt_total if prompt_total else 0.0
 
 
-def _end_oldest_running(inflight: deque[_Request], engines: _Engines) -> None:
+def _end_oldest_running(inflight: deque[ReplayedRequest], engines: QueuedEngines) -> None:
     """The oldest request in flight that runs ends (one waiting cannot end before it runs)."""
     ended = next(r for r in inflight if r.pinned is not None)
     inflight.remove(ended)
-    ended.exchange.end()
+    if ended.exchange is not None:
+        ended.exchange.end()
     engines.end(ended)
