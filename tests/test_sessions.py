@@ -242,3 +242,44 @@ def test_leaving_lazily_answers_as_dropping_at_once(operations, capacity):
         else:  # asking meets a void binding, which drops it: only some are asked before the end
             assert table.get(key, now) == model.get(key, now)
     assert [table.get(f"s{i}", now) for i in range(4)] == [model.get(f"s{i}", now) for i in range(4)]
+
+
+CONTEXT_OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["bind", "bind", "bind", "sent", "forget", "leave", "get", "reset", "shrink"]),
+        st.integers(0, 5),  # session
+        st.sampled_from("ABC"),  # backend
+        st.integers(0, 6),  # time step; for a bind, the blocks of its prompt
+    ),
+    min_size=6,
+    max_size=80,
+)
+
+
+@settings(max_examples=500)
+@given(CONTEXT_OPERATIONS, st.integers(1, 4))
+def test_each_backends_bound_context_is_the_sum_of_its_bindings_whatever_comes_and_goes(operations, capacity):
+    """`context_blocks`: kept through binds, rebinds, forgets, expiry, capacity, departures,
+    resets and a new capacity, it equals the blocks of the bindings held, backend by backend."""
+    table = SessionTable(ttl_s=8, capacity=capacity, key=bytes(16))
+    now = 0.0
+    for op, session, backend, step in operations:
+        now += step
+        key = f"s{session}"
+        if op == "bind":
+            table.bind(key, backend, now, context_of(list(range(1, step + 1))))
+        elif op == "sent":
+            table.bind(key, backend, now)  # as a request is sent: its prompt's size not known yet
+        elif op == "forget":
+            table.forget(key)
+        elif op == "leave":
+            table.leave(backend)
+        elif op == "get":
+            table.get(key, now)
+        elif op == "reset":
+            table.remove_backend(backend, now - step)
+        else:
+            table.configure(8, max(1, capacity - 1), bytes(16))
+        held = list(table._bindings.values())
+        for name in "ABC":
+            assert table.context_blocks(name) == sum(b[2] for b in held if b[0] == name)
