@@ -71,38 +71,6 @@ def converse(router: Router, turns: int, session: str | None, start: float = 0.0
     return decisions
 
 
-def own_prompt(session: str | None, size: int) -> PromptRequest:
-    """A prompt that shares no block with any other (no common system prompt or tools)."""
-    body = {"model": "m", "messages": [{"role": "user", "content": f"{session}: " + text(RNG, size)}]}
-    return parse_request(body, {"x-session-id": session} if session else {})
-
-
-@pytest.mark.parametrize("placement", ["load", "context"])
-def test_a_new_conversation_goes_where_the_bound_conversations_take_least_cache_with_context_placement(placement):
-    """`new_session_placement` "context" (rules.conversation_room): a new conversation nothing
-    caches goes to the backend whose bound conversations' last prompts take the fewest blocks,
-    though the other is less loaded now; "load" sends it to the least loaded. A request naming
-    no session is placed by load either way."""
-    router = make_router(new_session_placement=placement)
-    two = [Backend(A), Backend(B)]
-    full = serve(router, own_prompt("long", 20_000), 0.0, two).backend
-    empty = B if full == A else A
-    assert router.sessions.context_blocks(full) > 0 and router.sessions.context_blocks(empty) == 0
-    busy = occupy(router, empty, 2)
-    new = router.begin(own_prompt("new", 2_000), two, 1.0)
-    if placement == "context":
-        assert (new.decision.backend, new.decision.label) == (empty, Label.CONVERSATION_ROOM)
-    else:
-        assert (new.decision.backend, new.decision.label) == (full, Label.LEAST_LOADED)
-    new.end()
-    anonymous = router.begin(own_prompt(None, 2_000), two, 2.0)
-    assert (anonymous.decision.backend, anonymous.decision.label) == (full, Label.LEAST_LOADED)
-    anonymous.end()
-    for reservation in busy:
-        reservation.finish()
-    assert router.loads.get(empty).requests(3.0) == 0
-
-
 def test_ten_turn_conversation_stays_on_one_backend_by_session():
     router = make_router()
     decisions = converse(router, 10, "conv-1")

@@ -5,7 +5,7 @@ other are in pipeline.py, the rules themselves in rules.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
@@ -39,16 +39,9 @@ class Label(StrEnum):
     # the cheapest candidate, cheapest because the others' engines lack KV room for the prompt
     # (rules.kv_room, fleets that split requests): without that term another one would have been chosen
     KV_ROOM = "kv_room"
-    # a new conversation nothing caches, sent where the conversations bound and the prompts in flight
-    # take the least cache (rules.conversation_room, newSessionPlacement "context")
-    CONVERSATION_ROOM = "conversation_room"
 
 
 _NO_CHURN: Mapping[str, float] = MappingProxyType({})
-
-
-def _nothing_bound(backend: str) -> int:
-    return 0
 
 
 class DecisionInputs(NamedTuple):
@@ -70,7 +63,6 @@ class DecisionInputs(NamedTuple):
     # that prompt is not known here: sessions.continued)
     session_blocks: int = 0
     bootstrap: bool = False  # a conversation's first request (or one kvroute cannot chain)
-    new_session: bool = False  # it names a session with no binding among the candidates
     home: str | None = None  # where the prompt's head was first placed (homes.py)
     gate_factor: float = 1.0  # how much the balance gates are widened under cache pressure (pressure.py)
     block_tokens: float = 0.0  # tokens per block of the chain (saturation_prefill_tokens reads it)
@@ -82,8 +74,6 @@ class DecisionInputs(NamedTuple):
     # blocks each candidate's engine has free of running requests, where the fleet splits requests
     # and a fresh sample says (rules.kv_room); None: KV usage not weighed
     kv_room: Mapping[str, float] | None = None
-    # blocks of the last prompts of the conversations bound to a backend (sessions.SessionTable)
-    bound_context: Callable[[str], int] = _nothing_bound
 
     def held(self, backend: str) -> int:
         """Blocks the picture (before trust) shows on the backend."""

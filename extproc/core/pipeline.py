@@ -178,11 +178,5 @@ def assemble(adapters: AdapterBook) -> Pipeline:
         filters=(affinity.serving, affinity.listing),
         terms=(rules.prefill_cost, rules.load_cost, affinity.cost, rules.kv_room),
         admission=((rules.backend_limit, Label.SHED), (rules.ttft_objective, Label.SHED_SLO)),
-        rules=(
-            rules.context_elsewhere,
-            rules.session_binding,
-            rules.prefix_stickiness,
-            rules.prefix_home,
-            rules.conversation_room,
-        ),
+        rules=(rules.context_elsewhere, rules.session_binding, rules.prefix_stickiness, rules.prefix_home),
     )

@@ -41,7 +41,6 @@ class Router:
     """Owns the index, sessions and load of one router process. Not thread-safe: one event loop."""
 
     __slots__ = (
-        "_bound_context",
         "_kv_tokens",
         "_last_now",
         "_shared",
@@ -68,7 +67,6 @@ class Router:
         self.settings = settings
         self.churn = ChurnMeter(settings.churn_half_life_s)
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
-        self._bound_context = self.sessions.context_blocks  # the decisions' view of it, made once
         self.homes = PrefixHomes()
         self.pressure = CachePressure()  # how much of their context returning conversations find evicted
         self.loads = LoadTracker()
@@ -274,7 +272,6 @@ class Router:
             session_backend=session_backend,
             session_blocks=session_blocks,
             bootstrap=bootstrap,
-            new_session=request.session_key is not None and session_backend is None,
             home=home,
             gate_factor=gate_factor,
             block_tokens=self.block_tokens() if session_backend is not None else 0.0,
@@ -284,7 +281,6 @@ class Router:
             ttft=self.ttft,
             adapter=adapter,
             kv_room=self._kv_room(candidates, chain, now) if weighs_room else None,
-            bound_context=self._bound_context,
         )
         return self.pipeline.decide(inputs)
 

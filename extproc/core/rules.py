@@ -302,28 +302,6 @@ def prefix_home(standing: Standing) -> tuple[CandidateCost, Label] | None:
     return None
 
 
-def conversation_room(standing: Standing) -> tuple[CandidateCost, Label] | None:
-    """A new conversation (a session with no binding) no cache holds any of, whose head has no home
-    within the gates,
-    goes where the conversations bound there, by their last prompts, and kvroute's prompts in
-    flight (this replica's and its siblings') take the fewest blocks (`new_session_placement`
-    "context"): it will want room for its context there on every turn, while the load of the
-    moment passes. In flight counts the prompts just sent there, whose conversations are bound
-    only once they are served, so a burst of new conversations spreads. On the real agent
-    sessions' timed replay (bench/experiments/placement.py) the least loaded backend left the
-    conversations' contexts more unevenly spread and found less of them cached."""
-    inputs = standing.inputs
-    if inputs.settings.new_session_placement != "context" or not inputs.new_session or standing.best_prefix:
-        return None
-    bound, load_of = inputs.bound_context, inputs.loads.get
-
-    def taken(candidate: CandidateCost) -> tuple[int, float]:
-        load = load_of(candidate.backend)
-        return bound(candidate.backend) + load.footprint + load.peer_footprint, candidate.cost
-
-    return min(standing.room, key=taken), Label.CONVERSATION_ROOM
-
-
 def _held_most(standing: Standing) -> tuple[CandidateCost, Label] | None:
     """The admitted candidate holding the most of the prompt (among equal holders, the head's
     home) wins if it holds `prefix_stick_ratio` of it and is within the gates."""

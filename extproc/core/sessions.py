@@ -97,54 +97,6 @@ def _bound_to(binding: _Binding) -> str:
     return binding[0]
 
 
-class _Bindings(OrderedDict[bytes, _Binding]):
-    """The bindings, and the blocks of the last prompts of those bound to each backend (`context`):
-    kept through every way a binding comes and goes (binds, expiry, capacity, departures, resets),
-    so the sum costs nothing to read."""
-
-    __slots__ = ("context",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.context: dict[str, int] = {}
-
-    def __setitem__(self, key: bytes, binding: _Binding) -> None:
-        held = self.get(key)
-        if held is not None:
-            self._count(held, -1)
-        super().__setitem__(key, binding)
-        self._count(binding, 1)
-
-    def __delitem__(self, key: bytes) -> None:
-        self._count(self[key], -1)
-        super().__delitem__(key)
-
-    def pop(self, key: bytes, default: Any = None) -> Any:
-        binding = super().pop(key, None)
-        if binding is None:
-            return default
-        self._count(binding, -1)
-        return binding
-
-    def popitem(self, last: bool = True) -> tuple[bytes, _Binding]:
-        key, binding = super().popitem(last)
-        self._count(binding, -1)
-        return key, binding
-
-    def clear(self) -> None:
-        super().clear()
-        self.context.clear()
-
-    def _count(self, binding: _Binding, sign: int) -> None:
-        backend, blocks = binding[0], binding[2]
-        if blocks:
-            left = self.context.get(backend, 0) + sign * blocks
-            if left:
-                self.context[backend] = left
-            else:
-                del self.context[backend]
-
-
 class SessionTable:
     """digest(session key) -> (backend, last access, its last prompt's Context there), with a TTL
     and LRU capacity.
@@ -159,7 +111,7 @@ class SessionTable:
         self._ttl = ttl_s
         self._capacity = capacity
         self._key = key
-        self._bindings = _Bindings()
+        self._bindings: OrderedDict[bytes, _Binding] = OrderedDict()
         self._gone: Departures[bytes, _Binding] = Departures(_bound_to)
 
     def _digest(self, session_key: str) -> bytes:
@@ -167,11 +119,6 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._bindings)
-
-    def context_blocks(self, backend: str) -> int:
-        """Blocks of the last prompts of the conversations bound to `backend` (as far as known
-        here: a binding made by another replica or as a request was sent counts none)."""
-        return self._bindings.context.get(backend, 0)
 
     def configure(self, ttl_s: float, capacity: int, key: bytes) -> None:
         """Apply new limits live; bindings beyond the new capacity go, oldest first. A new key

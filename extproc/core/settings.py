@@ -344,15 +344,6 @@ class Settings:
         policy="sessionMoves",
         choices=("gates", "saturated"),
     )
-    new_session_placement: str = _setting(
-        "load",
-        "Where a new conversation goes when no cache holds any of its prompt and its head has no home. load: "
-        "the cheapest backend, its load weighed newSessionLoadWeight times. context: the backend whose bound "
-        "conversations' last prompts and requests in flight take the fewest blocks of cache (rules.py, "
-        "conversation_room): it will keep every turn's context there.",
-        policy="newSessionPlacement",
-        choices=("load", "context"),
-    )
     prefix_stick_ratio: float = _setting(
         0.5,
         "A request stays on a backend holding this share of its prompt unless past the balance gates.",
