@@ -5,6 +5,7 @@ No parsing and no hashing: every input is given directly, so each gate and label
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -243,3 +244,9 @@ def test_by_default_a_conversation_leaves_only_a_saturated_backend():
     assert run({A: 20}, session_backend=A, loads=busy, block_tokens=128).backend != A  # "gates": past them is enough
     # a prompt bound nowhere but held on A is no session: the prefix rule's gates are unchanged
     assert run({A: 20}, loads=busy, settings=default).backend != A
+    # "never": the saturated backend keeps it; at its request limit it is still moved
+    never = Settings(hash_key=bytes(16), saturation_prefill_tokens=1_000, session_moves="never")
+    stays = run({A: 20}, session_backend=A, loads=busy, settings=never, block_tokens=128)
+    assert (stays.label, stays.backend) == (Label.SESSION_MATCH, A)
+    full = dataclasses.replace(never, max_backend_requests=1)
+    assert run({A: 20}, session_backend=A, loads=busy, settings=full, block_tokens=128).backend != A

@@ -93,13 +93,15 @@ class Standing:
     def keeps_session(self, candidate: CandidateCost) -> bool:
         """The conversation's backend keeps it: within the gates, or with `session_moves`
         "saturated" (the default) past them but not saturated (saturation.py), where the engine
-        starts it at once. Without a fresh engine sample that cannot be told: the gates decide."""
+        starts it at once (without a fresh engine sample that cannot be told: the gates decide), or
+        with "never" past them whatever its load."""
         if self._waits(candidate):
             return False
-        if not self._overloaded(candidate):
+        moves = self.inputs.settings.session_moves
+        if moves == "never" or not self._overloaded(candidate):
             return True
         inputs = self.inputs
-        if inputs.settings.session_moves != "saturated":
+        if moves != "saturated":
             return False
         load = inputs.loads.get(candidate.backend)
         return load.engine_fresh(inputs.now) and not saturated(load, inputs.settings, inputs.now, inputs.block_tokens)

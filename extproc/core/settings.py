@@ -340,9 +340,10 @@ class Settings:
         "gates and saturated as flow control judges it (saturationWaitingRequests, saturationKVUsage, "
         "maxBackendRequests, saturationPrefillTokens): an engine with room starts the turn at once, and a move "
         "recomputes the conversation's context and copies it into a second cache. gates: once past the gates "
-        "(before 2026-12-06).",
+        "(before 2026-12-06). never: load never moves it (sglang-router's cache_aware at a fleet's usual "
+        "imbalance); a backend at maxBackendRequests, or without KV room for the prompt, still does.",
         policy="sessionMoves",
-        choices=("gates", "saturated"),
+        choices=("gates", "saturated", "never"),
     )
     prefix_stick_ratio: float = _setting(
         0.5,
