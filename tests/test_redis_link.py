@@ -320,8 +320,9 @@ def test_a_siblings_load_vector_is_bounded_and_kept_to_this_replicas_backends():
     invented = {f"10.9.{i // 250}.{i % 250}:8000": (1, 1, 0) for i in range(2000)}
     assert _load_vector(invented | {A: (4, 2, 10**12, 30)}, known) == {A: (4, 2, 10**12, 30)}
     assert _load_vector({A: (4, 2, 7)}, known) == {A: (4, 2, 7, 0)}  # a replica of before the footprint
+    assert _load_vector({A: (4, 2, 7, 3, "later", 9)}, known) == {A: (4, 2, 7, 3)}  # a later one's extra counts
     bad_vectors = [(float("inf"), 0, 0), (-1, 0, 0), (0, 1 << 31, 0), (0, 0, -1), (1.5, 0, 0), ("3", 0, 0), (1, 2)]
-    bad_vectors += [(0, 0, 0, -1), (0, 0, 0, 1 << 31), (0, 0, 0, 1.0), (0, 0, 0, 0, 0)]
+    bad_vectors += [(0, 0, 0, -1), (0, 0, 0, 1 << 31), (0, 0, 0, 1.0), "0000", {0: 0, 1: 0, 2: 0}, 7, None]
     for bad in bad_vectors:
         with pytest.raises((ValueError, TypeError)):
             _load_vector({A: bad}, known)

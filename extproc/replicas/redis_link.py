@@ -52,7 +52,9 @@ _Entries = list[tuple[bytes, dict[bytes, bytes]]]
 # One backend's entry of a replica's load vector on the wire: reserved blocks, requests in flight,
 # CBR bytes sent ever, footprint blocks. The footprint came later: a replica of before it sends three
 # (read as a footprint of 0) and counts a vector of four as bad, so during a rolling update it does
-# not see the newer replicas' load (the engines' own counts still do) until it is replaced.
+# not see the newer replicas' load (the engines' own counts still do) until it is replaced. Counts
+# a later replica may add after these four are not read, so such an update keeps every replica's
+# load counted.
 WireLoad = tuple[int, int, int, int]
 log = logging.getLogger("kvroute.replicas")
 
@@ -102,12 +104,14 @@ def _adapter_move(payload: object) -> bool:
 
 def _load_vector(payload: Any, known: Callable[[str], bool]) -> dict[str, WireLoad]:
     """A sibling's load vector (backend -> reserved blocks, active requests, bytes sent, footprint
-    blocks; a replica of before the footprint sends the first three, read as a footprint of 0),
-    checked, bounded and kept to this replica's backends (so no table grows by what a writer
-    invents); ValueError otherwise."""
+    blocks; a replica of before the footprint sends the first three, read as a footprint of 0; a
+    later one's further counts are not read), checked, bounded and kept to this replica's backends
+    (so no table grows by what a writer invents); ValueError otherwise."""
     vector: dict[str, WireLoad] = {}
     for backend, counts in payload.items():
-        reserved, active, sent, footprint = (*counts, 0) if len(counts) == 3 else counts
+        if not isinstance(counts, tuple | list) or len(counts) < 3:
+            raise ValueError("load vector")
+        reserved, active, sent, footprint = (*counts, 0) if len(counts) == 3 else counts[:4]
         ints = all(type(v) is int for v in (reserved, active, sent, footprint))
         counts_ok = 0 <= reserved < MAX_COUNT and 0 <= active < MAX_COUNT and 0 <= footprint < MAX_COUNT
         if not (ints and counts_ok and 0 <= sent < MAX_SENT):
