@@ -232,6 +232,27 @@ class QueuedEngines:
             follower.engine_events(request.backend, events)
 
 
+def engine_blocks(working_set: int, capacity_ratio: float, backends: int) -> int:
+    """Each replayed engine's KV blocks: together they hold `capacity_ratio` of the working set."""
+    return max(1, int(working_set * capacity_ratio / backends))
+
+
+def replay_fleet(backends: int) -> tuple[Backend, ...]:
+    """The replay's backends, as one tuple (as the pool hands them over)."""
+    return tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))
+
+
+def served(
+    router: Router, body: Mapping[str, Any], headers: Mapping[str, str], fleet: tuple[Backend, ...], now: float
+) -> tuple[str, Exchange]:
+    """A request routed and its response started at once (a 2xx): the backend it went to (the
+    first if none was chosen) and its exchange, to end when the request ends."""
+    exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
+    backend = exchange.decision.backend or fleet[0].address
+    router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
+    return backend, exchange
+
+
 def engine_hit_rate(
     path: Path,
     limit: int,
@@ -263,8 +284,8 @@ def engine_hit_rate(
     bodies = [builder.body(request) for request in requests]
     prompts = [prompt_tokens(body) or [] for body in bodies]
     unique = {h for tokens in prompts for h in block_hashes(tokens, ENGINE_BLOCK_TOKENS)}
-    blocks = max(1, int(len(unique) * capacity_ratio / backends))
-    fleet = tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))  # as the pool hands them over
+    blocks = engine_blocks(len(unique), capacity_ratio, backends)
+    fleet = replay_fleet(backends)
     routers = [Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings)) for _ in range(replicas)]
     fanout = _Fanout(routers if shared else routers[:1], lag)
     engines = QueuedEngines(fleet, blocks, engine_queue, routers if mode == "precise" else None)
@@ -287,9 +308,7 @@ def engine_hit_rate(
         fanout.sender, fanout.turn = router, turn
         fanout.deliver(now)
         headers = {"x-session-id": request.session_id} if request.session_id is not None else {}
-        exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
-        backend = exchange.decision.backend or fleet[0].address
-        router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
+        backend, exchange = served(router, body, headers, fleet, now)
         sent = ReplayedRequest(exchange, backend, tokens)
         engines.arrive(sent)
         inflight.append(sent)

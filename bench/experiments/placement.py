@@ -30,15 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import orjson
-
-from bench.experiments.decisions import ENGINE_BLOCK_TOKENS, QueuedEngines, ReplayedRequest
+from bench.experiments.decisions import (
+    ENGINE_BLOCK_TOKENS,
+    QueuedEngines,
+    ReplayedRequest,
+    engine_blocks,
+    replay_fleet,
+    served,
+)
 from bench.simulator.sim import block_hashes, prompt_tokens
 from bench.workloads import trace
 from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import EngineSample
-from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.exchange import Exchange
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -78,10 +83,7 @@ class KvroutePlacement:
             waiting, usage = len(engines.queues[address]), cache.pool.pinned / self.blocks
             sample = EngineSample(engines.running[address], waiting, usage, 1.0, size, ENGINE_BLOCK_TOKENS)
             router.engine_sample(address, sample, now)
-        exchange = router.begin(router.parse(orjson.dumps(turn.body), {"x-session-id": turn.session}), self.fleet, now)
-        backend = exchange.decision.backend or self.fleet[0].address
-        router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
-        return backend, exchange
+        return served(router, turn.body, {"x-session-id": turn.session}, self.fleet, now)
 
 
 class SglangRule:
@@ -147,9 +149,8 @@ def load(
         unique.update(hashes)
         grouped[session].append(Turn(session, body, tokens, hashes))
         arrivals[session].append(request.timestamp_ms)
-    blocks = max(1, int(len(unique) * capacity_ratio / backends))
-    fleet = tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))
-    return Workload(list(grouped.values()), [arrivals[s] for s in grouped], blocks, fleet)
+    blocks = engine_blocks(len(unique), capacity_ratio, backends)
+    return Workload(list(grouped.values()), [arrivals[s] for s in grouped], blocks, replay_fleet(backends))
 
 
 class _Sent:
@@ -235,7 +236,6 @@ def search(
     start: Mapping[str, int],
     seeds: Sequence[int],
     sweeps: int = 2,
-    progress: Callable[[int, float], None] | None = None,
 ) -> tuple[float, dict[str, int]]:
     """Hill climbing with hindsight: move one conversation to the other backend at a time (in a
     seeded random order, `sweeps` times over all of them) and keep the move if the mean hit rate
@@ -243,7 +243,7 @@ def search(
     backend_of = dict(start)
     best, _ = mean_hit_rate(workload, lambda: FixedPlacement(workload.fleet, backend_of), seeds)
     order = random.Random(0)
-    for sweep in range(sweeps):
+    for _ in range(sweeps):
         sessions = workload.sessions
         order.shuffle(sessions)
         for session in sessions:
@@ -253,8 +253,6 @@ def search(
                 best = rate
             else:
                 backend_of[session] = 1 - backend_of[session]
-        if progress is not None:
-            progress(sweep, best)
     return best, backend_of
 
 
@@ -273,13 +271,15 @@ def main(
     fleet, blocks = workload.fleet, workload.blocks
     judged = range(seeds)
     results: dict[str, Any] = {"requests": limit, "conversations": len(workload.conversations), "seeds": seeds}
-    variants = [{}, *kvroute_settings]
-    for settings in variants:
+
+    def judge(make: Callable[[], Placement]) -> dict[str, Any]:
+        mean, rates = mean_hit_rate(workload, make, judged)
+        return {"mean": round(mean, 4), "runs": [round(r, 4) for r in rates]}
+
+    for settings in [{}, *kvroute_settings]:
         name = "kvroute" + "".join(f" {k}={v}" for k, v in settings.items())
-        mean, rates = mean_hit_rate(workload, lambda s=settings: KvroutePlacement(fleet, blocks, **s), judged)
-        results[name] = {"mean": round(mean, 4), "runs": [round(r, 4) for r in rates]}
-    mean, rates = mean_hit_rate(workload, lambda: SglangRule(fleet), judged)
-    results["sglang-router rule"] = {"mean": round(mean, 4), "runs": [round(r, 4) for r in rates]}
+        results[name] = judge(lambda s=settings: KvroutePlacement(fleet, blocks, **s))
+    results["sglang-router rule"] = judge(lambda: SglangRule(fleet))
     if sweeps:
         _, first = replay(workload, KvroutePlacement(fleet, blocks), 0)
         addresses = [b.address for b in fleet]
@@ -290,6 +290,5 @@ def main(
         searched = range(seeds, seeds + 3)  # searched on other seeds than those it is judged on
         for start_name, start in starts.items():
             _, found = search(workload, start, searched, sweeps)
-            mean, rates = mean_hit_rate(workload, lambda found=found: FixedPlacement(fleet, found), judged)
-            results[f"searched from {start_name}"] = {"mean": round(mean, 4), "runs": [round(r, 4) for r in rates]}
+            results[f"searched from {start_name}"] = judge(lambda found=found: FixedPlacement(fleet, found))
     return results

@@ -97,10 +97,10 @@ class Standing:
         with "never" past them whatever its load."""
         if self._waits(candidate):
             return False
-        moves = self.inputs.settings.session_moves
+        inputs = self.inputs
+        moves = inputs.settings.session_moves
         if moves == "never" or not self._overloaded(candidate):
             return True
-        inputs = self.inputs
         if moves != "saturated":
             return False
         load = inputs.loads.get(candidate.backend)
