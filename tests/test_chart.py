@@ -38,6 +38,25 @@ MONITORING = {
     },
     "extproc": {"tracing": {"endpoint": "http://otel-collector.observability:4317"}},
 }
+PLACED_PART = {
+    "nodeSelector": {"node-pool": "cpu"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gateway", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "DoesNotExist"}]}]
+            }
+        }
+    },
+    "priorityClassName": "kvroute-critical",
+    "podAnnotations": {"sidecar.istio.io/inject": "false"},
+}
+PLACED = {  # every part's pods placed, and images from a private registry
+    "image": {"pullSecrets": ["registry-credentials"]},
+    "controller": PLACED_PART,
+    "extproc": {**PLACED_PART, "replicas": 2, "replicaStore": {"deploy": True, **PLACED_PART}},
+    "envoy": PLACED_PART,
+}
 PICKER = {  # kvroute as an InferencePool's endpoint picker (`template` renders into namespace kvroute)
     "inferencePool": {"enabled": True, "modelServers": {"matchLabels": {"app": "vllm"}}},
     "envoy": {"enabled": False},
@@ -87,8 +106,18 @@ def test_lint_passes(helm):
         {"extproc": {"replicas": 3, "replicaStore": {"deploy": True}}},
         {**PICKER, "provider": {"name": "istio"}, "experimentalHttpRoute": {"enabled": True}},
         MONITORING,
+        PLACED,
     ],
-    ids=["defaults", "no-envoy", "no-policy", "three-controllers", "three-extproc-replicas", "picker", "monitoring"],
+    ids=[
+        "defaults",
+        "no-envoy",
+        "no-policy",
+        "three-controllers",
+        "three-extproc-replicas",
+        "picker",
+        "monitoring",
+        "placed",
+    ],
 )
 def test_rendered_builtin_objects_are_valid(helm, tmp_path, values):
     for doc in template(helm, tmp_path, values):
@@ -158,6 +187,38 @@ def test_values_switch_parts_off_and_on(helm, tmp_path):
     disaggregated = {"policy": {"role": "decode"}, "envoy": {"transport": "ext_proc"}}
     policy = next(d for d in template(helm, tmp_path, disaggregated) if d["kind"] == "KVRoutingPolicy")
     assert policy["spec"]["role"] == "decode"
+
+
+def test_each_parts_pods_go_where_its_values_place_them(helm, tmp_path):
+    """nodeSelector, tolerations, affinity, priorityClassName and podAnnotations reach the pods of
+    the part they are set for (the ext_proc keeps its own annotation), image.pullSecrets every pod;
+    unset, the pods carry none of them."""
+    placed = ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets")
+    deployments = {d["metadata"]["name"]: d for d in template(helm, tmp_path, PLACED) if d["kind"] == "Deployment"}
+    assert sorted(deployments) == ["kvroute-controller", "kvroute-envoy", "kvroute-extproc", "kvroute-replica-store"]
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]
+        assert {k: pod["spec"].get(k) for k in placed} == {
+            "nodeSelector": PLACED_PART["nodeSelector"],
+            "tolerations": PLACED_PART["tolerations"],
+            "affinity": PLACED_PART["affinity"],
+            "priorityClassName": "kvroute-critical",
+            "imagePullSecrets": [{"name": "registry-credentials"}],
+        }, name
+        assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false", name
+        if name != "kvroute-replica-store":  # one Redis pod
+            assert pod["spec"]["topologySpreadConstraints"], name  # replicas spread over nodes either way
+    assert "kvroute.io/policy" in deployments["kvroute-extproc"]["spec"]["template"]["metadata"]["annotations"]
+    only_envoy = template(helm, tmp_path, {"envoy": {"nodeSelector": {"node-pool": "cpu"}}})
+    selectors = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"].get("nodeSelector")
+        for d in only_envoy
+        if d["kind"] == "Deployment"
+    }
+    assert selectors == {"kvroute-controller": None, "kvroute-envoy": {"node-pool": "cpu"}, "kvroute-extproc": None}
+    for deployment in (d for d in template(helm, tmp_path) if d["kind"] == "Deployment"):
+        spec = deployment["spec"]["template"]["spec"]
+        assert not [k for k in placed if k in spec], deployment["metadata"]["name"]
 
 
 def test_monitoring_ships_the_checked_alerts_and_dashboard_and_tracing_goes_to_its_endpoint(helm, tmp_path):

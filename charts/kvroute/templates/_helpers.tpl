@@ -101,3 +101,33 @@ agree). */}}
 {{- end -}}
 {{- mulf (addf $ttl 10 $prefill 5) 1000 | int -}}
 {{- end }}
+
+{{- /* Where a part's pods run and what they carry, from the part's values (nodeSelector,
+tolerations, affinity, priorityClassName) and image.pullSecrets: the router kept on CPU nodes of
+a GPU cluster, images from a private registry. Called with (list $ .Values.PART); empty values
+render nothing. */}}
+{{- define "kvroute.podPlacement" -}}
+{{- $root := index . 0 -}}
+{{- $part := index . 1 -}}
+{{- with $root.Values.image.pullSecrets }}
+imagePullSecrets:
+  {{- range . }}
+  - name: {{ . | quote }}
+  {{- end }}
+{{- end }}
+{{- with $part.priorityClassName }}
+priorityClassName: {{ . | quote }}
+{{- end }}
+{{- with $part.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $part.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $part.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
