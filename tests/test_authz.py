@@ -430,6 +430,7 @@ def test_before_its_token_is_proven_a_caller_makes_nothing_grow(parts: Any, monk
             async with asyncio.timeout(2):
                 assert (await reader.read()).startswith(b"HTTP/1.1 404")  # answered at once, closed
             writer.close()
+            assert errors(metrics, "malformed_call") == 1  # (refused unread: counted)
             huge = b"\x92\xa7kvroute\xdc\x0f\xa0"  # [tag, [4,000 entries (as many as one may hold) ...
             filler = msgpack.packb("x" * 4000) * 40  # ... each a string, none of them a record yet
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -455,3 +456,76 @@ def test_before_its_token_is_proven_a_caller_makes_nothing_grow(parts: Any, monk
             await authz.close_calls(1.0)
 
     asyncio.run(scenario())
+
+
+class _Transport(asyncio.Transport):
+    """What EndsProtocol needs of a socket: closing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_a_log_message_is_decoded_only_once_whole_and_an_unfinished_one_is_bounded():
+    """Records split across reads are applied in order once their message is whole; bytes of a
+    message still coming are only framed, so what the stream holds is about what it sent (not
+    70 times that, decoded), and past MAX_MESSAGE_BYTES of one unfinished message the stream is
+    closed; nesting deeper than MessagePack's framer allows closes it too."""
+    import tracemalloc
+
+    from extproc.envoy import ends
+
+    def stream(token: str = "") -> tuple[ends.EndsProtocol, list[dict[str, Any]], _Transport, list[int]]:
+        records: list[dict[str, Any]] = []
+        refused: list[int] = []
+        protocol = ends.EndsProtocol(records.append, token, lambda: refused.append(1), set())
+        transport = _Transport()
+        protocol.connection_made(transport)
+        return protocol, records, transport, refused
+
+    entry = [[1, {"x": "a.1", "u": "10.0.0.1:8000", "c": "200"}]]
+    message = msgpack.packb(["kvroute", entry * 3])
+    protocol, records, transport, _ = stream()
+    for index in range(len(message)):  # a byte at a time
+        protocol.data_received(message[index : index + 1])
+        assert records == ([] if index < len(message) - 1 else [entry[0][1]] * 3)
+    protocol.data_received(message + message[:5])  # one whole, one begun
+    assert len(records) == 6 and not transport.closed
+    protocol.data_received(message[5:])
+    assert len(records) == 9 and not transport.closed
+
+    # An unfinished message, a read at a time: arrays of 4,095 empty arrays, each array's last
+    # element the next one, just under the bound: held as its bytes.
+    level = b"\xdc\x10\x00" + b"\x90" * 4095
+    protocol, records, transport, _ = stream()
+    protocol.data_received(b"\x92\xa7kvroute\xdc\x0f\xa0")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(ends.MAX_MESSAGE_BYTES // len(level)):
+            protocol.data_received(level)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert not transport.closed and records == []
+    assert held < 4 * ends.MAX_MESSAGE_BYTES, held  # decoded, these would take some 60 times it
+    protocol.data_received(level)  # past the bound, still unfinished
+    assert transport.closed and records == []
+
+    protocol, records, transport, _ = stream()
+    protocol.data_received(b"\x92\xa7kvroute" + b"\x91" * 5000)  # deeper than any record
+    assert transport.closed and records == []
+
+    async def unproven() -> None:  # with a token, the same before it is proven (and refused)
+        protocol, records, transport, refused = stream(token="secret")
+        protocol.data_received(b"\x92\xa7kvroute\xdc\x0f\xa0" + b"\x90" * (ends.PROOF_BYTES + 1))
+        assert transport.closed and records == [] and refused == [1]
+        protocol.connection_lost(None)
+
+    asyncio.run(unproven())

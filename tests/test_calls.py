@@ -6,6 +6,7 @@ never breaking the server."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ class Server:
     def __init__(self, handle: Handler | None = None) -> None:
         self.calls: list[Call] = []
         self.malformed = 0
+        self.why: list[str] = []  # each refusal's reason, in order
         self.open: set[CallProtocol] = set()
         self.loop_errors: list[dict[str, Any]] = []
         self._handle = handle
@@ -40,8 +42,9 @@ class Server:
             return await self._handle(call)
         return answer(200, [("x-target", call.target)], call.body)
 
-    def _refused(self) -> None:
+    def _refused(self, why: str) -> None:
         self.malformed += 1
+        self.why.append(why)
 
     async def __aenter__(self) -> Server:
         loop = asyncio.get_running_loop()
@@ -77,6 +80,26 @@ async def _exchange(port: int, *pieces: bytes) -> bytes:
             received += data
     finally:
         writer.close()
+
+
+async def _trickle(port: int, pieces: list[bytes], pause_s: float) -> bytes:
+    """Send the pieces a pause apart until the server closes; what it answered."""
+    loop = asyncio.get_running_loop()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setblocking(False)
+        for piece in pieces:
+            try:
+                await loop.sock_sendall(sock, piece)
+            except ConnectionError:  # refused meanwhile
+                break
+            await asyncio.sleep(pause_s)
+        received = b""
+        try:
+            while data := await asyncio.wait_for(loop.sock_recv(sock, 65536), 5.0):
+                received += data
+        except ConnectionResetError:  # closed with our last bytes unread
+            pass
+        return received
 
 
 def _request(body: bytes = b"", target: str = "/kvroute/route/v1/chat/completions", **headers: str) -> bytes:
@@ -288,5 +311,36 @@ def test_a_head_trickled_in_too_slowly_is_answered_408_and_the_connection_closed
             assert server.calls == [] and server.malformed == 1
             kept = await _exchange(server.port, _request(b"ok"))  # a whole call and then quiet: kept open
             assert kept.startswith(b"HTTP/1.1 200") and not kept.endswith(b"<closed>")
+
+    asyncio.run(scenario())
+
+
+def test_a_body_shorter_than_its_content_length_or_trickled_in_is_answered_408(monkeypatch):
+    """The body's clock starts when its head is admitted: a Content-Length that lies, or a body
+    sent a byte at a time, holds the connection no longer than the head may take plus a second a
+    MiB declared; a call sent whole at once is not hurried by it."""
+    monkeypatch.setattr("extproc.envoy.calls.HEAD_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("extproc.envoy.calls.MIN_BODY_BYTES_PER_S", 1000.0)  # 0.1 s more for 100 bytes
+
+    async def scenario() -> None:
+        async with Server() as server:
+            lying = _request(b"x" * 100)[:-60]  # declares 100 bytes, sends 40
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(lying)
+            started = asyncio.get_running_loop().time()
+            received = await asyncio.wait_for(reader.read(), 5.0)  # until the server closes
+            waited = asyncio.get_running_loop().time() - started
+            writer.close()
+            assert received.startswith(b"HTTP/1.1 408") and waited >= 0.25, (received, waited)  # 0.2 + 0.1 s
+            assert server.calls == [] and server.why == ["not whole in time"]
+
+            call = _request(b"y" * 100)
+            pieces = [call[:-100]] + [call[-100 + i : len(call) - 90 + i] for i in range(0, 100, 10)]
+            received = await _trickle(server.port, pieces, 0.05)  # whole after 0.5 s: too late
+            assert received.startswith(b"HTTP/1.1 408") and received.count(b"HTTP/1.1") == 1
+            assert server.calls == [] and server.malformed == 2
+
+            whole = await _exchange(server.port, _request(b"z" * 100))
+            assert whole.startswith(b"HTTP/1.1 200") and whole.endswith(b"z" * 100)
 
     asyncio.run(scenario())

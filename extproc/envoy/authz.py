@@ -107,15 +107,15 @@ class Authz:
         self._ended_late: OrderedDict[str, bool] = OrderedDict()
         self._suspects: set[str] = set()  # exchanges the last sweep found no engine serving
         self.unsplit = 0  # requests served whole in a fleet with prefill servers: see `warnings`
+        self._refusals: dict[str, int] = {}  # why -> calls refused unread (a handful of reasons)
 
     def protocols(self) -> Callable[[], asyncio.Protocol]:
         """The port's protocol factory: ext_authz calls to `answer`, the access log's records to
         `ended`."""
         refused = self._metrics.errors.labels("unauthenticated_stream").inc
-        malformed = self._metrics.errors.labels("malformed_call").inc
 
         def calls() -> asyncio.Protocol:
-            return CallProtocol(self.admit, self.answer, malformed, self._calls)
+            return CallProtocol(self.admit, self.answer, self._malformed, self._calls)
 
         def ends() -> asyncio.Protocol:
             return EndsProtocol(self.ended, self._log_token, refused, self._logs)
@@ -130,8 +130,18 @@ class Authz:
                 self._metrics.errors.labels("unauthenticated_stream").inc()
                 return _UNAUTHENTICATED
             return None
-        health = target == "/health" and method == "GET" and headers.get("content-length", "0") == "0"
-        return None if health else _NOT_FOUND  # (a health check with a body: nothing to buffer unasked)
+        if target == "/health" and method == "GET" and headers.get("content-length", "0") == "0":
+            return None
+        self._malformed("neither the route nor the health check")  # (a health check with a body:
+        return _NOT_FOUND  # nothing to buffer unasked)
+
+    def _malformed(self, why: str) -> None:
+        """A call refused unread: counted, and logged on the 1st, 2nd, 4th, 8th... of its kind
+        (a caller sending them by the thousand must not flood the log)."""
+        self._metrics.errors.labels("malformed_call").inc()
+        count = self._refusals[why] = self._refusals.get(why, 0) + 1
+        if count & (count - 1) == 0:
+            log.warning("refused an ext_authz call: %s (%d so far)", why, count)
 
     async def answer(self, call: Call) -> bytes:
         """An admitted call: a route (under ROUTE_PREFIX), or the health check's."""

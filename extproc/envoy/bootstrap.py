@@ -21,6 +21,7 @@ import yaml
 from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.settings import SESSION_HEADERS, Settings
+from extproc.envoy.ends import BACKSTOP_BUFFER_BYTES
 from extproc.envoy.ends import BACKSTOP_FIELD as ENDS_BACKSTOP_FIELD
 from extproc.envoy.ends import RECORD as ENDS_RECORD
 from extproc.envoy.ends import TOKEN_FIELD as ENDS_TOKEN_FIELD
@@ -387,10 +388,6 @@ def _authz_cluster(layout: EnvoyLayout) -> dict[str, Any]:
 # to the authz cluster, with its DNS, health checks and TLS (ends.py tells the log from the calls
 # by its first byte).
 _ENDS_RELAY = "kvroute_ends_relay"
-# The backstop logger's buffer (_access_log): Envoy counts an entry's 8-byte time and its record's
-# 25 bytes or more, so a full buffer is at most about 1,000 entries and 32 KiB, within what ends.py
-# takes in one message (4,096 entries) and before a connection's token is proven (64 KiB).
-BACKSTOP_BUFFER_BYTES = 32 * 1024
 _INTERNAL_LISTENERS = {
     "name": "envoy.bootstrap.internal_listener",
     "typed_config": {"@type": _TYPES + "extensions.bootstrap.internal_listener.v3.InternalListener"},

@@ -12,8 +12,10 @@ the current one is answered; reading goes on meanwhile, so that a caller leaving
 and pauses past `MAX_HEAD_BYTES` of them, or while the caller does not read its answers), its body
 sized by `Content-Length` (ASCII digits only). Anything else is answered and the connection closed:
 a head that does not parse 400, a head over `MAX_HEAD_BYTES` 431, or not whole `HEAD_TIMEOUT_S`
-after its first byte 408, a body over `MAX_BODY_BYTES` 413, a chunked body 501 (a 5xx: Envoy
-treats it as the service failing, and its failure mode decides). The head is judged before the
+after its first byte 408, a body not whole `HEAD_TIMEOUT_S` after its head plus a second for each
+`MIN_BODY_BYTES_PER_S` it declares 408 (a `Content-Length` that lies, a body trickled in), a body
+over `MAX_BODY_BYTES` 413, a chunked body 501 (a 5xx: Envoy treats it as the service failing, and
+its failure mode decides). The head is judged before the
 body is read (`admit`: a call without the token is refused then, so an unauthenticated caller makes
 nothing buffer its body). A connection that closes while its call is being decided cancels it (a
 request held by flow control leaves the queue at once). A connection idle between calls stays:
@@ -36,6 +38,8 @@ MAX_HEAD_BYTES = 64 * 1024  # Envoy's own default limit on a request's headers i
 HEAD_TIMEOUT_S = 10.0  # Envoy writes a head at once: one trickled in slower holds a connection for nothing
 MAX_SIZE_DIGITS = 10  # a Content-Length past MAX_BODY_BYTES is refused anyway
 MAX_BODY_BYTES = BODY_LIMIT  # what kvroute's Envoy buffers and sends (with_request_body)
+# Envoy sends a body it buffered at once, over loopback or a pod network: far faster than this.
+MIN_BODY_BYTES_PER_S = 1024 * 1024
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 
@@ -63,15 +67,16 @@ def answer(status: int, headers: Iterable[tuple[str, str]] = (), body: bytes = b
 
 _MALFORMED = answer(400, body=b"malformed request")
 _HEAD_TOO_LARGE = answer(431)
-_HEAD_TOO_SLOW = answer(408)
+_TOO_SLOW = answer(408)
 _BODY_TOO_LARGE = answer(413)
 _CHUNKED = answer(501, body=b"chunked bodies are not read here")
 FAILED = answer(500)
 
 
 class _Malformed(Exception):
-    def __init__(self, reply: bytes) -> None:
+    def __init__(self, reply: bytes, why: str) -> None:
         self.reply = reply
+        self.why = why
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], int, bool]:
@@ -80,33 +85,33 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], int, bool]:
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError:
-        raise _Malformed(_MALFORMED) from None
+        raise _Malformed(_MALFORMED, "a head that is not UTF-8") from None
     lines = text.split("\r\n")
     request_line = lines[0].split(" ")
     if len(request_line) != 3 or request_line[2] not in ("HTTP/1.1", "HTTP/1.0"):
-        raise _Malformed(_MALFORMED)
+        raise _Malformed(_MALFORMED, "a bad request line")
     method, target, version = request_line
     if not method.isalpha() or not target.startswith("/"):
-        raise _Malformed(_MALFORMED)
+        raise _Malformed(_MALFORMED, "a bad method or target")
     headers: dict[str, str] = {}
     size: str | None = None
     for line in lines[1:]:
         name, colon, value = line.partition(":")
         if not colon or not name or name[-1] in " \t" or name[0] in " \t":  # no name, or obsolete folding
-            raise _Malformed(_MALFORMED)
+            raise _Malformed(_MALFORMED, "a bad header line")
         name, value = name.lower(), value.strip(" \t")
         if name == "content-length":
             if not (value.isascii() and value.isdigit() and len(value) <= MAX_SIZE_DIGITS):  # not "²", not "١٢"
-                raise _Malformed(_MALFORMED)
+                raise _Malformed(_MALFORMED, "a bad Content-Length")
             if size is not None and size != value:  # conflicting sizes: smuggling
-                raise _Malformed(_MALFORMED)
+                raise _Malformed(_MALFORMED, "conflicting Content-Lengths")
             size = value
         elif name == "transfer-encoding":
-            raise _Malformed(_CHUNKED)
+            raise _Malformed(_CHUNKED, "a chunked body")
         headers[name] = value
     length = int(size) if size is not None else 0
     if length > MAX_BODY_BYTES:
-        raise _Malformed(_BODY_TOO_LARGE)
+        raise _Malformed(_BODY_TOO_LARGE, "a body too large")
     connection = headers.get("connection", "").lower()
     keep = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
     return method, target, headers, length, keep
@@ -126,13 +131,13 @@ class _Head:
 class CallProtocol(asyncio.Protocol):
     """One connection's calls: each head judged by `admit` (the answer refusing it, which closes
     the connection, or None to read on), each call then handed to `handle` once whole and answered
-    with the bytes it returns (`answer`). `malformed` is told of each call refused unread."""
+    with the bytes it returns (`answer`). `malformed` is told why of each call refused unread."""
 
     def __init__(
         self,
         admit: Callable[[str, str, dict[str, str]], bytes | None],
         handle: Callable[[Call], Awaitable[bytes]],
-        malformed: Callable[[], None],
+        malformed: Callable[[str], None],
         open_calls: set[CallProtocol],
     ) -> None:
         self._admit = admit
@@ -145,7 +150,7 @@ class CallProtocol(asyncio.Protocol):
         self._head: _Head | None = None  # the call whose body is still coming, its head admitted
         self._scanned = 0  # bytes of the buffer already searched for a head's end
         self._writable = True  # the caller reads its answers (asyncio's write-buffer flow control)
-        self._head_deadline: asyncio.TimerHandle | None = None  # a head begun, not yet whole
+        self._deadline: asyncio.TimerHandle | None = None  # a call begun, not yet whole
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -157,7 +162,7 @@ class CallProtocol(asyncio.Protocol):
         self._open.discard(self)
         self._buffer.clear()
         self._head = None
-        self._expect_head(False)
+        self._stop_clock()
         if self._task is not None:
             self._task.cancel()
 
@@ -190,19 +195,20 @@ class CallProtocol(asyncio.Protocol):
         elif not transport.is_reading():
             transport.resume_reading()
 
-    def _expect_head(self, begun: bool) -> None:
-        """A head's first bytes are in (`begun`): it must be whole within HEAD_TIMEOUT_S."""
-        if not begun:
-            if self._head_deadline is not None:
-                self._head_deadline.cancel()
-                self._head_deadline = None
-        elif self._head_deadline is None:
-            self._head_deadline = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, self._too_slow)
+    def _start_clock(self, seconds: float) -> None:
+        """What has begun of a call (its head, or its body) must be whole within `seconds`."""
+        if self._deadline is None:
+            self._deadline = asyncio.get_running_loop().call_later(seconds, self._too_slow)
+
+    def _stop_clock(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def _too_slow(self) -> None:
-        self._head_deadline = None
-        self._malformed()
-        self._refuse(_HEAD_TOO_SLOW)
+        self._deadline = None
+        self._malformed("not whole in time")
+        self._refuse(_TOO_SLOW)
 
     def _next(self) -> None:
         """Start the next call if its bytes are all in (its head parsed and admitted once)."""
@@ -213,19 +219,20 @@ class CallProtocol(asyncio.Protocol):
         if head is None:
             end = buffer.find(b"\r\n\r\n", max(0, self._scanned - 3))  # (not the whole head again each read)
             if end > MAX_HEAD_BYTES or (end < 0 and len(buffer) > MAX_HEAD_BYTES):
-                self._malformed()
+                self._malformed("head too large")
                 self._refuse(_HEAD_TOO_LARGE)
                 return
             if end < 0:
                 self._scanned = len(buffer)
-                self._expect_head(bool(buffer))
+                if buffer:
+                    self._start_clock(HEAD_TIMEOUT_S)
                 return
             self._scanned = 0
-            self._expect_head(False)
+            self._stop_clock()
             try:
                 method, target, headers, length, keep = _parse_head(bytes(buffer[:end]))
             except _Malformed as refused:
-                self._malformed()
+                self._malformed(refused.why)
                 self._refuse(refused.reply)
                 return
             refusal = self._admit(method, target, headers)
@@ -235,7 +242,9 @@ class CallProtocol(asyncio.Protocol):
             head = self._head = _Head(Call(method, target, headers, b""), end + 4, length, keep)
         finish = head.start + head.length
         if len(buffer) < finish:
+            self._start_clock(HEAD_TIMEOUT_S + head.length / MIN_BODY_BYTES_PER_S)
             return
+        self._stop_clock()
         self._head = None
         head.call.body = bytes(buffer[head.start : finish])
         del buffer[:finish]
@@ -266,7 +275,7 @@ class CallProtocol(asyncio.Protocol):
         self._buffer.clear()
         self._head = None
         self._scanned = 0
-        self._expect_head(False)
+        self._stop_clock()
 
     async def finish(self, timeout_s: float) -> None:
         """Stopping: the call being decided is given `timeout_s` to be answered, then the

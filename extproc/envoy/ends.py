@@ -12,7 +12,7 @@ connection (`BACKSTOP_FIELD`).
 
 The connection comes to the ext_authz port (one port, one Service, one TLS setup for both): its
 first byte tells them apart, `0x92` (a two-element MessagePack array) for the log, an HTTP
-method's letter for ext_authz calls, which go on to aiohttp's own protocol. With a token, the log
+method's letter for ext_authz calls, which go on to calls.py's protocol. With a token, the log
 proves itself as the calls do: the first record of a connection must carry it (field `k`), else
 the connection is closed, counted, and nothing it sent is applied.
 """
@@ -30,10 +30,17 @@ import msgpack
 log = logging.getLogger(__name__)
 
 FORWARD_MODE = 0x92  # msgpack fixarray of two: [tag, entries]
-MAX_PENDING_BYTES = 1 << 20  # an entry is a few hundred bytes; a stream that buffers more is broken
-# A record's fields are short strings and its entries come one per message (the logger flushes
-# each): the parser keeps every finished element of a message still coming, so these bound what one
-# message can make it hold, whatever its declared sizes.
+# The backstop logger's buffer (bootstrap._access_log): Envoy counts an entry's 8-byte time and its
+# record's 25 bytes or more, so a full buffer is at most about 1,000 entries and 32 KiB, within
+# what one message may declare (4,096 entries) and before a connection's token is proven (64 KiB).
+BACKSTOP_BUFFER_BYTES = 32 * 1024
+# A message is one entry of a few hundred bytes, or the backstop's batch of up to its buffer's size
+# and one entry more; a stream with more than this of one message still coming is closed. Its bytes
+# are only framed (skipped over, building nothing) until the message is whole, then decoded at
+# once: MessagePack decoded can take 70 times its bytes, so an unfinished message must not be.
+MAX_MESSAGE_BYTES = 2 * BACKSTOP_BUFFER_BYTES
+READ_BYTES = 1 << 20  # what the framer buffers at most: one socket read (asyncio's are up to 256 KiB)
+# A record's fields are short strings: what one whole message may declare.
 RECORD_LIMITS = {"max_str_len": 4096, "max_bin_len": 0, "max_ext_len": 0, "max_map_len": 64, "max_array_len": 4096}
 PROOF_BYTES = 64 * 1024  # a stream must prove the token within this many bytes ...
 PROOF_TIMEOUT_S = 10.0  # ... and this long after its first byte, or it is closed
@@ -70,7 +77,11 @@ class EndsProtocol(asyncio.Protocol):
         self._token = token.encode()
         self._refused = refused
         self._proven = not token
-        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_PENDING_BYTES, **RECORD_LIMITS)
+        # frames the stream: finds where each message ends without decoding it; its buffer starts
+        # small and grows with what comes (by default it would take READ_BYTES per connection)
+        self._framer = msgpack.Unpacker(max_buffer_size=READ_BYTES, read_size=4096, **RECORD_LIMITS)
+        self._pending = bytearray()  # the bytes of messages not yet whole (and of the next ones)
+        self._framed = 0  # where in the stream the last whole message ended
         self._transport: asyncio.BaseTransport | None = None
         self._unproven_bytes = 0
         self._proof_deadline: asyncio.TimerHandle | None = None
@@ -105,11 +116,21 @@ class EndsProtocol(asyncio.Protocol):
                 self._unproven()
                 return
         try:
-            self._unpacker.feed(data)
-            for message in self._unpacker:
-                if self._transport is None:  # closed: nothing more is applied
-                    return
+            self._framer.feed(data)
+            self._pending += data
+            while self._transport is not None:  # (closed: nothing more is applied)
+                try:
+                    self._framer.skip()
+                except msgpack.OutOfData:
+                    break
+                end = self._framer.tell()
+                size = end - self._framed
+                message = msgpack.unpackb(self._pending[:size], raw=False, **RECORD_LIMITS)
+                del self._pending[:size]
+                self._framed = end
                 self._message(message)
+            if len(self._pending) > MAX_MESSAGE_BYTES:
+                raise ValueError("a message too long")
         except (msgpack.UnpackException, ValueError, TypeError) as error:  # BufferFull is a ValueError
             self._close(f"not an access-log stream ({error.__class__.__name__})")
 
@@ -144,7 +165,7 @@ class EndsProtocol(asyncio.Protocol):
 
 class Sniffer(asyncio.Protocol):
     """A connection to the ext_authz port until its first byte says what it is: then handed, with
-    that byte, to the access-log protocol or to aiohttp's HTTP protocol."""
+    that byte, to the access-log protocol or to the calls' (calls.py)."""
 
     def __init__(self, http: Callable[[], asyncio.BaseProtocol], ends: Callable[[], asyncio.Protocol]) -> None:
         self._http = http
