@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -209,6 +209,58 @@ def test_idle_flows_are_forgotten_when_new_ones_arrive():
         queue.pop()
     held = _held(queue.hold(0, "new", 1, 1, now=20))
     assert held.flow == "new"  # an idle flow made room: new ones are not lumped together needlessly
+
+
+def test_newcomers_past_max_flows_are_weighed_as_the_overflow_flow_they_join():
+    """Past max_flows every new flow joins the overflow flow, so room is made for it only while
+    the heaviest flow would still hold more than the overflow flow then: a flood of fresh flow
+    ids gets its fair part, not every place of the flows already there."""
+    queue = FlowQueue(QueueLimits(max_flows=2, max_requests=10, max_total=100))
+    for flow in ("A", "B"):
+        for i in range(5):
+            _held(queue.hold(0, flow, 1, 1, now=i))
+    outcomes = [queue.hold(0, f"fresh-{i}", 1, 1, now=10 + i) for i in range(20)]
+    evicted = queue.ended(now=20)
+    held = queue.waiting()[0]
+    assert sorted(held.values()) == [3, 3, 4] and held.get(OVERFLOW_FLOW) in (3, 4), held
+    assert len(evicted) == 3 and sum(o is Refusal.BAND_FULL for o in outcomes) == 17
+
+
+def test_weighing_a_held_request_reads_a_bounded_part_of_a_long_queue():
+    """A head that cannot run costs its flow's next SCAN_DEPTH entries, not its whole heap; making
+    room for a large newcomer reads the band's arrivals once, however many it evicts."""
+    queue = FlowQueue(QueueLimits(max_requests=9_000, max_total=9_000, max_bytes=1 << 40))
+    for i in range(8_000):
+        _held(queue.hold(0, f"f{i % 2}", 1, 1, now=i * 1e-3))
+    band = queue._bands[0]
+    compared = 0
+    lt = Held.__lt__
+
+    def counted(self: Held, other: Held) -> bool:
+        nonlocal compared
+        compared += 1
+        return lt(self, other)
+
+    Held.__lt__ = counted  # type: ignore[method-assign]
+    try:
+        assert queue.pop(lambda held: False) is None  # every head passed over
+    finally:
+        Held.__lt__ = lt  # type: ignore[method-assign]
+    assert compared < 2_000, compared  # two flows of 4,000: a part of each, not all of them
+
+    read = 0
+
+    class Counted(deque):
+        def __reversed__(self):
+            nonlocal read
+            for held in super().__reversed__():
+                read += 1
+                yield held
+
+    band.arrivals = Counted(band.arrivals)
+    queue.limits = QueueLimits(max_requests=9_000, max_total=9_000, max_bytes=6_000)
+    big = _held(queue.hold(0, "new", 1, 1_000, now=10))  # room for 1,000 bytes: some 3,000 evicted
+    assert big.flow == "new" and len(queue.ended(now=10)) == 3_000 and read <= 8_000, read
 
 
 def test_cancel_churn_keeps_the_queue_small():

@@ -279,6 +279,29 @@ def test_requests_held_for_a_model_every_backend_serves_wait_for_the_pools_own_b
     assert asked and all(candidates is pool.backends for candidates in asked)
 
 
+def test_a_request_for_a_model_no_backend_serves_is_not_held_while_the_fleet_is_saturated():
+    """No room will ever come for it: it is decided at once (no candidates), not held until its
+    TTL and answered 429, which would invite retries and take a place in the queue meanwhile."""
+    router = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool(
+        [Backend(A, models=frozenset({"m"})), Backend(B, models=frozenset({"m"}))], router.remove_backend, 2
+    )
+    metrics = Metrics(router, pool)
+    waiting = WaitingRoom(
+        lambda: router.settings, lambda _b: False, WaitingRoomMetrics(CollectorRegistry()), lambda: 100.0
+    )
+    processor = Processor(router, pool, metrics, clock=lambda: 100.0, waiting_room=waiting, fallback=True)
+    other = orjson.dumps({**orjson.loads(BODY), "model": "no-such-model"})
+
+    async def decided() -> pb.ProcessingResponse:
+        stream = Stream()
+        processor.handle(request_headers(), stream)
+        return await asyncio.wait_for(processor.decide_body(stream, other), 1.0)
+
+    reply = asyncio.run(decided())
+    assert len(waiting) == 0 and not reply.HasField("immediate_response")
+
+
 def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfer_parameters():
     """Buffered mode: an error while running the prefill leg must not end the stream (Envoy would
     send the request on unrouted, with whatever kv_transfer_params the client put in it)."""

@@ -342,3 +342,21 @@ def test_the_siblings_are_told_no_head_held_for_a_model_whose_backends_are_full(
         await task
 
     asyncio.run(main())
+
+
+def test_a_request_whose_deadline_passes_as_it_arrives_is_answered_expired_and_leaves_nothing():
+    """An objective (or a TTL) too short for the clock to tell from now: the request expires as
+    it is held, and is answered so at once, its gauges and labels back where they were."""
+
+    async def main() -> None:
+        for settings, request_class in (
+            (Settings(hash_key=bytes(16)), RequestClass(-1, "a", 1e-12, "sheddable", True)),
+            (Settings(hash_key=bytes(16), queue_ttl_s=1e-12), klass("a")),
+        ):
+            room = make(settings, Fleet(0))
+            held = await asyncio.wait_for(room.wait(request_class, 1, 1, BACKENDS), 1.0)
+            assert isinstance(held, Held) and held.state is State.EXPIRED
+            assert len(room) == 0 and not room._labels and not room._waiting
+            assert room._metrics.held.labels(str(request_class.priority))._value.get() == 0
+
+    asyncio.run(main())

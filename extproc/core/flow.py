@@ -119,9 +119,20 @@ class _Flow:
         head = self.head()
         if head is None or eligible is None or eligible(head):
             return head
-        for held in heapq.nsmallest(SCAN_DEPTH, self.waiting)[1:]:
+        # The heap's smallest entries after its head, walked best first through its tree: the
+        # work is SCAN_DEPTH's, not the flow's length (a heap of thousands is read in part).
+        waiting = self.waiting
+        frontier = [(waiting[i], i) for i in (1, 2) if i < len(waiting)]
+        heapq.heapify(frontier)
+        for _ in range(SCAN_DEPTH - 1):
+            if not frontier:
+                break
+            held, index = heapq.heappop(frontier)
             if held.state is State.WAITING and eligible(held):
                 return held
+            for child in (2 * index + 1, 2 * index + 2):
+                if child < len(waiting):
+                    heapq.heappush(frontier, (waiting[child], child))
         return None
 
     def take(self, held: Held) -> None:
@@ -131,6 +142,30 @@ class _Flow:
         else:
             self.waiting.remove(held)
             heapq.heapify(self.waiting)
+
+
+class _Newest:
+    """A band's waiting requests newest first, flow by flow, read in one pass from the newest
+    arrival back: each flow's next is at hand, or found by reading on (bucketing the others)."""
+
+    __slots__ = ("_arrivals", "_by_flow")
+
+    def __init__(self, arrivals: deque[Held]) -> None:
+        self._arrivals = reversed(arrivals)
+        self._by_flow: dict[str, deque[Held]] = {}
+
+    def of(self, flow: str) -> Held | None:
+        """The newest waiting request of `flow` not yet handed out."""
+        bucket = self._by_flow.get(flow)
+        if bucket:
+            return bucket.popleft()
+        for held in self._arrivals:
+            if held.state is not State.WAITING:
+                continue
+            if held.flow == flow:
+                return held
+            self._by_flow.setdefault(held.flow, deque()).append(held)
+        return None
 
 
 class _Band:
@@ -177,16 +212,17 @@ class FlowQueue:
         band = self._band(priority)
         if size > limits.max_bytes:
             return Refusal.BAND_FULL
-        if self._band_full(band, size) and not self._push_out(band, flow, size):
+        name = self._flow_name(band, flow)  # (past max_flows, the overflow flow it joins is weighed)
+        if self._band_full(band, size) and not self._push_out(band, name, size):
             return Refusal.BAND_FULL
         if (
             self._total + self._peer_held >= limits.max_total
             and not self._evict_below(priority)
-            and not self._push_out(band, flow, size)
+            and not self._push_out(band, name, size)
         ):
             return Refusal.QUEUE_FULL
         deadline = now + (limits.ttl_s if ttft_s is None else min(ttft_s, limits.ttl_s))
-        held = Held(priority, self._flow_name(band, flow), cost, size, now, deadline, next(self._seq))
+        held = Held(priority, name, cost, size, now, deadline, next(self._seq))
         state = self._flow(band, held.flow)
         if state.head() is None:  # back from idle: level with the least served of those waiting (or
             # with the last one dispatched, when none waits), so idling banks no credit
@@ -390,21 +426,27 @@ class FlowQueue:
         own = band.flows.get(flow)
         mine = own.held if own is not None else 0
         counts = {name: f.held for name, f in band.flows.items() if f.held and name != flow}
+        # the heaviest flow first (of equals, the least recently served), kept in a heap: each
+        # victim costs a log of the flows, not a pass over them
+        order = {name: rank for rank, name in enumerate(counts)}
+        heaviest = [(-count, order[name], name) for name, count in counts.items()]
+        heapq.heapify(heaviest)
+        newest = _Newest(band.arrivals)
         victims: list[Held] = []
-        taken = set()
         held, used, total = band.held, band.bytes, self._total + self._peer_held
         limits = self.limits
         while held >= limits.max_requests or used + size > limits.max_bytes or total >= limits.max_total:
-            heavy = max(counts, key=counts.__getitem__, default=None)
-            if heavy is None or counts[heavy] < mine + 2:  # no flow would still hold more than this one
+            while heaviest and -heaviest[0][0] != counts[heaviest[0][2]]:
+                heapq.heappop(heaviest)  # a count since lowered
+            if not heaviest or -heaviest[0][0] < mine + 2:  # no flow would still hold more than this one
                 return False
-            newest = (h for h in reversed(band.arrivals) if h.flow == heavy and h.state is State.WAITING)
-            victim = next((h for h in newest if h.seq not in taken), None)
+            heavy = heaviest[0][2]
+            victim = newest.of(heavy)
             if victim is None:
                 return False
             victims.append(victim)
-            taken.add(victim.seq)
             counts[heavy] -= 1
+            heapq.heapreplace(heaviest, (-counts[heavy], order[heavy], heavy))
             held, used, total = held - 1, used - victim.size, total - 1
         for victim in victims:
             self._leave(victim, State.EVICTED)

@@ -472,6 +472,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if isinstance(parsed, PromptRequest):
                 cost = self._router.cost_tokens(parsed, backends, now)
                 serving = set(self._router.pipeline.candidates(parsed, backends))
+                if not serving:  # its model is served nowhere: no room will come for it, so it is
+                    return parsed, None  # decided at once (and the engine says what it says)
                 if len(serving) < len(backends):  # else the pool's own tuple: its room is weighed once a turn
                     candidates = [b for b in backends if b.address in serving]
             else:

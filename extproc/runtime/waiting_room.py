@@ -184,8 +184,8 @@ class WaitingRoom:
         self._reconfigure(self._settings())
         now = self._clock()
         held = self._queue.hold(request_class.priority, request_class.flow, cost, size, now, request_class.ttft_s)
-        self._ended(now)
         if isinstance(held, Refusal):
+            self._ended(now)
             self._metrics.outcomes.labels(priority, held.value).inc()
             self._metrics.flow_outcomes.labels(self._flow_label(request_class.flow), held.value).inc()
             return held
@@ -195,6 +195,9 @@ class WaitingRoom:
         self._metrics.held.labels(priority).inc()
         label = self._labels[held] = self._flow_label(held.flow)
         self._metrics.flow_held.labels(label).inc()
+        # Registered before anything ends: a request whose deadline is already past (an objective
+        # or a TTL shorter than the clock's step) is answered through its future like any other.
+        self._ended(now)
         self.pump()
         try:
             await future
