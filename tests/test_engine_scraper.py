@@ -43,23 +43,31 @@ def test_a_vllm_page_becomes_one_sample_summed_over_engines():
     assert engine_sample("some_other_exporter 1\n") is None
 
 
-def test_a_page_an_engine_should_never_write_is_read_without_harm():
-    """Lines no vLLM writes (one of 20 KB: the label pattern's time grows with its square), values
-    that are not finite (NaN, inf, a sum past 1e308), a cache no server has: each is skipped."""
-    import time
+def test_a_page_an_engine_should_never_write_is_read_without_harm(monkeypatch):
+    """Lines no vLLM writes (one of 20 KB; a thousand LoRA or cache-config series of 4,000
+    letters, whose labels only one of each is read for, in one pass), values that are not finite
+    (NaN, inf), counters past what a float counts exactly or negative, a usage outside 0-1, a
+    cache no server has: each is skipped, and the rest of the page stands."""
+    from extproc.vllm import metrics
 
     page = VLLM_PAGE.replace("1.7646e+09", "NaN").replace(
         'num_gpu_blocks="1024"', 'num_gpu_blocks="1' + "0" * 400 + '"'
     )
     page += "vllm:lora_requests_info{" + "a" * 20_000 + "} 1\n"
+    page += "".join(f"vllm:lora_requests_info{{{'a' * 4000}}} {i}\n" for i in range(1, 1000))
+    page += "".join(f"vllm:cache_config_info{{{'b' * 4000}}} 1\n" for i in range(1000))
     page += "vllm:prefix_cache_hits_total 1e308\nvllm:prefix_cache_hits_total 1e308\n"
-    started = time.process_time()
+    page += "vllm:prefix_cache_queries_total -5\nvllm:kv_cache_usage_perc 1e300\n"
+    read: list[str] = []
+    labels = metrics._labels
+    monkeypatch.setattr(metrics, "_labels", lambda line: read.append(line) or labels(line))
     sample = engine_sample(page)
-    assert time.process_time() - started < 0.05
+    assert len(read) == 2 and all(len(line) < 5000 for line in read)  # one series of each family
     assert sample is not None and (sample.running, sample.waiting) == (3, 4)
     assert sample.start_time is None  # NaN: never a "restart" at every scrape
-    assert sample.cache_tokens is None and sample.block_size is None
-    assert sample.cache_hits is None  # the sum overflowed
+    assert sample.cache_tokens is None and sample.block_size is None  # the first config is not a server's
+    assert (sample.cache_hits, sample.cache_queries, sample.kv_usage) == (2500, 5000, 0.25)  # the odd lines skipped
+    assert sample.lora_running == () and sample.lora_slots is None
     negative = engine_sample(VLLM_PAGE.replace('block_size="128"', 'block_size="-16"'))
     assert negative is not None and negative.block_size is None
     assert engine_sample("vllm:num_requests_running inf\n") is None

@@ -26,6 +26,8 @@ ANSWERS = {
     b"/unframed": b"HTTP/1.1 200 OK\r\n\r\nall of it",
     # an answer, after which the server closes the connection idle as the next request comes
     b"/then-idle-close": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    # one header that never ends (more than MAX_HEAD_BYTES of it), after an interim answer
+    b"/endless-header": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-A: " + b"a" * (200 * 1024),
     b"/tiny-chunks": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * 50 + b"0\r\n\r\n",
 }
 
@@ -171,5 +173,17 @@ def test_a_request_on_a_connection_the_server_closed_idle_is_sent_again_once_on_
         assert await client.get(backend, "/then-idle-close", 1000) == (200, b"ok")
         assert await client.get(backend, "/sized", 1000) == (200, b"ok")
         assert server.connections == 2
+
+    run(scenario)
+
+
+def test_an_answer_whose_head_never_ends_is_refused_once_past_the_heads_limit():
+    """httptools gathers a header's value by copying it at each read: past MAX_HEAD_BYTES of a
+    head (after any interim answer) the answer is refused, not read on until the timeout."""
+
+    async def scenario(server: Server, backend: str, client: PageClient) -> None:
+        with pytest.raises(ConnectionError, match="head too large"):
+            await client.get(backend, "/endless-header", 1000)
+        assert await client.get(backend, "/sized", 1000) == (200, b"ok")
 
     run(scenario)

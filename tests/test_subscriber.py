@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
+import time
 
 import msgpack
 import zmq
@@ -257,3 +259,62 @@ def test_approximate_mode_reads_a_backends_next_batches_a_gap_later():
     assert not router.mode.precise and subscriber._gap() == 0.25
     assert subscriber._context.get(zmq.MAX_SOCKETS) >= 16_384  # ZMQ's own default, 1,023: a fleet of 1,000 backends
     subscriber._context.destroy(linger=0)
+
+
+def test_a_backend_names_each_publisher_once_and_no_more_than_a_server_runs():
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv" * 1000}
+    answer = {str(i): {**config, "endpoint": f"tcp://*:{5000 + i % 40}"} for i in range(20_000)}
+    found, _ = sources(answer, "10.0.0.1:8000")
+    assert len(found) == subscriber_module.MAX_SOURCES and len({s.endpoint for s in found}) == len(found)
+    assert all(len(s.topic) <= 256 for s in found)
+    twice = {"0": {**config, "endpoint": "tcp://*:1"}, "1": {**config, "endpoint": "tcp://10.0.0.1:1"}}
+    assert len(sources(twice, "10.0.0.1:8000")[0]) == 1  # the same publisher, named two ways
+
+
+def test_a_burst_whose_batches_take_long_to_apply_gives_the_loop_its_turns():
+    """Reading and applying batches holds the loop for at most BURST_S before it gets a turn,
+    however many are queued: a callback scheduled meanwhile runs after a batch or two, not after
+    BURST_MAX of them."""
+
+    async def scenario() -> list[int]:
+        context = zmq.asyncio.Context()
+        pub = context.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        sub: zmq.Socket[bytes] = zmq.Socket(context, zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        seen: list[int] = []
+        turns: list[int] = []  # how many batches were applied when the loop's other work ran
+        try:
+            while not seen:  # a PUB drops what it sends before the subscription reaches it
+                await pub.send_multipart(message(0, []))
+                await asyncio.sleep(0.01)
+                with contextlib.suppress(zmq.Again):
+                    sub.recv_multipart(zmq.NOBLOCK)
+                    seen.append(0)
+            for sequence in range(1, 41):
+                await pub.send_multipart(message(sequence, []))
+            await asyncio.sleep(0.2)  # all queued at the reader
+
+            async def read() -> None:
+                async for frames in subscriber_module._bursts(sub, lambda: 0.0):
+                    seen.append(int.from_bytes(frames[1], "big"))
+                    time.sleep(0.003)  # a slow apply, holding the loop
+                    if seen[-1] == 40:
+                        return
+
+            def other_work() -> None:
+                turns.append(len(seen))
+                if len(seen) < 41:
+                    asyncio.get_running_loop().call_soon(other_work)
+
+            asyncio.get_running_loop().call_soon(other_work)
+            await asyncio.wait_for(read(), 5.0)
+            return turns
+        finally:
+            sub.close(linger=0)
+            context.destroy(linger=0)
+
+    turns = asyncio.run(scenario())
+    gaps = [b - a for a, b in itertools.pairwise(turns)]
+    assert gaps and max(gaps) <= 3, turns  # 40 batches of 3 ms: a turn every 5 ms or so

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import takewhile
 
+from extproc.core.adapters import valid_name
 from extproc.core.chain import ROOT_KEY, TokenHasher, extra_digest
 from extproc.core.engine import BlockRemoved, BlockStored
 
@@ -86,8 +87,9 @@ class PreciseIndex:
         held = self._backends.get(backend)
         if held is None:
             held = self._backends[backend] = _Held()
-        if event.lora_name is not None and len(self.lora_names) < MAX_LORA_NAMES:
-            self.lora_names.add(event.lora_name)
+        name = event.lora_name
+        if name is not None and len(self.lora_names) < MAX_LORA_NAMES and valid_name(name):
+            self.lora_names.add(name)
         if event.parent_hash is None:
             parent = ROOT_KEY
         else:

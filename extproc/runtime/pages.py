@@ -21,12 +21,26 @@ import httptools
 # Pages come uncompressed: prometheus_client gzips them for a client that accepts it, which costs
 # the engine and kvroute more CPU than the bytes saved on loopback or a pod network.
 _HEADERS = b"Accept-Encoding: identity\r\nUser-Agent: kvroute\r\n"
+# An answer's head larger than this is not read on: httptools gathers a header's value by copying
+# what came so far at each read, so one endless header cost a second and 40 MB a probe.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class _Connection(asyncio.Protocol):
     """One kept-alive connection and the one response it is reading."""
 
-    __slots__ = ("_body", "_framed", "_limit", "_parser", "_status", "answer", "heard", "reusable", "transport")
+    __slots__ = (
+        "_body",
+        "_framed",
+        "_head_bytes",
+        "_limit",
+        "_parser",
+        "_status",
+        "answer",
+        "heard",
+        "reusable",
+        "transport",
+    )
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
@@ -37,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self._limit = 0
         self._status = 0
         self._framed = False  # the answer has a Content-Length or is chunked
+        self._head_bytes = 0  # bytes read while an answer's head was not yet whole
         self.heard = False  # a byte of the answer came
 
     def request(self, head: bytes, limit: int) -> asyncio.Future[tuple[int, bytes]]:
@@ -44,6 +59,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None and self.answer is None
         self.answer = asyncio.get_running_loop().create_future()
         self._body, self._limit, self._status, self._framed, self.heard = bytearray(), limit, 0, False, False
+        self._head_bytes = 0
         self.transport.write(head)
         return self.answer
 
@@ -56,6 +72,11 @@ class _Connection(asyncio.Protocol):
             self._fail(ConnectionError("an answer nobody asked for"))
             return
         self.heard = True
+        if not self._status:  # the head is still coming
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES + self._limit:
+                self._fail(ConnectionError("an answer's head too large"))
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -73,6 +94,7 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self.answer is None:  # a second answer in the bytes of the first: unsolicited
             self._fail(ConnectionError("an answer nobody asked for"))
+        self._status = 0  # (after an interim answer, the final one's head is counted anew)
 
     def on_header(self, name: bytes, _value: bytes) -> None:
         if name.lower() in (b"content-length", b"transfer-encoding"):

@@ -3,6 +3,7 @@ over the lines; sums over label sets, so an engine with several data-parallel ra
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from urllib.parse import urlencode
@@ -35,12 +36,17 @@ _WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO, START_TIME, LORA_INFO, *_COUN
 # anything but a sample is scraped at PAGE (scraper.py).
 PAGE = "/metrics"
 FAMILIES_PAGE = "/metrics/?" + urlencode([("name[]", name) for name in _WANTED])
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+# One label after another from where the last ended, so reading a line's labels takes time in
+# proportion to its length (a pattern searched anywhere in the line took the square of it: 46 ms
+# for one line of 4,000 letters, and a page may hold a thousand such lines).
+_LABEL = re.compile(r'\s*(\w+)="((?:[^"\\]|\\.)*)"\s*(?:,|(?=\}))')
 # A page is the engine's word, read as such but never trusted to be sane: a line longer than any
-# vLLM writes is skipped (the label pattern's time grows with the square of a line's length: 20 KB
-# of one held the event loop for 1.4 s), a value that is not finite (NaN, inf, 1e308 summed) is
-# skipped, and the cache's size must be one a server could have.
+# vLLM writes is skipped, the labels of only one line of a family are read (the newest LoRA series,
+# the first cache config), a value that is not finite, a counter that is negative or past what a
+# float counts exactly, and a usage outside 0-1 are skipped, and the cache's size must be one a
+# server could have.
 MAX_LINE = 4096
+MAX_COUNTER = float(1 << 53)
 MAX_BLOCK_SIZE = 1024
 MAX_CACHE_TOKENS = 1 << 40
 
@@ -50,6 +56,24 @@ def _value(line: str) -> float:
     if not math.isfinite(value):
         raise ValueError(value)
     return value
+
+
+def _counter(line: str) -> float:
+    value = _value(line)
+    if not 0.0 <= value <= MAX_COUNTER:
+        raise ValueError(value)
+    return value
+
+
+def _labels(line: str) -> dict[str, str]:
+    """A series' labels, in one pass over its line (none after the first that does not parse)."""
+    labels: dict[str, str] = {}
+    position = line.find("{") + 1
+    if position:
+        while (match := _LABEL.match(line, position)) is not None:
+            labels[match.group(1)] = match.group(2)
+            position = match.end()
+    return labels
 
 
 def _cache(labels: dict[str, str]) -> tuple[int, int]:
@@ -71,7 +95,8 @@ def engine_sample(text: str) -> EngineSample | None:
     start: float | None = None
     counters: dict[str, float] = {}  # summed over label sets; absent if the engine exports none
     cache_tokens = block_size = None
-    lora: tuple[float, dict[str, str]] | None = None  # the newest lora_requests_info series
+    cache_line: str | None = None  # the first cache_config_info series
+    lora: tuple[float, str] | None = None  # the newest lora_requests_info series
     seen = False
     for line in text.splitlines():
         if not line.startswith(_WANTED) or len(line) > MAX_LINE:
@@ -84,23 +109,28 @@ def engine_sample(text: str) -> EngineSample | None:
             elif name == WAITING:
                 waiting += _value(line)
             elif name == KV_USAGE:
-                usage = max(usage, _value(line))
+                value = _value(line)
+                if 0.0 <= value <= 1.0:
+                    usage = max(usage, value)
             elif name == START_TIME:
                 start = _value(line)
             elif name in _COUNTERS:
-                counters[name] = counters.get(name, 0.0) + _value(line)
+                counters[name] = counters.get(name, 0.0) + _counter(line)
             elif name == LORA_INFO:
                 stamp = _value(line)
                 if lora is None or stamp > lora[0]:
-                    lora = (stamp, dict(_LABEL.findall(line)))
-            elif name == CACHE_INFO and cache_tokens is None:
-                cache_tokens, block_size = _cache(dict(_LABEL.findall(line)))
+                    lora = (stamp, line)
+            elif name == CACHE_INFO and cache_line is None:
+                cache_line = line
         except (ValueError, KeyError, IndexError):
             continue  # one odd line never hides the rest
+    if cache_line is not None:
+        with contextlib.suppress(ValueError, KeyError):
+            cache_tokens, block_size = _cache(_labels(cache_line))
     if not seen or not (math.isfinite(running + waiting) and max(running, waiting) < 1e9):
         return None  # (sums of finite values can still overflow)
-    counters = {name: value for name, value in counters.items() if math.isfinite(value)}
-    lora_running, lora_slots = _lora(lora[1]) if lora is not None else ((), None)
+    counters = {name: value for name, value in counters.items() if value <= MAX_COUNTER}
+    lora_running, lora_slots = _lora(_labels(lora[1])) if lora is not None else ((), None)
     return EngineSample(
         int(running),
         int(waiting),

@@ -46,7 +46,17 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 MAX_REPLAY_BATCHES = 10_000
 REPLAY_TOTAL_S = 30.0
 MAX_SOCKETS = 16_384  # a SUB socket per publisher (per backend and data-parallel rank) and replays
-BURST_MAX = 256  # batches read in one go before the loop's other work gets a turn
+# Batches read and applied in one go before the loop's other work gets a turn: at most this many,
+# and for at most BURST_S (256 batches of 60 KB held the loop for 1.5 s without the time bound).
+BURST_MAX = 256
+BURST_S = 0.005
+# Batches ZMQ queues for a socket not read meanwhile: some 20 s of an engine's steps (a replay may
+# take the reader away for that long), and with MAX_BATCH_BYTES a bound of 2 GiB a socket.
+QUEUED_BATCHES = 2_000
+# What a backend's /kv_event_sources may say: its answer read up to this many bytes, and at most
+# this many distinct publishers taken (one per data-parallel rank the server runs).
+MAX_SOURCES_BYTES = 64 * 1024
+MAX_SOURCES = 16
 _ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]*):(\d{1,5})$")
 _ANY_HOST = {"*", "0.0.0.0", "[::]", "::", ""}
 
@@ -81,8 +91,11 @@ def sources(answer: object, backend: str) -> tuple[list[Source], str]:
     """The publishers in a `/kv_event_sources` answer that kvroute can subscribe to, and a status line."""
     if not isinstance(answer, dict) or not answer:
         return [], "no KV event publisher (start vLLM with --kv-events-config)"
-    found, refused = [], []
+    found: list[Source] = []
+    refused: list[str] = []
     for config in answer.values():
+        if len(found) >= MAX_SOURCES:
+            break
         if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher") != "zmq":
             continue
         endpoint = _connectable(config.get("endpoint"), backend)
@@ -90,7 +103,9 @@ def sources(answer: object, backend: str) -> tuple[list[Source], str]:
             refused.append(str(config.get("endpoint"))[:100])
             continue
         replay = _connectable(config.get("replay_endpoint"), backend)
-        found.append(Source(endpoint, replay, str(config.get("topic") or "").encode()))
+        source = Source(endpoint, replay, str(config.get("topic") or "")[:256].encode())
+        if all(s.endpoint != endpoint for s in found):  # one socket per publisher, named once or not
+            found.append(source)
     if found:
         return found, "subscribed " + ", ".join(s.endpoint for s in found)
     if refused:
@@ -157,7 +172,8 @@ class EventSubscriber:
         while True:
             try:
                 async with session.get(f"http://{backend}/kv_event_sources") as response:
-                    answer = orjson.loads(await response.read()) if response.status == 200 else None
+                    page = await response.content.read(MAX_SOURCES_BYTES + 1) if response.status == 200 else b""
+                    answer = orjson.loads(page) if page and len(page) <= MAX_SOURCES_BYTES else None
                 found, self.status[backend] = sources(answer, backend)
             except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
                 found, self.status[backend] = [], f"discovery failed: {type(exc).__name__}"
@@ -256,17 +272,20 @@ class EventSubscriber:
 def _limit(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)  # a huge frame is dropped by ZMQ, unread
-    sock.setsockopt(zmq.RCVHWM, 10_000)
+    sock.setsockopt(zmq.RCVHWM, QUEUED_BATCHES)
 
 
 async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncIterator[list[bytes]]:
     """Each message the socket receives, read without waiting while some are queued (at most
-    `BURST_MAX` before the loop gets a turn), then `gap_s()` later, and once none is queued when
-    its file descriptor says ZMQ has news. Raises what the socket raises."""
+    `BURST_MAX`, or for `BURST_S` of reading and of what the caller does with them, before the
+    loop gets a turn), then `gap_s()` later, and once none is queued when its file descriptor
+    says ZMQ has news. Raises what the socket raises."""
     loop = asyncio.get_running_loop()
     fd = int(sock.getsockopt(zmq.FD))
     while True:
         read = 0
+        until = loop.time() + BURST_S
+        cut = False
         while read < BURST_MAX:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -274,7 +293,10 @@ async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncI
                 break
             read += 1
             yield frames
-        if read == BURST_MAX:
+            if loop.time() > until:
+                cut = True
+                break
+        if cut or read == BURST_MAX:
             await asyncio.sleep(0)
         elif read:
             await asyncio.sleep(gap_s())
