@@ -155,8 +155,13 @@ def test_the_control_port_needs_the_token_and_the_monitoring_port_controls_nothi
         for path in ("/v1/query", "/v1/notify", "/v1/release"):
             assert (await client.monitoring.post(path, data=payload)).status in (404, 405)
         assert (await client.monitoring.get("/debug/state")).status == 404
+        # a token that is not UTF-8, sent as raw bytes: a counted 401 like any other, not a 500
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"GET /debug/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n\r\n")
+        assert (await reader.readline()).startswith(b"HTTP/1.1 401")
+        writer.close()
         metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
-        assert 'kvroute_errors_total{kind="unauthorized"} 6.0' in metrics
+        assert 'kvroute_errors_total{kind="unauthorized"} 7.0' in metrics
 
     run(scenario)
 

@@ -302,16 +302,19 @@ async def test_malformed_and_foreign_entries_are_skipped(redis_server):
             msgpack.packb(("L", "other", "", {A: (float("inf"), 0, 0)})),  # int() of it once stopped the link
             msgpack.packb(("L", "other", "", {A: (-5, 0, 0)})),
             msgpack.packb(("L", "other", "", {A: (1 << 40, 1, 0)})),
+            # past MAX_ENTRY_BYTES (empty maps: 80 times their bytes once decoded), not decoded
+            b"\x94\xa1L\xa5other\xa0\xdd\x00\x12\x00\x00" + b"\x80" * 0x120000,
+            msgpack.packb(("L", "other", "", {f"k{i}": 0 for i in range(70_000)})),  # more than any fleet
         ]
         for message in junk:
             await client.xadd(f"{replica.group}:events", {"m": message})
-        await until(lambda: replica.link.counts["bad"] >= 11)
+        await until(lambda: replica.link.counts["bad"] >= 13)
         assert replica.router.index.entries_by_backend().get("10.9.9.9:8000") is None
         assert replica.link.counts["applied"] == 0
         # the link still follows: a sibling's learning after all that is applied
         await client.xadd(f"{replica.group}:events", {"m": msgpack.packb(("l", "other", A, [1, 2, 3]))})
         await until(lambda: replica.link.counts["applied"] == 1)
-        assert replica.link.connected and replica.link.counts["bad"] == 11
+        assert replica.link.connected and replica.link.counts["bad"] == 13
         await client.aclose()
 
 
@@ -475,6 +478,17 @@ async def test_siblings_move_an_adapter_as_told_forget_the_word_unless_said_agai
         one.link.adapter_leaving(old, "theirs", new)  # an adapter the policy does not place: skipped
         await until(lambda: two.link.counts["bad"] == 3)
         assert not book.any_leaving() and book.listers("theirs", [old, new, other]) == []
+        # a word heard before the store went away still ages out while it is away
+        monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", 30.0)
+        one.link.adapter_leaving(old, "ours", new)
+        await until(book.any_leaving)
+        redis_server.stop()
+        try:
+            await until(lambda: not two.link.connected)
+            monkeypatch.setattr(redis_link, "LEAVING_FRESH_S", 0.5)
+            await until(lambda: not book.any_leaving(), timeout_s=8)
+        finally:
+            redis_server.start()
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,8 @@ class Admin:
 
         @web.middleware
         async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-            given = request.headers.get("authorization", "").encode()
+            # (aiohttp keeps a header's undecodable bytes as surrogates: encoded back as they came)
+            given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 self._metrics.errors.labels("unauthorized").inc()
                 return _json({"error": "unauthorized"}, 401)

@@ -83,6 +83,17 @@ APPLY_BLOCKS = 512
 ENTRY_WORK = APPLY_BLOCKS // APPLY_SLICE  # what an entry that is not a chain counts for in a slice
 MAX_CHAIN = 1 << 16  # blocks in one shared chain (a 4M-token prompt at 64 bytes a block)
 DIGEST_BYTES = 16
+# What one sibling's entry may be and declare before it is decoded: the largest is a chain of
+# MAX_CHAIN hashes (9 bytes each) or a load vector over a large fleet; MessagePack decoded can
+# take 70 times its bytes (2.9 MiB of empty maps took 230 MiB and 0.2 s of the loop).
+MAX_ENTRY_BYTES = 1 << 20
+ENTRY_LIMITS = {
+    "max_str_len": 4096,
+    "max_bin_len": 64,
+    "max_ext_len": 0,
+    "max_array_len": MAX_CHAIN,
+    "max_map_len": MAX_CHAIN,
+}
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
 MAX_BANDS = 64  # a sibling's flow shares with more bands, or more flows a band than any replica tracks, are refused
 ENDS_TTL_MS = 60_000  # a replica's inbox of request ends lives this long after the last one sent to it
@@ -314,6 +325,7 @@ class RedisLink:
                     self._peers = PeerLoads(self._peers.max_age_s)  # their load is no longer known
                     self._router.loads.set_peers({})
                     self._peer_flows.clear()
+                    self._forget_leaving(self._clock())  # (marks no sibling can renew now still age out)
                     if self._flows is not None:  # each replica keeps its own share until the store is back
                         self._flows.set_peers({}, 0)
                     with contextlib.suppress(RedisError, OSError):
@@ -481,7 +493,10 @@ class RedisLink:
         another kind counts as a small chain's), for the slices between the loop's turns."""
         work = ENTRY_WORK
         try:
-            kind, replica, backend, payload = msgpack.unpackb(fields[b"m"], use_list=False)
+            message = fields[b"m"]
+            if len(message) > MAX_ENTRY_BYTES:
+                raise ValueError("an entry too large")
+            kind, replica, backend, payload = msgpack.unpackb(message, use_list=False, **ENTRY_LIMITS)
             if replica == self.replica:
                 return work
             if kind == FLOWS:
@@ -512,8 +527,10 @@ class RedisLink:
                 raise ValueError(kind)
             self.counts["applied"] += 1
             self.lag_s = max(0.0, now - when)
-        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, msgpack.UnpackException):
-            self.counts["bad"] += 1
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, msgpack.UnpackException) as error:
+            bad = self.counts["bad"] = self.counts["bad"] + 1
+            if bad & (bad - 1) == 0:  # the 1st, 2nd, 4th...: a stream of them cannot flood the log
+                log.warning("replica store: a sibling's entry not applied (%s; %d so far)", type(error).__name__, bad)
         return work
 
     def _ended(self, fields: dict[bytes, bytes]) -> None:
