@@ -17,6 +17,14 @@ from extproc.core.policy import MODELS_KEY, ROLE_LABELS, StatusBackend, routing_
 from extproc.core.settings import Settings
 
 _DEFAULTS = Settings()  # what spec.routing's values are checked against (as the ext_proc applies them)
+# A status is one object, and etcd refuses one past 1.5 MiB: a status too large to write would keep
+# the last backends published (deleted pods' addresses included) for good. So it names at most
+# MAX_BACKENDS backends (a condition says when more are selected), each with a bounded model list,
+# and every condition message is cut to MAX_MESSAGE characters.
+MAX_BACKENDS = 4096
+MAX_MODELS = 32
+MAX_MODEL_NAME = 256
+MAX_MESSAGE = 1024
 
 
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
@@ -31,7 +39,10 @@ def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> 
     if any(labels.get(key) != value for key, value in match_labels.items()):
         return False
     for expression in expressions:
-        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        key, operator = expression["key"], expression["operator"]
+        values = frozenset(
+            expression.get("values") or ()
+        )  # (a list's `in` is a scan: 120,000 values, 0.66 s a 1,000 pods)
         present = key in labels
         if operator == "In" and not (present and labels[key] in values):
             return False
@@ -105,16 +116,18 @@ def target(spec: Mapping[str, Any], pools: Iterable[Mapping[str, Any]]) -> Targe
 def _port(target_port: int | str, pod: Mapping[str, Any]) -> int | None:
     if isinstance(target_port, int):
         return target_port
-    if target_port.isdigit():
+    if target_port.isascii() and target_port.isdigit():  # ("²" is a digit too, and no number)
         return int(target_port)
     port: int | None = pod["ports"].get(target_port)
     return port
 
 
 def _models(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
-    if spec.get("models"):
-        return list(spec["models"])
-    return sorted({m.strip() for m in (pod["models"] or "").split(",") if m.strip()})
+    """The models a backend serves: the policy's list, else the pod's label or annotation; at
+    most MAX_MODELS names of at most MAX_MODEL_NAME characters (a status must fit etcd's object
+    limit whatever a pod's author writes)."""
+    names = spec["models"] if spec.get("models") else {m.strip() for m in (pod["models"] or "").split(",")}
+    return sorted({n for n in names if isinstance(n, str) and n and len(n) <= MAX_MODEL_NAME})[:MAX_MODELS]
 
 
 def _role(spec: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
@@ -156,7 +169,13 @@ def _condition(kind: str, ok: bool, reason: str, message: str, previous: Mapping
     status = "True" if ok else "False"
     old = next((c for c in previous.get("conditions") or [] if c.get("type") == kind), None)
     since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
-    return {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message[:MAX_MESSAGE],
+        "lastTransitionTime": since,
+    }
 
 
 def _routing_verdict(routing: Any) -> tuple[bool, str, str]:
@@ -167,7 +186,7 @@ def _routing_verdict(routing: Any) -> tuple[bool, str, str]:
         changes, unknown = routing_changes(routing)
         dataclasses.replace(_DEFAULTS, **changes)
     except (ValueError, TypeError) as exc:
-        return False, "InvalidValue", f"spec.routing not applied, the last accepted settings kept: {exc}"[:1024]
+        return False, "InvalidValue", f"spec.routing not applied, the last accepted settings kept: {exc}"
     if unknown:
         return False, "UnknownFields", f"spec.routing fields kvroute does not know, ignored: {', '.join(unknown)}"
     return True, "Accepted", "every spec.routing field is known"
@@ -184,6 +203,10 @@ def desired_status(
     previous = policy.get("status") or {}
     to = target(spec, pools)
     found, portless = backends(spec, to, pods)
+    selected = len(found)
+    if selected > MAX_BACKENDS:  # the ready ones first, each pod's ports together
+        found = sorted(found, key=lambda b: not b["ready"])[:MAX_BACKENDS]
+        found.sort(key=lambda b: (b["pod"], b["port"]))
     ready = sum(b["ready"] for b in found)
     if to.problem:
         reason, message = to.problem
@@ -197,6 +220,8 @@ def desired_status(
         reason, message = "NoMatchingPods", "no pod matches the selector"
     if portless and found:
         message += f"; {portless} selected pods have no port {to.ports[0]!r}"
+    if selected > len(found):
+        message += f"; {selected} backends selected, the status names the first {len(found)} (the ready ones first)"
     available = _condition("BackendsAvailable", ready > 0, reason, message, previous, now)
     routable = _condition(
         "Ready",

@@ -43,6 +43,7 @@ class Reconciler:
         self.patches = 0
         self.errors = 0
         self.last_error: str | None = None
+        self._failing: dict[tuple[str, str], str] = {}  # policy -> why its status is not as it should be
 
     def touch(self, namespace: str, pods: Snapshot, policies: Snapshot, pools: Snapshot) -> None:
         """Something changed in a namespace; settle it soon."""
@@ -83,11 +84,10 @@ class Reconciler:
         self.gone = gone
         if not changed:
             return
-        error = self.last_error or ""
         for namespace, policies in self._policies.items():
             for policy in policies:  # its failed patch (404) is no reason to stay unready
-                if policy.get("uid") in gone and error.startswith(f"{namespace}/{policy.get('name')}: "):
-                    self.last_error = None
+                if policy.get("uid") in gone:
+                    self._settled(namespace, str(policy.get("name")))
         for snapshot in (self._pods, self._policies, self._pools):
             for namespace, entries in snapshot.items():
                 if any(entry.get("uid") in changed for entry in entries):
@@ -113,21 +113,32 @@ class Reconciler:
                     if reuse is not None:
                         desired["reuse"] = reuse
                 except Exception as exc:  # one malformed policy must not stop the others
-                    self.errors += 1
-                    self.last_error = f"{namespace}/{policy.get('name')}: {type(exc).__name__}: {exc}"
+                    self._failed(namespace, str(policy.get("name")), f"{type(exc).__name__}: {exc}")
                     log.exception("cannot compute the status of %s/%s", namespace, policy.get("name"))
                     continue
                 if not logic.status_differs(policy.get("status"), desired):
+                    self._settled(namespace, policy["name"])
                     continue
                 try:
                     await self._patch_status(namespace, policy["name"], desired)
                     self.patches += 1
-                    self.last_error = None
+                    self._settled(namespace, policy["name"])
                     log.info("status of %s/%s: %d ready backends", namespace, policy["name"], desired["readyBackends"])
                 except Exception as exc:  # the API server may be away: retry on the next event
-                    self.last_error = f"{namespace}/{policy['name']}: {exc}"
+                    self._failed(namespace, policy["name"], str(exc)[:1024])
                     log.warning("status patch failed: %s", self.last_error)
                     self._dirty.add(namespace)
+
+    def _failed(self, namespace: str, name: str, why: str) -> None:
+        """A policy's status could not be computed or written: counted (kind=status), and
+        /readyz says so until that policy's status is settled (another's success does not)."""
+        self.errors += 1
+        self.last_error = self._failing[namespace, name] = f"{namespace}/{name}: {why}"
+
+    def _settled(self, namespace: str, name: str) -> None:
+        """A policy's status is as it should be (or the policy is gone)."""
+        if self._failing.pop((namespace, name), None) is not None or not self._failing:
+            self.last_error = next(reversed(self._failing.values()), None)
 
     async def run(self) -> None:
         """Forever: wait for a change, let the burst finish, settle what it touched. Survives any

@@ -37,6 +37,7 @@ class ReplicaReuse(NamedTuple):
     delivered: Mapping[str, float]  # backend -> tokens its engine found cached
 
 
+MAX_COUNTER = float(1 << 53)
 _FAMILIES = {
     "kvroute_prompt_tokens": "prompt",
     "kvroute_reuse_available_tokens": "available",
@@ -60,6 +61,8 @@ def parse(text: str, policy: str = "") -> ReplicaReuse:
         for sample in family.samples:
             if not sample.name.endswith("_total") or sample.labels.get("policy", policy) != policy:
                 continue
+            if not 0.0 <= sample.value <= MAX_COUNTER:  # NaN, infinite, negative or past what JSON's
+                raise ValueError(f"{sample.name} is {sample.value}")  # integers and a float count exactly
             if field == "delivered":
                 backend = sample.labels.get("backend", "")
                 delivered[backend] = delivered.get(backend, 0.0) + sample.value

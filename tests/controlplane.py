@@ -245,9 +245,12 @@ class ControlPlane:
         return path
 
     def can_i(self, namespace: str, service_account: str, verb: str, resource: str, where: str = "") -> bool:
-        """`kubectl auth can-i` as that ServiceAccount (impersonated by the admin)."""
+        """`kubectl auth can-i` as that ServiceAccount (impersonated by the admin); `resource` may
+        name a subresource (`kind/status`) and an object (`kind#name`)."""
+        resource, _, name = resource.partition("#")
         resource, _, subresource = resource.partition("/")
-        args = ["auth", "can-i", verb, resource, "--as", f"system:serviceaccount:{namespace}:{service_account}"]
+        target = f"{resource}/{name}" if name else resource
+        args = ["auth", "can-i", verb, target, "--as", f"system:serviceaccount:{namespace}:{service_account}"]
         args += [f"--subresource={subresource}"] if subresource else []
         args += ["-n", where] if where else ["--all-namespaces"]
         return self.kubectl(*args, check=False).stdout.strip() == "yes"

@@ -99,7 +99,9 @@ CONTROLLER_MAY = [
     ("get", "kvroutingpolicies.kvroute.io", ""),
     ("watch", "kvroutingpolicies.kvroute.io", ""),
     ("patch", "kvroutingpolicies.kvroute.io/status", "llm"),
-    ("patch", "clusterkopfpeerings.kopf.dev", ""),
+    ("patch", "clusterkopfpeerings.kopf.dev#kvroute", ""),
+    ("get", "clusterkopfpeerings.kopf.dev#kvroute", ""),
+    ("watch", "clusterkopfpeerings.kopf.dev", ""),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", ""),
 ]  # InferencePools: `can-i` cannot name a resource whose CRD is absent; the grant list below pins them
 CONTROLLER_MAY_NOT = [
@@ -112,6 +114,8 @@ CONTROLLER_MAY_NOT = [
     ("patch", "kvroutingpolicies.kvroute.io", "llm"),
     ("delete", "kvroutingpolicies.kvroute.io", "llm"),
     ("create", "clusterkopfpeerings.kopf.dev", ""),
+    ("patch", "clusterkopfpeerings.kopf.dev#another-operator", ""),  # kopf's peering objects of others
+    ("patch", "clusterkopfpeerings.kopf.dev", ""),
     ("list", "configmaps", "kvroute"),
     ("create", "events", "llm"),
 ]

@@ -149,3 +149,45 @@ def test_transition_time_is_kept_while_the_condition_holds():
 
 def test_observed_generation_follows_the_policy():
     assert status(policy(generation=7), pod("a"))["observedGeneration"] == 7
+
+
+def test_a_status_stays_within_what_the_api_server_stores_whatever_the_policy_and_pods_say():
+    """etcd refuses an object past 1.5 MiB, and a status not written keeps the last backends
+    published: at most MAX_BACKENDS backends (the ready ones first, a condition saying how many
+    more were selected), MAX_MODELS names of bounded length each, messages cut."""
+    import orjson
+
+    many = [pod(f"p{i:05}", f"10.{i // 250}.{i % 250}.1", ready=i % 3 != 0) for i in range(logic.MAX_BACKENDS + 500)]
+    result = status(policy(), *many)
+    ready = sum(i % 3 != 0 for i in range(logic.MAX_BACKENDS + 500))
+    assert len(result["backends"]) == logic.MAX_BACKENDS and result["readyBackends"] == ready  # all the ready
+    assert f"{logic.MAX_BACKENDS + 500} backends selected" in result["conditions"][1]["message"]
+    names = ",".join(f"model-{i}-" + "x" * 200 for i in range(5000)) + "," + "y" * 10_000
+    crowded = status(policy(), pod("a", annotations={logic.MODELS_KEY: names}))
+    assert len(crowded["backends"][0]["models"]) == logic.MAX_MODELS
+    assert all(len(m) <= logic.MAX_MODEL_NAME for m in crowded["backends"][0]["models"])
+    unknown = status(policy(routing={f"field{i}": 1 for i in range(100_000)}), pod("a"))
+    assert all(len(c["message"]) <= logic.MAX_MESSAGE for c in unknown["conditions"])
+    assert len(orjson.dumps(result)) < 1_000_000  # a full status, with room to spare
+
+
+def test_a_target_port_of_unicode_digits_is_a_port_name_not_a_crash():
+    result = status(policy(targetPort="²"), pod("a"))
+    assert result["backends"] == [] and result["conditions"][1]["reason"] == "PortNotFound"
+
+
+def test_a_selector_of_many_values_is_matched_without_scanning_them():
+    values = [f"v{i}" for i in range(120_000)]
+    selector = {"matchExpressions": [{"key": "app", "operator": "NotIn", "values": values}]}
+    calls = 0
+
+    class Counting(str):
+        def __eq__(self, other: object) -> bool:
+            nonlocal calls
+            calls += 1
+            return str.__eq__(self, other)
+
+        __hash__ = str.__hash__
+
+    assert logic.selector_matches(selector, {"app": Counting("vllm")})
+    assert calls < 10, calls

@@ -158,3 +158,27 @@ def test_a_policy_forgotten_after_its_patch_failed_leaves_the_operator_ready():
         assert reconciler.last_error is None
 
     asyncio.run(scenario())
+
+
+def test_a_status_that_cannot_be_written_is_counted_and_keeps_the_operator_unready():
+    """Another policy's status written meanwhile does not hide it (the API server refusing one
+    status, e.g. past etcd's size limit, would otherwise go unseen while the old backends stand)."""
+    refusing = {"big"}
+
+    async def patch(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        if name in refusing:
+            raise ValueError("etcdserver: request is too large")
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0)
+        policies = {"llm": [record("llm", policy("big")), record("llm", policy("fine"))]}
+        reconciler.touch("llm", {"llm": summaries(pod("a"))}, policies, {})
+        await reconciler.settle(["llm"])
+        assert reconciler.errors == 1 and reconciler.last_error and "llm/big" in reconciler.last_error
+        await reconciler.settle(["llm"])  # "fine" written again (its status here never changes); "big" fails
+        assert reconciler.errors == 2 and reconciler.last_error and "llm/big" in reconciler.last_error
+        refusing.clear()
+        await reconciler.settle(["llm"])
+        assert reconciler.errors == 2 and reconciler.last_error is None
+
+    asyncio.run(scenario())

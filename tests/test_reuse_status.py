@@ -185,3 +185,14 @@ def test_a_ratio_not_known_yet_does_not_make_a_patch_every_time():
     stored = {"readyBackends": 1, "conditions": [], "reuse": {"extprocs": 1}}  # the API server dropped null
     assert not logic.status_differs(stored, desired)
     assert logic.status_differs(stored, {**desired, "reuse": {"extprocs": 2, "hitRate": None}})
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-5", "1e19"])
+def test_a_replica_counter_that_is_no_count_is_refused_not_summed(value):
+    """A pod serving such a counter is counted as unreadable (its figures left out); summed, NaN
+    or infinity stopped every later policy's reuse from being written, and 1e19 is no JSON integer
+    the API server keeps."""
+    page = metrics_page(busy_router("s"))
+    line = next(line for line in page.splitlines() if line.startswith("kvroute_prompt_tokens_total"))
+    with pytest.raises(ValueError):
+        parse(page.replace(line, f"{line.rsplit(' ', 1)[0]} {value}"))
