@@ -231,3 +231,28 @@ def test_unknown_fields_enter_the_prompt_as_a_digest_only():
     other = {**junk, "x_junk": "k" * (8 * 1024 * 1024)}
     encoded, different = parse_request(junk).cbr, parse_request(other).cbr
     assert len(encoded) < 200 and encoded != different  # the field still shapes the key, in 16 bytes
+
+
+def test_a_body_past_the_budget_costs_no_more_than_the_budget():
+    """Token ids past MAX_BYTES, or more header fields than MAX_FIELDS, stop the encoding before
+    they are read (the request routes on what fit: truncated). Before, 16 million ids were packed
+    one by one (2.9 s, 948 MiB) and then thrown away for being past the budget."""
+    import tracemalloc
+
+    from extproc.core import cbr
+
+    ids = list(range(3_000_000))  # 12 MB packed: past the 8 MiB budget
+    fields = {f"k{i}": 0 for i in range(100_000)}
+    for body in ({"model": "m", "prompt": ids}, {"model": "m", "prompt": "p", **fields}):
+        tracemalloc.start()
+        try:
+            _, _, truncated = cbr.encode(body)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert truncated and peak < 2_000_000, peak
+    small, _, cut = cbr.encode({"model": "m", "prompt": [1, 2, 3]})
+    assert not cut and b"\x01\x00\x00\x00\x02\x00\x00\x00\x03" in small.replace(b"\x00\x01", b"\x00")
+    for bad in ([1.5], [-1], [2**32], [1, "a"], [[1, None]]):
+        with pytest.raises(InvalidRequest):
+            cbr.encode({"model": "m", "prompt": bad})

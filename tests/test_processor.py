@@ -327,6 +327,47 @@ def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfe
     assert metrics.errors.labels("internal")._value.get() == 1
 
 
+def test_client_transfer_parameters_in_a_body_that_cannot_be_written_back_are_refused():
+    """orjson reads 1,024 levels of nesting and writes about 254: such a body parses (so it is no
+    "body kvroute cannot read") but cannot be rewritten without the client's kv_transfer_params.
+    It is answered 400 in buffered mode (before, the error ended the stream and Envoy sent the body
+    on unrouted) and in full duplex (before, the body went back as it came)."""
+    nested = b"[" * 300 + b"]" * 300
+    forged = BODY[:-1] + b',"metadata":' + nested + b',"kv_transfer_params":{"remote_host":"10.9.9.9"}}'
+    router = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, 2)
+    metrics = Metrics(router, pool)
+    processor = Processor(router, pool, metrics, clock=lambda: 100.0)
+
+    async def buffered() -> list[pb.ProcessingResponse]:
+        async def messages():
+            yield request_headers()
+            yield body(forged)
+
+        return [r async for r in processor._replies(messages(), streams[0])]
+
+    streams = [Stream(), Stream()]
+    replies = asyncio.run(buffered())
+    assert replies[-1].immediate_response.status.code == 400
+    assert metrics.errors.labels("client_transfer_params")._value.get() == 1
+
+    async def duplex() -> list[pb.ProcessingResponse]:
+        async def messages():
+            config = pb.ProcessingRequest(request_headers=request_headers().request_headers)
+            config.protocol_config.request_body_mode = pb.ProcessingMode.FULL_DUPLEX_STREAMED
+            yield config
+            yield pb.ProcessingRequest(request_body=pb.HttpBody(body=forged, end_of_stream=True))
+
+        return [r async for r in processor._replies(messages(), streams[1])]
+
+    replies = asyncio.run(duplex())
+    assert [r.immediate_response.status.code for r in replies if r.HasField("immediate_response")] == [400]
+    assert not any(r.request_body.response.body_mutation.streamed_response.body for r in replies)
+    for stream in streams:  # the streams end (Envoy closes them after the 400): their load is released
+        processor.closed(stream)
+    assert all(not any(load) for load in router.loads.snapshot().values())
+
+
 def test_in_a_split_fleet_a_body_kvroute_cannot_read_is_refused_not_passed_on():
     """JSON that orjson refuses and the engine's server (Python's json) takes: NaN, a number past
     a double, a lone surrogate. Passed on unread, its transfer parameters would reach the decode

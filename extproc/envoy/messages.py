@@ -60,6 +60,15 @@ UNREAD_IN_SPLIT_FLEET = pb.ProcessingResponse(
         details="kvroute_unread_body",
     )
 )
+# A body whose client kv_transfer_params kvroute cannot strip (it parses, but cannot be written
+# back: nesting orjson reads and will not write): never passed on, so refused.
+UNSTRIPPED_TRANSFER_PARAMS = pb.ProcessingResponse(
+    immediate_response=pb.ImmediateResponse(
+        status=pb.HttpStatus(code=400),
+        body=b"kv_transfer_params are not accepted from clients, and this body's cannot be removed",
+        details="kvroute_client_transfer_params",
+    )
+)
 # The empty reply to each kind of message: Envoy expects the reply to match what it sent.
 CONTINUE = {
     "request_headers": CONTINUE_HEADERS,

@@ -109,6 +109,10 @@ NEXT: dict[Phase, frozenset[Phase]] = {
 Parsed = PromptRequest | InvalidRequest
 
 
+class Unstrippable(Exception):
+    """The client's kv_transfer_params cannot be removed from its body: answer 400."""
+
+
 class Stream:
     """One HTTP request's state across its gRPC stream: its phase, its headers, the core's exchange."""
 
@@ -268,7 +272,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             else:
                 reply = owner.handle(message, stream)
             if body is not None and not reply.HasField("immediate_response"):  # this body decided it
-                handed = await self.owner_of(stream)._handed_over(stream, body)
+                try:
+                    handed = await self.owner_of(stream)._handed_over(stream, body)
+                except Unstrippable:
+                    yield msg.UNSTRIPPED_TRANSFER_PARAMS  # (the stream's end releases its decision)
+                    continue
                 if handed is not None:
                     reply = msg.copied(reply)
                     response = reply.request_body.response
@@ -425,7 +433,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             stream.held, stream.held_bytes = None, 0
             return [decided]
         reply = msg.cleared(decided)
-        handed = await self._handed_over(stream, body) if read else None
+        try:
+            handed = await self._handed_over(stream, body) if read else None
+        except Unstrippable:
+            stream.held, stream.held_bytes = None, 0
+            return [msg.UNSTRIPPED_TRANSFER_PARAMS]
         if handed is not None:
             body = handed
             reply.request_headers.response.header_mutation.set_headers.append(
@@ -512,7 +524,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         except Exception:
             log.exception("the prefill hand-off failed; the request is served whole")
             self._metrics.errors.labels("internal").inc()
-            return handoff.strip(orjson.loads(body)) if request.transfer_params else None
+            if not request.transfer_params:
+                return None
+            try:
+                return handoff.strip(orjson.loads(body))
+            except Exception:  # the client's parameters stay in what cannot be rewritten: refused
+                self._metrics.errors.labels("client_transfer_params").inc()
+                raise Unstrippable from None
 
     async def _split(self, stream: Stream, exchange: Exchange, request: PromptRequest, body: bytes) -> bytes | None:
         leg = None
