@@ -36,9 +36,12 @@ PREFILLED = {
 
 
 def test_the_prefill_leg_asks_for_one_unstreamed_token_and_a_remote_decode():
-    leg = orjson.loads(handoff.prefill_body({**BODY, "kv_transfer_params": {"remote_host": "6.6.6.6"}}))
+    leg = orjson.loads(
+        handoff.prefill_body({**BODY, "kv_transfer_params": {"remote_host": "6.6.6.6"}, "min_tokens": 5})
+    )
     assert leg["kv_transfer_params"] == handoff.ASK_REMOTE_DECODE
     assert leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1
+    assert "min_tokens" not in leg  # (vLLM refuses min_tokens above max_tokens)
     assert "stream" not in leg and "stream_options" not in leg
     assert leg["messages"] == BODY["messages"] and leg["temperature"] == 0
 

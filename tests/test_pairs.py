@@ -71,6 +71,13 @@ def test_prefill_backends_queued_deeper_than_the_decode_backend_leave_the_reques
     # split: the decode backend no longer counts this prefill as its own, the prefill backend does
     assert router.loads.get(DECODE.address).reserved_blocks == ahead - exchange.reservation.blocks
     assert router.loads.get(PREFILL.address).reserved_blocks == leg.reservation.blocks
+    # the leg failed: the decode backend computes the whole prompt, its prefill its own again, once
+    leg.end()
+    exchange.reservation.prefill_again()
+    exchange.reservation.prefill_again()
+    assert router.loads.get(DECODE.address).reserved_blocks == ahead
+    exchange.end()
+    assert router.loads.get(DECODE.address).reserved_blocks == ahead - exchange.reservation.blocks
 
 
 def test_a_busy_prefill_backend_loses_to_an_idle_one_that_would_compute_the_same():

@@ -377,3 +377,36 @@ def test_a_request_waiting_for_its_adapter_stops_waiting_when_no_load_is_coming(
     assert answers == [False, False, False]
     assert counts == {("load", "failed"): 1}  # one load tried; the next rounds wait out its hold
     assert rounds <= 12
+
+
+def test_a_request_waiting_for_a_load_a_sibling_claimed_lets_the_rounds_keep_their_pace():
+    """A sibling replica holds the load's claim: this one waits for its word, one round each
+    interval, not woken into round after round (each a claim asked of the store) for as long as
+    the request waits."""
+    import asyncio
+
+    from extproc.core.backends import Backend
+    from extproc.core.router import Router
+    from extproc.runtime.placer import AdapterPlacer
+    from extproc.runtime.pool import BackendPool
+
+    claims = 0
+
+    async def theirs(_name: str, _hold: float) -> bool:
+        nonlocal claims
+        claims += 1
+        return False  # a sibling holds it
+
+    async def scenario() -> bool:
+        router = Router(SETTINGS)
+        pool = BackendPool([Backend("127.0.0.1:9")], router.remove_backend, 2)
+        router.adapters.listing("127.0.0.1:9", [])
+        placer = AdapterPlacer(router, pool, claim=theirs)
+        running = asyncio.create_task(placer.run(0.5))
+        try:
+            return await placer.ensure("sql", 1.2)
+        finally:
+            running.cancel()
+
+    assert asyncio.run(scenario()) is False  # nothing came within its wait
+    assert 1 <= claims <= 5, claims  # a round every 0.5 s, and the one asked at once

@@ -44,3 +44,55 @@ def test_each_failed_leg_says_why(tmp_path: Path):
     assert refused[0] >= 400 and refused[1:] == (None, LegFailure.STATUS)
     assert absent == (0, None, LegFailure.CONNECT)
     assert late == (0, None, LegFailure.TIMEOUT)
+
+
+def test_a_leg_whose_answer_comes_in_parts_is_read_whole_and_legs_are_not_queued_in_the_client():
+    """A long prompt's block ids make the prefill answer several TCP reads: the whole body is read
+    (one read gave the first part, parsed as no parameters, and the split was lost). And 150 legs
+    at once all reach the server: no connection pool of the client's own holds them back."""
+    import orjson
+
+    from tests.test_handoff import PREFILLED
+
+    params = {**PREFILLED, "remote_host": "127.0.0.1", "remote_block_ids": [list(range(4000))]}
+    answer = orjson.dumps({"id": "x", "choices": [], "kv_transfer_params": params})
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(answer)
+    seen = 0
+    concurrent = 0
+    most = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal seen, concurrent, most
+        try:
+            while True:
+                request_head = await reader.readuntil(b"\r\n\r\n")
+                size = int(request_head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(size)
+                seen += 1
+                concurrent += 1
+                most = max(most, concurrent)
+                writer.write(head + answer[:1000])
+                await writer.drain()
+                await asyncio.sleep(0.2)  # the rest later: a second read at the client
+                writer.write(answer[1000:])
+                await writer.drain()
+                concurrent -= 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> list[tuple[int, object, LegFailure | None]]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        backend = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        legs = PrefillLegs()
+        try:
+            return await asyncio.gather(*(legs.run(backend, "/v1/chat/completions", BODY, {}, 20) for _ in range(150)))
+        finally:
+            await legs.close()
+            server.close()
+            await server.wait_closed()
+
+    results = asyncio.run(main())
+    assert all(status == 200 and failure is None and parameters is not None for status, parameters, failure in results)
+    assert seen == 150 and most > 100, most  # all at once, past aiohttp's default pool of 100

@@ -325,6 +325,8 @@ def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfe
     sent = orjson.loads(decided.body_mutation.body)
     assert "kv_transfer_params" not in sent and sent["messages"] == orjson.loads(BODY)["messages"]
     assert metrics.errors.labels("internal")._value.get() == 1
+    # B computes the whole prompt after all: its prefill counts there again (released for the leg)
+    assert router.loads.get(B).reserved_blocks > 0
 
 
 def test_client_transfer_parameters_in_a_body_that_cannot_be_written_back_are_refused():
@@ -374,8 +376,14 @@ def test_in_a_split_fleet_a_body_kvroute_cannot_read_is_refused_not_passed_on():
     server unstripped; an aggregated fleet still routes it least loaded."""
     forged = b'{"model": "m", "prompt": "p", "temperature": NaN, "kv_transfer_params": {"remote_host": "10.9.9.9"}}'
     for raw in (forged, forged.replace(b"NaN", b"1e400"), forged.replace(b'"p"', b'"\\ud800"')):
-        for roles, refused in (((Role.PREFILL, Role.BOTH), True), ((Role.BOTH, Role.BOTH), False)):
-            router = Router(Settings(hash_key=b"k" * 16))
+        cases = [
+            ((Role.PREFILL, Role.BOTH), False, True),
+            ((Role.DECODE, Role.DECODE), False, True),  # its prefill servers gone: decoders still pull
+            ((Role.BOTH, Role.BOTH), True, True),  # pd_flexible: every server runs a connector
+            ((Role.BOTH, Role.BOTH), False, False),
+        ]
+        for roles, flexible, refused in cases:
+            router = Router(Settings(hash_key=b"k" * 16, pd_flexible=flexible))
             pool = BackendPool([Backend(A, role=roles[0]), Backend(B, role=roles[1])], router.remove_backend, 2)
             metrics = Metrics(router, pool)
             processor = Processor(router, pool, metrics, clock=lambda: 100.0)

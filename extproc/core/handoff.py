@@ -48,6 +48,7 @@ def strip(body: Mapping[str, Any]) -> bytes:
 def prefill_body(body: Mapping[str, Any]) -> bytes:
     """The prefill leg: the same prompt, one token, not streamed, blocks kept for a remote decode."""
     out = {k: v for k, v in body.items() if k != FIELD and k not in _STREAMING and k not in _OUTPUT_LIMITS}
+    out.pop("min_tokens", None)  # (vLLM refuses a min_tokens above max_tokens: the leg would fail)
     for name in _OUTPUT_LIMITS:
         if name in body or name == "max_tokens":
             out[name] = 1

@@ -195,6 +195,13 @@ class Reservation:
         """Its prefill is done (or can no longer be followed). Safe to call any number of times."""
         self.drain(self.pending)
 
+    def prefill_again(self) -> None:
+        """Its prefill, released when a prefill server was to compute it, is its backend's own
+        again: the hand-off failed, and the request is served whole there. Once, while in flight."""
+        if self._active_held and not self.pending and self.blocks:
+            self.pending = self.blocks
+            self._load.reserved_blocks += self.blocks
+
     def finish(self) -> None:
         """The request ended (completed, failed or abandoned). Safe to call any number of times."""
         self.release_prefill()

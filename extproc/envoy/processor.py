@@ -31,7 +31,7 @@ import grpc
 import orjson
 
 from extproc.core import handoff
-from extproc.core.backends import Backend
+from extproc.core.backends import Backend, Role
 from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, Outcome, ResponseStart
@@ -208,6 +208,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     @property
     def pool(self) -> BackendPool:
         return self._pool
+
+    def _runs_connectors(self) -> bool:
+        """Whether some engine here may act on transfer parameters: a fleet with prefill or decode
+        servers, or one that splits between `both` servers (`pd_flexible`: each runs a connector)."""
+        return self._router.settings.pd_flexible or any(b.role is not Role.BOTH for b in self._pool.backends)
 
     def splits(self) -> bool:
         """The policy's fleet has prefill servers (the routing core's memo: once per backend set)."""
@@ -524,6 +529,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         except Exception:
             log.exception("the prefill hand-off failed; the request is served whole")
             self._metrics.errors.labels("internal").inc()
+            if exchange.reservation is not None:
+                exchange.reservation.prefill_again()
             if not request.transfer_params:
                 return None
             try:
@@ -553,6 +560,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         finally:
             leg.end()
         if parameters is None:
+            if exchange.reservation is not None:  # the decode backend computes the prompt after all
+                exchange.reservation.prefill_again()
             log.info("prefill leg on %s gave no transfer (%s): served whole", backend, failure)
             self._metrics.disaggregation.labels(failure.value if failure is not None else "parameters").inc()
             return handoff.strip(parsed) if request.transfer_params else None
@@ -690,7 +699,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         from decode, is refused rather than passed on: it may carry transfer parameters kvroute
         cannot strip. Elsewhere such a body goes least loaded, and the engine answers it."""
         unread = exchange.request is None and (body is not None or stream.held_bytes > 0)  # (not an empty body)
-        if not unread or not self.splits():
+        if not unread or not self._runs_connectors():
             return False
         exchange.end()
         self._metrics.errors.labels("unread_in_split_fleet").inc()

@@ -48,7 +48,11 @@ class PrefillLegs:
         """(HTTP status or 0, the decode leg's parameters, why there are none). `timeout_s`: the
         whole leg, the prefill server's queue included (the policy's, so it can change live)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(skip_auto_headers=("User-Agent",))
+            # no pool limit of its own (aiohttp's default is 100 connections for the process): legs
+            # past it would wait here, unseen by the prefill cost, and time out; the legs in flight
+            # are bounded by the requests in flight
+            connector = aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
         sent = {"content-type": "application/json", **{k: headers[k] for k in FORWARDED if k in headers}}
         host = backend.rpartition(":")[0].strip("[]")
         try:
@@ -58,9 +62,9 @@ class PrefillLegs:
                 headers=sent,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as r:
-                raw = await r.content.read(MAX_RESPONSE_BYTES + 1)
                 if not 200 <= r.status < 300:
                     return r.status, None, LegFailure.STATUS
+                raw = await _whole(r.content, MAX_RESPONSE_BYTES + 1)
         except TimeoutError:
             return 0, None, LegFailure.TIMEOUT
         except aiohttp.ClientError:
@@ -75,3 +79,15 @@ class PrefillLegs:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _whole(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body to its end, or its first `limit` bytes: `read(n)` alone returns what has come so
+    far, and a response of several TCP reads (a long prompt's block ids) parsed as cut short."""
+    body = bytearray()
+    while len(body) < limit:
+        chunk = await content.read(limit - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
