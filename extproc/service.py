@@ -148,7 +148,7 @@ async def serve(config: ExtProcConfig, stop: asyncio.Event) -> None:
         cleanup.push_async_callback(stop_tasks, tasks)
         if authz is not None:
             cleanup.callback(authz.close_all)  # after the ports close: no entry comes any more
-        cleanup.push_async_callback(server.stop, STOP_GRACE_S)
+        cleanup.push_async_callback(server.stop, config.stop_grace_s)  # (2 s cut every generation streaming)
         if authz is not None:
             files = (config.grpc_tls_cert_file, config.grpc_tls_key_file, config.grpc_tls_client_ca_file)
             port = await asyncio.get_running_loop().create_server(

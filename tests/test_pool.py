@@ -234,3 +234,45 @@ def test_probes_past_the_rate_take_a_slice_but_a_suspect_at_once():
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_suspect_wakes_a_round_of_its_own_even_when_reported_during_one():
+    """Woken for a suspect, the loop probes the suspect alone (probing every backend at each
+    refused connection counted failures against all of them, dropping one after a blip), and a
+    suspect reported while a round is under way is probed as it ends, not an interval later."""
+    dead = "127.0.0.1:9"
+
+    async def silent(reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # reads, never answers: each probe waits its timeout
+
+    async def scenario() -> tuple[list[str], float, dict[str, int]]:
+        servers = [await asyncio.start_server(silent, "127.0.0.1", 0) for _ in range(5)]
+        others = [f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in servers]
+        dropped: list[str] = []
+        pool = BackendPool([Backend(a) for a in [dead, *others]], dropped.append, unhealthy_after=3)
+        rounds: list[str] = []
+        probe_round = pool._probe_round
+
+        async def recorded(client: PageClient, scheduled: bool = True) -> None:
+            rounds.append("scheduled" if scheduled else "suspects")
+            await probe_round(client, scheduled)
+
+        pool._probe_round = recorded  # type: ignore[method-assign]
+        probes = asyncio.create_task(pool.probe_forever(3600, 0.3))
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.sleep(0.1)  # the first (scheduled) round is under way: its probes wait 0.3 s
+            reported = loop.time()
+            pool.mark_suspect(dead)
+            await _until(lambda: dropped, 100)  # (its own probe confirmed it down)
+            taken = loop.time() - reported
+        finally:
+            await _stop(probes)
+            for server in servers:
+                server.close()
+        return rounds, taken, {a: pool._slow.get(a, 0) + pool._failures.get(a, 0) for a in others}
+
+    rounds, taken, counted = asyncio.run(scenario())
+    assert rounds[:2] == ["scheduled", "suspects"], rounds
+    assert all(count <= 1 for count in counted.values()), counted  # only the scheduled round's
+    assert taken < 2.0, taken  # as the first round ended, not at the next interval (an hour)

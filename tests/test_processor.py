@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from extproc.core.backends import Backend, Role
 from extproc.core.router import Router
 from extproc.core.settings import Settings
+from extproc.envoy import messages as msg
 from extproc.envoy.headers import DESTINATION_HEADER, PENDING_HEADER
 from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
@@ -151,6 +152,18 @@ def test_a_gateway_subset_hint_narrows_the_choice(parts, subset):
         reply = processor.handle(body(), stream)
         assert set_headers(reply.request_body.response.header_mutation)[DESTINATION_HEADER] == B  # no second choice
         assert reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value == B
+
+
+def test_a_subset_hint_is_read_as_the_pool_spells_addresses_and_no_further_than_its_bound():
+    """An IPv6 backend hinted in another spelling is the same backend (it was refused: 503); a
+    hint of millions of entries is split no further than MAX_SUBSET."""
+    v6 = "[fd00::1]:8000"
+    for spelling in ("[FD00::1]:8000", "[fd00:0:0::1]:8000", " [fd00::1]:8000 "):
+        assert msg.subset(with_subset(request_headers(), spelling)) == {v6}
+    assert msg.subset(with_subset(request_headers(), "not an address, 10.0.0.1:x")) == frozenset()
+    huge = ",".join(f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:8000" for i in range(msg.MAX_SUBSET + 50_000))
+    hinted = msg.subset(with_subset(request_headers(), huge))
+    assert hinted is not None and len(hinted) == msg.MAX_SUBSET
 
 
 def test_a_subset_with_no_known_backend_is_answered_503(parts):
@@ -466,7 +479,7 @@ def test_one_stream_decides_once_and_learns_once(parts):
     first = set_headers(processor.handle(body(), stream).request_body.response.header_mutation)[DESTINATION_HEADER]
     chosen = first.split(",")[0]
     # A forged second round on the same stream: headers with end of stream, another body, two responses.
-    assert not processor.handle(request_headers(eos=True), stream).request_headers.response.HasField("header_mutation")
+    assert not processor.handle(request_headers(eos=True), stream).request_headers.response.header_mutation.set_headers
     assert not processor.handle(body(b'{"model": "m", "messages": []}'), stream).request_body.response.HasField(
         "header_mutation"
     )
@@ -611,19 +624,27 @@ def test_full_duplex_failure_at_the_trailers_hands_back_body_and_answers_the_tra
 
 
 def test_full_duplex_failure_at_the_body_end_hands_back_the_whole_body_once(parts):
+    """...and the headers Envoy gets back never keep a destination the client sent: a gateway
+    routes on that header, so a bare continue would send the request where the client said."""
     _, _, _, processor = parts
 
     processor._routing_reply = broken
     whole = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "z" * 1000}]})
+    spoofed = {DESTINATION_HEADER: "169.254.169.254:80"}
     messages = [
-        duplex(request_headers()),
+        duplex(request_headers(**spoofed)),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=whole[:500], end_of_stream=False)),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=whole[500:], end_of_stream=True)),
     ]
     _, _, replies = run_stream(processor, messages)
     assert replies[0].WhichOneof("response") == "request_headers"
+    assert DESTINATION_HEADER in replies[0].request_headers.response.header_mutation.remove_headers
     streamed = [r.request_body.response.body_mutation.streamed_response for r in replies[1:]]
     assert b"".join(s.body for s in streamed) == whole and streamed[-1].end_of_stream
+    # buffered: a failure on the headers themselves
+    processor._on_request_headers = broken  # type: ignore[method-assign]
+    reply = processor.handle(request_headers(**spoofed), Stream()).request_headers.response
+    assert DESTINATION_HEADER in reply.header_mutation.remove_headers
 
 
 @pytest.mark.parametrize("ending", ["last_body_chunk", "trailers", "headers_only"])

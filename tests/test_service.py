@@ -74,3 +74,45 @@ def test_the_open_files_soft_limit_is_raised_to_the_hard_one():
     ).stdout.split()
     soft, hard = int(out[0]), int(out[1])
     assert soft > 256 and (soft == hard or hard == resource.RLIM_INFINITY)
+
+
+def test_a_stopping_ext_proc_lets_an_open_stream_go_on_for_its_grace(tmp_path):
+    """SIGTERM while a gateway's stream is open (a full-duplex stream lasts as long as its
+    response): the stream is still served seconds later, within `stop_grace_s`, and the process
+    exits once it ends. With the former 2 s, every generation still streaming was cut."""
+    import signal
+
+    import grpc
+
+    from bench.harness.processes import free_port, spawn, stop, wait_http
+    from bench.harness.stack import kvroute_command
+    from extproc.envoy.proto import ext_proc_pb2 as pb
+    from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
+
+    grpc_port, admin_port = free_port(), free_port()
+    args = ["--grpc-port", str(grpc_port), "--admin-port", str(admin_port), "--backend", "127.0.0.1:9"]
+    extproc = spawn(kvroute_command("extproc", *args, "--stop-grace-s", "8"), tmp_path / "extproc.log")
+    headers = pb.HttpHeaders(headers=pb.HeaderMap(headers=[pb.HeaderValue(key=":path", raw_value=b"/v1/models")]))
+    reply = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=pb.HeaderMap(headers=[pb.HeaderValue(key=":status", raw_value=b"200")]))
+    )
+
+    async def stream() -> tuple[bool, bool]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(pb.ProcessingRequest(request_headers=headers))
+            first = await call.read()
+            extproc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(3.5)  # past the former 2 s
+            await call.write(reply)
+            later = await call.read()
+            await call.done_writing()
+            return first is not grpc.aio.EOF, later is not grpc.aio.EOF
+
+    try:
+        wait_http(f"http://127.0.0.1:{admin_port}/readyz", process=extproc)
+        answered_first, answered_later = asyncio.run(stream())
+        exited = extproc.wait(10)
+    finally:
+        stop(extproc)
+    assert answered_first and answered_later and exited == 0

@@ -228,7 +228,9 @@ class Stack:
             if self.replica_store_password:
                 args += ["--replica-store-password-file", self._secret("store.password", self.replica_store_password)]
             env = {**(env or os.environ), "KVROUTE_HASH_KEY": self.hash_key}
-        argv = kvroute_command("extproc", *args, *self.extproc_args)
+        # A local stack is stopped within `stop`'s 10 s: its streams get 2 s, as before stop_grace_s
+        # (whose default suits a pod's 25 s after preStop); its own flags may say otherwise.
+        argv = kvroute_command("extproc", *args, "--stop-grace-s", "2", *self.extproc_args)
         process = self._spawn(self.extproc_names[replica], argv, env)
         wait_http(f"http://127.0.0.1:{self.admin_ports[replica]}/readyz", process=process)
 

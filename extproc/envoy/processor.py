@@ -587,7 +587,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             stream.held = None
             end = kind == "request_body" and message.request_body.end_of_stream
             trailers = [msg.CONTINUE[kind]] if kind == "request_trailers" else []  # Envoy waits for it
-            return [msg.CONTINUE_HEADERS, *msg.chunks("request_body", body, end), *trailers]
+            return [msg.STRIP_HEADERS, *msg.chunks("request_body", body, end), *trailers]
         if kind == "request_body" or (kind == "response_body" and stream.response_duplex):
             part = getattr(message, kind)
             return [msg.streamed(kind, part.body, part.end_of_stream)]
@@ -617,7 +617,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     def _on_request_headers(self, message: pb.HttpHeaders, stream: Stream) -> pb.ProcessingResponse:
         if stream.phase is not Phase.HEADERS:  # one stream decides once: a repeated message changes nothing
             self._metrics.errors.labels("repeated_message").inc()
-            return msg.CONTINUE_HEADERS
+            return msg.STRIP_HEADERS
         return self.request_headers(stream, msg.headers(message), message.end_of_stream)
 
     def request_headers(self, stream: Stream, headers: dict[str, str], end_of_stream: bool) -> pb.ProcessingResponse:
@@ -625,12 +625,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         another path or method is passed through to the least loaded backend (PASSED); an LLM
         request without a body is decided now."""
         stream.headers = headers
-        spoofed = DESTINATION_HEADER in headers
-        if spoofed:
+        if DESTINATION_HEADER in headers:
             self._metrics.errors.labels("client_destination_header").inc()
         path = headers.get(":path", "").partition("?")[0]
         if headers.get(":method") != "POST" or not llm_path(path):
-            return self._passed_through(stream, spoofed)
+            return self._passed_through(stream)
         if end_of_stream:
             owner = self._unread(stream)
             owner._metrics.errors.labels("empty_body").inc()
@@ -642,14 +641,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return msg.UNMARKED_HEADERS
         return msg.PENDING_HEADERS
 
-    def _passed_through(self, stream: Stream, spoofed: bool) -> pb.ProcessingResponse:
+    def _passed_through(self, stream: Stream) -> pb.ProcessingResponse:
         """Another path or method: its body is not read and nothing is learned from it, but it
         still gets a destination (the least loaded backend): gateways whose cluster connects only
         where the picker says would otherwise have nowhere to send it."""
         stream.advance(Phase.PASSED)
         target = stream.destination = self._router.least_loaded(self._candidates(stream), self._clock())
-        unrouted = msg.STRIP_HEADERS if spoofed else msg.CONTINUE_HEADERS
-        response = msg.copied(unrouted if target is None else msg.routing("request_headers", target))
+        response = msg.copied(msg.STRIP_HEADERS if target is None else msg.routing("request_headers", target))
         response.mode_override.CopyFrom(msg.PASS_THROUGH)
         return response
 

@@ -76,6 +76,12 @@ class ExtProcConfig:
     max_message_bytes: int = _key(64 * 1024 * 1024, "largest gRPC message (request body) accepted")
     max_stream_age_s: float = _key(3600.0, "an ext_proc stream older than this is closed and its load released")
     max_streams: int = _key(4096, "concurrent ext_proc streams per connection from Envoy")
+    stop_grace_s: float = _key(
+        20.0,
+        "on SIGTERM, seconds the ext_proc streams still open may take to end (a gateway's full-duplex stream "
+        "lasts as long as its response streams; held requests are answered first). Keep it below the pod's "
+        "terminationGracePeriodSeconds less its preStop (60 - 35 in the manifests and chart)",
+    )
     lease_ttl_s: float = _key(300.0, "seconds a /v1/query lease holds its reservation if never released")
     engine_scrape_interval_s: float = _key(
         0.25, "seconds between scrapes of each backend's /metrics (engine load, restarts, KV size); 0: off"

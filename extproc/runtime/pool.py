@@ -137,6 +137,8 @@ class BackendPool:
         if suspect and address in self._unprobed:
             self._unprobed.discard(address)
             self._view = None
+        if address not in self._backends:  # it left while probed: nothing to keep of it
+            return
         if result == UP:
             self.mark(address, True)
         elif result == DOWN:
@@ -154,28 +156,35 @@ class BackendPool:
         if probes_per_s != float("inf"):
             self._rotation.pace(probes_per_s, interval_s)
         client = PageClient(timeout_s)
+        scheduled = True  # the interval's round (else woken for suspects alone)
         try:
             while True:
                 client.keep_only(self._backends)
+                self._wake.clear()  # (before the round: a suspect reported during it wakes the next)
                 try:
-                    await self._probe_round(client)
+                    await self._probe_round(client, scheduled)
                     self.last_probe_error = None
                 except Exception as exc:  # a bug or a surprise must not stop health checking
                     self.probe_errors += 1
                     self.last_probe_error = f"{type(exc).__name__}: {exc}"
                     log.exception("backend probe round failed; probing goes on")
-                self._wake.clear()
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that comes
                 # as the event is set (a suspect marked during shutdown), and the loop never stops
+                scheduled = True
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval_s):
                         await self._wake.wait()
+                        scheduled = False
         finally:
             client.close()
 
-    async def _probe_round(self, client: PageClient) -> None:
+    async def _probe_round(self, client: PageClient, scheduled: bool = True) -> None:
+        """The suspects, and on the interval's round the next slice of every backend. A round
+        woken for a suspect probes it alone: a round of the whole slice at each refused connection
+        Envoy reported counted failures against every other backend meanwhile, dropping one after
+        a blip of milliseconds."""
         suspects, self._suspects = self._suspects, set()
-        backends = self._rotation.take(list(self._backends))
+        backends = self._rotation.take(list(self._backends)) if scheduled else []
         backends += [address for address in suspects if address in self._backends and address not in backends]
         results = await asyncio.gather(*(self._probe(client, a) for a in backends))
         for address, result in zip(backends, results, strict=True):
