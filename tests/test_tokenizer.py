@@ -86,6 +86,27 @@ def test_the_piece_cache_is_bounded(model_dir: Path):
     assert 0 < small.cached_tokens <= 500
 
 
+def test_short_pieces_are_bounded_by_what_their_entries_take_and_a_runaway_render_is_not_tokenized(
+    model_dir: Path,
+):
+    """Thousands of one-word messages: each cached piece counts its entry's own size against the
+    bound (counted by tokens alone, short pieces made it hold 54 bytes a token). And a prompt a
+    template grew far past its request (tools rendered as JSON indented by depth) is left
+    untokenized instead of costing seconds; the same tokens come out of the GIL-free encoder."""
+    from extproc.vllm import tokenizer as module
+
+    small = ChatTokenizer(model_dir, cache_tokens=10_000)
+    for i in range(2_000):
+        small.tokens({"messages": [{"role": "user", "content": f"w{i}"}]})
+    pieces = len(small._cache)
+    assert small.cached_tokens <= 10_000 and pieces <= 10_000 // module.PIECE_TOKENS
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    runaway = "y " * (module.RENDER_SLACK + 10_000)
+    assert not ChatTokenizer._plausible(body, runaway) and ChatTokenizer._plausible(body, "y " * 100)
+    text = "hello there, " * 50
+    assert small._encode(text, False) == small._tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def test_a_missing_tokenizer_keeps_routing_approximate_and_says_why(tmp_path: Path, model_dir: Path):
     router = Router(Settings())
     mode = IndexModeSwitch(router)

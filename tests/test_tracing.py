@@ -182,3 +182,31 @@ def test_time_held_by_flow_control_is_a_span_of_its_own_under_the_route_span(tra
     assert queue.end_time is not None and queue.start_time is not None
     assert queue.end_time - queue.start_time >= 0.04e9
     assert "kvroute.decision" not in (route.attributes or {})  # refused before any decision
+
+
+def test_over_ext_authz_the_route_spans_context_goes_to_the_backend_and_a_models_name_is_cut(traced):
+    """kvroute's default transport answers Envoy with the headers the upstream request gets: the
+    route span's `traceparent` is one of them (Envoy lets it through, bootstrap
+    AUTHZ_UPSTREAM_HEADERS), so vLLM's spans join kvroute's trace there too. A client's model name
+    goes into the span cut to MAX_ATTRIBUTE characters."""
+    import orjson
+    from test_authz import TOKEN, Clock
+    from test_authz import check as authz_check
+
+    from extproc.envoy.authz import Authz
+    from extproc.envoy.bootstrap import AUTHZ_UPSTREAM_HEADERS
+    from extproc.runtime.tracing import MAX_ATTRIBUTE
+
+    router, pool, tracer, exporter = traced
+    metrics = Metrics(router, pool)
+    clock = Clock()
+    processor = Processor(router, pool, metrics, clock=clock, tracer=tracer)
+    authz = Authz(processor, metrics, TOKEN, clock, max_age_s=60.0)
+    model = "m" * 10_000
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    status, headers, _ = authz_check(authz, body, {"traceparent": TRACEPARENT})
+    assert status == 200 and "traceparent" in AUTHZ_UPSTREAM_HEADERS
+    assert headers["traceparent"].split("-")[1] == TRACE_ID and headers["traceparent"] != TRACEPARENT
+    authz.close_all()
+    span = finished(exporter, "kvroute.route")
+    assert span.attributes is not None and span.attributes["gen_ai.request.model"] == model[:MAX_ATTRIBUTE]

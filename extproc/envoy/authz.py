@@ -37,7 +37,7 @@ import msgpack
 from extproc.envoy import messages as msg
 from extproc.envoy.calls import Call, CallProtocol, answer
 from extproc.envoy.ends import BACKSTOP_FIELD, RECORD_LIMITS, EndsProtocol, Sniffer
-from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
+from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX, TRACE_HEADERS
 from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
@@ -187,6 +187,8 @@ class Authz:
         router = owner.router
         router.sent(exchange, self._clock())
         routed.append((EXCHANGE_HEADER, key))
+        if stream.span is not None:  # the route span's context, for the backend's own spans to join
+            routed += [(name, stream.headers[name]) for name in TRACE_HEADERS if name in stream.headers]
         if router.settings.decision_headers and exchange.request is not None:  # (none when unread)
             backend = exchange.decision.backend
             routed += router.decision_headers(exchange, backend, exchange.predicted_blocks)

@@ -32,6 +32,7 @@ from extproc.envoy.headers import (
     LLM_PATHS,
     PENDING_HEADER,
     ROUTE_PREFIX,
+    TRACE_HEADERS,
 )
 
 BODY_LIMIT = 32 * 1024 * 1024
@@ -103,7 +104,7 @@ DESTINATION_SOURCES: dict[str, dict[str, Any]] = {
 BACKEND_CLUSTERS = ("override_host", "original_dst")
 TRANSPORTS = ("ext_proc", "ext_authz")
 # What an ext_authz answer may set: on the upstream request, and on the client's response.
-AUTHZ_UPSTREAM_HEADERS = (DESTINATION_HEADER, EXCHANGE_HEADER)
+AUTHZ_UPSTREAM_HEADERS = (DESTINATION_HEADER, EXCHANGE_HEADER, *TRACE_HEADERS)  # (the route span's context)
 AUTHZ_CLIENT_HEADERS = (
     "x-kvroute-decision",
     "x-kvroute-backend",

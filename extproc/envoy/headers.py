@@ -17,6 +17,8 @@ PENDING_HEADER = "x-kvroute-pending"
 # The ext_authz transport (authz.py): names the exchange a request's access-log entry ends. kvroute
 # sets it on the upstream request; a client-supplied copy is stripped like the destination's.
 EXCHANGE_HEADER = "x-kvroute-exchange"
+# W3C trace context: a client's continued by kvroute's route span, whose own goes on to the backend.
+TRACE_HEADERS = ("traceparent", "tracestate")
 # Its check requests' path: this prefix, then the request's own path (Envoy's path_prefix).
 ROUTE_PREFIX = "/kvroute/route"
 # The requests kvroute routes by their prompt (POST): any other path or method is not read.

@@ -23,8 +23,10 @@ from opentelemetry.trace import Span, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from extproc.core.decision import Decision
+from extproc.envoy.headers import TRACE_HEADERS
 
-PROPAGATED = ("traceparent", "tracestate")
+PROPAGATED = TRACE_HEADERS
+MAX_ATTRIBUTE = 256  # characters of a client-chosen string kept in a span
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -81,8 +83,8 @@ class RequestTracer:
             attributes["kvroute.backend"] = decision.backend
         if decision.second is not None:
             attributes["kvroute.second"] = decision.second
-        if model is not None:
-            attributes["gen_ai.request.model"] = model
+        if model is not None:  # (the client's string: a 4 MB one would stay in the export queue)
+            attributes["gen_ai.request.model"] = model[:MAX_ATTRIBUTE]
         span.set_attributes(attributes)
 
     @staticmethod

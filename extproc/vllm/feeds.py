@@ -108,6 +108,6 @@ class EngineCollector(Collector):
         tokenizer = feeds.index_mode.tokenizer
         yield GaugeMetricFamily(
             "kvroute_tokenizer_cached_tokens",
-            "tokens of message pieces in the precise tokenizer's cache",
+            "tokens of message pieces in the precise tokenizer's cache, each piece counted 50 more (its bound)",
             value=0 if tokenizer is None else tokenizer.cached_tokens,
         )
