@@ -200,6 +200,17 @@ def test_only_publishers_on_the_backends_own_host_are_followed():
     assert sources({"0": {**config, "publisher": "null", "endpoint": "tcp://*:1"}}, "h:1")[0] == []
 
 
+def _publisher_and_reader() -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket, zmq.Socket[bytes]]:
+    """A PUB socket on loopback and a plain SUB socket (as `_consume` reads) subscribed to it."""
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub: zmq.Socket[bytes] = zmq.Socket(context, zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    return context, pub, sub
+
+
 def test_batches_are_read_in_bursts_and_a_quiet_socket_is_woken_by_the_next_one():
     """The reader drains what is queued (in order, `BURST_MAX` at a time), waits its gap
     after a burst, and on a quiet socket sleeps until ZMQ has news: each batch sent after a quiet
@@ -207,12 +218,7 @@ def test_batches_are_read_in_bursts_and_a_quiet_socket_is_woken_by_the_next_one(
     watching nothing."""
 
     async def scenario() -> tuple[list[int], int]:
-        context = zmq.asyncio.Context()
-        pub = context.socket(zmq.PUB)
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        sub: zmq.Socket[bytes] = zmq.Socket(context, zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-        sub.connect(f"tcp://127.0.0.1:{port}")
+        context, pub, sub = _publisher_and_reader()
         seen: list[int] = []
 
         async def read() -> None:
@@ -277,12 +283,7 @@ def test_a_burst_whose_batches_take_long_to_apply_gives_the_loop_its_turns():
     BURST_MAX of them."""
 
     async def scenario() -> list[int]:
-        context = zmq.asyncio.Context()
-        pub = context.socket(zmq.PUB)
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        sub: zmq.Socket[bytes] = zmq.Socket(context, zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-        sub.connect(f"tcp://127.0.0.1:{port}")
+        context, pub, sub = _publisher_and_reader()
         seen: list[int] = []
         turns: list[int] = []  # how many batches were applied when the loop's other work ran
         try:

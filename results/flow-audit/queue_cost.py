@@ -6,8 +6,6 @@ Run from the checkout: .venv/bin/python results/flow-audit/queue_cost.py REV
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,16 +13,7 @@ from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-
-def module(source: str, name: str) -> ModuleType:
-    path = Path(f"/tmp/{name}.py")
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[name] = loaded
-    spec.loader.exec_module(loaded)
-    return loaded
+from bench.harness.revisions import module_at, module_now
 
 
 def costs(flow: ModuleType, size: int) -> tuple[float, int, float]:
@@ -43,8 +32,8 @@ def costs(flow: ModuleType, size: int) -> tuple[float, int, float]:
     return room, evicted, (time.perf_counter() - started) * 1e3
 
 
-old = module(subprocess.check_output(["git", "show", f"{sys.argv[1]}:extproc/core/flow.py"], text=True), "flow_old")
-new = module(Path("extproc/core/flow.py").read_text(), "flow_new")
+old = module_at(sys.argv[1], "extproc/core/flow.py", "flow_old")
+new = module_now("extproc/core/flow.py", "flow_new")
 for size in (1024, 4096):
     for label, flow in (("before", old), ("after", new)):
         room, evicted, passed = costs(flow, size)

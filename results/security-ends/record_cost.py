@@ -8,8 +8,6 @@ Run from the checkout: .venv/bin/python results/security-ends/record_cost.py [RE
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,15 +17,7 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-
-def module(source: str, name: str) -> ModuleType:
-    path = Path(f"/tmp/{name}.py")
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
+from bench.harness.revisions import module_at, module_now
 
 
 class _Transport(asyncio.Transport):
@@ -50,8 +40,8 @@ def per_record(ends: ModuleType, batch: int, messages: int) -> float:
 
 
 revision = sys.argv[1] if len(sys.argv) > 1 else "HEAD~1"
-old = module(subprocess.check_output(["git", "show", f"{revision}:extproc/envoy/ends.py"], text=True), "ends_old")
-new = module(Path("extproc/envoy/ends.py").read_text(), "ends_new")
+old = module_at(revision, "extproc/envoy/ends.py", "ends_old")
+new = module_now("extproc/envoy/ends.py", "ends_new")
 for round_ in range(3):
     for label, ends in (("before", old), ("after", new)):
         one = per_record(ends, 1, 50_000)
