@@ -537,3 +537,31 @@ def test_a_session_sent_bound_is_put_back_when_its_request_is_not_served():
     served = router.begin(chat([], "s", "four"), [Backend(B)], 5)
     router.sent(served, 5)
     assert router.response_started(served, ok(B), 6).learned and router.sessions.get("session:s", 6) == B
+
+
+def test_backends_replaced_by_the_thousand_leave_nothing_behind_but_a_bounded_memory():
+    """A rollout replaces every backend, each reporting its size, serving, and leaving while its
+    request still streams (it ends afterwards): the tables keyed by backend keep the last
+    GONE_MOST departed (a flapping backend comes back with its size known), not all of them, and
+    the reuse sums of departed backends add up in one `departed` entry."""
+    from extproc.core.attribution import DEPARTED
+    from extproc.core.departures import GONE_MOST
+    from extproc.core.engine import EngineSample
+
+    router = make_router()
+    for i in range(GONE_MOST + 2_000):
+        backend = f"10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000"
+        router.engine_sample(backend, EngineSample(0, 0, 0.0, 1.0, 262_144, 16, 1000.0 + i), float(i))
+        exchange = router.begin(chat([], None, f"q{i}"), [Backend(backend)], float(i))
+        router.response_started(exchange, ok(backend), float(i))
+        router.engine_reported(exchange, 100)
+        router.remove_backend(backend)
+        exchange.end()
+    assert len(router._kv_tokens) <= GONE_MOST and len(router.index._capacities) <= GONE_MOST
+    assert router.bytes_per_token.sent == {}
+    attribution = router.attribution
+    for sums in (attribution.routed, attribution.reported, attribution.reported_routed):
+        assert set(sums) <= {DEPARTED}
+    assert attribution.reported[DEPARTED] == 100 * (GONE_MOST + 2_000)  # (counters: nothing lost)
+    last, first = backend, "10.0.0.0:8000"
+    assert router._kv_tokens.get(last) == 262_144 and first not in router._kv_tokens  # kept a while, then not

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from extproc.core.decision import Decision
 
+DEPARTED = "departed"  # the sums of backends that left the pool, as one
+
 
 class ReuseAttribution:
     """The three sums, kept as counters."""
@@ -63,8 +65,14 @@ class ReuseAttribution:
             self.delivered[backend] = self.delivered.get(backend, 0.0) + hits - before
 
     def forget(self, backend: str) -> None:
-        """The backend left the pool: its counter's next value starts over (its sums stay: counters)."""
+        """The backend left the pool: its counter's next value starts over, and its sums go into
+        DEPARTED's (they are counters: their totals must not go back, and a table keyed by every
+        backend a rollout ever replaced would grow for good)."""
         self._hits.pop(backend, None)
+        for sums in (self.routed, self.delivered, self.reported, self.reported_routed):
+            tokens = sums.pop(backend, None)
+            if tokens:
+                sums[DEPARTED] = sums.get(DEPARTED, 0.0) + tokens
 
     def state(self) -> dict[str, float | None]:
         """The sums and the ratios, for /debug/state (None before anything was served)."""

@@ -18,6 +18,8 @@ sees every replica's requests.
 
 from __future__ import annotations
 
+from extproc.core.departures import RecentlyLeft
+
 DEFAULT_BYTES_PER_TOKEN = 4.0
 LOWEST, HIGHEST = 1.0, 16.0  # beyond these an observation is a measurement error, not a tokenizer
 WEIGHT = 0.1  # decay of the sums per window: about the last ten windows count
@@ -30,7 +32,7 @@ class BytesPerToken:
     the CBR bytes of requests that ended on each backend and the prompt tokens its engine counted
     for finished requests, both taken when requests end so the two sums line up."""
 
-    __slots__ = ("_bytes", "_pending_bytes", "_tokens", "_total_tokens", "sent", "value")
+    __slots__ = ("_bytes", "_left", "_pending_bytes", "_tokens", "_total_tokens", "sent", "value")
 
     def __init__(self, value: float = DEFAULT_BYTES_PER_TOKEN) -> None:
         self.value = value
@@ -39,9 +41,14 @@ class BytesPerToken:
         self._bytes = PRIOR_TOKENS * value  # decayed sums over windows, from the prior
         self._total_tokens = float(PRIOR_TOKENS)
         self.sent: dict[str, int] = {}  # CBR bytes of this replica's requests that ended, per backend, ever
+        # backends that left: their requests still streaming then end later, and must not bring
+        # their entries back (one more for every backend a rollout replaced)
+        self._left = RecentlyLeft()
 
     def ended(self, backend: str, cbr_bytes: int) -> None:
         """A request of this many CBR bytes that this replica sent to the backend ended."""
+        if backend in self._left:
+            return
         self.sent[backend] = self.sent.get(backend, 0) + cbr_bytes
         self.add(backend, cbr_bytes)
 
@@ -52,6 +59,7 @@ class BytesPerToken:
 
     def engine_tokens(self, backend: str, prompt_tokens: float) -> None:
         """The engine's prompt-token counter, from one of its samples."""
+        self._left.back(backend)  # (in the pool again: its engine is sampled)
         before = self._tokens.get(backend)
         if before is None or prompt_tokens < before:  # first sample, or a restarted engine
             self._tokens[backend] = prompt_tokens
@@ -70,3 +78,4 @@ class BytesPerToken:
         self._pending_bytes.pop(backend, None)
         self._tokens.pop(backend, None)
         self.sent.pop(backend, None)
+        self._left.left(backend)

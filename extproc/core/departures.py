@@ -56,3 +56,30 @@ class Departures(Generic[K, V]):
         for key in [key for key, value in table.items() if backend_of(value) in backends]:
             del table[key]
         self._gone -= backends
+
+
+class RecentlyLeft:
+    """The last `most` backends that left, oldest first: a table keyed by backend keeps what it
+    knows of one that may come back (a health flap, a restart) for this long, and no longer, so a
+    rollout that replaces thousands over time leaves nothing behind."""
+
+    __slots__ = ("_left", "_most")
+
+    def __init__(self, most: int = GONE_MOST) -> None:
+        self._most = most
+        self._left: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, backend: str) -> bool:
+        return backend in self._left
+
+    def left(self, backend: str) -> str | None:
+        """The backend left; returns the one past the bound (whose entries go now), if any."""
+        self._left[backend] = None
+        self._left.move_to_end(backend)
+        if len(self._left) > self._most:
+            return self._left.popitem(last=False)[0]
+        return None
+
+    def back(self, backend: str) -> None:
+        """It is in the pool again."""
+        self._left.pop(backend, None)

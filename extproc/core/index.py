@@ -280,6 +280,10 @@ class LocalIndex:
             self._next_vacuum = now + self._ttl
         return added
 
+    def forget_capacity(self, backend: str) -> None:
+        """The size a backend reported no longer holds (it left long ago): the default again."""
+        self._capacities.pop(backend, None)
+
     def remove_backend(self, backend: str) -> None:
         self._room.pop(backend, None)
         blocks = self._backends.pop(backend, None)

@@ -110,6 +110,10 @@ class IndexMode(Protocol):
         """The backend reported its KV cache size."""
         ...
 
+    def forget_capacity(self, backend: str) -> None:
+        """The size the backend reported is forgotten (it left, long enough ago)."""
+        ...
+
     def make_room(self, backend: str, held: Sequence[int], blocks: int) -> Room | None:
         """A request is prefilling on the backend, to be learned only later (a transport that
         reports a request's end, not its response's start): it uses the prefix `held` there and
@@ -213,6 +217,9 @@ class ApproximateMode:
     def set_capacity(self, backend: str, kv_tokens: int) -> None:
         if self.settings.capacity_auto:
             self.index.set_capacity(backend, self._blocks(kv_tokens))
+
+    def forget_capacity(self, backend: str) -> None:
+        self.index.forget_capacity(backend)
 
     def make_room(self, backend: str, held: Sequence[int], blocks: int) -> Room:
         """The engine uses the prefix and evicts for the new blocks at the prefill: so does the
@@ -328,6 +335,9 @@ class PreciseMode:
 
     def set_capacity(self, backend: str, kv_tokens: int) -> None:
         """The engine's events bound the picture: its size is not needed."""
+
+    def forget_capacity(self, backend: str) -> None:
+        """(Nothing kept.)"""
 
     def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
         """The engine's events report what its prefill evicts, when it does."""

@@ -19,6 +19,7 @@ from extproc.core.backends import Backend, Role
 from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
 from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
+from extproc.core.departures import RecentlyLeft
 from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
 from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
 from extproc.core.homes import PrefixHomes
@@ -43,6 +44,7 @@ class Router:
     __slots__ = (
         "_kv_tokens",
         "_last_now",
+        "_left",
         "_shared",
         "_starts",
         "_turn",
@@ -73,6 +75,7 @@ class Router:
         self.replicas: ReplicaLink | None = None  # sibling replicas to tell what is learned and bound
         self.stats = Stats()
         self._kv_tokens: dict[str, int] = {}
+        self._left = RecentlyLeft()  # backends that left, whose reported sizes are kept a while
         self.bytes_per_token = BytesPerToken()  # CBR bytes per engine token, learned from engine samples
         self.trust = PredictionTrust()  # approximate mode: how far each backend's picture holds, per its engine
         self.ttft = TTFTModel()  # each backend's time to first token in the work ahead (ttft.py)
@@ -150,6 +153,7 @@ class Router:
         """A backend reported its KV cache size in tokens; with `capacity_auto`, the approximate
         picture of it is sized by it. The size is kept, so a later change of settings can re-derive it."""
         self._kv_tokens[backend] = kv_tokens
+        self._left.back(backend)
         self.mode.set_capacity(backend, kv_tokens)
 
     def parse(self, body: bytes | str | Mapping[str, Any], headers: Mapping[str, str]) -> PromptRequest:
@@ -538,6 +542,10 @@ class Router:
         self.bytes_per_token.forget(backend)
         self.ttft.forget(backend)
         self.attribution.forget(backend)
+        forgotten = self._left.left(backend)  # its reported size kept while it may come back
+        if forgotten is not None:
+            self._kv_tokens.pop(forgotten, None)
+            self.mode.forget_capacity(forgotten)
 
     def reset_backend(self, backend: str, reason: Reset | None, emptied_after: float | None = None) -> None:
         """The backend's cache is not what kvroute believed (restarted, cleared, events lost): drop
