@@ -10,6 +10,7 @@ from google.protobuf.struct_pb2 import Struct
 from prometheus_client import CollectorRegistry
 
 from extproc.core.backends import Backend, Role
+from extproc.core.decision import Label
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy import messages as msg
@@ -253,6 +254,30 @@ def test_an_llm_path_spelled_otherwise_is_read_as_the_engine_would_read_it(parts
         stream = Stream()
         processor.handle(request_headers(path), stream)
         assert (stream.phase is Phase.BODY) is read, path
+
+
+def test_every_path_vllm_generates_on_is_asked_about(parts):
+    """vLLM serves generation on more paths than the two OpenAI ones: `/invocations` (SageMaker's,
+    always served, chat or completions bodies) is routed by its prompt; `/v1/responses` and the
+    others are read (least loaded, counted), and refused where an engine acts on transfer
+    parameters. Round robin past kvroute, they escaped flow control, load and that rule."""
+    router, _, metrics, processor = parts
+    stream = Stream()
+    processor.handle(request_headers("/invocations"), stream)
+    reply = processor.handle(body(), stream)
+    assert DESTINATION_HEADER in set_headers(reply.request_body.response.header_mutation)
+    assert router.stats.decisions[Label.LEAST_LOADED] + router.stats.decisions[Label.PREFIX_MATCH] >= 1
+    responses = orjson.dumps({"model": "m", "input": "hi", "kv_transfer_params": {"remote_host": "10.9.9.9"}})
+    for path in ("/v1/responses", "/v1/messages", "/inference/v1/generate"):
+        stream = Stream()
+        processor.handle(request_headers(path), stream)
+        assert stream.phase is Phase.BODY, path
+    split = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool([Backend(A, role=Role.PREFILL), Backend(B)], split.remove_backend, 2)
+    refusing = Processor(split, pool, Metrics(split, pool), clock=lambda: 100.0)
+    stream = Stream()
+    refusing.handle(request_headers("/v1/responses"), stream)
+    assert refusing.handle(body(responses), stream).immediate_response.status.code == 400
 
 
 def test_a_request_that_may_be_held_is_marked_pending_until_decided(parts):

@@ -21,5 +21,18 @@ EXCHANGE_HEADER = "x-kvroute-exchange"
 TRACE_HEADERS = ("traceparent", "tracestate")
 # Its check requests' path: this prefix, then the request's own path (Envoy's path_prefix).
 ROUTE_PREFIX = "/kvroute/route"
-# The requests kvroute routes by their prompt (POST): any other path or method is not read.
-LLM_PATHS = ("/v1/chat/completions", "/v1/completions")
+# The requests kvroute is asked about (POST): every path on which vLLM's server generates text. The
+# first three carry chat or completions bodies, routed by their prompt (`/invocations` is the
+# SageMaker route, which vLLM always serves, to the same handlers); the others' bodies kvroute does
+# not read as prompts: they go least loaded, and where an engine may act on transfer parameters
+# they are refused (processor._refuses_unread). Any other path or method is not read. Until
+# 2026-12-07 only the first two were asked, and the rest went round robin, unseen by flow control,
+# load and the transfer-parameter rule.
+LLM_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/invocations",
+    "/v1/responses",
+    "/v1/messages",
+    "/inference/v1/generate",
+)
