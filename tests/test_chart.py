@@ -503,10 +503,29 @@ def test_picker_mode_refuses_values_that_cannot_work(helm, tmp_path, values, mes
 
 
 def test_the_vllm_pods_admit_envoy_and_the_ext_proc_only(helm, tmp_path):
-    chart = template(helm, tmp_path)
-    vllm = next(d for d in chart if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "kvroute-vllm")
-    peers = [p["podSelector"]["matchLabels"][COMPONENT] for r in vllm["spec"]["ingress"] for p in r["from"]]
-    assert sorted(peers) == ["envoy", "extproc"]  # the ext_proc reads health, metrics and KV events
+    """Each fleet the release routes to (its policy's, each policy.extra's, the InferencePool's in
+    picker mode) admits the gateway (this release's Envoy, else the gateway namespace), the
+    ext_proc (health, metrics, KV events) and its own pods (prefill/decode KV transfers)."""
+
+    def admitted(values: dict[str, Any]) -> dict[str, list[object]]:
+        policies = [d for d in template(helm, tmp_path, values) if d["kind"] == "NetworkPolicy"]
+        fleets = [p for p in policies if p["metadata"]["name"].startswith("kvroute-vllm")]
+        return {
+            p["metadata"]["name"]: [
+                peer.get("podSelector", {}).get("matchLabels", {}).get(COMPONENT)
+                or peer.get("podSelector", {}).get("matchLabels")
+                or peer["namespaceSelector"]["matchLabels"]
+                for rule in p["spec"]["ingress"]
+                for peer in rule["from"]
+            ]
+            for p in fleets
+        }
+
+    assert admitted({}) == {"kvroute-vllm": ["envoy", "extproc", {"app": "vllm"}]}
+    extra = {"policy": {"extra": [{"name": "code", "selector": {"matchLabels": {"app": "vllm-code"}}}]}}
+    assert admitted(extra)["kvroute-vllm-code"] == ["envoy", "extproc", {"app": "vllm-code"}]
+    gateway = {"kubernetes.io/metadata.name": "envoy-gateway-system"}
+    assert admitted(PICKER) == {"kvroute-vllm": [gateway, "extproc", {"app": "vllm"}]}
 
 
 def test_a_tokenizer_volume_is_mounted_read_only_for_precise_mode(helm, tmp_path):
