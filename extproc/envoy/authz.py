@@ -37,10 +37,11 @@ import msgpack
 from extproc.envoy import messages as msg
 from extproc.envoy.calls import Call, CallProtocol, answer
 from extproc.envoy.ends import BACKSTOP_FIELD, RECORD_LIMITS, EndsProtocol, Sniffer
-from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX, TRACE_HEADERS
+from extproc.envoy.headers import DESTINATION_HEADER, EXCHANGE_HEADER, ROUTE_PREFIX
 from extproc.envoy.processor import Phase, Processor, Stream
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.runtime.metrics import Metrics
+from extproc.runtime.tracing_wanted import TRACE_HEADERS
 
 log = logging.getLogger(__name__)
 

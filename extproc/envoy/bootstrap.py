@@ -32,8 +32,8 @@ from extproc.envoy.headers import (
     LLM_PATHS,
     PENDING_HEADER,
     ROUTE_PREFIX,
-    TRACE_HEADERS,
 )
+from extproc.runtime.tracing_wanted import TRACE_HEADERS
 
 BODY_LIMIT = 32 * 1024 * 1024
 MAX_CONNECTIONS = 50_000

@@ -17,8 +17,6 @@ PENDING_HEADER = "x-kvroute-pending"
 # The ext_authz transport (authz.py): names the exchange a request's access-log entry ends. kvroute
 # sets it on the upstream request; a client-supplied copy is stripped like the destination's.
 EXCHANGE_HEADER = "x-kvroute-exchange"
-# W3C trace context: a client's continued by kvroute's route span, whose own goes on to the backend.
-TRACE_HEADERS = ("traceparent", "tracestate")
 # Its check requests' path: this prefix, then the request's own path (Envoy's path_prefix).
 ROUTE_PREFIX = "/kvroute/route"
 # The requests kvroute is asked about (POST): every path on which vLLM's server generates text. The

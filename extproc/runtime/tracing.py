@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from extproc.core.decision import Decision
-from extproc.envoy.headers import TRACE_HEADERS
+from extproc.runtime.tracing_wanted import TRACE_HEADERS
 
 PROPAGATED = TRACE_HEADERS
 MAX_ATTRIBUTE = 256  # characters of a client-chosen string kept in a span

@@ -7,6 +7,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+# W3C trace context: a client's is continued by kvroute's route span, whose own goes on to the
+# backend (here, not in tracing.py: the Envoy bootstrap names them without importing the SDK).
+TRACE_HEADERS = ("traceparent", "tracestate")
+
 log = logging.getLogger(__name__)
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
