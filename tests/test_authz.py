@@ -189,6 +189,21 @@ def test_requests_no_engine_holds_whose_entry_never_came_are_released(parts: Any
     assert errors(metrics, "unknown_exchange") == 1
 
 
+def test_a_sweep_does_not_bring_back_a_backend_that_left(parts: Any):
+    """A backend removed while one of its requests is open: the sweep looks its load up without
+    making one, so its metric series and its entry in the replica store's vector do not return
+    (they did, for every backend a rollout replaced, for the process's life)."""
+    router, pool, _, _, authz = parts
+    _, headers, _ = check(authz, BODY)
+    backend = headers[DESTINATION_HEADER]
+    router.remove_backend(backend)
+    assert backend not in router.loads.snapshot()
+    authz.sweep()
+    assert backend not in router.loads.snapshot()
+    authz.close_all()
+    assert backend not in router.loads.snapshot()
+
+
 def test_without_the_token_nothing_is_decided(parts: Any):
     router, _, metrics, _, authz = parts
     status, _, _ = check(authz, BODY, {"authorization": "Bearer forged"})

@@ -65,6 +65,40 @@ def test_unknown_keys_and_bad_settings_are_errors(tmp_path):
         config.load(parse(["--block-size", "12"]), {})
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("routing: {decision_headers: 'false'}\n", "decision_headers must be true or false"),  # was on
+        ("kv_events: 'false'\n", "kv_events must be true or false"),
+        ("routing: {block_size: 512.0}\n", "block_size must be a whole number"),  # each request failed later
+        ("routing: {location_ttl_s: .nan}\n", "location_ttl_s must be a finite number"),
+        ("health_interval_s: .nan\n", "health_interval_s must be a finite number"),  # the probes died
+        ("max_stream_age_s: -1\n", "max_stream_age_s must be greater than 0"),  # every stream was cut
+        ("lease_ttl_s: 0\n", "lease_ttl_s must be greater than 0"),
+        ("unhealthy_after: 0\n", "unhealthy_after must be at least 1"),
+        ("grpc_port: 70000\n", "grpc_port must be at most 65535"),
+        ("admin_port: 9002\n", "ports must differ"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_or_past_its_bounds_is_refused_at_start(tmp_path, text, message):
+    """A YAML file hands values over as written, past the text parsers: each is checked for its
+    kind and bounds when the configuration is made, as flags and the environment are."""
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        config.load(parse(["--config", str(path)]), {})
+
+
+def test_not_a_number_from_the_environment_is_refused():
+    for name in ("KVROUTE_LOCATION_TTL_S", "KVROUTE_SATURATION_KV_USAGE", "KVROUTE_HEALTH_INTERVAL_S"):
+        with pytest.raises(ValueError, match="finite number|must be a number"):
+            config.load(parse([]), {name: "nan"})
+    with pytest.raises(ValueError, match="finite number"):
+        config.load(parse([]), {"KVROUTE_SESSION_TTL_S": "inf"})
+    with pytest.raises(ValueError, match="hash_key must be 32 hex digits"):
+        config.load(parse([]), {"KVROUTE_HASH_KEY": "not-hex-" * 4})
+
+
 def test_a_replica_store_needs_a_hash_key_every_replica_shares():
     with pytest.raises(ValueError, match="explicit hash_key"):
         config.load(parse(["--replica-store", "redis://127.0.0.1:6379/0"]), {})

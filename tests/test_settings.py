@@ -68,8 +68,11 @@ def test_every_setting_has_a_flag_and_an_environment_variable():
     assert all(getattr(loaded, name) == value for name, value in numbers.items())
 
 
-def _number(f: dataclasses.Field) -> float:
-    """A value other than the default that the setting's bounds allow: 8, or half the maximum."""
+def _number(f: dataclasses.Field) -> float | bool:
+    """A value other than the default that the setting's kind and bounds allow: a switch turned
+    the other way; else 8, or half the maximum."""
+    if f.metadata["kind"] is bool:
+        return not f.default
     bounds = f.metadata["bounds"]
     return 8 if bounds is None or bounds.maximum is None or bounds.maximum >= 8 else bounds.maximum / 2
 

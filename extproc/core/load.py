@@ -234,6 +234,10 @@ class LoadTracker:
     def __init__(self) -> None:
         self._loads: dict[str, BackendLoad] = {}
 
+    def known(self, backend: str) -> BackendLoad | None:
+        """The backend's load if it has any here (never made: looking must not bring back one that left)."""
+        return self._loads.get(backend)
+
     def get(self, backend: str) -> BackendLoad:
         load = self._loads.get(backend)
         if load is None:

@@ -8,6 +8,7 @@ operator and follower accept (policy.py), and the generated docs/settings.md and
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -27,6 +28,8 @@ class Bounds:
     multiple_of: int | None = None
 
     def check(self, name: str, value: float) -> None:
+        if value != value:  # NaN: every comparison below would let it through
+            raise ValueError(f"{name} must be a number, got {value}")
         if self.minimum is not None:
             low = value <= self.minimum if self.exclusive_minimum else value < self.minimum
             if low:
@@ -36,6 +39,18 @@ class Bounds:
             raise ValueError(f"{name} must be at most {self.maximum}, got {value}")
         if self.multiple_of is not None and value % self.multiple_of:
             raise ValueError(f"{name} must be a multiple of {self.multiple_of}, got {value}")
+
+
+def check_kind(name: str, kind: type, value: Any) -> None:
+    """A setting's value is of its type (a YAML file or a policy hands values over as they are
+    written: `"false"` is true, 512.0 no block count): booleans are booleans, whole numbers whole,
+    other numbers finite."""
+    if kind is bool and not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 POSITIVE = Bounds(minimum=0, exclusive_minimum=True)
@@ -156,7 +171,12 @@ def _tenant_header(value: Any) -> str:
 
 
 def _hex_key(value: Any) -> Any:
-    return bytes.fromhex(value) if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError("hash_key must be 32 hex digits") from None
 
 
 def _blocks_or_auto(value: Any) -> dict[str, Any]:
@@ -594,6 +614,7 @@ class Settings:
             if normalize is not None:
                 object.__setattr__(self, f.name, normalize(getattr(self, f.name)))
             value = getattr(self, f.name)
+            check_kind(f.name, f.metadata["kind"], value)
             bounds = f.metadata["bounds"]
             if bounds is not None:
                 bounds.check(f.name, value)

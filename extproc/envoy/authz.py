@@ -287,7 +287,9 @@ class Authz:
                 by_backend.setdefault((self._processor.owner_of(stream), backend), []).append((decided, key))
         lost = []
         for (owner, backend), opened in by_backend.items():
-            load = owner.router.loads.get(backend)
+            load = owner.router.loads.known(backend)
+            if load is None:  # it left (its load with it); the age limit still ends these
+                continue
             old = sorted(item for item in opened if item[0] < load.engine_at - UNREPORTED_S)
             lost += [key for _, key in old[: max(0, len(old) - load.engine_requests)]]
         return lost

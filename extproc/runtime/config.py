@@ -18,11 +18,15 @@ from typing import Any
 import yaml
 
 from extproc.core.backends import Backend, Role, parse_address
-from extproc.core.settings import Settings, text_parser
+from extproc.core.settings import NON_NEGATIVE, POSITIVE, Bounds, Settings, check_kind, text_parser
 
 
-def _key(default: Any, text: str) -> Any:
-    return field(default=default, metadata={"help": text})
+def _key(default: Any, text: str, bounds: Bounds | None = None) -> Any:
+    return field(default=default, metadata={"help": text, "bounds": bounds})
+
+
+PORT = Bounds(minimum=0, maximum=65_535)
+COUNT = Bounds(minimum=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,17 +34,18 @@ class ExtProcConfig:
     """Everything `kvroute extproc` needs to run; each process key declared once, with its help."""
 
     grpc_host: str = _key("127.0.0.1", "ext_proc listen address")
-    grpc_port: int = _key(9002, "ext_proc gRPC port")
+    grpc_port: int = _key(9002, "ext_proc gRPC port", PORT)
     authz_port: int = _key(
         0,
         "ext_authz HTTP port, the faster transport (Envoy asks each request's route over HTTP/1.1 and its "
         "access log reports each end to the same port; docs/envoy.md), with the gRPC port's TLS files if "
         "given; 0: off. With replica_store, each request's end reaches the replica that decided it through the store",
+        PORT,
     )
     admin_host: str = _key("127.0.0.1", "admin HTTP listen address")
-    admin_port: int = _key(9003, "monitoring HTTP port: /metrics, /healthz, /readyz (read-only, no auth)")
+    admin_port: int = _key(9003, "monitoring HTTP port: /metrics, /healthz, /readyz (read-only, no auth)", PORT)
     control_host: str = _key("127.0.0.1", "control HTTP listen address")
-    control_port: int = _key(0, "control HTTP port: /v1/query, /v1/notify, /v1/release, /debug/state; 0: off")
+    control_port: int = _key(0, "control HTTP port: /v1/query, /v1/notify, /v1/release, /debug/state; 0: off", PORT)
     control_token_file: str = _key("", "file holding the control port's bearer token (required with control_port)")
     grpc_token_file: str = _key(
         "", "file holding the token Envoy must send as `authorization: Bearer` gRPC metadata; empty: no check"
@@ -65,31 +70,38 @@ class ExtProcConfig:
         "ip:port of each vLLM server, ip:port@ROLE in a disaggregated fleet (prefill, decode, both; `--backend` "
         "repeatable; a list in YAML)",
     )
-    health_interval_s: float = _key(2.0, "seconds between backend /health probes")
+    health_interval_s: float = _key(2.0, "seconds between backend /health probes", POSITIVE)
     health_probes_per_s: float = _key(
         200.0,
         "at most this many /health probes a second: a larger fleet is probed a slice per round, each backend "
         "less often (a backend Envoy reports refusing connections is still probed at once)",
+        POSITIVE,
     )
-    health_timeout_s: float = _key(1.0, "timeout of one probe")
-    unhealthy_after: int = _key(2, "failed probes before a backend is dropped")
-    max_message_bytes: int = _key(64 * 1024 * 1024, "largest gRPC message (request body) accepted")
-    max_stream_age_s: float = _key(3600.0, "an ext_proc stream older than this is closed and its load released")
-    max_streams: int = _key(4096, "concurrent ext_proc streams per connection from Envoy")
+    health_timeout_s: float = _key(1.0, "timeout of one probe", POSITIVE)
+    unhealthy_after: int = _key(2, "failed probes before a backend is dropped", COUNT)
+    max_message_bytes: int = _key(64 * 1024 * 1024, "largest gRPC message (request body) accepted", COUNT)
+    max_stream_age_s: float = _key(
+        3600.0, "an ext_proc stream older than this is closed and its load released", POSITIVE
+    )
+    max_streams: int = _key(4096, "concurrent ext_proc streams per connection from Envoy", COUNT)
     stop_grace_s: float = _key(
         20.0,
         "on SIGTERM, seconds the ext_proc streams still open may take to end (a gateway's full-duplex stream "
         "lasts as long as its response streams; held requests are answered first). Keep it below the pod's "
         "terminationGracePeriodSeconds less its preStop (60 - 35 in the manifests and chart)",
+        NON_NEGATIVE,
     )
-    lease_ttl_s: float = _key(300.0, "seconds a /v1/query lease holds its reservation if never released")
+    lease_ttl_s: float = _key(300.0, "seconds a /v1/query lease holds its reservation if never released", POSITIVE)
     engine_scrape_interval_s: float = _key(
-        0.25, "seconds between scrapes of each backend's /metrics (engine load, restarts, KV size); 0: off"
+        0.25,
+        "seconds between scrapes of each backend's /metrics (engine load, restarts, KV size); 0: off",
+        NON_NEGATIVE,
     )
     engine_scrapes_per_s: float = _key(
         400.0,
         "at most this many /metrics scrapes a second: a larger fleet is scraped a slice per round, each backend "
         "less often (past 2 s between samples its engine's counts no longer steer load: kvroute's own do)",
+        POSITIVE,
     )
     kv_events: bool = _key(
         True, "subscribe to the KV cache events of every backend that publishes them (GET /kv_event_sources)"
@@ -101,6 +113,7 @@ class ExtProcConfig:
         "spell is read at once). 0.25 saved the ext_proc 0.1-0.2 s of CPU a vLLM-CPU run, but a streamed "
         "request that ends before its batch is read gives the TTFT model no evidence (SLO admission then "
         "fails open). Precise mode, whose picture they are, reads them as they come",
+        NON_NEGATIVE,
     )
     replica_store: str = _key(
         "",
@@ -133,6 +146,20 @@ class ExtProcConfig:
         if len(followed) > 1:
             return tuple(UnitConfig(name, name, (), self.routing) for name in followed)
         return (UnitConfig(self.policy or "default", self.policy, self.backends, self.routing),)
+
+    def __post_init__(self) -> None:
+        """Every value of its type and within its bounds, whatever its source (YAML skips the
+        text parsers): a NaN interval stopped the health probes for good, a negative stream age cut
+        every stream, `"false"` from YAML read as on; and no two listeners on one port."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            check_kind(f.name, type(f.default), value)
+            bounds = f.metadata.get("bounds")
+            if bounds is not None:
+                bounds.check(f.name, value)
+        ports = [p for p in (self.grpc_port, self.admin_port, self.authz_port, self.control_port) if p]
+        if len(ports) != len(set(ports)):
+            raise ValueError(f"the ext_proc's ports must differ, got {ports}")
 
 
 @dataclass(frozen=True, slots=True)
