@@ -193,7 +193,7 @@ def test_a_sweep_does_not_bring_back_a_backend_that_left(parts: Any):
     """A backend removed while one of its requests is open: the sweep looks its load up without
     making one, so its metric series and its entry in the replica store's vector do not return
     (they did, for every backend a rollout replaced, for the process's life)."""
-    router, pool, _, _, authz = parts
+    router, _, _, _, authz = parts
     _, headers, _ = check(authz, BODY)
     backend = headers[DESTINATION_HEADER]
     router.remove_backend(backend)

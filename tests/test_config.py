@@ -91,7 +91,7 @@ def test_a_value_of_the_wrong_kind_or_past_its_bounds_is_refused_at_start(tmp_pa
 
 def test_not_a_number_from_the_environment_is_refused():
     for name in ("KVROUTE_LOCATION_TTL_S", "KVROUTE_SATURATION_KV_USAGE", "KVROUTE_HEALTH_INTERVAL_S"):
-        with pytest.raises(ValueError, match="finite number|must be a number"):
+        with pytest.raises(ValueError, match=r"finite number|must be a number"):
             config.load(parse([]), {name: "nan"})
     with pytest.raises(ValueError, match="finite number"):
         config.load(parse([]), {"KVROUTE_SESSION_TTL_S": "inf"})

@@ -261,7 +261,7 @@ def test_every_path_vllm_generates_on_is_asked_about(parts):
     always served, chat or completions bodies) is routed by its prompt; `/v1/responses` and the
     others are read (least loaded, counted), and refused where an engine acts on transfer
     parameters. Round robin past kvroute, they escaped flow control, load and that rule."""
-    router, _, metrics, processor = parts
+    router, _, _, processor = parts
     stream = Stream()
     processor.handle(request_headers("/invocations"), stream)
     reply = processor.handle(body(), stream)
