@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.core.engine import MAX_COUNTER
+
 # Pod annotation the chart sets on ext_proc pods: the policy (namespace/name) they serve, or
 # several, comma-separated (one ext_proc serving several labels its metrics by policy).
 POLICY_ANNOTATION = "kvroute.io/policy"
@@ -37,7 +39,6 @@ class ReplicaReuse(NamedTuple):
     delivered: Mapping[str, float]  # backend -> tokens its engine found cached
 
 
-MAX_COUNTER = float(1 << 53)
 _FAMILIES = {
     "kvroute_prompt_tokens": "prompt",
     "kvroute_reuse_available_tokens": "available",

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The largest count a float holds exactly: an engine's (or a replica's) counter past it, or below 0,
+# is no count (summed, 1.8e308 twice was infinity, and JSON has no integer for it).
+MAX_COUNTER = float(1 << 53)
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:

@@ -53,6 +53,13 @@ def check_kind(name: str, kind: type, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
+def check_value(name: str, kind: type, bounds: Bounds | None, value: Any) -> None:
+    """A declared value's kind, then its bounds: what every setting and process key is held to."""
+    check_kind(name, kind, value)
+    if bounds is not None:
+        bounds.check(name, value)
+
+
 POSITIVE = Bounds(minimum=0, exclusive_minimum=True)
 NON_NEGATIVE = Bounds(minimum=0)
 SESSION_HEADERS = ("x-session-id",)  # the default conversation header (Envoy forwards it: envoy/bootstrap.py)
@@ -614,10 +621,7 @@ class Settings:
             if normalize is not None:
                 object.__setattr__(self, f.name, normalize(getattr(self, f.name)))
             value = getattr(self, f.name)
-            check_kind(f.name, f.metadata["kind"], value)
-            bounds = f.metadata["bounds"]
-            if bounds is not None:
-                bounds.check(f.name, value)
+            check_value(f.name, f.metadata["kind"], f.metadata["bounds"], value)
             if f.metadata["kind"] is str and not isinstance(value, str):
                 raise ValueError(f"{f.name} must be text")
             if f.metadata["choices"] and value not in f.metadata["choices"]:

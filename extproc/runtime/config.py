@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from extproc.core.backends import Backend, Role, parse_address
-from extproc.core.settings import NON_NEGATIVE, POSITIVE, Bounds, Settings, check_kind, text_parser
+from extproc.core.settings import NON_NEGATIVE, POSITIVE, Bounds, Settings, check_value, text_parser
 
 
 def _key(default: Any, text: str, bounds: Bounds | None = None) -> Any:
@@ -152,11 +152,7 @@ class ExtProcConfig:
         text parsers): a NaN interval stopped the health probes for good, a negative stream age cut
         every stream, `"false"` from YAML read as on; and no two listeners on one port."""
         for f in fields(self):
-            value = getattr(self, f.name)
-            check_kind(f.name, type(f.default), value)
-            bounds = f.metadata.get("bounds")
-            if bounds is not None:
-                bounds.check(f.name, value)
+            check_value(f.name, type(f.default), f.metadata.get("bounds"), getattr(self, f.name))
         ports = [p for p in (self.grpc_port, self.admin_port, self.authz_port, self.control_port) if p]
         if len(ports) != len(set(ports)):
             raise ValueError(f"the ext_proc's ports must differ, got {ports}")

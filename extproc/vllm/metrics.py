@@ -8,7 +8,7 @@ import math
 import re
 from urllib.parse import urlencode
 
-from extproc.core.engine import EngineSample
+from extproc.core.engine import MAX_COUNTER, EngineSample
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -46,7 +46,6 @@ _LABEL = re.compile(r'\s*(\w+)="((?:[^"\\]|\\.)*)"\s*(?:,|(?=\}))')
 # float counts exactly, and a usage outside 0-1 are skipped, and the cache's size must be one a
 # server could have.
 MAX_LINE = 4096
-MAX_COUNTER = float(1 << 53)
 MAX_BLOCK_SIZE = 1024
 MAX_CACHE_TOKENS = 1 << 40
 
