@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 import time
+from typing import Any
 
 import msgpack
 import zmq
@@ -254,6 +255,68 @@ def test_batches_are_read_in_bursts_and_a_quiet_socket_is_woken_by_the_next_one(
     seen, watched = asyncio.run(scenario())
     assert seen == list(range(seen[0], seen[0] + len(seen))) and len(seen) == subscriber_module.BURST_MAX + 44 + 3
     assert watched == 0  # the cancelled reader stopped watching its descriptor
+
+
+def test_a_batch_after_a_quiet_spell_wakes_the_reader_once_and_the_gap_stays_a_floor():
+    """A batch that comes a gap or more after the last is read on the descriptor's news alone:
+    no timer of the reader's (an engine publishes a batch a step, mostly further apart than the
+    gap, and on a loaded machine each wake-up cost more than its batch). Batches closer together
+    than the gap still wait for it."""
+
+    async def scenario() -> tuple[int, float]:
+        context, pub, sub = _publisher_and_reader()
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[int, float]] = []
+        timers: list[float] = []
+        gap = [0.02]
+        reader: asyncio.Task[None] | None = None
+        original = loop.call_at
+
+        def call_at(when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+            if reader is not None and asyncio.current_task() is reader:
+                timers.append(when)
+            return original(when, callback, *args, context=context)
+
+        async def read() -> None:
+            async for frames in subscriber_module._bursts(sub, lambda: gap[0]):
+                seen.append((int.from_bytes(frames[1], "big"), loop.time()))
+
+        loop.call_at = call_at  # type: ignore[method-assign]
+        try:
+            reader = asyncio.create_task(read())
+            sequence = 0
+            while not seen:  # a PUB drops what it sends before the subscription reaches it
+                await pub.send_multipart(message(sequence, []))
+                sequence += 1
+                await asyncio.sleep(0.01)
+            await _until(lambda: seen[-1][0] == sequence - 1)
+            await asyncio.sleep(0.1)
+            timers.clear()
+            for _ in range(3):  # quiet spells longer than the gap, each ended by one batch
+                await pub.send_multipart(message(sequence, []))
+                sequence += 1
+                await _until(lambda last=sequence - 1: seen[-1][0] == last)
+                await asyncio.sleep(0.1)
+            sparse_timers = len(timers)
+            gap[0] = 0.3  # two batches 0.05 s apart: the second waits for the gap
+            await pub.send_multipart(message(sequence, []))
+            await _until(lambda last=sequence: seen[-1][0] == last)
+            await asyncio.sleep(0.05)
+            await pub.send_multipart(message(sequence + 1, []))
+            await _until(lambda last=sequence + 1: seen[-1][0] == last)
+            return sparse_timers, seen[-1][1] - seen[-2][1]
+        finally:
+            loop.call_at = original  # type: ignore[method-assign]
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+            sub.close(linger=0)
+            context.destroy(linger=0)
+
+    sparse_timers, apart = asyncio.run(scenario())
+    assert sparse_timers == 0
+    assert apart >= 0.29
 
 
 def test_approximate_mode_reads_a_backends_next_batches_a_gap_later():

@@ -278,10 +278,14 @@ def _limit(sock: zmq.Socket[Any]) -> None:
 async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncIterator[list[bytes]]:
     """Each message the socket receives, read without waiting while some are queued (at most
     `BURST_MAX`, or for `BURST_S` of reading and of what the caller does with them, before the
-    loop gets a turn), then `gap_s()` later, and once none is queued when its file descriptor
-    says ZMQ has news. Raises what the socket raises."""
+    loop gets a turn); then, once none is queued, the reader sleeps until its file descriptor
+    says ZMQ has news and reads again `gap_s()` after the last burst at the earliest. A batch that
+    comes a gap or more after the last is read as it comes: one wake-up of the loop, not a
+    timer's and then the descriptor's (on a loaded machine each wake-up costs more than reading
+    its batch). Raises what the socket raises."""
     loop = asyncio.get_running_loop()
     fd = int(sock.getsockopt(zmq.FD))
+    last = float("-inf")  # when the last burst that read something ended
     while True:
         read = 0
         until = loop.time() + BURST_S
@@ -298,10 +302,12 @@ async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncI
                 break
         if cut or read == BURST_MAX:
             await asyncio.sleep(0)
-        elif read:
-            await asyncio.sleep(gap_s())
-        else:
-            await _news(loop, sock, fd)
+            continue
+        if read:
+            last = loop.time()
+        await _news(loop, sock, fd)
+        if (wait := last + gap_s() - loop.time()) > 0:
+            await asyncio.sleep(wait)
 
 
 async def _news(loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes], fd: int) -> None:
