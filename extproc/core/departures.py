@@ -1,7 +1,6 @@
-"""Backends that left, for a table whose entries each name a backend (prefix homes, session
-bindings): a departed backend's entries answer nothing and are dropped as they are met, not in a
-pass over the table when it leaves (65,536 homes or 100,000 bindings took 5-20 ms a backend, a
-rollout replacing fifty about a second).
+"""Backends that left, for a table whose entries each name a backend (prefix homes): a departed
+backend's entries answer nothing and are dropped as they are met, not in a pass over the table
+when it leaves (65,536 homes took 5-20 ms a backend, a rollout replacing fifty about a second).
 
 A backend that comes back at the same address first loses its old entries, in one pass; so does
 the table once GONE_MOST backends have left, or once it is full (void entries go before live ones).

@@ -529,8 +529,8 @@ class Router:
         return self.sessions.forget(session_key)
 
     def remove_backend(self, backend: str) -> None:
-        """A backend left: drop its locations, turnover and load at once; its session bindings and
-        prefix homes answer nothing from now on, and go as they are met."""
+        """A backend left: drop its locations, turnover, load and session bindings at once; its prefix
+        homes answer nothing from now on, and go as they are met."""
         self.index.remove_backend(backend)
         self.sessions.leave(backend)
         self._forget_turnover(backend)

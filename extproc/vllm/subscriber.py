@@ -278,14 +278,16 @@ def _limit(sock: zmq.Socket[Any]) -> None:
 async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncIterator[list[bytes]]:
     """Each message the socket receives, read without waiting while some are queued (at most
     `BURST_MAX`, or for `BURST_S` of reading and of what the caller does with them, before the
-    loop gets a turn); then, once none is queued, the reader sleeps until its file descriptor
-    says ZMQ has news and reads again `gap_s()` after the last burst at the earliest. A batch that
-    comes a gap or more after the last is read as it comes: one wake-up of the loop, not a
-    timer's and then the descriptor's (on a loaded machine each wake-up costs more than reading
-    its batch). Raises what the socket raises."""
+    loop gets a turn), and the next burst `gap_s()` after the last at the earliest. Once none is
+    queued the reader waits for its file descriptor's news, so a batch that comes a gap or more
+    after the last wakes the loop once (not a timer's wake-up and then the descriptor's: on a
+    loaded machine each costs more than reading its batch). While news keeps coming within the
+    gap, it sleeps the gap first and reads what queued meanwhile: one wake-up a gap however fast
+    the engine publishes. Raises what the socket raises."""
     loop = asyncio.get_running_loop()
     fd = int(sock.getsockopt(zmq.FD))
-    last = float("-inf")  # when the last burst that read something ended
+    last = float("-inf")  # when the last pass that read something ended
+    dense = False  # the last news came within the gap
     while True:
         read = 0
         until = loop.time() + BURST_S
@@ -300,14 +302,19 @@ async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncI
             if loop.time() > until:
                 cut = True
                 break
-        if cut or read == BURST_MAX:
-            await asyncio.sleep(0)
-            continue
         if read:
             last = loop.time()
-        await _news(loop, sock, fd)
-        if (wait := last + gap_s() - loop.time()) > 0:
-            await asyncio.sleep(wait)
+        if cut or read == BURST_MAX:
+            await asyncio.sleep(0)
+        elif read and dense:
+            await asyncio.sleep(gap_s())
+        else:
+            await _news(loop, sock, fd)
+            gap = gap_s()
+            wait = last + gap - loop.time()
+            dense = wait > 0
+            if dense:
+                await asyncio.sleep(wait)
 
 
 async def _news(loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes], fd: int) -> None:
