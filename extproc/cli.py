@@ -106,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
         "--extproc-token-file", default="", help="file with the token Envoy sends the ext_proc (its --grpc-token-file)"
     )
     envoy.add_argument(
+        "--memory-limit-bytes",
+        type=int,
+        default=_LAYOUT.memory_limit_bytes,
+        help="the Envoy container's memory limit: past 0.8 of it as heap Envoy refuses new requests (503); 0: off",
+    )
+    envoy.add_argument(
         "--forward-header", action="append", default=[], help="one more request header the ext_proc reads (repeatable)"
     )
     envoy.add_argument(
@@ -158,6 +164,7 @@ def envoy_layout(args: argparse.Namespace) -> EnvoyLayout:
         authz_ports=tuple(args.authz_port or _LAYOUT.authz_ports),
         extproc_token=read_token(args.extproc_token_file) if args.extproc_token_file else "",
         forward_headers=(*FORWARD_HEADERS, *(h.lower() for h in args.forward_header)),
+        memory_limit_bytes=args.memory_limit_bytes,
     )
 
 

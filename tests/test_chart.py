@@ -268,6 +268,16 @@ def envoy_bootstrap(docs: list[dict[str, Any]], tmp_path: Path) -> str:
     assert args[args.index("--extproc-token-file") + 1] == "/etc/kvroute/grpc/token"
     (tmp_path / "token").write_text(token)
     args[args.index("--extproc-token-file") + 1] = str(tmp_path / "token")
+    # the kubelet puts the Envoy container's memory limit in the variable, in bytes
+    (variable,) = init["env"]
+    assert (
+        variable["name"] == "ENVOY_MEMORY_LIMIT"
+        and args[args.index("--memory-limit-bytes") + 1] == "$(ENVOY_MEMORY_LIMIT)"
+    )
+    assert variable["valueFrom"]["resourceFieldRef"] == {"containerName": "envoy", "resource": "limits.memory"}
+    (container,) = envoy["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == "envoy" and container["resources"]["limits"]["memory"] == "1Gi"
+    args[args.index("--memory-limit-bytes") + 1] = str(1 << 30)
     return render(envoy_layout(parser().parse_args(args)))
 
 
@@ -309,6 +319,7 @@ def test_envoy_bootstrap_is_what_envoy_config_writes_with_the_release_token(helm
             extproc_mtls_dir="/etc/kvroute/extproc-tls",  # mutual TLS: on by default with the chart's Envoy
             transport=transport,
             authz_ports=(9004,),
+            memory_limit_bytes=1 << 30,  # Envoy's container limit (the chart's default)
         )
     )
     assert envoy_bootstrap(docs, tmp_path) == expected

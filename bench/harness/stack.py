@@ -92,6 +92,7 @@ class Stack:
     # Changes the rendered Envoy bootstrap in place before Envoy starts: what a gateway adds around
     # the ext_proc filter (a test's subset hint, say).
     envoy_edit: Callable[[dict[str, Any]], None] | None = None
+    envoy_memory_limit_bytes: int = 0  # Envoy's container limit, as the chart passes it (EnvoyLayout)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -273,6 +274,7 @@ class Stack:
             message_timeout_ms=message_timeout_ms(self.routing()),
             transport=self.transport,
             authz_ports=tuple(self.authz_ports),
+            memory_limit_bytes=self.envoy_memory_limit_bytes,
         )
         config = self.workdir / "envoy.yaml"
         rendered = bootstrap(layout)

@@ -37,6 +37,13 @@ from extproc.runtime.tracing_wanted import TRACE_HEADERS
 
 BODY_LIMIT = 32 * 1024 * 1024
 MAX_CONNECTIONS = 50_000
+# With the Envoy container's memory limit known, Envoy watches its own heap against HEAP_SHARE of
+# it (the rest is the allocator's and the process's own): at SHRINK_AT of that it returns free
+# memory to the system, at REFUSE_AT it answers new requests 503 at once instead of buffering their
+# bodies (up to BODY_LIMIT each) until the kernel kills it with every stream in flight.
+HEAP_SHARE = 0.8
+SHRINK_AT = 0.90
+REFUSE_AT = 0.95
 # Envoy half-closes each ext_proc stream when its request ends and waits (up to 1 s) for the
 # processor to end it, instead of resetting it: a reset stream costs grpcio's aio server about
 # 120 bytes of C memory that it never frees (grpc/grpc#43360; docs/security.md), and the
@@ -169,6 +176,41 @@ class EnvoyLayout:
     # (full-duplex bodies, metadata, self-signed TLS) need.
     transport: str = "ext_authz"
     authz_ports: Sequence[int] = (9004,)  # the ext_proc's authz_port, one per replica on the host
+    memory_limit_bytes: int = 0  # the Envoy container's memory limit (HEAP_SHARE above); 0: not known
+
+
+def _overload(layout: EnvoyLayout) -> dict[str, Any]:
+    """A cap on downstream connections, so a connection flood meets a limit, not the file table;
+    and with the memory limit known, the heap's own (HEAP_SHARE)."""
+    monitors: list[dict[str, Any]] = [
+        {
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": _TYPES + "extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": MAX_CONNECTIONS,
+            },
+        }
+    ]
+    overload: dict[str, Any] = {"refresh_interval": "0.25s", "resource_monitors": monitors}
+    if layout.memory_limit_bytes > 0:
+        heap = "envoy.resource_monitors.fixed_heap"
+        monitors.append(
+            {
+                "name": heap,
+                "typed_config": {
+                    "@type": _TYPES + "extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                    "max_heap_size_bytes": int(layout.memory_limit_bytes * HEAP_SHARE),
+                },
+            }
+        )
+        overload["actions"] = [
+            {"name": action, "triggers": [{"name": heap, "threshold": {"value": at}}]}
+            for action, at in (
+                ("envoy.overload_actions.shrink_heap", SHRINK_AT),
+                ("envoy.overload_actions.stop_accepting_requests", REFUSE_AT),
+            )
+        ]
+    return overload
 
 
 def _discovery(host: str) -> dict[str, Any]:
@@ -621,20 +663,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         **({"bootstrap_extensions": [_INTERNAL_LISTENERS]} if authz else {}),
         "static_resources": {"listeners": listeners, "clusters": clusters},
         "layered_runtime": {"layers": [{"name": "kvroute", "static_layer": {GRACEFUL_CLOSE: layout.graceful_close}}]},
-        # A cap on downstream connections, so a connection flood meets a limit, not the file table.
-        "overload_manager": {
-            "refresh_interval": "0.25s",
-            "resource_monitors": [
-                {
-                    "name": "envoy.resource_monitors.global_downstream_max_connections",
-                    "typed_config": {
-                        "@type": _TYPES + "extensions.resource_monitors.downstream_connections.v3."
-                        "DownstreamConnectionsConfig",
-                        "max_active_downstream_connections": MAX_CONNECTIONS,
-                    },
-                }
-            ],
-        },
+        "overload_manager": _overload(layout),
     }
 
 
