@@ -11,7 +11,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from extproc.envoy.bootstrap import BACKEND_CLUSTERS, BODY_MODES, DESTINATION_SOURCES, TRANSPORTS, EnvoyLayout
+from extproc.envoy.bootstrap import (
+    BACKEND_CLUSTERS,
+    BODY_MODES,
+    DESTINATION_SOURCES,
+    HEAP_SHARE,
+    TRANSPORTS,
+    EnvoyLayout,
+)
 from extproc.runtime import config
 
 _LAYOUT = EnvoyLayout()  # `kvroute envoy-config`'s defaults are the layout's
@@ -109,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
         "--memory-limit-bytes",
         type=int,
         default=_LAYOUT.memory_limit_bytes,
-        help="the Envoy container's memory limit: past 0.8 of it as heap Envoy refuses new requests (503); 0: off",
+        help=f"the Envoy container's memory limit: past {HEAP_SHARE} of it as heap Envoy refuses new requests "
+        "(503); 0: off",
     )
     envoy.add_argument(
         "--forward-header", action="append", default=[], help="one more request header the ext_proc reads (repeatable)"

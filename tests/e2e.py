@@ -69,6 +69,12 @@ def metric(admin_url: str, line_prefix: str) -> float:
     return 0.0
 
 
+def envoy_stat(stack: Any, name: str) -> int:
+    """One counter or gauge from a stack's Envoy admin `/stats` (0 when Envoy has none)."""
+    _, _, body = get(f"http://127.0.0.1:{stack.envoy_admin_port}", f"/stats?filter=^{name}$")
+    return int(body.decode().split(":")[1]) if body.strip() else 0
+
+
 def log_tails(workdir: Any, names: tuple[str, ...] = ("extproc", "envoy")) -> str:
     """The ends of a stack's process logs (`workdir`/NAME.log), for a failure's message."""
     return "\n".join(f"{name}: ...{(workdir / f'{name}.log').read_text()[-2000:]}" for name in names)

@@ -23,7 +23,7 @@ import pytest
 
 from bench.harness.stack import PICKER_GATEWAY, Stack, layout_for
 from bench.workload import text
-from tests.e2e import LONG_PROMPT_SIM, eventually, get, log_tails, metric, post
+from tests.e2e import LONG_PROMPT_SIM, envoy_stat, eventually, get, log_tails, metric, post
 
 pytestmark = pytest.mark.envoy
 
@@ -144,12 +144,6 @@ def test_client_supplied_destination_is_ignored(stack: Stack):
         stack.url, "/v1/models", {"x-gateway-destination-endpoint": f"127.0.0.1:{stack.envoy_admin_port}"}
     )
     assert status == 200
-
-
-def envoy_stat(stack: Stack, name: str) -> int:
-    """One counter from Envoy's admin `/stats`."""
-    _, _, body = get(f"http://127.0.0.1:{stack.envoy_admin_port}", f"/stats?filter=^{name}$")
-    return int(body.decode().split(":")[1]) if body.strip() else 0
 
 
 def routing_calls(stack: Stack) -> int:

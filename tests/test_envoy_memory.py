@@ -12,7 +12,7 @@ import pytest
 from bench.experiments.latency import FAST_SIM
 from bench.harness.stack import Stack
 from extproc.envoy.bootstrap import HEAP_SHARE, REFUSE_AT, SHRINK_AT, EnvoyLayout, bootstrap
-from tests.e2e import eventually, get, post
+from tests.e2e import envoy_stat, eventually, post
 
 REFUSING = "overload.envoy.overload_actions.stop_accepting_requests.active"
 REQUEST = {"model": "sim-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
@@ -33,13 +33,6 @@ def test_the_heap_is_watched_against_a_share_of_the_limit_only_when_the_limit_is
     ] and "actions" not in unknown
 
 
-def _stat(stack: Stack, name: str) -> int:
-    for line in get(f"http://127.0.0.1:{stack.envoy_admin_port}", f"/stats?filter=^{name}$")[2].decode().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split(":", 1)[1])
-    return -1
-
-
 @pytest.mark.envoy
 def test_envoy_past_its_share_of_the_limit_refuses_new_requests_and_below_it_serves(tmp_path: Path):
     """A 2 MiB limit is far below what Envoy's heap holds at start (some 6 MiB), so it is past
@@ -47,11 +40,11 @@ def test_envoy_past_its_share_of_the_limit_refuses_new_requests_and_below_it_ser
     with Stack(
         tmp_path / "tight", sims=1, sim_args=FAST_SIM, ext_proc=False, envoy_memory_limit_bytes=2 << 20
     ) as tight:
-        eventually(lambda: _stat(tight, REFUSING) == 1, message="Envoy refusing")
+        eventually(lambda: envoy_stat(tight, REFUSING) == 1, message="Envoy refusing")
         status, _, body = post(tight.url, REQUEST)
         assert status == 503 and b"overloaded" in body
     with Stack(
         tmp_path / "roomy", sims=1, sim_args=FAST_SIM, ext_proc=False, envoy_memory_limit_bytes=1 << 30
     ) as roomy:
         status, _, _ = post(roomy.url, REQUEST)
-        assert status == 200 and _stat(roomy, REFUSING) == 0
+        assert status == 200 and envoy_stat(roomy, REFUSING) == 0

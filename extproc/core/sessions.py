@@ -228,5 +228,4 @@ class SessionTable:
             key, held = next(iter(self._bindings.items()))
             if held[1] >= cutoff:
                 return
-            del self._bindings[key]
-            self._unlist(key, held[0])
+            self._drop(key)

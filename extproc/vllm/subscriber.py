@@ -310,8 +310,7 @@ async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncI
             await asyncio.sleep(gap_s())
         else:
             await _news(loop, sock, fd)
-            gap = gap_s()
-            wait = last + gap - loop.time()
+            wait = last + gap_s() - loop.time()
             dense = wait > 0
             if dense:
                 await asyncio.sleep(wait)
