@@ -13,7 +13,9 @@ from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.pages import PageClient
 from extproc.runtime.pool import BackendPool
+from extproc.vllm import scraper as scraping
 from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
+from extproc.vllm.models import MAX_COMMAS, MAX_ENTRIES, listed_adapters
 from extproc.vllm.scraper import EngineScraper
 
 VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -71,6 +73,58 @@ def test_a_page_an_engine_should_never_write_is_read_without_harm(monkeypatch):
     negative = engine_sample(VLLM_PAGE.replace('block_size="128"', 'block_size="-16"'))
     assert negative is not None and negative.block_size is None
     assert engine_sample("vllm:num_requests_running inf\n") is None
+
+
+def test_a_page_of_megabytes_is_read_in_slices_with_the_loop_turning_between_them():
+    """A LoRA server's page can grow to megabytes; read at once, its 4 MiB bound held the event
+    loop some 40 ms. Read a slice of whole lines at a time, it gives the sample a reading at once
+    gives, every line counted once wherever the slices fall; a page of the usual size costs no
+    extra turn of the loop."""
+    filler = "".join(f'vllm:lora_requests_info{{running_lora_adapters="a{i % 7}"}} {i % 5}\n' for i in range(60_000))
+    page = (VLLM_PAGE + filler + VLLM_PAGE).encode()
+    assert len(page) > 10 * scraping.SLICE_BYTES
+
+    async def read(page: bytes) -> tuple[object, int]:
+        turns = 0
+
+        async def turn() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(turn())
+        await asyncio.sleep(0)
+        turns = 0
+        try:
+            return await scraping._sample_of(page), turns
+        finally:
+            ticker.cancel()
+
+    sample, turns = asyncio.run(read(page))
+    assert sample == engine_sample(page.decode()) and sample is not None and sample.running == 6
+    assert turns >= len(page) // scraping.SLICE_BYTES - 1
+    assert asyncio.run(read(VLLM_PAGE.encode())) == (engine_sample(VLLM_PAGE), 0)
+
+
+def test_a_listing_of_more_entries_than_the_adapter_book_keeps_is_not_parsed():
+    """Parsing JSON costs the loop about a microsecond a value: a listing of more entries than the
+    book keeps twice over, or of more commas than such entries hold, is refused before it is
+    parsed; one of that many vLLM entries is read whole."""
+    entry = (
+        '{"id":"a%d","object":"model","created":1,"owned_by":"vllm","root":"/a","parent":"m","max_model_len":null,'
+        '"permission":[{"id":"p","object":"model_permission","created":1,"allow_create_engine":false,'
+        '"allow_sampling":true,"allow_logprobs":true,"allow_search_indices":false,"allow_view":true,'
+        '"allow_fine_tuning":false,"organization":"*","group":null,"is_blocking":false}]}'
+    )
+
+    def listing(entries: int) -> bytes:
+        return ('{"object":"list","data":[' + ",".join(entry % i for i in range(entries)) + "]}").encode()
+
+    assert listed_adapters(listing(MAX_ENTRIES)) == [f"a{i}" for i in range(MAX_ENTRIES)]
+    assert listed_adapters(listing(MAX_ENTRIES + 1)) is None
+    assert listed_adapters(('{"data":[' + ",".join(["1"] * (MAX_COMMAS + 2)) + "]}").encode()) is None
+    assert listed_adapters(('{"data":[' + ",".join(["1"] * MAX_COMMAS) + "]}").encode()) == []
 
 
 async def scrape_once(config: SimConfig, pages: dict[str, str], extra: tuple[str, ...] = ()):

@@ -89,62 +89,81 @@ def _cache(labels: dict[str, str]) -> tuple[int, int]:
 
 def engine_sample(text: str) -> EngineSample | None:
     """The sample in a /metrics page, or None when it is not a vLLM engine's (no request gauges)."""
-    running = waiting = 0.0
-    usage: float = 0.0
-    start: float | None = None
-    counters: dict[str, float] = {}  # summed over label sets; absent if the engine exports none
-    cache_tokens = block_size = None
-    cache_line: str | None = None  # the first cache_config_info series
-    lora: tuple[float, str] | None = None  # the newest lora_requests_info series
-    seen = False
-    for line in text.splitlines():
-        if not line.startswith(_WANTED) or len(line) > MAX_LINE:
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        try:
-            if name == RUNNING:
-                running += _value(line)
-                seen = True
-            elif name == WAITING:
-                waiting += _value(line)
-            elif name == KV_USAGE:
-                value = _value(line)
-                if 0.0 <= value <= 1.0:
-                    usage = max(usage, value)
-            elif name == START_TIME:
-                start = _value(line)
-            elif name in _COUNTERS:
-                counters[name] = counters.get(name, 0.0) + _counter(line)
-            elif name == LORA_INFO:
-                stamp = _value(line)
-                if lora is None or stamp > lora[0]:
-                    lora = (stamp, line)
-            elif name == CACHE_INFO and cache_line is None:
-                cache_line = line
-        except (ValueError, KeyError, IndexError):
-            continue  # one odd line never hides the rest
-    if cache_line is not None:
-        with contextlib.suppress(ValueError, KeyError):
-            cache_tokens, block_size = _cache(_labels(cache_line))
-    if not seen or not (math.isfinite(running + waiting) and max(running, waiting) < 1e9):
-        return None  # (sums of finite values can still overflow)
-    counters = {name: value for name, value in counters.items() if value <= MAX_COUNTER}
-    lora_running, lora_slots = _lora(_labels(lora[1])) if lora is not None else ((), None)
-    return EngineSample(
-        int(running),
-        int(waiting),
-        usage,
-        start,
-        cache_tokens,
-        block_size,
-        counters.get(PROMPT_TOKENS),
-        counters.get(CACHE_QUERIES),
-        counters.get(CACHE_HITS),
-        counters.get(TTFT_SUM),
-        counters.get(TTFT_COUNT),
-        lora_running,
-        lora_slots,
-    )
+    reader = PageReader()
+    reader.read(text)
+    return reader.sample()
+
+
+class PageReader:
+    """A /metrics page read a part at a time (whole lines each), so that a page of megabytes can
+    be read in slices between which the event loop serves requests (scraper.py)."""
+
+    __slots__ = ("_cache_line", "_counters", "_lora", "_running", "_seen", "_start", "_usage", "_waiting")
+
+    def __init__(self) -> None:
+        self._running = self._waiting = self._usage = 0.0
+        self._start: float | None = None
+        self._counters: dict[str, float] = {}  # summed over label sets; absent if the engine exports none
+        self._cache_line: str | None = None  # the first cache_config_info series
+        self._lora: tuple[float, str] | None = None  # the newest lora_requests_info series
+        self._seen = False
+
+    def read(self, text: str) -> None:
+        """Take in whole lines of the page."""
+        counters = self._counters
+        for line in text.splitlines():
+            if not line.startswith(_WANTED) or len(line) > MAX_LINE:
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            try:
+                if name == RUNNING:
+                    self._running += _value(line)
+                    self._seen = True
+                elif name == WAITING:
+                    self._waiting += _value(line)
+                elif name == KV_USAGE:
+                    value = _value(line)
+                    if 0.0 <= value <= 1.0:
+                        self._usage = max(self._usage, value)
+                elif name == START_TIME:
+                    self._start = _value(line)
+                elif name in _COUNTERS:
+                    counters[name] = counters.get(name, 0.0) + _counter(line)
+                elif name == LORA_INFO:
+                    stamp = _value(line)
+                    if self._lora is None or stamp > self._lora[0]:
+                        self._lora = (stamp, line)
+                elif name == CACHE_INFO and self._cache_line is None:
+                    self._cache_line = line
+            except (ValueError, KeyError, IndexError):
+                continue  # one odd line never hides the rest
+
+    def sample(self) -> EngineSample | None:
+        """The sample of the lines read, or None when they are not a vLLM engine's."""
+        running, waiting = self._running, self._waiting
+        if not self._seen or not (math.isfinite(running + waiting) and max(running, waiting) < 1e9):
+            return None  # (sums of finite values can still overflow)
+        cache_tokens = block_size = None
+        if self._cache_line is not None:
+            with contextlib.suppress(ValueError, KeyError):
+                cache_tokens, block_size = _cache(_labels(self._cache_line))
+        counters = {name: value for name, value in self._counters.items() if value <= MAX_COUNTER}
+        lora_running, lora_slots = _lora(_labels(self._lora[1])) if self._lora is not None else ((), None)
+        return EngineSample(
+            int(running),
+            int(waiting),
+            self._usage,
+            self._start,
+            cache_tokens,
+            block_size,
+            counters.get(PROMPT_TOKENS),
+            counters.get(CACHE_QUERIES),
+            counters.get(CACHE_HITS),
+            counters.get(TTFT_SUM),
+            counters.get(TTFT_COUNT),
+            lora_running,
+            lora_slots,
+        )
 
 
 def _lora(labels: dict[str, str]) -> tuple[tuple[str, ...], int | None]:

@@ -4,7 +4,10 @@ the families routing reads are asked for (metrics.FAMILIES_PAGE): rendering vLLM
 costs the engine five times the CPU, taken from prefills on a small machine; a server that does
 not serve that page is scraped whole from then on. Every
 `LISTING_EVERY` rounds (the first included) its /v1/models too: the LoRA adapters it serves, known
-before its first request of them (its LoRA metric appears only with one).
+before its first request of them (its LoRA metric appears only with one). A page is read
+`SLICE_BYTES` at a time, with the event loop's other work between slices: a page may grow to
+megabytes (a long-lived LoRA server keeps a series for every set of adapters it ran together),
+and its 4 MiB bound read at once held the loop some 40 ms.
 
 One round scrapes its backends concurrently and takes at most the interval; a backend that does
 not answer in time is skipped for that round (health is the pool's job, not this loop's). A fleet
@@ -23,12 +26,13 @@ from extproc.core.router import Router
 from extproc.runtime.pages import PageClient
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.rotation import Rotation
-from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, engine_sample
+from extproc.vllm.metrics import FAMILIES_PAGE, PAGE, PageReader
 from extproc.vllm.models import MAX_PAGE_BYTES, listed_adapters
 
 log = logging.getLogger(__name__)
 
 LISTING_EVERY = 8  # samples of a backend: every 2 s at the default 0.25 s interval
+SLICE_BYTES = 128 * 1024  # of a page read between two turns of the event loop: about 1 ms of reading at most
 
 
 class EngineScraper:
@@ -124,10 +128,10 @@ class EngineScraper:
     async def _read_sample(self, client: PageClient, backend: str) -> EngineSample | None:
         if backend not in self._whole_page:
             answered, page = await self._fetch(client, backend, FAMILIES_PAGE)
-            sample = _sample_of(page)
+            sample = await _sample_of(page)
             if sample is not None or not answered:
                 return sample
-        sample = _sample_of(await self._page(client, backend, PAGE))
+        sample = await _sample_of(await self._page(client, backend, PAGE))
         if sample is not None:
             self._whole_page.add(backend)
         return sample
@@ -146,5 +150,17 @@ class EngineScraper:
         return True, page if status == 200 else None
 
 
-def _sample_of(page: bytes | None) -> EngineSample | None:
-    return engine_sample(page.decode(errors="replace")) if page is not None else None
+async def _sample_of(page: bytes | None) -> EngineSample | None:
+    """The page's sample, read a slice of whole lines at a time, the loop let run between them."""
+    if page is None:
+        return None
+    reader = PageReader()
+    start = 0
+    while True:
+        end = page.find(b"\n", start + SLICE_BYTES)
+        if end < 0:
+            reader.read(page[start:].decode(errors="replace"))
+            return reader.sample()
+        reader.read(page[start : end + 1].decode(errors="replace"))
+        start = end + 1
+        await asyncio.sleep(0)
