@@ -331,6 +331,12 @@ def _flows_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-blocks", type=int, default=defaults.capacity_blocks, help="KV blocks per backend")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--sim-arg", action="append", default=[], help="extra `kvroute-dev sim` flag")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="extra vLLM-CPU flag for every server (--engine-arg=--scheduling-policy=priority)",
+    )
     parser.add_argument("--envoy-reset-streams", action="store_true", help="as for `bench compare`")
     parser.add_argument(
         "--kvroute-arg", action="append", default=[], help="extra `kvroute extproc` flag for kvroute's routers"
@@ -360,6 +366,7 @@ def _flows(args: argparse.Namespace) -> None:
         capacity_blocks=args.capacity_blocks,
         seed=args.seed,
         sim_args=tuple(args.sim_arg),
+        engine_args=tuple(args.engine_arg),
         envoy_graceful_close=not args.envoy_reset_streams,
         extra_kvroute_args=tuple(args.kvroute_arg),
         replicas=args.extproc_replicas,

@@ -566,6 +566,35 @@ def test_at_the_request_limit_a_backend_takes_no_more_and_then_requests_are_shed
         )
 
 
+@pytest.mark.parametrize(
+    "layout", ["buffered", "ext_authz", pytest.param("picker_original_dst", marks=pytest.mark.layouts)]
+)
+def test_each_engine_is_told_the_objectives_priority_and_never_a_clients(tmp_path: Path, layout: str):
+    """vLLM reads a request's priority from `x-vllm-priority` (lower first): kvroute sets it to minus
+    the priority of the objective the request names (0 for none, or for one not defined), on both
+    transports, overwriting a client's; with `engine_priority` off, a client's never reaches an
+    engine either (the simulated backend echoes what it got as `x-sim-priority`)."""
+    history = [{"role": "user", "content": text(RNG, 500)}]
+    objectives = ["--objective-priorities", "critical=10,batch=-1"]
+    with Stack(tmp_path / "on", sims=2, extproc_args=objectives, **LAYOUTS[layout]) as stack:
+        told = {}
+        for objective in ("critical", "batch", "undefined", None):
+            headers = {"x-vllm-priority": "-1000"}
+            if objective is not None:
+                headers["x-gateway-inference-objective"] = objective
+            status, answer, _ = post(stack.url, chat(history), headers)
+            assert status == 200
+            told[objective] = answer.get("x-sim-priority")
+        assert told == {"critical": "-10", "batch": "1", "undefined": "0", None: "0"}
+    with Stack(
+        tmp_path / "off", sims=2, extproc_args=[*objectives, "--engine-priority", "false"], **LAYOUTS[layout]
+    ) as stack:
+        status, answer, _ = post(
+            stack.url, chat(history), {"x-vllm-priority": "-1000", "x-gateway-inference-objective": "critical"}
+        )
+        assert status == 200 and "x-sim-priority" not in answer
+
+
 def _ping_every_second(bootstrap: dict) -> None:
     """Envoy's keepalive pings to the ext_proc every second instead of every ten."""
     for cluster in bootstrap["static_resources"]["clusters"]:

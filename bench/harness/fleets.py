@@ -257,8 +257,10 @@ class VllmFleet(Fleet):
         adapters: Sequence[str] = (),
         max_loras: int = 1,
         traces_endpoint: str = "",
+        engine_args: Sequence[str] = (),
     ) -> None:
-        """`traces_endpoint`: an OTLP/gRPC collector the servers send their own request spans to
+        """`engine_args`: more of vLLM's own arguments for every server (`--scheduling-policy
+        priority`, for one). `traces_endpoint`: an OTLP/gRPC collector the servers send their own request spans to
         (vLLM's `--otlp-traces-endpoint`, service name `vllm`), continuing the trace context each
         request carries. `roles`: one per server, `prefill`, `decode` or `both`, to run them disaggregated (vLLM's
         NixlConnector over UCX, NIXL installed into the venv on first use; each server's NIXL side
@@ -277,6 +279,7 @@ class VllmFleet(Fleet):
         self.adapters = tuple(adapters)
         self._max_loras = max_loras
         self._traces_endpoint = traces_endpoint
+        self._engine_args = tuple(engine_args)
         self._lora_dirs = tiny_adapters(self.adapters) if self.adapters else {}
         self.kv_transfer = bool(roles)
         self.side_channels = [free_port() for _ in roles]
@@ -327,7 +330,7 @@ class VllmFleet(Fleet):
         context = min(32768, (self.capacity_blocks - 2) * VLLM_BLOCK_TOKENS)  # vLLM keeps a block back
         argv += ["--enforce-eager", "--max-model-len", str(context)]
         argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]
-        argv += ["--kv-events-config", orjson.dumps(events).decode()]
+        argv += ["--kv-events-config", orjson.dumps(events).decode(), *self._engine_args]
         if self._traces_endpoint:
             argv += ["--otlp-traces-endpoint", self._traces_endpoint]
             env.update(OTEL_SERVICE_NAME="vllm", OTEL_BSP_SCHEDULE_DELAY="100")

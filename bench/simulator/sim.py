@@ -575,10 +575,13 @@ class SimBackend:
 
     async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
         """Name the serving backend on every response, errors and streams included, so tests can tell;
-        and the trace context the request came with (vLLM's own spans would be its children)."""
+        and the trace context the request came with (vLLM's own spans would be its children) and the
+        engine priority it was given (vLLM's scheduler would read it)."""
         response.headers["x-sim-backend"] = self.name
         if "traceparent" in request.headers:
             response.headers["x-sim-traceparent"] = request.headers["traceparent"]
+        if "x-vllm-priority" in request.headers:
+            response.headers["x-sim-priority"] = request.headers["x-vllm-priority"]
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         """The JSON object body, checked to name this backend's model (or none, meaning the served one)."""

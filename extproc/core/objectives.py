@@ -20,6 +20,10 @@ from extproc.core.settings import MAX_FLOW_ID
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+# The request's priority for the engine's own scheduler: vLLM (0.32) reads it before the body's
+# `priority` field and serves lower first. kvroute sets it on what it routes (minus the objective's
+# priority); a client's own copy never reaches an engine (the gateway strips or overwrites it).
+ENGINE_PRIORITY_HEADER = "x-vllm-priority"
 DEFAULT_FLOW = "default-flow"  # llm-d's name for requests that name no flow
 MAX_TTFT_MS = 86_400_000.0
 
@@ -58,6 +62,12 @@ def _ttft_s(value: str) -> float | None:
     return ms / 1000 if math.isfinite(ms) and 0 < ms <= MAX_TTFT_MS else None
 
 
+def objective_priority(headers: Mapping[str, str], priorities: Mapping[str, int], default_priority: int = 0) -> int:
+    """The priority of the objective the request names (the default if it names none, or one not defined)."""
+    objective = _first(headers, OBJECTIVE_HEADERS)
+    return priorities.get(objective, default_priority) if objective else default_priority
+
+
 def classify(
     headers: Mapping[str, str], priorities: Mapping[str, int], tenant_header: str = "", default_priority: int = 0
 ) -> RequestClass:
@@ -65,7 +75,7 @@ def classify(
     each defined objective's priority. The flow is the fairness id, else the tenant, else the
     default flow."""
     objective = _first(headers, OBJECTIVE_HEADERS) or None
-    priority = default_priority if objective is None else priorities.get(objective, default_priority)
+    priority = objective_priority(headers, priorities, default_priority)
     flow = _first(headers, FAIRNESS_HEADERS) or (tenant_header and headers.get(tenant_header, "").strip())
     ttft = _first(headers, TTFT_HEADERS)
     return RequestClass(

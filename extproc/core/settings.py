@@ -601,6 +601,14 @@ class Settings:
         parse=parse_pairs,
         schema="priorities",
     )
+    engine_priority: bool = _setting(
+        True,
+        "Tell each engine its request's priority (x-vllm-priority: minus the objective's, as vLLM serves "
+        "lower first), so an engine run with --scheduling-policy priority orders its own waiting queue as "
+        "flow control does and, short of KV cache, preempts the lowest first; engines that schedule first "
+        "come, first served ignore it. A client's own header never reaches an engine.",
+        policy="enginePriority",
+    )
     default_output_tokens: int = _setting(
         256,
         "Output tokens a request that sets no max_tokens is expected to generate, in its flow's share.",

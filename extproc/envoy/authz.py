@@ -34,6 +34,7 @@ from typing import Any
 
 import msgpack
 
+from extproc.core.objectives import ENGINE_PRIORITY_HEADER
 from extproc.envoy import messages as msg
 from extproc.envoy.calls import Call, CallProtocol, answer
 from extproc.envoy.ends import BACKSTOP_FIELD, RECORD_LIMITS, EndsProtocol, Sniffer
@@ -188,6 +189,8 @@ class Authz:
         router = owner.router
         router.sent(exchange, self._clock())
         routed.append((EXCHANGE_HEADER, key))
+        if ENGINE_PRIORITY_HEADER in stream.headers:  # (set by the decision when the policy tells engines)
+            routed.append((ENGINE_PRIORITY_HEADER, stream.headers[ENGINE_PRIORITY_HEADER]))
         if stream.span is not None:  # the route span's context, for the backend's own spans to join
             routed += [(name, stream.headers[name]) for name in TRACE_HEADERS if name in stream.headers]
         if router.settings.decision_headers and exchange.request is not None:  # (none when unread)

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from extproc.core.objectives import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
+from extproc.core.objectives import ENGINE_PRIORITY_HEADER, FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_HEADERS
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.settings import SESSION_HEADERS, Settings
 from extproc.envoy.ends import BACKSTOP_BUFFER_BYTES
@@ -110,8 +110,9 @@ DESTINATION_SOURCES: dict[str, dict[str, Any]] = {
 }
 BACKEND_CLUSTERS = ("override_host", "original_dst")
 TRANSPORTS = ("ext_proc", "ext_authz")
-# What an ext_authz answer may set: on the upstream request, and on the client's response.
-AUTHZ_UPSTREAM_HEADERS = (DESTINATION_HEADER, EXCHANGE_HEADER, *TRACE_HEADERS)  # (the route span's context)
+# What an ext_authz answer may set: on the upstream request (the trace headers: the route span's
+# context), and on the client's response.
+AUTHZ_UPSTREAM_HEADERS = (DESTINATION_HEADER, EXCHANGE_HEADER, ENGINE_PRIORITY_HEADER, *TRACE_HEADERS)
 AUTHZ_CLIENT_HEADERS = (
     "x-kvroute-decision",
     "x-kvroute-backend",
@@ -554,6 +555,7 @@ def _http_filters(layout: EnvoyLayout) -> list[dict[str, Any]]:
                     {"remove": DESTINATION_HEADER},
                     {"remove": PENDING_HEADER},
                     {"remove": EXCHANGE_HEADER},
+                    {"remove": ENGINE_PRIORITY_HEADER},
                 ]
             },
         },

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from extproc.core.backends import parse_address
+from extproc.core.objectives import ENGINE_PRIORITY_HEADER
 from extproc.envoy.headers import (
     DESTINATION_HEADER,
     LB_NAMESPACE,
@@ -26,15 +27,16 @@ MAX_SUBSET = 4096  # endpoints read from one subset hint
 DUPLEX = pb.ProcessingMode.FULL_DUPLEX_STREAMED
 CHUNK_BYTES = 62_000  # body handed back to Envoy in chunks no larger than this (the reference picker's)
 _OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# What only kvroute may tell the gateway and the engine: a client's own copies go from every
+# request (a gateway routes on the destination; an engine schedules by the priority).
+CLIENTS_NOT = (DESTINATION_HEADER, ENGINE_PRIORITY_HEADER)
 
 # Request headers let through as they came, but for what only kvroute may set: a client's own
-# destination (a gateway routes on it) or pending mark. Every reply to request headers that does
-# not route (a pass-through, a failure inside kvroute) is this one, never a bare continue.
+# destination, engine priority or pending mark. Every reply to request headers that does not
+# route (a pass-through, a failure inside kvroute) is this one, never a bare continue.
 STRIP_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER, PENDING_HEADER])
-        )
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[*CLIENTS_NOT, PENDING_HEADER]))
     )
 )
 # The body reply when routing failed inside kvroute: the request goes on unrouted (fail open), unmarked.
@@ -91,24 +93,22 @@ def header(key: str, value: str) -> pb.HeaderValueOption:
 
 
 # The headers reply to an LLM request whose body kvroute will decide on: marked pending (headers.py),
-# with the route matched again, so the mark takes effect; a client's destination header removed.
+# with the route matched again, so the mark takes effect; a client's destination and priority removed.
 PENDING_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(
-                set_headers=[header(PENDING_HEADER, "1")], remove_headers=[DESTINATION_HEADER]
-            ),
+            header_mutation=pb.HeaderMutation(set_headers=[header(PENDING_HEADER, "1")], remove_headers=CLIENTS_NOT),
             clear_route_cache=True,
         )
     )
 )
 
 
-# The headers reply to an LLM request that will be decided at once: a client's destination header
-# removed, nothing marked (the decision comes with the body's reply).
+# The headers reply to an LLM request that will be decided at once: a client's destination and
+# priority removed, nothing marked (the decision comes with the body's reply).
 UNMARKED_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION_HEADER]))
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=CLIENTS_NOT))
     )
 )
 
@@ -227,24 +227,33 @@ def response_ended(message: pb.ProcessingRequest) -> bool:
     return bool(kind == "response_trailers")
 
 
-def destination(target: str) -> pb.HeaderMutation:
-    """The destination header, overwriting whatever a client sent; the request is no longer pending."""
-    return pb.HeaderMutation(set_headers=[header(DESTINATION_HEADER, target)], remove_headers=[PENDING_HEADER])
+def destination(target: str, priority: str | None = None) -> pb.HeaderMutation:
+    """The destination header, and the engine priority if one is given (else a client's removed),
+    overwriting whatever a client sent; the request is no longer pending."""
+    if priority is None:
+        return pb.HeaderMutation(
+            set_headers=[header(DESTINATION_HEADER, target)], remove_headers=[PENDING_HEADER, ENGINE_PRIORITY_HEADER]
+        )
+    return pb.HeaderMutation(
+        set_headers=[header(DESTINATION_HEADER, target), header(ENGINE_PRIORITY_HEADER, priority)],
+        remove_headers=[PENDING_HEADER],
+    )
 
 
-# No destination: none set, a client's removed, the request no longer pending.
-NO_DESTINATION = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER, PENDING_HEADER])
+# No destination: none set, a client's removed (with its engine priority), the request no longer pending.
+NO_DESTINATION = pb.HeaderMutation(remove_headers=[*CLIENTS_NOT, PENDING_HEADER])
 
 
 @functools.lru_cache(maxsize=4096)
-def routing(kind: str, target: str | None) -> pb.ProcessingResponse:
+def routing(kind: str, target: str | None, priority: str | None = None) -> pb.ProcessingResponse:
     """The reply that routes a request_headers or request_body message to `target` (None: to no
-    backend, the decision left to Envoy), as a header mutation and as metadata; a body's reply
-    matches the route again (the pending mark goes). Made once per target (a backend or a
-    fallback pair), so shared: copy one before changing it."""
+    backend, the decision left to Envoy) with the engine `priority` (None: none), as header
+    mutations and as metadata; a body's reply matches the route again (the pending mark goes).
+    Made once per target (a backend or a fallback pair) and priority, so shared: copy one before
+    changing it."""
     reply = pb.ProcessingResponse()
     response = getattr(reply, kind).response
-    response.header_mutation.CopyFrom(NO_DESTINATION if target is None else destination(target))
+    response.header_mutation.CopyFrom(NO_DESTINATION if target is None else destination(target, priority))
     if kind == "request_body":
         response.clear_route_cache = True
     return with_destination(reply, target)

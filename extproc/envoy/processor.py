@@ -36,7 +36,7 @@ from extproc.core.decision import Label
 from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, Outcome, ResponseStart
 from extproc.core.flow import Held, Refusal, State
-from extproc.core.objectives import TTFT_HEADERS, classify
+from extproc.core.objectives import ENGINE_PRIORITY_HEADER, TTFT_HEADERS, classify, objective_priority
 from extproc.core.placement import ADAPTER_WAIT_S
 from extproc.core.request import PromptRequest
 from extproc.core.router import Router
@@ -686,11 +686,20 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if exchange is not None and self._refuses_unread(stream, exchange, body):
             return msg.UNREAD_IN_SPLIT_FLEET
         stream.destination = target
-        reply = msg.routing(kind, target)
+        reply = msg.routing(kind, target, self._engine_priority(stream))
         if target is not None and exchange is not None and stream.span is not None and self._tracer is not None:
             reply = msg.copied(reply)
             self._traced(stream, stream.span, self._tracer, exchange, getattr(reply, kind).response.header_mutation)
         return reply
+
+    def _engine_priority(self, stream: Stream) -> str | None:
+        """The request's priority as its engine reads it (vLLM serves lower first), if the policy
+        tells engines; kept on the stream's headers for a prefill leg, a client's own never."""
+        if not self._router.settings.engine_priority:
+            stream.headers.pop(ENGINE_PRIORITY_HEADER, None)
+            return None
+        value = stream.headers[ENGINE_PRIORITY_HEADER] = str(-objective_priority(stream.headers, self._priorities()))
+        return value
 
     def _refuses_unread(self, stream: Stream, exchange: Exchange, body: bytes | None) -> bool:
         """A body kvroute could not read (or would not: too large), in a fleet that splits prefill

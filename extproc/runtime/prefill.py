@@ -20,11 +20,12 @@ import aiohttp
 import orjson
 
 from extproc.core import handoff
+from extproc.core.objectives import ENGINE_PRIORITY_HEADER
 
 log = logging.getLogger(__name__)
 
 MAX_RESPONSE_BYTES = 1 << 20  # a one-token answer with its parameters is a few KB
-FORWARDED = ("authorization", "x-request-id", "traceparent", "tracestate")
+FORWARDED = ("authorization", "x-request-id", "traceparent", "tracestate", ENGINE_PRIORITY_HEADER)
 
 
 class LegFailure(StrEnum):
