@@ -112,13 +112,6 @@ def runnable(options: CompareOptions, fleet: Fleet) -> tuple[list[str], dict[str
     return [r for r in options.routers if r not in skipped], skipped
 
 
-def _stack_cpu(router: peers.RunningRouter) -> dict[str, float]:
-    """CPU seconds each process of kvroute's stack has used so far (none for a peer)."""
-    if router.stack is None:
-        return {}
-    return {name: cpu_seconds([process.pid]) for name, process in router.stack.processes.items()}
-
-
 def run_router(
     fleet: Fleet,
     name: str,
@@ -150,7 +143,7 @@ def run_router(
     )
     try:
         cpu_before = cpu_seconds(router.pids())
-        parts_before = _stack_cpu(router)
+        parts_before = router.cpu_by_process()
         swaps_before = fleet.adapter_swaps()
         work = replay(router.url, requests, builder, pacing, fleet.backends, label=name)
         other = None
@@ -164,7 +157,7 @@ def run_router(
         # On a shared machine the router's CPU is taken from the engines beside it.
         summary["router_cpu_s"] = round(cpu_seconds(router.pids()) - cpu_before, 2)
         if parts_before:  # kvroute's stack: which of its processes took it
-            after = _stack_cpu(router)
+            after = router.cpu_by_process()
             summary["router_cpu_by_process_s"] = {k: round(after[k] - v, 2) for k, v in parts_before.items()}
         if fleet.adapters:  # slot swaps: each loads an adapter and, once the slots are full, evicts one
             swaps = fleet.adapter_swaps() - swaps_before

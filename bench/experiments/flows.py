@@ -39,6 +39,7 @@ import orjson
 
 from bench.harness import peers
 from bench.harness.fleets import SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
+from bench.harness.processes import cpu_seconds
 from bench.harness.replay import Record, send
 from bench.workload import text
 from bench.workloads.trace import TraceRequest
@@ -338,13 +339,16 @@ def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int
         extproc_args=(*kvroute_args(options), *flags),
     )  # fmt: skip
     figures: dict[str, dict[str, dict[str, Any]]] = {}
+    cpu: dict[str, dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
     try:
         for phase in phases(options):
             settle(fleet)
             fleet.reset()
             run = _Run(router.url, phase, prompt_chars, fleet.model, options.output_tokens, options.seed)
+            before, parts = cpu_seconds(router.pids()), router.cpu_by_process()
             asyncio.run(run.run(options.warmup_s + options.phase_s))
+            cpu[phase.name] = phase_cpu(cpu_seconds(router.pids()) - before, parts, router.cpu_by_process(), run.sent)
             window = (options.warmup_s, options.warmup_s + options.phase_s)
             figures[phase.name] = {
                 load.flow: flow_figures([s for s in run.sent if s.flow == load.flow], window, load.ttft_ms)
@@ -358,7 +362,20 @@ def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int
             settle(fleet)
     if exited:
         log.error("%s: %s exited during the run: its figures are void", name, ", ".join(exited))
-    return {"phases": figures, "verdict": verdict(options, figures), "exited": exited, "records": records}
+    return {"phases": figures, "cpu": cpu, "verdict": verdict(options, figures), "exited": exited, "records": records}
+
+
+def phase_cpu(
+    total_s: float, before: dict[str, float], after: dict[str, float], sent: Sequence[Sent]
+) -> dict[str, Any]:
+    """The router's CPU over a whole phase (warm-up included): in all, by process of kvroute's
+    stack, and per request answered in it. On this machine it is taken from the engines beside it."""
+    answered = sum(1 for s in sent if s.record.status == 200)
+    return {
+        "router_cpu_s": round(total_s, 2),
+        "by_process_s": {name: round(after[name] - used, 2) for name, used in before.items()},
+        "per_request_ms": round(1000 * total_s / answered, 3) if answered else None,
+    }
 
 
 def summary(results: dict[str, Any]) -> str:
@@ -383,6 +400,12 @@ def summary(results: dict[str, Any]) -> str:
                     f"| {name} | {phase} | {flow} | {offered} | {f['sent']} | {f['statuses']} | {latency} | "
                     f"{f['served_tokens_per_s']:,.0f} |"
                 )
+    lines += ["", "| router | phase | router CPU s (by process) | per answered request ms |", "|---|---|---|---|"]
+    for name, row in results["routers"].items():
+        for phase, used in row.get("cpu", {}).items():
+            parts = ", ".join(f"{process} {seconds:g}" for process, seconds in used["by_process_s"].items())
+            total = f"{used['router_cpu_s']:g}" + (f" ({parts})" if parts else "")
+            lines.append(f"| {name} | {phase} | {total} | {used['per_request_ms']} |")
     lines += ["", "| router | verdict |", "|---|---|"]
     for name, row in results["routers"].items():
         void = " VOID: " + ", ".join(row["exited"]) if row["exited"] else ""

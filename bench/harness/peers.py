@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from bench.harness.fleets import first_prefills
-from bench.harness.processes import free_port, spawn, stop, wait_http
+from bench.harness.processes import cpu_seconds, free_port, spawn, stop, wait_http
 from bench.harness.replay import UPSTREAM_HEADER
 from bench.harness.stack import Stack
 from bench.harness.store import PASSWORD, RedisServer
@@ -101,6 +101,12 @@ class RunningRouter:
         if self.store is not None and self.store.process is not None:
             processes.append(self.store.process)
         return [p.pid for p in processes]
+
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds each process of kvroute's stack has used so far (none for a peer)."""
+        if self.stack is None:
+            return {}
+        return {name: cpu_seconds([process.pid]) for name, process in self.stack.processes.items()}
 
     def exited(self) -> list[str]:
         """The router's processes that have exited (a crash while it ran makes its results void)."""
