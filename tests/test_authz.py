@@ -16,6 +16,7 @@ from aiohttp import ClientSession
 
 from extproc.core.backends import Backend, Role
 from extproc.core.engine import EngineSample
+from extproc.core.objectives import ENGINE_PRIORITY_HEADER
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.envoy.authz import Authz
@@ -99,6 +100,17 @@ def test_a_routed_request_is_learned_and_released_when_its_entry_comes(parts: An
     assert again["x-kvroute-decision"] == "session_match" and again[DESTINATION_HEADER] == headers[DESTINATION_HEADER]
     authz.ended(entry(again[EXCHANGE_HEADER], 200, again[DESTINATION_HEADER]))
     assert authz.state() == {"open_exchanges": 0, "forwarded_ends": 0}
+
+
+def test_the_engine_priority_comes_with_every_decided_request_routed_or_not(parts: Any):
+    """The answer names the engine priority with the backend; with no backend to name (Envoy then
+    picks one itself) still with the priority, so wherever the request goes it is scheduled as such."""
+    _, pool, _, _, authz = parts
+    status, headers, _ = check(authz, BODY)
+    assert status == 200 and headers[ENGINE_PRIORITY_HEADER] == "0" and DESTINATION_HEADER in headers
+    pool.replace([])
+    status, headers, _ = check(authz, BODY)
+    assert status == 200 and headers[ENGINE_PRIORITY_HEADER] == "0" and DESTINATION_HEADER not in headers
 
 
 def test_an_error_or_a_failed_connection_releases_without_learning(parts: Any):

@@ -104,6 +104,11 @@ def test_a_page_of_megabytes_is_read_in_slices_with_the_loop_turning_between_the
     sample, turns = asyncio.run(read(page))
     assert sample == engine_sample(page.decode()) and sample is not None and sample.running == 6
     assert turns >= len(page) // scraping.SLICE_BYTES - 1
+    for other in (b"\r\n", b"\r", "\u2028".encode()):  # any break str.splitlines knows, a slice's border too
+        crossed = page.replace(b"\n", other)
+        sample, turns = asyncio.run(read(crossed))
+        assert sample == engine_sample(crossed.decode()) and sample is not None and sample.running == 6
+        assert turns >= len(page) // scraping.SLICE_BYTES - 1, other
     assert asyncio.run(read(VLLM_PAGE.encode())) == (engine_sample(VLLM_PAGE), 0)
 
 

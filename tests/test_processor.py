@@ -188,11 +188,9 @@ def test_no_backend_means_no_destination_metadata(parts):
     processor.handle(request_headers(), stream)
     reply = processor.handle(body(), stream)
     assert not reply.HasField("dynamic_metadata")
-    assert list(reply.request_body.response.header_mutation.remove_headers) == [
-        DESTINATION_HEADER,
-        ENGINE_PRIORITY_HEADER,
-        PENDING_HEADER,
-    ]
+    mutation = reply.request_body.response.header_mutation
+    assert list(mutation.remove_headers) == [DESTINATION_HEADER, PENDING_HEADER]
+    assert set_headers(mutation) == {ENGINE_PRIORITY_HEADER: "0"}  # wherever Envoy sends it, its priority
 
 
 @pytest.mark.parametrize(
@@ -470,12 +468,10 @@ def test_no_healthy_backend_leaves_routing_to_envoy(parts):
         pool.mark(B, False)
     stream = Stream()
     processor.handle(request_headers(), stream)
+    stream.headers["x-gateway-inference-objective"] = "critical"  # (not defined here: the default priority)
     mutation = processor.handle(body(), stream).request_body.response.header_mutation
-    assert not mutation.set_headers and list(mutation.remove_headers) == [
-        DESTINATION_HEADER,
-        ENGINE_PRIORITY_HEADER,
-        PENDING_HEADER,
-    ]
+    assert set_headers(mutation) == {ENGINE_PRIORITY_HEADER: "0"}  # Envoy picks the backend; kvroute the priority
+    assert list(mutation.remove_headers) == [DESTINATION_HEADER, PENDING_HEADER]
     assert stream.exchange.decision.label == "no_candidates"
 
 

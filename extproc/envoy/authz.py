@@ -177,6 +177,8 @@ class Authz:
             return _TRANSFER_PARAMS
         target = stream.destination
         routed = [(DESTINATION_HEADER, target)] if target is not None else []
+        if ENGINE_PRIORITY_HEADER in stream.headers:  # (set by the decision when the policy tells engines)
+            routed.append((ENGINE_PRIORITY_HEADER, stream.headers[ENGINE_PRIORITY_HEADER]))
         exchange = stream.exchange
         if exchange is None or exchange.decision.backend is None:  # passed through, or unrouted
             self._processor.closed(stream)
@@ -189,8 +191,6 @@ class Authz:
         router = owner.router
         router.sent(exchange, self._clock())
         routed.append((EXCHANGE_HEADER, key))
-        if ENGINE_PRIORITY_HEADER in stream.headers:  # (set by the decision when the policy tells engines)
-            routed.append((ENGINE_PRIORITY_HEADER, stream.headers[ENGINE_PRIORITY_HEADER]))
         if stream.span is not None:  # the route span's context, for the backend's own spans to join
             routed += [(name, stream.headers[name]) for name in TRACE_HEADERS if name in stream.headers]
         if router.settings.decision_headers and exchange.request is not None:  # (none when unread)

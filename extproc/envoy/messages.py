@@ -244,6 +244,15 @@ def destination(target: str, priority: str | None = None) -> pb.HeaderMutation:
 NO_DESTINATION = pb.HeaderMutation(remove_headers=[*CLIENTS_NOT, PENDING_HEADER])
 
 
+def unrouted(priority: str | None) -> pb.HeaderMutation:
+    """No destination (Envoy picks the backend), with the engine priority if one is given."""
+    if priority is None:
+        return NO_DESTINATION
+    return pb.HeaderMutation(
+        set_headers=[header(ENGINE_PRIORITY_HEADER, priority)], remove_headers=[DESTINATION_HEADER, PENDING_HEADER]
+    )
+
+
 @functools.lru_cache(maxsize=4096)
 def routing(kind: str, target: str | None, priority: str | None = None) -> pb.ProcessingResponse:
     """The reply that routes a request_headers or request_body message to `target` (None: to no
@@ -253,7 +262,7 @@ def routing(kind: str, target: str | None, priority: str | None = None) -> pb.Pr
     changing it."""
     reply = pb.ProcessingResponse()
     response = getattr(reply, kind).response
-    response.header_mutation.CopyFrom(NO_DESTINATION if target is None else destination(target, priority))
+    response.header_mutation.CopyFrom(unrouted(priority) if target is None else destination(target, priority))
     if kind == "request_body":
         response.clear_route_cache = True
     return with_destination(reply, target)

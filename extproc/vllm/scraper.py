@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 LISTING_EVERY = 8  # samples of a backend: every 2 s at the default 0.25 s interval
 SLICE_BYTES = 128 * 1024  # of a page read between two turns of the event loop: about 1 ms of reading at most
+# Where a slice may end: after any of the line breaks str.splitlines knows, as UTF-8 (none of
+# them can sit inside another character's bytes), so a page separated by any of them is sliced.
+_LINE_BREAK = re.compile(rb"[\n\r\x0b\x0c\x1c-\x1e]|\xc2\x85|\xe2\x80[\xa8\xa9]")
 
 
 class EngineScraper:
@@ -157,10 +161,10 @@ async def _sample_of(page: bytes | None) -> EngineSample | None:
     reader = PageReader()
     start = 0
     while True:
-        end = page.find(b"\n", start + SLICE_BYTES)
-        if end < 0:
+        border = _LINE_BREAK.search(page, start + SLICE_BYTES)
+        if border is None:
             reader.read(page[start:].decode(errors="replace"))
             return reader.sample()
-        reader.read(page[start : end + 1].decode(errors="replace"))
-        start = end + 1
+        reader.read(page[start : border.end()].decode(errors="replace"))
+        start = border.end()
         await asyncio.sleep(0)
