@@ -64,7 +64,10 @@ def _ttft_s(value: str) -> float | None:
 
 def objective_priority(headers: Mapping[str, str], priorities: Mapping[str, int], default_priority: int = 0) -> int:
     """The priority of the objective the request names (the default if it names none, or one not defined)."""
-    objective = _first(headers, OBJECTIVE_HEADERS)
+    return _priority(_first(headers, OBJECTIVE_HEADERS), priorities, default_priority)
+
+
+def _priority(objective: str, priorities: Mapping[str, int], default_priority: int) -> int:
     return priorities.get(objective, default_priority) if objective else default_priority
 
 
@@ -74,8 +77,9 @@ def classify(
     """The request's class from its headers (lower-case names, as Envoy sends them). `priorities`:
     each defined objective's priority. The flow is the fairness id, else the tenant, else the
     default flow."""
-    objective = _first(headers, OBJECTIVE_HEADERS) or None
-    priority = objective_priority(headers, priorities, default_priority)
+    named = _first(headers, OBJECTIVE_HEADERS)
+    objective = named or None
+    priority = _priority(named, priorities, default_priority)
     flow = _first(headers, FAIRNESS_HEADERS) or (tenant_header and headers.get(tenant_header, "").strip())
     ttft = _first(headers, TTFT_HEADERS)
     return RequestClass(
