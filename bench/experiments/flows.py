@@ -39,7 +39,7 @@ import orjson
 
 from bench.harness import peers
 from bench.harness.fleets import SIM_BLOCK_TOKENS, Fleet, SimFleet, VllmFleet, chars_per_token
-from bench.harness.processes import cpu_seconds
+from bench.harness.processes import cpu_seconds, preemptions
 from bench.harness.replay import Record, send
 from bench.workload import text
 from bench.workloads.trace import TraceRequest
@@ -346,9 +346,9 @@ def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int
             settle(fleet)
             fleet.reset()
             run = _Run(router.url, phase, prompt_chars, fleet.model, options.output_tokens, options.seed)
-            before, parts = cpu_seconds(router.pids()), router.cpu_by_process()
+            before = Usage.now(router, fleet)
             asyncio.run(run.run(options.warmup_s + options.phase_s))
-            cpu[phase.name] = phase_cpu(cpu_seconds(router.pids()) - before, parts, router.cpu_by_process(), run.sent)
+            cpu[phase.name] = phase_cpu(before, Usage.now(router, fleet), run.sent)
             window = (options.warmup_s, options.warmup_s + options.phase_s)
             figures[phase.name] = {
                 load.flow: flow_figures([s for s in run.sent if s.flow == load.flow], window, load.ttft_ms)
@@ -365,16 +365,39 @@ def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int
     return {"phases": figures, "cpu": cpu, "verdict": verdict(options, figures), "exited": exited, "records": records}
 
 
-def phase_cpu(
-    total_s: float, before: dict[str, float], after: dict[str, float], sent: Sequence[Sent]
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Usage:
+    """What the router's processes and the engines had used at one moment."""
+
+    at: float
+    router_s: float
+    by_process_s: dict[str, float]
+    engines_s: float
+    engine_preemptions: int
+
+    @classmethod
+    def now(cls, router: peers.RunningRouter, fleet: Fleet) -> Usage:
+        engines = [process.pid for process in fleet.processes]
+        return cls(
+            time.monotonic(), cpu_seconds(router.pids()), router.cpu_by_process(), cpu_seconds(engines),
+            preemptions(engines),
+        )  # fmt: skip
+
+
+def phase_cpu(before: Usage, after: Usage, sent: Sequence[Sent]) -> dict[str, Any]:
     """The router's CPU over a whole phase (warm-up included): in all, by process of kvroute's
-    stack, and per request answered in it. On this machine it is taken from the engines beside it."""
+    stack, and per request answered in it. On this machine it is taken from the engines beside it,
+    so theirs is reported too: their CPU and how often a thread of theirs was preempted (each time
+    the router, or anything else, woke on a core an engine was using)."""
     answered = sum(1 for s in sent if s.record.status == 200)
+    total_s = after.router_s - before.router_s
+    seconds = after.at - before.at
     return {
         "router_cpu_s": round(total_s, 2),
-        "by_process_s": {name: round(after[name] - used, 2) for name, used in before.items()},
+        "by_process_s": {name: round(after.by_process_s[name] - used, 2) for name, used in before.by_process_s.items()},
         "per_request_ms": round(1000 * total_s / answered, 3) if answered else None,
+        "engines_cpu_s": round(after.engines_s - before.engines_s, 2),
+        "engine_preemptions_per_s": round((after.engine_preemptions - before.engine_preemptions) / seconds, 1),
     }
 
 
@@ -400,12 +423,18 @@ def summary(results: dict[str, Any]) -> str:
                     f"| {name} | {phase} | {flow} | {offered} | {f['sent']} | {f['statuses']} | {latency} | "
                     f"{f['served_tokens_per_s']:,.0f} |"
                 )
-    lines += ["", "| router | phase | router CPU s (by process) | per answered request ms |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| router | phase | router CPU s (by process) | per answered request ms | engines' CPU s "
+        "| engine preemptions/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in results["routers"].items():
         for phase, used in row.get("cpu", {}).items():
             parts = ", ".join(f"{process} {seconds:g}" for process, seconds in used["by_process_s"].items())
             total = f"{used['router_cpu_s']:g}" + (f" ({parts})" if parts else "")
-            lines.append(f"| {name} | {phase} | {total} | {used['per_request_ms']} |")
+            engines = (used.get("engines_cpu_s", "-"), used.get("engine_preemptions_per_s", "-"))
+            lines.append(f"| {name} | {phase} | {total} | {used['per_request_ms']} | {engines[0]} | {engines[1]} |")
     lines += ["", "| router | verdict |", "|---|---|"]
     for name, row in results["routers"].items():
         void = " VOID: " + ", ".join(row["exited"]) if row["exited"] else ""

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 _HANDED_OUT: set[int] = set()
@@ -137,22 +137,41 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def cpu_seconds(pids: Iterable[int]) -> float:
-    """User + system CPU time used so far by these processes and their live descendants (every
-    thread included): what a router took from the machine, helpers it started included."""
+def _tree(pids: Iterable[int]) -> Iterator[tuple[int, list[str]]]:
+    """These processes and their live descendants, each with its stat fields (as `_stat`)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
             children.setdefault(int(fields[1]), []).append(int(entry.name))
-    ticks, todo, seen = 0, list(pids), set()
+    todo, seen = list(pids), set()
     while todo:
         pid = todo.pop()
         if pid in seen or (fields := _stat(pid)) is None:
             continue
         seen.add(pid)
-        ticks += int(fields[11]) + int(fields[12])
+        yield pid, fields
         todo += children.get(pid, [])
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU time used so far by these processes and their live descendants (every
+    thread included): what a router took from the machine, helpers it started included."""
+    ticks = sum(int(fields[11]) + int(fields[12]) for _, fields in _tree(pids))
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def preemptions(pids: Iterable[int]) -> int:
+    """Involuntary context switches so far of every thread of these processes and their live
+    descendants: how often something else took their core while they could have run on (what a
+    router's wake-ups cost engines that spin on theirs)."""
+    total = 0
+    for pid, _ in _tree(pids):
+        for task in Path(f"/proc/{pid}/task").glob("*/status"):
+            with contextlib.suppress(OSError):
+                for line in task.read_text().splitlines():
+                    if line.startswith("nonvoluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+    return total
 
 
 def rss_bytes(pid: int) -> int:
