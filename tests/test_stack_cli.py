@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -165,12 +166,16 @@ def test_preemptions_count_a_spinning_child_losing_its_core_and_not_a_sleeper():
     parent = subprocess.Popen([sys.executable, "-c", wrapper], start_new_session=True)
     sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
+        stat = Path(f"/proc/{sleeper.pid}/stat")
+        while not stat.read_text().startswith(f"{sleeper.pid} (sleep) S"):
+            time.sleep(0.01)  # (starting, it may be preempted on a busy machine; asleep, it cannot be)
+        asleep = preemptions([sleeper.pid])
         for _ in range(100):
             if preemptions([parent.pid]) >= 10:
                 break
             time.sleep(0.1)
         assert preemptions([parent.pid]) >= 10
-        assert preemptions([sleeper.pid]) == 0 and preemptions([]) == 0
+        assert preemptions([sleeper.pid]) == asleep and preemptions([]) == 0
     finally:
         for process in (parent, sleeper):
             os.killpg(process.pid, signal.SIGKILL)
