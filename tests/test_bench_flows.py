@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import orjson
@@ -104,6 +105,29 @@ def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
     assert saved["shape"] == shape and (tmp_path / "summary.md").read_text().count("| kvroute") >= 2
     lines = (tmp_path / "records.jsonl").read_bytes().splitlines()
     assert {orjson.loads(line)["router"] for line in lines} == set(results["routers"])
+
+
+@pytest.mark.bench
+def test_with_no_router_the_clients_send_to_the_backends_in_turn(tmp_path: Path):
+    """The proxy-less baseline: no router process, every backend served about as often."""
+    options = flows.FlowsOptions(
+        shape="priority",
+        out=tmp_path,
+        routers=(flows.NO_ROUTER,),
+        prompt_tokens=128,
+        output_tokens=4,
+        phase_s=2.0,
+        warmup_s=0.5,
+        steady_rate=4.0,
+        flood_clients=4,
+    )
+    results = flows.run(options)
+    row = results["routers"][flows.NO_ROUTER]
+    assert row["exited"] == [] and row["cpu"]["overload"]["router_cpu_s"] == 0
+    records = [orjson.loads(line) for line in (tmp_path / "records.jsonl").read_bytes().splitlines()]
+    served = Counter(record["backend"] for record in records if record["status"] == 200)
+    assert len(served) == 2 and None not in served, served
+    assert min(served.values()) >= 0.4 * sum(served.values()), served
 
 
 def test_a_stacks_envoy_waits_longer_than_its_ext_proc_holds_requests(tmp_path: Path):

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import re
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,17 +139,23 @@ class Sent:
     record: Record
 
 
+# Not a router: each client sends straight to a backend, the backends in turn, so a run shows what
+# a proxy in the path costs against none (this machine's engines share their cores with it)
+NO_ROUTER = "clients-round-robin"
+
+
 @dataclass
 class _Run:
-    """One phase's clients over one router."""
+    """One phase's clients over one router (or, with several urls, straight to the backends in turn)."""
 
-    url: str
+    urls: Sequence[str]
     phase: Phase
     prompt_chars: int
     model: str
     output_tokens: int
     seed: int
     sent: list[Sent] = field(default_factory=list)
+    _turns: Iterator[int] = field(default_factory=itertools.count)
 
     def body(self, rng: random.Random) -> dict[str, Any]:
         return {
@@ -163,7 +170,8 @@ class _Run:
         at = time.monotonic() - start
         request = TraceRequest(len(self.sent), 0.0, 0, self.output_tokens)
         try:
-            record = await send(session, self.url, request, self.body(rng), load.headers())
+            url = self.urls[next(self._turns) % len(self.urls)]
+            record = await send(session, url, request, self.body(rng), load.headers())
         except asyncio.CancelledError:  # still unanswered when the phase ended: counted, never dropped
             unfinished = Record(request.index, 0, None, 0.0, 0, 0, None, UNFINISHED)
             self.sent.append(Sent(self.phase.name, load.flow, at, time.monotonic() - start, unfinished))
@@ -334,10 +342,14 @@ def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int
     base, flags = peers.router_spec(name)
     workdir = options.out / "logs" / peers.workdir_name(name)
     fleet.reset()
-    router = peers.start(
-        base, fleet.backends, workdir, replicas=options.replicas, graceful_close=options.envoy_graceful_close,
-        extproc_args=(*kvroute_args(options), *flags),
-    )  # fmt: skip
+    if base == NO_ROUTER:
+        router, urls = peers.RunningRouter(name, ""), [f"http://{backend}" for backend in fleet.backends]
+    else:
+        router = peers.start(
+            base, fleet.backends, workdir, replicas=options.replicas, graceful_close=options.envoy_graceful_close,
+            extproc_args=(*kvroute_args(options), *flags),
+        )  # fmt: skip
+        urls = [router.url]
     figures: dict[str, dict[str, dict[str, Any]]] = {}
     cpu: dict[str, dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
@@ -345,7 +357,7 @@ def run_router(fleet: Fleet, name: str, options: FlowsOptions, prompt_chars: int
         for phase in phases(options):
             settle(fleet)
             fleet.reset()
-            run = _Run(router.url, phase, prompt_chars, fleet.model, options.output_tokens, options.seed)
+            run = _Run(urls, phase, prompt_chars, fleet.model, options.output_tokens, options.seed)
             before = Usage.now(router, fleet)
             asyncio.run(run.run(options.warmup_s + options.phase_s))
             cpu[phase.name] = phase_cpu(before, Usage.now(router, fleet), run.sent)
