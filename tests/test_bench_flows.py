@@ -69,14 +69,12 @@ def test_the_flags_parse_flows_and_weights():
     )
 
 
-@pytest.mark.bench
-@pytest.mark.envoy
-@pytest.mark.parametrize("shape", flows.SHAPES)
-def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
-    options = flows.FlowsOptions(
+def _smoke(tmp_path: Path, shape: str, routers: tuple[str, ...]) -> flows.FlowsOptions:
+    """A short run of a shape over simulated backends."""
+    return flows.FlowsOptions(
         shape=shape,
         out=tmp_path,
-        routers=("kvroute", "kvroute-no-flow-control"),
+        routers=routers,
         prompt_tokens=256,
         output_tokens=4,
         phase_s=3.0,
@@ -86,6 +84,13 @@ def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
         flows=(("a", 6), ("b", 2)),
         sim_args=("--max-num-seqs", "2", "--step-s", "0.002"),
     )
+
+
+@pytest.mark.bench
+@pytest.mark.envoy
+@pytest.mark.parametrize("shape", flows.SHAPES)
+def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
+    options = _smoke(tmp_path, shape, ("kvroute", "kvroute-no-flow-control"))
     results = flows.run(options)
     assert set(results["routers"]) == {"kvroute", "kvroute-no-flow-control"}
     for name, row in results["routers"].items():
@@ -110,18 +115,7 @@ def test_every_shape_runs_and_answers_every_request(tmp_path: Path, shape: str):
 @pytest.mark.bench
 def test_with_no_router_the_clients_send_to_the_backends_in_turn(tmp_path: Path):
     """The proxy-less baseline: no router process, every backend served about as often."""
-    options = flows.FlowsOptions(
-        shape="priority",
-        out=tmp_path,
-        routers=(flows.NO_ROUTER,),
-        prompt_tokens=128,
-        output_tokens=4,
-        phase_s=2.0,
-        warmup_s=0.5,
-        steady_rate=4.0,
-        flood_clients=4,
-    )
-    results = flows.run(options)
+    results = flows.run(_smoke(tmp_path, "priority", (flows.NO_ROUTER,)))
     row = results["routers"][flows.NO_ROUTER]
     assert row["exited"] == [] and row["cpu"]["overload"]["router_cpu_s"] == 0
     records = [orjson.loads(line) for line in (tmp_path / "records.jsonl").read_bytes().splitlines()]
