@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from extproc.service import background, stop_tasks
 
 
@@ -76,6 +78,7 @@ def test_the_open_files_soft_limit_is_raised_to_the_hard_one():
     assert soft > 256 and (soft == hard or hard == resource.RLIM_INFINITY)
 
 
+@pytest.mark.slow
 def test_a_stopping_ext_proc_lets_an_open_stream_go_on_for_its_grace(tmp_path):
     """SIGTERM while a gateway's stream is open (a full-duplex stream lasts as long as its
     response): the stream is still served seconds later, within `stop_grace_s`, and the process
