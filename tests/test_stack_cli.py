@@ -166,14 +166,11 @@ def test_preemptions_count_a_spinning_child_losing_its_core_and_not_a_sleeper():
     parent = subprocess.Popen([sys.executable, "-c", wrapper], start_new_session=True)
     sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
+        # Starting, the sleeper may be preempted on a busy machine; asleep, it cannot be.
         stat = Path(f"/proc/{sleeper.pid}/stat")
-        while not stat.read_text().startswith(f"{sleeper.pid} (sleep) S"):
-            time.sleep(0.01)  # (starting, it may be preempted on a busy machine; asleep, it cannot be)
+        eventually(lambda: stat.read_text().startswith(f"{sleeper.pid} (sleep) S"), message="the sleeper asleep")
         asleep = preemptions([sleeper.pid])
-        for _ in range(100):
-            if preemptions([parent.pid]) >= 10:
-                break
-            time.sleep(0.1)
+        eventually(lambda: preemptions([parent.pid]) >= 10, message="the spinners preempted")
         assert preemptions([parent.pid]) >= 10
         assert preemptions([sleeper.pid]) == asleep and preemptions([]) == 0
     finally:
