@@ -442,11 +442,13 @@ def summary(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, row in results["routers"].items():
-        for phase, used in row.get("cpu", {}).items():
+        for phase, used in row["cpu"].items():
             parts = ", ".join(f"{process} {seconds:g}" for process, seconds in used["by_process_s"].items())
             total = f"{used['router_cpu_s']:g}" + (f" ({parts})" if parts else "")
-            engines = (used.get("engines_cpu_s", "-"), used.get("engine_preemptions_per_s", "-"))
-            lines.append(f"| {name} | {phase} | {total} | {used['per_request_ms']} | {engines[0]} | {engines[1]} |")
+            lines.append(
+                f"| {name} | {phase} | {total} | {used['per_request_ms']} | {used['engines_cpu_s']} "
+                f"| {used['engine_preemptions_per_s']} |"
+            )
     lines += ["", "| router | verdict |", "|---|---|"]
     for name, row in results["routers"].items():
         void = " VOID: " + ", ".join(row["exited"]) if row["exited"] else ""
