@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
+
 from bench.experiments.decisions import (
     ENGINE_BLOCK_TOKENS,
     QueuedEngines,
@@ -44,6 +46,7 @@ from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import EngineSample
 from extproc.core.exchange import Exchange
+from extproc.core.request import PromptRequest
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -51,9 +54,12 @@ JITTER = (0.8, 1.2)
 
 
 class Placement(Protocol):
-    """Where each turn goes. `exchange`: kvroute's, ended when the turn ends (None for the others)."""
+    """Where each turn goes. `exchange`: kvroute's, ended when the turn ends (None for the others).
+    `hold_s`: how long at most the turn is held before it is sent, if it is held now (0: not)."""
 
     def place(self, turn: Turn, now: float, engines: QueuedEngines) -> tuple[str, Exchange | None]: ...
+
+    def hold_s(self, turn: Turn, now: float) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,7 @@ class KvroutePlacement:
     def __init__(self, fleet: tuple[Backend, ...], blocks: int, **settings: Any) -> None:
         self.fleet, self.blocks = fleet, blocks
         self.router = Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings))
+        self._requests: dict[int, PromptRequest] = {}  # each turn parsed once for `hold_s`
         for backend in fleet:
             self.router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
 
@@ -84,6 +91,16 @@ class KvroutePlacement:
             sample = EngineSample(engines.running[address], waiting, usage, 1.0, size, ENGINE_BLOCK_TOKENS)
             router.engine_sample(address, sample, now)
         return served(router, turn.body, {"x-session-id": turn.session}, self.fleet, now)
+
+    def hold_s(self, turn: Turn, now: float) -> float:
+        """kvroute's own rule (`conversation_hold_share`), as its ext_proc applies it."""
+        request = self._requests.get(id(turn))
+        if request is None:
+            request = self._requests[id(turn)] = self.router.parse(
+                orjson.dumps(turn.body), {"x-session-id": turn.session}
+            )
+        held = self.router.crowded_by(request, self.fleet, now)
+        return self.router.settings.conversation_hold_max_s if held else 0.0
 
 
 class SglangRule:
@@ -107,6 +124,9 @@ class SglangRule:
         self.trees[best].update(turn.hashes)
         return best, None
 
+    def hold_s(self, turn: Turn, now: float) -> float:
+        return 0.0
+
 
 class FixedPlacement:
     """Each conversation on the backend a map names (the first backend if it names none)."""
@@ -116,6 +136,9 @@ class FixedPlacement:
 
     def place(self, turn: Turn, now: float, engines: QueuedEngines) -> tuple[str, Exchange | None]:
         return self.fleet[self.backend_of.get(turn.session, 0)].address, None
+
+    def hold_s(self, turn: Turn, now: float) -> float:
+        return 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,17 +202,32 @@ def replay(
     heapq.heapify(ready)
     position = [0] * len(workload.conversations)
     inflight: list[_Sent] = []
+    held: list[tuple[float, int]] = []  # turns a placement holds (their clients wait): until when at most
     first: dict[str, str] = {}
     now = 0.0
-    while ready or inflight:
-        while ready and len(inflight) < clients:
+
+    def send(g: int) -> None:
+        turn = workload.conversations[g][position[g]]
+        backend, exchange = placement.place(turn, now, engines)
+        first.setdefault(turn.session, backend)
+        sent = _Sent(ReplayedRequest(exchange, backend, turn.tokens), g)
+        engines.arrive(sent.request)
+        inflight.append(sent)
+
+    while ready or inflight or held:
+        for until, g in list(held):
+            if not inflight or now >= until or not placement.hold_s(workload.conversations[g][position[g]], now):
+                held.remove((until, g))
+                send(g)
+        while ready and len(inflight) + len(held) < clients:
             _, g = heapq.heappop(ready)
-            turn = workload.conversations[g][position[g]]
-            backend, exchange = placement.place(turn, now, engines)
-            first.setdefault(turn.session, backend)
-            sent = _Sent(ReplayedRequest(exchange, backend, turn.tokens), g)
-            engines.arrive(sent.request)
-            inflight.append(sent)
+            hold = placement.hold_s(workload.conversations[g][position[g]], now) if inflight else 0.0
+            if hold > 0:
+                held.append((now + hold, g))
+            else:
+                send(g)
+        if not inflight:
+            continue
         now += _advance(inflight, engines, jitter, prefill_tokens_per_s, decode_s)
         for sent in [s for s in inflight if s.left is not None and s.left <= 1e-9]:
             inflight.remove(sent)
