@@ -193,9 +193,11 @@ def replay(
     clients: int = 16,
     prefill_tokens_per_s: float = 2500.0,
     decode_s: float = 0.05,
+    latencies: list[float] | None = None,
 ) -> tuple[float, dict[str, str]]:
     """One timed closed-loop run: the share of prompt tokens the engines found cached, and where
-    each conversation's first turn went."""
+    each conversation's first turn went. `latencies`: given, each turn's seconds from its
+    client's send to its end (a hold included) are added to it."""
     jitter = random.Random(seed)
     engines = QueuedEngines(workload.fleet, workload.blocks, True, None)
     ready = [(arrival[0], g) for g, arrival in enumerate(workload.arrivals)]
@@ -204,6 +206,7 @@ def replay(
     inflight: list[_Sent] = []
     held: list[tuple[float, int]] = []  # turns a placement holds (their clients wait): until when at most
     first: dict[str, str] = {}
+    asked: dict[int, float] = {}  # when each conversation's turn in hand was picked by its client
     now = 0.0
 
     def send(g: int) -> None:
@@ -221,6 +224,7 @@ def replay(
                 send(g)
         while ready and len(inflight) + len(held) < clients:
             _, g = heapq.heappop(ready)
+            asked[g] = now
             hold = placement.hold_s(workload.conversations[g][position[g]], now) if inflight else 0.0
             if hold > 0:
                 held.append((now + hold, g))
@@ -235,6 +239,8 @@ def replay(
                 sent.request.exchange.end()
             engines.end(sent.request)
             g = sent.conversation
+            if latencies is not None:
+                latencies.append(now - asked[g])
             position[g] += 1
             if position[g] < len(workload.conversations[g]):
                 heapq.heappush(ready, (workload.arrivals[g][position[g]], g))
