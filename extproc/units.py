@@ -20,7 +20,6 @@ from extproc.core.saturation import has_room
 from extproc.core.settings import Settings
 from extproc.envoy.processor import Processor
 from extproc.runtime.config import ExtProcConfig, UnitConfig
-from extproc.runtime.conversation_hold import ConversationHold, ConversationHoldMetrics
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.placer import PLACEMENT_INTERVAL_S, AdapterPlacer, PlacementCollector
 from extproc.runtime.policy_state import PolicyState
@@ -163,9 +162,6 @@ async def build_unit(
         prefill_legs=legs,
         placer=placer,
         tracer=tracer,
-        conversation_hold=ConversationHold(
-            ConversationHoldMetrics(metrics.registry, lambda: router.live.blocks(clock())), clock
-        ),
     )
     return PolicyUnit(
         unit.name,

@@ -62,15 +62,3 @@ def test_the_agent_slice_replays_the_same_for_the_same_seed_and_the_search_finds
     before, _ = placement.mean_hit_rate(workload, lambda: placement.FixedPlacement(fleet, start), [3])
     after, found = placement.search(workload, start, [3], sweeps=1)
     assert after > before and found != start
-
-
-def test_holding_new_conversations_while_live_contexts_fill_the_caches_finds_more_cached_on_the_agent_slice():
-    """kvroute's `conversation_hold_share` as the replay applies it (the rule is the router's own):
-    on the real agent sessions' head, holding first turns while the live conversations' contexts
-    fill the caches keeps more of those contexts for their next turns (0.27 -> 0.38 when tried)."""
-    workload = placement.load(AGENTS, 120)
-    fleet, blocks = workload.fleet, workload.blocks
-    hold = {"conversation_hold_share": 0.9, "conversation_hold_window_s": 120.0, "conversation_hold_max_s": 60.0}
-    plain = placement.replay(workload, placement.KvroutePlacement(fleet, blocks), seed=0)[0]
-    held = placement.replay(workload, placement.KvroutePlacement(fleet, blocks, **hold), seed=0)[0]
-    assert held > plain + 0.05, (plain, held)

@@ -298,10 +298,6 @@ def test_envoys_message_timeout_outlasts_the_longest_hold_of_the_policies_it_wri
     assert timeout(longer) == message_timeout_ms(Settings(queue_ttl_s=120)) == 165_000
     extra = {"policy": {"extra": [{"name": "code", "selector": {}, "routing": {"prefillTimeoutSeconds": 90.5}}]}}
     assert timeout(extra) == message_timeout_ms(Settings(pd_prefill_timeout_s=90.5))
-    holding = {"policy": {"extra": [{"name": "agents", "selector": {}, "routing": {"conversationHoldShare": 0.9}}]}}
-    assert timeout(holding) == message_timeout_ms(Settings(conversation_hold_share=0.9)) == 105_000
-    longest = {"policy": {"routing": {"conversationHoldShare": 0.5, "conversationHoldMaxSeconds": 12.5}}}
-    assert timeout(longest) == message_timeout_ms(Settings(conversation_hold_share=0.5, conversation_hold_max_s=12.5))
 
 
 @pytest.mark.parametrize("transport", ["ext_authz", "ext_proc"])

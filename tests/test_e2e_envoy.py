@@ -14,7 +14,6 @@ import random
 import signal
 import ssl
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -830,29 +829,3 @@ def in_flight_of(stack: Stack, policy: str) -> int:
     """Requests one of the ext_proc's policies counts in flight."""
     state = stack.debug_state()["policies"][policy]
     return sum(load["active"] for load in state["load"].values())
-
-
-LIVE = " ".join(f"turn{i}" for i in range(400))  # some blocks long: a context to count
-
-
-@pytest.mark.parametrize("layout", ["buffered", pytest.param("ext_authz", marks=pytest.mark.layouts)])
-def test_a_new_conversation_is_held_while_live_contexts_fill_the_caches_and_then_served(tmp_path: Path, layout: str):
-    """`conversationHoldShare` so small that one live conversation fills it: the first conversation
-    is not held (nothing is live), a new one's first turn then waits its longest (1 s) and is
-    served; a returning turn, and a request naming no session, are not held."""
-    args = ["--conversation-hold-share", "0.000001", "--conversation-hold-max-s", "1"]
-    timeouts = 'kvroute_conversation_hold_outcomes_total{outcome="timeout"}'
-    with Stack(tmp_path, sims=1, extproc_args=args, **LAYOUTS[layout]) as stack:
-
-        def served(session: str | None) -> float:
-            """Seconds the turn took, and it was answered 200."""
-            sent = time.monotonic()
-            headers = {"x-session-id": session} if session else {}
-            status, _, body = post(stack.url, chat([{"role": "user", "content": LIVE}]), headers)
-            assert status == 200, (body, log_tails(tmp_path))
-            return time.monotonic() - sent
-
-        assert served("a") < 1.0
-        eventually(lambda: metric(stack.admin_url, "kvroute_live_context_blocks") > 0, message="a live context")
-        assert served("a") < 1.0 and served(None) < 1.0 and metric(stack.admin_url, timeouts) == 0
-        assert served("b") >= 1.0 and metric(stack.admin_url, timeouts) == 1

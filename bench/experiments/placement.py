@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import orjson
-
 from bench.experiments.decisions import (
     ENGINE_BLOCK_TOKENS,
     QueuedEngines,
@@ -46,7 +44,6 @@ from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import EngineSample
 from extproc.core.exchange import Exchange
-from extproc.core.request import PromptRequest
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -54,12 +51,9 @@ JITTER = (0.8, 1.2)
 
 
 class Placement(Protocol):
-    """Where each turn goes. `exchange`: kvroute's, ended when the turn ends (None for the others).
-    `hold_s`: how long at most the turn is held before it is sent, if it is held now (0: not)."""
+    """Where each turn goes. `exchange`: kvroute's, ended when the turn ends (None for the others)."""
 
     def place(self, turn: Turn, now: float, engines: QueuedEngines) -> tuple[str, Exchange | None]: ...
-
-    def hold_s(self, turn: Turn, now: float) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +73,6 @@ class KvroutePlacement:
     def __init__(self, fleet: tuple[Backend, ...], blocks: int, **settings: Any) -> None:
         self.fleet, self.blocks = fleet, blocks
         self.router = Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings))
-        self._requests: dict[int, PromptRequest] = {}  # each turn parsed once for `hold_s`
         for backend in fleet:
             self.router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
 
@@ -91,16 +84,6 @@ class KvroutePlacement:
             sample = EngineSample(engines.running[address], waiting, usage, 1.0, size, ENGINE_BLOCK_TOKENS)
             router.engine_sample(address, sample, now)
         return served(router, turn.body, {"x-session-id": turn.session}, self.fleet, now)
-
-    def hold_s(self, turn: Turn, now: float) -> float:
-        """kvroute's own rule (`conversation_hold_share`), as its ext_proc applies it."""
-        request = self._requests.get(id(turn))
-        if request is None:
-            request = self._requests[id(turn)] = self.router.parse(
-                orjson.dumps(turn.body), {"x-session-id": turn.session}
-            )
-        held = self.router.crowded_by(request, self.fleet, now)
-        return self.router.settings.conversation_hold_max_s if held else 0.0
 
 
 class SglangRule:
@@ -124,9 +107,6 @@ class SglangRule:
         self.trees[best].update(turn.hashes)
         return best, None
 
-    def hold_s(self, turn: Turn, now: float) -> float:
-        return 0.0
-
 
 class FixedPlacement:
     """Each conversation on the backend a map names (the first backend if it names none)."""
@@ -136,9 +116,6 @@ class FixedPlacement:
 
     def place(self, turn: Turn, now: float, engines: QueuedEngines) -> tuple[str, Exchange | None]:
         return self.fleet[self.backend_of.get(turn.session, 0)].address, None
-
-    def hold_s(self, turn: Turn, now: float) -> float:
-        return 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,45 +170,26 @@ def replay(
     clients: int = 16,
     prefill_tokens_per_s: float = 2500.0,
     decode_s: float = 0.05,
-    latencies: list[float] | None = None,
 ) -> tuple[float, dict[str, str]]:
     """One timed closed-loop run: the share of prompt tokens the engines found cached, and where
-    each conversation's first turn went. `latencies`: given, each turn's seconds from its
-    client's send to its end (a hold included) are added to it."""
+    each conversation's first turn went."""
     jitter = random.Random(seed)
     engines = QueuedEngines(workload.fleet, workload.blocks, True, None)
     ready = [(arrival[0], g) for g, arrival in enumerate(workload.arrivals)]
     heapq.heapify(ready)
     position = [0] * len(workload.conversations)
     inflight: list[_Sent] = []
-    held: list[tuple[float, int]] = []  # turns a placement holds (their clients wait): until when at most
     first: dict[str, str] = {}
-    asked: dict[int, float] = {}  # when each conversation's turn in hand was picked by its client
     now = 0.0
-
-    def send(g: int) -> None:
-        turn = workload.conversations[g][position[g]]
-        backend, exchange = placement.place(turn, now, engines)
-        first.setdefault(turn.session, backend)
-        sent = _Sent(ReplayedRequest(exchange, backend, turn.tokens), g)
-        engines.arrive(sent.request)
-        inflight.append(sent)
-
-    while ready or inflight or held:
-        for until, g in list(held):
-            if not inflight or now >= until or not placement.hold_s(workload.conversations[g][position[g]], now):
-                held.remove((until, g))
-                send(g)
-        while ready and len(inflight) + len(held) < clients:
+    while ready or inflight:
+        while ready and len(inflight) < clients:
             _, g = heapq.heappop(ready)
-            asked[g] = now
-            hold = placement.hold_s(workload.conversations[g][position[g]], now) if inflight else 0.0
-            if hold > 0:
-                held.append((now + hold, g))
-            else:
-                send(g)
-        if not inflight:
-            continue
+            turn = workload.conversations[g][position[g]]
+            backend, exchange = placement.place(turn, now, engines)
+            first.setdefault(turn.session, backend)
+            sent = _Sent(ReplayedRequest(exchange, backend, turn.tokens), g)
+            engines.arrive(sent.request)
+            inflight.append(sent)
         now += _advance(inflight, engines, jitter, prefill_tokens_per_s, decode_s)
         for sent in [s for s in inflight if s.left is not None and s.left <= 1e-9]:
             inflight.remove(sent)
@@ -239,8 +197,6 @@ def replay(
                 sent.request.exchange.end()
             engines.end(sent.request)
             g = sent.conversation
-            if latencies is not None:
-                latencies.append(now - asked[g])
             position[g] += 1
             if position[g] < len(workload.conversations[g]):
                 heapq.heappush(ready, (workload.arrivals[g][position[g]], g))

@@ -24,7 +24,6 @@ from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
 from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
 from extproc.core.homes import PrefixHomes
 from extproc.core.index import LocationIndex
-from extproc.core.live_contexts import LiveContexts
 from extproc.core.load import LoadTracker
 from extproc.core.modes import ApproximateMode, IndexMode, PreciseMode, Shared
 from extproc.core.pairs import cheapest_prefill, prefill_candidates, splits
@@ -54,7 +53,6 @@ class Router:
         "bytes_per_token",
         "churn",
         "homes",
-        "live",
         "loads",
         "mode",
         "pipeline",
@@ -72,8 +70,6 @@ class Router:
         self.churn = ChurnMeter(settings.churn_half_life_s)
         self.sessions = SessionTable(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
         self.homes = PrefixHomes()
-        # the contexts of the conversations served lately (conversation_hold_share: live_contexts.py)
-        self.live = LiveContexts(settings.conversation_hold_window_s, settings.session_capacity)
         self.pressure = CachePressure()  # how much of their context returning conversations find evicted
         self.loads = LoadTracker()
         self.replicas: ReplicaLink | None = None  # sibling replicas to tell what is learned and bound
@@ -152,9 +148,6 @@ class Router:
         self.churn.half_life_s = settings.churn_half_life_s
         self.mode.reconfigure(settings, rehash)
         self.sessions.configure(settings.session_ttl_s, settings.session_capacity, settings.hash_key)
-        self.live.configure(settings.conversation_hold_window_s, settings.session_capacity)
-        if settings.conversation_hold_share <= 0 or rehash:  # (its blocks were of the chains before)
-            self.live.clear()
 
     def set_backend_capacity(self, backend: str, kv_tokens: int) -> None:
         """A backend reported its KV cache size in tokens; with `capacity_auto`, the approximate
@@ -483,27 +476,10 @@ class Router:
             replicas.learned(backend, shared)
         self.stats.learned += 1
         if request.session_key is not None:
-            chain = self.chain_of(request)
-            session = self.sessions.bind(request.session_key, backend, now, context_of(chain))
-            if self.settings.conversation_hold_share > 0:
-                self.live.served(session, len(chain), now)
+            session = self.sessions.bind(request.session_key, backend, now, context_of(self.chain_of(request)))
             if replicas is not None:
                 replicas.bound(session, backend)
         return added
-
-    def crowded_by(self, request: PromptRequest, backends: Sequence[Backend], now: float) -> bool:
-        """`conversation_hold_share`: the request starts a conversation (a session with no binding)
-        whose prompt, beside the contexts of the conversations served within the window, would take
-        more than that share of the backends' KV caches together. Never while no conversation is
-        live (there is nothing to keep), where the sizes are not reported, nor for a request that
-        names no session (nothing says it starts one)."""
-        share = self.settings.conversation_hold_share
-        if share <= 0 or request.session_key is None or self.sessions.binding(request.session_key, now) is not None:
-            return False
-        per_block = self.block_tokens()
-        room = sum(self._kv_tokens.get(backend.address, 0) for backend in backends) / per_block if per_block > 0 else 0
-        live = self.live.blocks(now)
-        return room > 0 and live > 0 and live + len(self.chain_of(request)) > share * room
 
     def sent(self, exchange: Exchange, now: float) -> None:
         """For a transport that reports a request's end but not its response's start (ext_authz):

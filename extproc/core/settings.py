@@ -293,28 +293,6 @@ class Settings:
     session_capacity: int = _setting(
         100_000, "Session bindings kept (LRU beyond this).", Bounds(minimum=1), "sessionCapacity"
     )
-    conversation_hold_share: float = _setting(
-        0.0,
-        "Hold a new conversation's first turn (a session with no binding) while the contexts of the "
-        "conversations served within conversationHoldWindowSeconds, with its prompt, would take more than this "
-        "share of the candidates' KV caches: on agent traffic the engines' LRU caches otherwise evict live "
-        "contexts for it. It waits at most conversationHoldMaxSeconds, then goes on as usual. 0: off.",
-        NON_NEGATIVE,
-        "conversationHoldShare",
-    )
-    conversation_hold_window_s: float = _setting(
-        60.0,
-        "A conversation is live (its context counted by conversationHoldShare) this long after its last turn "
-        "was served: about the time agents' tools take between turns.",
-        POSITIVE,
-        "conversationHoldWindowSeconds",
-    )
-    conversation_hold_max_s: float = _setting(
-        30.0,
-        "Longest a first turn is held by conversationHoldShare before it goes on anyway (never refused).",
-        POSITIVE,
-        "conversationHoldMaxSeconds",
-    )
     active_request_cost: float = _setting(
         4.0, "Load of one in-flight request, in blocks of prefill it is worth.", NON_NEGATIVE, "activeRequestCost"
     )

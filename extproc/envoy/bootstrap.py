@@ -70,12 +70,11 @@ FORWARD_HEADERS = (
 
 
 def message_timeout_ms(settings: Settings) -> int:
-    """Envoy's wait for each ext_proc reply: longer than a new conversation is held (where the
-    policy holds them), flow control holds a request, placement loads its adapter and a split
-    request's prefill leg then takes, so every request is answered by kvroute (dispatched, served
-    whole, or 429 at its TTL), never let through unrouted by Envoy's timer."""
-    held = settings.conversation_hold_max_s if settings.conversation_hold_share > 0 else 0.0
-    return int((held + settings.queue_ttl_s + ADAPTER_WAIT_S + settings.pd_prefill_timeout_s + 5) * 1000)
+    """Envoy's wait for each ext_proc reply: longer than flow control holds a request, placement
+    loads its adapter and a split request's prefill leg then takes, so every request is answered
+    by kvroute (dispatched, served whole, or 429 at its TTL), never let through unrouted by
+    Envoy's timer."""
+    return int((settings.queue_ttl_s + ADAPTER_WAIT_S + settings.pd_prefill_timeout_s + 5) * 1000)
 
 
 MESSAGE_TIMEOUT_MS = message_timeout_ms(Settings())

@@ -45,7 +45,6 @@ from extproc.envoy import messages as msg
 from extproc.envoy.headers import DESTINATION_HEADER, LLM_PATHS
 from extproc.envoy.proto import ext_proc_pb2 as pb
 from extproc.envoy.proto import ext_proc_pb2_grpc as pb_grpc
-from extproc.runtime.conversation_hold import ConversationHold
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.placer import AdapterPlacer
 from extproc.runtime.pool import BackendPool
@@ -179,7 +178,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         placer: AdapterPlacer | None = None,
         tracer: RequestTracer | None = None,
         routes: PolicyDispatch | None = None,
-        conversation_hold: ConversationHold | None = None,
     ) -> None:
         """`fallback`: name the second choice after a comma (kvroute's own override_host Envoy
         retries it); off, as by default, for gateways whose ORIGINAL_DST cluster takes the
@@ -189,8 +187,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         loads a placed LoRA adapter a request names when no server has it (none: never);
         `tracer`: a span per LLM request (none: tracing off); `routes`: the process serves several
         policies, and a request's body hands it to the processor of its model's (this one
-        takes every stream first); `conversation_hold`: holds new conversations while the live
-        ones' contexts fill the caches, where the policy asks (none: never)."""
+        takes every stream first)."""
         self._router = router
         self._pool = pool
         self._metrics = metrics
@@ -202,7 +199,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._legs = prefill_legs
         self._placer = placer
         self._tracer = tracer
-        self._hold = conversation_hold
         self.routes = routes
 
     @property
@@ -305,7 +301,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if owner is not self:
                 return await owner.decide_body(stream, body, parsed)
         parsed = await self._placed(body, stream, parsed)
-        parsed = await self._held_back(body, stream, parsed)
         parsed, refused = await self._wait_turn(body, stream, parsed, len(body))
         if refused is not None:
             return refused
@@ -433,7 +428,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self, stream: Stream, body: bytes, end_of_stream: bool, read: bool, parsed: Parsed | None
     ) -> list[pb.ProcessingResponse]:
         parsed = await self._placed(body if read else None, stream, parsed)  # (before the turn: decide_body)
-        parsed = await self._held_back(body if read else None, stream, parsed)
         parsed, refused = await self._wait_turn(body if read else None, stream, parsed, stream.held_bytes)
         if refused is not None:
             stream.held, stream.held_bytes = None, 0
@@ -471,23 +465,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 await placer.ensure(parsed.model, ADAPTER_WAIT_S)
             except Exception:  # placement must never cost a request
                 log.exception("adapter placement failed for a request; it is decided as it stands")
-                self._metrics.errors.labels("internal").inc()
-        return parsed
-
-    async def _held_back(self, body: bytes | None, stream: Stream, parsed: Parsed | None) -> Parsed | None:
-        """A new conversation's first turn, while the live conversations' contexts fill the caches
-        (`conversation_hold_share`): wait (at most `conversation_hold_max_s`). Returns the body as
-        read (read here only while the policy holds conversations)."""
-        hold = self._hold
-        if hold is None or self._router.settings.conversation_hold_share <= 0 or body is None:
-            return parsed
-        if parsed is None:
-            parsed = self._read(body, stream.headers)
-        if isinstance(parsed, PromptRequest):
-            try:
-                await hold.wait(self._router, parsed, self._candidates(stream))
-            except Exception:  # holding must never cost a request: it goes on as without it
-                log.exception("a first turn could not be weighed for holding; it goes on at once")
                 self._metrics.errors.labels("internal").inc()
         return parsed
 

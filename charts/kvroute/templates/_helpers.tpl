@@ -88,22 +88,18 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 {{- end }}
 
 {{- /* Envoy's wait for each ext_proc reply, in ms: message_timeout_ms (extproc/envoy/bootstrap.py)
-for the longest queueTTLSeconds, prefillTimeoutSeconds and (where conversationHoldShare is on)
-conversationHoldMaxSeconds among the policies the chart writes, so that a policy holding requests
-longer still answers each itself (tests/test_chart.py checks the two agree). */}}
+for the longest queueTTLSeconds and prefillTimeoutSeconds among the policies the chart writes, so
+that a policy holding requests longer still answers each itself (tests/test_chart.py checks the two
+agree). */}}
 {{- define "kvroute.messageTimeoutMs" -}}
 {{- $ttl := 30.0 -}}
 {{- $prefill := 30.0 -}}
-{{- $held := 0.0 -}}
 {{- range (prepend (.Values.policy.extra | default list) (dict "routing" .Values.policy.routing)) -}}
 {{- $routing := .routing | default dict -}}
 {{- $ttl = maxf $ttl (index $routing "queueTTLSeconds" | default 0) -}}
 {{- $prefill = maxf $prefill (index $routing "prefillTimeoutSeconds" | default 0) -}}
-{{- if gt (float64 (index $routing "conversationHoldShare" | default 0)) 0.0 -}}
-{{- $held = maxf $held (index $routing "conversationHoldMaxSeconds" | default 30) -}}
 {{- end -}}
-{{- end -}}
-{{- mulf (addf $held $ttl 10 $prefill 5) 1000 | int -}}
+{{- mulf (addf $ttl 10 $prefill 5) 1000 | int -}}
 {{- end }}
 
 {{- /* Where a part's pods run and what they carry, from the part's values (nodeSelector,
