@@ -25,14 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from bench.simulator.sim import block_hashes, prompt_tokens
-from bench.workloads import trace
-from bench.workloads.prompts import PromptBuilder
+from bench.experiments.placement import load
 
-requests = trace.read(Path(sys.argv[1]), 480, 12000)
-builder = PromptBuilder("sim-model", 4.0, 16)
-chains = [block_hashes(prompt_tokens(builder.body(r)) or [], 128) for r in requests]
-sessions = [r.session_id for r in requests]
+# the replay's workload (its prompts, blocks of 128 tokens), its turns back in the file's order
+workload = load(Path(sys.argv[1]))
+ordered = sorted((arrival, g, k) for g, arrivals in enumerate(workload.arrivals) for k, arrival in enumerate(arrivals))
+chains = [workload.conversations[g][k].hashes for _, g, k in ordered]
+sessions = [workload.conversations[g][k].session for _, g, k in ordered]
 fleet = len({h for c in chains for h in c}) // 2
 half = fleet // 2
 total = sum(len(c) for c in chains)
