@@ -155,6 +155,13 @@ def _parser() -> argparse.ArgumentParser:
     placement.add_argument(
         "--sweeps", type=int, default=0, help="search a fixed placement with hindsight, this many sweeps (minutes each)"
     )
+    placement.add_argument(
+        "--learn-at",
+        choices=("send", "end"),
+        default="send",
+        help="when kvroute learns a turn: as it is sent (the default, as in the figures before 2026-12-07), or at "
+        "its end, as over ext_authz (the default layout)",
+    )
     placement.set_defaults(run=_placement)
     soak = bench.add_parser("soak", help="never-repeating prompts: does the ext_proc's memory plateau? (JSON)")
     soak.add_argument("--requests", type=int, default=200_000)
@@ -556,7 +563,9 @@ def _decisions(args: argparse.Namespace) -> None:
 def _placement(args: argparse.Namespace) -> None:
     from bench.experiments import placement
 
-    result = placement.main(args.trace, args.limit, args.capacity_ratio, args.seeds, args.variant, args.sweeps)
+    result = placement.main(
+        args.trace, args.limit, args.capacity_ratio, args.seeds, args.variant, args.sweeps, args.learn_at
+    )
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 
 

