@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from bench.experiments.placement import LEARNING
     from bench.simulator import sim
     from bench.workloads.skew import SHAPES
 
@@ -157,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     placement.add_argument(
         "--learn-at",
-        choices=("send", "end"),
+        choices=LEARNING,
         default="send",
         help="when kvroute learns a turn: as it is sent (the default, as in the figures before 2026-12-07), or at "
         "its end, as over ext_authz (the default layout)",

@@ -114,8 +114,7 @@ def run(path: Path, limit: int, out: Path | None = None, mode: str = "approximat
         exchange = router.begin(parsed, live, now)
         decision = exchange.decision
         backend = decision.backend or ""
-        served = ResponseStart(backend, known=True, status=200, from_upstream=True)
-        router.response_started(exchange, served, now)
+        started(router, exchange, backend, now)
         pinned: list[int] = []
         engine = engines.get(backend)
         if engine is not None and tokens is not None:
@@ -242,14 +241,26 @@ def replay_fleet(backends: int) -> tuple[Backend, ...]:
     return tuple(Backend(f"10.0.0.{i}:8000") for i in range(backends))
 
 
+def decided(
+    router: Router, body: Mapping[str, Any], headers: Mapping[str, str], fleet: tuple[Backend, ...], now: float
+) -> tuple[str, Exchange]:
+    """A request routed: the backend it went to (the first if none was chosen) and its exchange."""
+    exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
+    return exchange.decision.backend or fleet[0].address, exchange
+
+
+def started(router: Router, exchange: Exchange, backend: str, now: float) -> None:
+    """The request's response started at `backend` (a 2xx): what the router learns then."""
+    router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
+
+
 def served(
     router: Router, body: Mapping[str, Any], headers: Mapping[str, str], fleet: tuple[Backend, ...], now: float
 ) -> tuple[str, Exchange]:
-    """A request routed and its response started at once (a 2xx): the backend it went to (the
-    first if none was chosen) and its exchange, to end when the request ends."""
-    exchange = router.begin(router.parse(orjson.dumps(body), headers), fleet, now)
-    backend = exchange.decision.backend or fleet[0].address
-    router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
+    """A request routed and its response started at once: the backend it went to and its
+    exchange, to end when the request ends."""
+    backend, exchange = decided(router, body, headers, fleet, now)
+    started(router, exchange, backend, now)
     return backend, exchange
 
 

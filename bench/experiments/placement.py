@@ -30,22 +30,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import orjson
-
 from bench.experiments.decisions import (
     ENGINE_BLOCK_TOKENS,
     QueuedEngines,
     ReplayedRequest,
+    decided,
     engine_blocks,
     replay_fleet,
     served,
+    started,
 )
 from bench.simulator.sim import block_hashes, prompt_tokens
 from bench.workloads import trace
 from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import EngineSample
-from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.exchange import Exchange
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -106,17 +106,16 @@ class KvroutePlacement:
         headers = {"x-session-id": turn.session}
         if self.learn_at == "send":
             return served(router, turn.body, headers, self.fleet, now)
-        exchange = router.begin(router.parse(orjson.dumps(turn.body), headers), self.fleet, now)
+        backend, exchange = decided(router, turn.body, headers, self.fleet, now)
         router.sent(exchange, now)
-        return exchange.decision.backend or self.fleet[0].address, exchange
+        return backend, exchange
 
     def ended(self, request: ReplayedRequest, now: float) -> None:
         exchange = request.exchange
         if exchange is None:
             return
         if self.learn_at == "end":
-            start = ResponseStart(request.backend, known=True, status=200, from_upstream=True)
-            self.router.response_started(exchange, start, now)
+            started(self.router, exchange, request.backend, now)
         exchange.end()
 
 
