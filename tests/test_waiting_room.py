@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -29,12 +30,12 @@ class Fleet:
         return self.running < self.slots
 
 
-def make(settings: Settings, fleet: Fleet) -> WaitingRoom:
-    return WaitingRoom(lambda: settings, fleet.room, WaitingRoomMetrics(CollectorRegistry()), clock)
-
-
 def clock() -> float:
     return asyncio.get_running_loop().time()
+
+
+def make(settings: Settings, fleet: Fleet, now: Callable[[], float] = clock) -> WaitingRoom:
+    return WaitingRoom(lambda: settings, fleet.room, WaitingRoomMetrics(CollectorRegistry()), now)
 
 
 def klass(flow: str, priority: int = 0) -> RequestClass:
@@ -346,14 +347,16 @@ def test_the_siblings_are_told_no_head_held_for_a_model_whose_backends_are_full(
 
 def test_a_request_whose_deadline_passes_as_it_arrives_is_answered_expired_and_leaves_nothing():
     """An objective (or a TTL) too short for the clock to tell from now: the request expires as
-    it is held, and is answered so at once, its gauges and labels back where they were."""
+    it is held, and is answered so at once, its gauges and labels back where they were. The clock
+    reads 2^40 s, where 1e-12 s is below its step whatever the machine's uptime (the loop's own
+    clock, a few minutes after a boot, still tells them apart)."""
 
     async def main() -> None:
         for settings, request_class in (
             (Settings(hash_key=bytes(16)), RequestClass(-1, "a", 1e-12, "sheddable", True)),
             (Settings(hash_key=bytes(16), queue_ttl_s=1e-12), klass("a")),
         ):
-            room = make(settings, Fleet(0))
+            room = make(settings, Fleet(0), lambda: 2.0**40)
             held = await asyncio.wait_for(room.wait(request_class, 1, 1, BACKENDS), 1.0)
             assert isinstance(held, Held) and held.state is State.EXPIRED
             assert len(room) == 0 and not room._labels and not room._waiting
