@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import orjson
 
+from bench.experiments.decisions import started
 from bench.workload import conversation
 from extproc.core.backends import Backend
 from extproc.core.engine import BlockStored
-from extproc.core.exchange import ResponseStart
 from extproc.core.request import parse_request
 from extproc.core.router import Router
 from extproc.core.settings import Settings
@@ -72,8 +72,7 @@ def _decide(router: Router, raw: bytes, now: float, backends: Sequence[Backend] 
     """One full request lifecycle; its CPU time in microseconds and its label."""
     start = time.perf_counter_ns()
     exchange = router.begin(router.parse(raw, {}), backends, now)
-    served = ResponseStart(exchange.decision.backend or "", known=True, status=200, from_upstream=True)
-    router.response_started(exchange, served, now)
+    started(router, exchange, exchange.decision.backend or "", now)
     exchange.end()
     return (time.perf_counter_ns() - start) / 1000, exchange.decision.label.value
 

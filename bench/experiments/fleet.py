@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from bench.experiments.decisions import ENGINE_BLOCK_TOKENS, EngineCache
+from bench.experiments.decisions import ENGINE_BLOCK_TOKENS, EngineCache, started
 from bench.harness.processes import cpu_seconds
 from bench.harness.replay import Pacing, replay
 from bench.harness.stack import Stack
@@ -44,7 +44,7 @@ from bench.workloads import models as workload
 from bench.workloads.prompts import PromptBuilder
 from extproc.core.backends import Backend
 from extproc.core.engine import EngineSample
-from extproc.core.exchange import Exchange, ResponseStart
+from extproc.core.exchange import Exchange
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 
@@ -140,11 +140,11 @@ def through_core(backends: int, models: int, sessions: int, tenants: int, window
         router = routers[name]
         body = orjson.dumps(builder.body(request))
         headers = {"x-session-id": str(request.session_id), **workload.tenant_headers(request)}
-        started = time.perf_counter()
+        began = time.perf_counter()
         exchange = router.begin(router.parse(body, headers), fleets[name], now)
         backend = exchange.decision.backend or fleets[name][0].address
-        router.response_started(exchange, ResponseStart(backend, known=True, status=200, from_upstream=True), now)
-        cost = time.perf_counter() - started
+        started(router, exchange, backend, now)
+        cost = time.perf_counter() - began
         tokens = prompt_tokens(orjson.loads(body)) or []
         pinned, cached, _ = engines[backend].serve(tokens)
         cached_tokens += cached * ENGINE_BLOCK_TOKENS
@@ -157,9 +157,9 @@ def through_core(backends: int, models: int, sessions: int, tenants: int, window
         inflight.append((exchange, backend, pinned, cost))
         if len(inflight) > window:
             ended, where, held, cost = inflight.popleft()
-            started = time.perf_counter()
+            began = time.perf_counter()
             ended.end()
-            spent.append(cost + time.perf_counter() - started)
+            spent.append(cost + time.perf_counter() - began)
             engines[where].pool.release(held, 0)
             running[where] -= 1
     ordered = sorted(spent)

@@ -27,10 +27,10 @@ import msgpack
 import orjson
 from redis.asyncio import Redis
 
+from bench.experiments.decisions import started
 from bench.harness.store import PASSWORD, RedisServer
 from bench.workload import conversation
 from extproc.core.backends import Backend
-from extproc.core.exchange import ResponseStart
 from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.replicas.redis_link import LEARNED, RedisLink
@@ -73,7 +73,7 @@ async def _one(a: Router, b: Router, pool_a: BackendPool, pool_b: BackendPool, i
     backend = exchange.decision.backend or ""
     load = b.loads.get(backend)
     reserved = await _until(lambda: load.peer_active == 1)
-    a.response_started(exchange, ResponseStart(backend, True, 200, True), time.monotonic())
+    started(a, exchange, backend, time.monotonic())
     probe = b.parse(conversation(8000, seed=i), {})
     learned = await _until(lambda: b.query(probe, pool_b.backends, time.monotonic()).matched_blocks > 0)
     bound = await _until(lambda: b.sessions.get(f"session:lag-{i}", time.monotonic()) is not None)
