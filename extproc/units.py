@@ -93,7 +93,11 @@ class PolicyUnit:
 
     def warnings(self) -> list[str]:
         """This policy's part of /readyz's warnings."""
-        return [*self.feeds.warnings(), *(() if self.link is None else self.link.warnings())]
+        return [
+            *self.feeds.warnings(),
+            *(() if self.link is None else self.link.warnings()),
+            *(() if self.objectives is None else self.objectives.warnings()),
+        ]
 
 
 async def build_unit(

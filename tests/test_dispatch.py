@@ -279,3 +279,29 @@ def test_a_full_duplex_failure_fails_open_in_the_policy_that_took_the_stream(pol
     assert b"".join(r.request_body.response.body_mutation.streamed_response.body for r in released[1:]) == data
     assert b.metrics.errors.labels("internal")._value.get() == 1
     assert a.metrics.errors.labels("internal")._value.get() == 0
+
+
+def test_another_policys_expired_leases_end_before_its_table_is_judged_full(policies):
+    """Each call ends every policy's expired leases, not the first policy's alone: a full table
+    of another policy's leases its gateway never came back for answered 503 until the sweep."""
+    a, b = policies
+    now = [5.0]
+    admin = Admin(a.router, a.pool, a.metrics, clock=lambda: now[0], name="llm/a")
+    dispatch = a.processor.routes
+    assert dispatch is not None
+    admin.serve_also(
+        [("llm/b", b.router, b.pool, None, dict, list)], lambda m: dispatch.serving(m).router, CollectorRegistry()
+    )
+    admin._served[1].leases.capacity = 1
+
+    async def scenario() -> None:
+        control = TestClient(TestServer(admin.control_app(TOKEN)), headers={"authorization": f"Bearer {TOKEN}"})
+        async with control as client:
+            query = orjson.dumps({"body": orjson.loads(chat("model-b"))})
+            assert (await client.post("/v1/query", data=query)).status == 200
+            assert (await client.post("/v1/query", data=query)).status == 503  # its one lease is open
+            now[0] += admin._lease_ttl_s + 1  # the gateway never came back
+            assert (await client.post("/v1/query", data=query)).status == 200
+            assert b.active() == 1  # the expired lease's load went with it
+
+    asyncio.run(scenario())

@@ -19,6 +19,7 @@ from extproc.core.policy import routing_changes
 from extproc.core.request import parse_request
 from extproc.core.router import Router
 from extproc.core.settings import Settings
+from extproc.kube import watching
 from extproc.kube.follower import PolicyFollower, backends_from_status
 from extproc.runtime.pool import BackendPool
 from tests.k8s_objects import pod, policy
@@ -115,11 +116,21 @@ def test_unknown_routing_fields_are_reported_and_the_known_ones_applied():
     assert router.settings.prefix_stick_ratio == 0.7 and router.settings.block_size == BASE.block_size
 
 
-def test_deleted_policy_leaves_nothing_to_route_to():
+def test_deleted_policy_leaves_nothing_to_route_to_and_says_so():
+    """Nothing of the deleted policy stays: its pool, its refusals and ignored fields (/readyz
+    went on showing them, and never said the policy was gone)."""
     _, pool, follower = make()
+    policy = published(pod("a"), routing={"blockSize": 7, "noSuchField": 1})
+    policy["spec"]["poolRef"] = {"name": "pool-a"}
+    follower.apply("ADDED", policy)
+    assert follower.pool == "pool-a" and follower.state.problems
+    follower.apply("DELETED", policy)
+    assert pool.backends == () and follower.pool is None and follower.state.unknown_fields == []
+    assert follower.state.problems == [
+        "the policy does not exist (deleted or not yet created): no backends to route to"
+    ]
     follower.apply("ADDED", published(pod("a")))
-    follower.apply("DELETED", published(pod("a")))
-    assert pool.backends == ()
+    assert follower.state.problems == [] and len(pool.backends) == 1
 
 
 def test_ipv6_and_models():
@@ -135,10 +146,15 @@ class FakeApi:
     def __init__(self, initial: dict[str, Any]) -> None:
         self.items = [initial]
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.lists = 0
+        self.answering = asyncio.Event()  # cleared: a list is accepted and not answered until set
+        self.answering.set()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         assert request.query.get("fieldSelector") == "metadata.name=default"
         if request.query.get("watch") not in ("true", "True", "1"):
+            self.lists += 1
+            await self.answering.wait()
             return web.json_response(
                 {
                     "kind": "KVRoutingPolicyList",
@@ -156,8 +172,13 @@ class FakeApi:
             await response.write(orjson.dumps(event) + b"\n")
 
 
-@pytest.mark.parametrize("scenario", ["watch", "api_down"])
-def test_list_watch_loop(scenario):
+@pytest.mark.parametrize("scenario", ["watch", "api_down", "list_hangs"])
+def test_list_watch_loop(scenario, monkeypatch):
+    """`list_hangs`: a list accepted and never answered (a half-open connection looks the same)
+    times out and says so, where it held the follower for good, reported as connected."""
+    monkeypatch.setattr(watching, "RETRY_S", 0.1)
+    monkeypatch.setattr(watching, "CALL_TIMEOUT", (1.0, 0.5))
+
     async def main() -> None:
         _router, pool, follower = make()
         api = FakeApi(published(pod("a", "10.1.0.1")))
@@ -188,6 +209,15 @@ def test_list_watch_loop(scenario):
                 api.items = [published(pod("c", "10.1.0.3"), generation=3)]
                 await api.events.put({"close": True})  # the watch ends: the follower lists again
                 await until(lambda: [b.address for b in pool.backends] == ["10.1.0.3:8000"])
+            elif scenario == "list_hangs":
+                api.answering.clear()
+                await api.events.put({"close": True})  # the watch ends; the next list is never answered
+                await until(lambda: not follower.state.connected)
+                assert api.lists == 2 and "TimeoutError" in (follower.state.last_error or "")
+                assert [b.address for b in pool.backends] == ["10.1.0.1:8000"]  # the last known set
+                api.items = [published(pod("b", "10.1.0.2"), generation=2)]
+                api.answering.set()  # the API server answers again: the follower lists and follows
+                await until(lambda: follower.state.connected and pool.backends[0].address == "10.1.0.2:8000")
             else:
                 known = copy.deepcopy(pool.backends)
                 await runner.cleanup()  # the API server goes away
@@ -199,6 +229,7 @@ def test_list_watch_loop(scenario):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            api.answering.set()
             await api.events.put({"close": True})  # end any open watch so the server can stop
             await runner.cleanup()
 
@@ -228,3 +259,15 @@ def test_readyz_and_metrics_report_a_lost_watch():
             assert state["policy"]["connected"] is False and state["policy"]["name"] == "llm/default"
 
     asyncio.run(main())
+
+
+def test_failures_back_off_and_a_quick_watch_end_waits_before_listing_again():
+    """An outage is not met by every policy of every replica listing every RETRY_S, and a proxy
+    that ends each watch at once does not make the follower list in a loop."""
+    backoff = watching.Backoff()
+    waits = [backoff.failed() for _ in range(6)]
+    assert 0.8 * watching.RETRY_S <= waits[0] <= 1.2 * watching.RETRY_S
+    assert waits[1] > waits[0] and 0.8 * watching.RETRY_MAX_S <= waits[-1] <= 1.2 * watching.RETRY_MAX_S
+    backoff.listed()
+    assert backoff.failed() <= 1.2 * watching.RETRY_S
+    assert backoff.after_watch(0.0) == watching.RETRY_S and backoff.after_watch(watching.WATCH_S) == 0.0

@@ -197,8 +197,11 @@ class Admin:
         return web.HTTPBadRequest(text=orjson.dumps({"error": message}).decode(), content_type="application/json")
 
     async def _payload(self, request: web.Request) -> dict[str, Any]:
-        """The JSON object posted, or a 400; expired leases are ended first."""
-        self.leases.expire(self._clock())
+        """The JSON object posted, or a 400; expired leases are ended first, every policy's (a
+        full table of another policy's expired leases answered 503 until the sweep)."""
+        now = self._clock()
+        for served in self._served:
+            served.leases.expire(now)
         try:
             payload = orjson.loads(await request.read())
         except orjson.JSONDecodeError as exc:

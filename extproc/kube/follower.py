@@ -22,13 +22,12 @@ from extproc.core.backends import Backend, Role, parse_address
 from extproc.core.policy import GROUP, PLURAL, VERSION, ready_backends, routing_changes
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.kube.watching import follow
+from extproc.kube import watching
+from extproc.kube.watching import Backoff, follow
 from extproc.runtime.policy_state import PolicyState
 from extproc.runtime.pool import BackendPool
 
 log = logging.getLogger(__name__)
-
-RETRY_S = 2.0
 
 
 def backends_from_status(status: Mapping[str, Any] | None) -> tuple[list[Backend], list[str]]:
@@ -70,9 +69,12 @@ class PolicyFollower:
 
     def apply(self, event_type: str, policy: Mapping[str, Any]) -> None:
         """Apply one watch event (ADDED, MODIFIED, DELETED) for the followed policy."""
-        if event_type == "DELETED":
+        if event_type == "DELETED":  # nothing of it stays: its pool, its refusals, its fields
             log.warning("policy %s/%s was deleted: no backends to route to", self.namespace, self.name)
             self._pool.replace([])
+            self.pool = None
+            self.state.unknown_fields = []
+            self.state.problems = ["the policy does not exist (deleted or not yet created): no backends to route to"]
             return
         pool_ref = (policy.get("spec") or {}).get("poolRef")
         self.pool = pool_ref.get("name") if isinstance(pool_ref, Mapping) and pool_ref.get("name") else None
@@ -128,7 +130,9 @@ class PolicyFollower:
         )
         try:
             async with client.ApiClient(self._configuration) as api:
-                await client.EventsV1Api(api).create_namespaced_event(self.namespace, event)
+                await client.EventsV1Api(api).create_namespaced_event(
+                    self.namespace, event, _request_timeout=watching.CALL_TIMEOUT
+                )
         except Exception as exc:  # reporting must never disturb following or routing
             detail = str(getattr(exc, "body", "") or exc)[:300]
             log.warning("could not post an event on policy %s/%s: %s", self.namespace, self.name, detail)
@@ -137,18 +141,27 @@ class PolicyFollower:
         """List then watch, forever; on any failure keep the last state and start over."""
         self._configuration = configuration
         field_selector = f"metadata.name={self.name}"
+        loop = asyncio.get_running_loop()
+        backoff = Backoff()
         while True:
             try:
                 async with client.ApiClient(configuration) as api:
                     objects = client.CustomObjectsApi(api)
                     listing = await objects.list_namespaced_custom_object(
-                        GROUP, VERSION, self.namespace, PLURAL, field_selector=field_selector
+                        GROUP,
+                        VERSION,
+                        self.namespace,
+                        PLURAL,
+                        field_selector=field_selector,
+                        _request_timeout=watching.CALL_TIMEOUT,
                     )
                     items = listing.get("items") or []
                     self.apply("ADDED" if items else "DELETED", items[0] if items else {})
                     self.state.connected, self.state.last_error = True, None
+                    backoff.listed()
                     args = (GROUP, VERSION, self.namespace, PLURAL)
                     version_seen = listing["metadata"]["resourceVersion"]
+                    watched = loop.time()
                     await follow(
                         objects.list_namespaced_custom_object,
                         args,
@@ -156,13 +169,14 @@ class PolicyFollower:
                         self.apply,
                         field_selector=field_selector,
                     )
+                await asyncio.sleep(backoff.after_watch(loop.time() - watched))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server is away or the watch broke: relist later
                 self.state.connected = False
                 self.state.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("policy watch failed (%s); routing with the last known backends", self.state.last_error)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(backoff.failed())
 
 
 async def load_kubernetes_config() -> None:

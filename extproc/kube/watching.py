@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -9,6 +10,34 @@ from kubernetes_asyncio import watch
 
 WATCH_S = 300  # the API server ends a watch after this; the follower then lists again
 SILENT_S = 330  # a watch that goes silent longer (a dead connection) is redone
+# Every other call's connect and read limits, in seconds: kubernetes-asyncio sets none by default,
+# so a list that met a half-open connection held its follower for good, still saying it was
+# connected while the backends it followed froze.
+CALL_TIMEOUT = (10.0, 60.0)
+RETRY_S = 2.0  # the wait before listing again after a failure, doubled while failures go on,
+RETRY_MAX_S = 30.0  # up to this (with jitter: replicas and policies do not list in step)
+
+
+class Backoff:
+    """How long a follower waits before it lists again: RETRY_S after one failure, doubling
+    while they go on; a list that succeeds starts it over. A cycle that listed and watched (the
+    watch ended, as it does every WATCH_S) lists again at once, unless it lasted under RETRY_S: a
+    proxy that ends every watch at once must not turn the follower into a loop of lists."""
+
+    def __init__(self) -> None:
+        self._wait = RETRY_S
+
+    def listed(self) -> None:
+        self._wait = RETRY_S
+
+    def failed(self) -> float:
+        wait = self._wait * random.uniform(0.8, 1.2)
+        self._wait = min(RETRY_MAX_S, self._wait * 2)
+        return wait
+
+    @staticmethod
+    def after_watch(lasted_s: float) -> float:
+        return max(0.0, RETRY_S - lasted_s)
 
 
 async def follow(
