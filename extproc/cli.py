@@ -184,7 +184,7 @@ def _envoy_config(args: argparse.Namespace) -> None:
         text = render(layout)
     except ValueError as exc:  # a layout the flags describe but Envoy could not route by
         sys.exit(f"kvroute envoy-config: {exc}")
-    if layout.transport == "ext_authz":  # the ext_proc's authz port is off unless given: say so once
+    if layout.ext_proc and layout.transport == "ext_authz":  # the authz port is off unless given: say so once
         ports = ", ".join(map(str, layout.authz_ports))
         sys.stderr.write(
             f"kvroute envoy-config: this Envoy asks each route over ext_authz on port {ports}: run the ext_proc "

@@ -24,8 +24,14 @@ pytestmark = pytest.mark.envoy
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--no-ext-proc"], ["--transport", "ext_proc"], ["--transport", "ext_proc", "--no-graceful-close"]],
-    ids=["kvroute", "round-robin", "ext_proc", "resets"],
+    [
+        [],
+        ["--no-ext-proc"],
+        ["--transport", "ext_proc"],
+        ["--transport", "ext_proc", "--no-graceful-close"],
+        ["--listen-host", "[::]", "--admin-host", "[::1]"],
+    ],
+    ids=["kvroute", "round-robin", "ext_proc", "resets", "ipv6-listeners"],
 )
 def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):
     path = tmp_path / "envoy.yaml"
@@ -41,6 +47,29 @@ def test_envoy_accepts_the_generated_bootstrap(tmp_path, extra):
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--listen-port", "70000"],
+        ["--admin-port", "0"],
+        ["--authz-port", "65536"],
+        ["--backend-dns", "vllm.llm.svc"],
+        ["--backend-dns", "vllm.llm.svc:99999"],
+        ["--message-timeout-ms", "0"],
+        ["--memory-limit-bytes", "1"],
+        ["--no-ext-proc", "--backend-cluster", "original_dst"],
+    ],
+)
+def test_envoy_config_refuses_what_envoy_would_refuse_or_never_route_by(flags, capsys):
+    """Each was written into a bootstrap Envoy refused at start (ports, a name without a port, the
+    timeout, a heap of nothing) or one that answers every request 503 (ORIGINAL_DST with nothing
+    to name the destination): refused here, naming the flag."""
+    with pytest.raises(SystemExit) as refused:
+        main(["envoy-config", "--backend", "10.0.0.1:8000", *flags])
+    assert flags[-2] in str(refused.value.code) or flags[0] in str(refused.value.code)
+    assert "over ext_authz" not in capsys.readouterr().err
 
 
 def test_envoy_config_refuses_hostnames():

@@ -618,8 +618,40 @@ def _unasked(route: dict[str, Any], authz: bool) -> list[dict[str, Any]]:
     return [*asked, copy.deepcopy(other)]
 
 
+MIN_MEMORY_LIMIT = 2 * 1024 * 1024  # below it the heap share is too small to start Envoy
+
+
+def _port(what: str, port: object) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65_536:
+        raise ValueError(f"{what} must be a port from 1 to 65535, not {port!r}")
+    return port
+
+
+def _check_layout(layout: EnvoyLayout) -> None:
+    """What Envoy would refuse at start, or could never route by, refused here with the flag's
+    name, rather than written into a bootstrap that fails in the pod."""
+    _port("--listen-port", layout.listen_port)
+    _port("--admin-port", layout.admin_port)
+    for extproc_port in layout.extproc_ports:
+        _port("--extproc-port", extproc_port)
+    for authz_port in layout.authz_ports:
+        _port("--authz-port", authz_port)
+    if layout.backend_dns:
+        name, _, dns_port = layout.backend_dns.rpartition(":")
+        if not name or not dns_port.isdigit():
+            raise ValueError(f"--backend-dns is NAME:PORT, not {layout.backend_dns!r}")
+        _port("--backend-dns's port", int(dns_port))
+    if layout.message_timeout_ms <= 0:
+        raise ValueError(f"--message-timeout-ms must be above 0, not {layout.message_timeout_ms}")
+    if layout.memory_limit_bytes and layout.memory_limit_bytes < MIN_MEMORY_LIMIT:
+        raise ValueError(f"--memory-limit-bytes is 0 (off) or at least {MIN_MEMORY_LIMIT}")
+    if not layout.ext_proc and layout.backend_cluster == "original_dst":
+        raise ValueError("--backend-cluster original_dst needs kvroute to name each destination (not --no-ext-proc)")
+
+
 def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     """The whole bootstrap as a dict; `layout.ext_proc=False` gives plain round robin (for comparisons)."""
+    _check_layout(layout)
     route = {
         "match": {"prefix": "/"},
         "route": {
@@ -652,7 +684,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         manager["access_log"] = _access_log(layout)
     listener = {
         "name": "llm",
-        "address": {"socket_address": {"address": layout.listen_host, "port_value": layout.listen_port}},
+        "address": {"socket_address": {"address": layout.listen_host.strip("[]"), "port_value": layout.listen_port}},
         "per_connection_buffer_limit_bytes": BODY_LIMIT,
         "filter_chains": [
             {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
@@ -666,7 +698,9 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     elif layout.ext_proc:
         clusters.append(_extproc_cluster(layout))
     return {
-        "admin": {"address": {"socket_address": {"address": layout.admin_host, "port_value": layout.admin_port}}},
+        "admin": {
+            "address": {"socket_address": {"address": layout.admin_host.strip("[]"), "port_value": layout.admin_port}}
+        },
         **({"bootstrap_extensions": [_INTERNAL_LISTENERS]} if authz else {}),
         "static_resources": {"listeners": listeners, "clusters": clusters},
         "layered_runtime": {"layers": [{"name": "kvroute", "static_layer": {GRACEFUL_CLOSE: layout.graceful_close}}]},
