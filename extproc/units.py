@@ -117,7 +117,7 @@ async def build_unit(
 
         namespace, name = unit.follow.split("/")
         await load_kubernetes_config()
-        follower = PolicyFollower(namespace, name, unit.routing, router, pool, index_mode.apply)
+        follower = PolicyFollower(namespace, name, unit.routing, router, pool, index_mode.follow)
         objectives = ObjectiveWatcher(namespace, lambda: follower.pool if follower is not None else None)
     scraper = EngineScraper(router, pool)
     subscriber = EventSubscriber(router, pool, read_gap_s=config.kv_events_read_gap_s) if config.kv_events else None

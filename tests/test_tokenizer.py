@@ -3,6 +3,7 @@ never changes the result."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -135,3 +136,36 @@ def test_precise_routing_finds_the_blocks_an_engine_reported(tokenizer: ChatToke
     assert decision.backend == A and decision.matched_blocks == full == decision.total_blocks
     salted = router.parse({**body, "cache_salt": "other-tenant"}, {})
     assert router.query(salted, [Backend(A)], 0).matched_blocks == 0
+
+
+def test_a_policys_change_to_precise_reads_the_tokenizer_off_the_loop(model_dir: Path, monkeypatch):
+    """While routing, the tokenizer is read in a worker thread (a large vocabulary's file held every
+    stream for as long on the loop), and a change that comes meanwhile supersedes it."""
+    import threading
+
+    from extproc.vllm import index_mode
+
+    threads = []
+    load = index_mode._load
+
+    def spied(path: str):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return load(path)
+
+    monkeypatch.setattr(index_mode, "_load", spied)
+    precise = Settings(index_mode="precise", tokenizer_path=str(model_dir))
+
+    async def main() -> None:
+        router = Router(Settings())
+        mode = IndexModeSwitch(router)
+        assert await mode.follow(precise) is None
+        assert router.precise and mode.status == "precise" and threads == [False]
+        mode._approximate()
+        first = asyncio.ensure_future(mode.follow(precise))
+        await asyncio.sleep(0)  # its load under way
+        assert await mode.follow(Settings()) is None and await first is None
+        assert not router.precise and mode.status == "approximate"  # the later change holds
+        missing = await mode.follow(Settings(index_mode="precise", tokenizer_path=str(model_dir / "none")))
+        assert missing is not None and missing.startswith("routing approximate") and not router.precise
+
+    asyncio.run(main())

@@ -13,7 +13,7 @@ import dataclasses
 import datetime
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kubernetes_asyncio import client, config
@@ -52,10 +52,11 @@ class PolicyFollower:
         base: Settings,
         router: Router,
         pool: BackendPool,
-        on_settings: Callable[[Settings], str | None] = lambda _settings: None,
+        on_settings: Callable[[Settings], Awaitable[str | None]] | None = None,
     ) -> None:
-        """`on_settings` runs after the router took new settings (the index mode follows them); a
-        problem it returns is reported on the policy as a Warning event."""
+        """`on_settings` runs after the router took new settings (the index mode follows them: a
+        tokenizer is read off the loop); a problem it returns is reported on the policy as a
+        Warning event."""
         self.namespace = namespace
         self.name = name
         self._base = base
@@ -63,7 +64,7 @@ class PolicyFollower:
         self._pool = pool
         self._on_settings = on_settings
         self._configuration: client.Configuration | None = None
-        self._reports: set[asyncio.Task[None]] = set()
+        self._settling: set[asyncio.Task[None]] = set()
         self.state = PolicyState(f"{namespace}/{name}")
         self.pool: str | None = None  # the InferencePool the policy names (spec.poolRef), if any
 
@@ -94,17 +95,23 @@ class PolicyFollower:
                     )
             if settings != self._router.settings:
                 self._router.reconfigure(settings)
-                problem = self._on_settings(settings)
-                if problem is not None:
-                    task = asyncio.get_running_loop().create_task(self._report(policy, problem))
-                    self._reports.add(task)
-                    task.add_done_callback(self._reports.discard)
+                if self._on_settings is not None:
+                    settled = self._settle(policy, self._on_settings(settings))
+                    task = asyncio.get_running_loop().create_task(settled)
+                    self._settling.add(task)
+                    task.add_done_callback(self._settling.discard)
         if problems != self.state.problems:
             for problem in problems:
                 log.error("policy %s/%s: %s", self.namespace, self.name, problem)
         self.state.problems = problems
         self._pool.replace(backends)
         self.state.generation = (policy.get("metadata") or {}).get("generation", 0)
+
+    async def _settle(self, policy: Mapping[str, Any], following: Awaitable[str | None]) -> None:
+        """What follows new settings (`on_settings`), its problem reported, off the watch."""
+        problem = await following
+        if problem is not None:
+            await self._report(policy, problem)
 
     async def _report(self, policy: Mapping[str, Any], problem: str) -> None:
         """A Warning event on the policy (`kubectl describe kvroutingpolicy` shows it); best effort."""
