@@ -104,8 +104,14 @@ def test_bad_requests_and_unknown_backends_are_400():
             assert (await client.post("/v1/query", data=data)).status == 400
         unknown = await client.post("/v1/notify", data=orjson.dumps({"body": BODY, "backend": "203.0.113.1:80"}))
         assert unknown.status == 400
+        lease = (await _post(client, "/v1/query", {"body": BODY}))[1]["lease"]
+        for status in (True, 0, 1000, "200"):  # not a status code (a bool passed as 1 before)
+            assert (await _post(client, "/v1/notify", {"lease": lease, "backend": A, "status": status}))[0] == 400
+        for release in ({}, {"lease": None}, {"lease": 7}):  # no lease named: 400, not "no such lease"
+            assert (await _post(client, "/v1/release", release))[0] == 400
+        assert (await _post(client, "/v1/release", {"lease": lease}))[0] == 200
         metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
-        assert 'kvroute_errors_total{kind="invalid_request"} 4.0' in metrics
+        assert 'kvroute_errors_total{kind="invalid_request"} 11.0' in metrics
 
     run(scenario)
 
@@ -147,7 +153,8 @@ def test_probes_state_and_metrics():
 def test_the_control_port_needs_the_token_and_the_monitoring_port_controls_nothing():
     async def scenario(client: TestClient, _admin: Admin, router: Router) -> None:
         payload = orjson.dumps({"body": BODY})
-        for headers in ({"authorization": ""}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+        refused = ("", "Bearer wrong", TOKEN, f"Basic {TOKEN}", f"Bearer{TOKEN}", f"Bearer  {TOKEN}")
+        for headers in ({"authorization": value} for value in refused):
             response = await client.post("/v1/query", data=payload, headers=headers)
             assert response.status == 401
             assert (await client.get("/debug/state", headers=headers)).status == 401
@@ -161,7 +168,9 @@ def test_the_control_port_needs_the_token_and_the_monitoring_port_controls_nothi
         assert (await reader.readline()).startswith(b"HTTP/1.1 401")
         writer.close()
         metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
-        assert 'kvroute_errors_total{kind="unauthorized"} 7.0' in metrics
+        assert 'kvroute_errors_total{kind="unauthorized"} 13.0' in metrics
+        for scheme in ("bearer", "BEARER"):  # the scheme's name is case-insensitive (RFC 9110)
+            assert (await client.get("/debug/state", headers={"authorization": f"{scheme} {TOKEN}"})).status == 200
 
     run(scenario)
 

@@ -139,13 +139,15 @@ class Admin:
         Bearer <token>`; anything else gets a 401 and is counted."""
         if not token:
             raise ValueError("the control API needs a token")
-        expected = f"Bearer {token}".encode()
+        expected = token.encode()
 
         @web.middleware
         async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-            # (aiohttp keeps a header's undecodable bytes as surrogates: encoded back as they came)
+            # (aiohttp keeps a header's undecodable bytes as surrogates: encoded back as they came;
+            # the scheme's name is case-insensitive, RFC 9110)
             given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, expected):
+            scheme, _, credentials = given.partition(b" ")
+            if not hmac.compare_digest(credentials, expected) or scheme.lower() != b"bearer":
                 self._metrics.errors.labels("unauthorized").inc()
                 return _json({"error": "unauthorized"}, 401)
             return await handler(request)
@@ -263,8 +265,8 @@ class Admin:
         if not served.pool.is_known(backend):
             return _json({"error": f"unknown backend {backend!r}"}, 400)
         status = payload.get("status", 200)
-        if not isinstance(status, int):
-            raise self._bad_request("status must be an integer")
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise self._bad_request("status must be an HTTP status code (100-599)")
         outcome = served.router.response_started(
             exchange, ResponseStart(upstream=backend, known=True, status=status, from_upstream=True), self._clock()
         )
@@ -273,7 +275,9 @@ class Admin:
     async def release(self, request: web.Request) -> web.Response:
         """The request ended: release its load (idempotent: a second release is a 404)."""
         payload = await self._payload(request)
-        lease = str(payload.get("lease"))
+        lease = payload.get("lease")
+        if not isinstance(lease, str):
+            raise self._bad_request('expected {"lease": "<id>"}')
         if not any(served.leases.close(lease) is not None for served in self._served):
             return _json({"error": "no such lease (released or expired)"}, 404)
         return _json({"released": True})
