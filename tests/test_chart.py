@@ -513,10 +513,11 @@ def test_picker_mode_refuses_values_that_cannot_work(helm, tmp_path, values, mes
         template(helm, tmp_path, {**PICKER, **values})
 
 
-def test_the_vllm_pods_admit_envoy_and_the_ext_proc_only(helm, tmp_path):
+def test_the_vllm_pods_admit_envoy_the_ext_proc_and_the_scrapers_only(helm, tmp_path):
     """Each fleet the release routes to (its policy's, each policy.extra's, the InferencePool's in
     picker mode) admits the gateway (this release's Envoy, else the gateway namespace), the
-    ext_proc (health, metrics, KV events) and its own pods (prefill/decode KV transfers)."""
+    ext_proc (health, metrics, KV events), its own pods (prefill/decode KV transfers) and the
+    metrics namespace (until 2026-12-07 the default install stopped Prometheus scraping vLLM)."""
 
     def admitted(values: dict[str, Any]) -> dict[str, list[object]]:
         policies = [d for d in template(helm, tmp_path, values) if d["kind"] == "NetworkPolicy"]
@@ -532,11 +533,33 @@ def test_the_vllm_pods_admit_envoy_and_the_ext_proc_only(helm, tmp_path):
             for p in fleets
         }
 
-    assert admitted({}) == {"kvroute-vllm": ["envoy", "extproc", {"app": "vllm"}]}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    assert admitted({}) == {"kvroute-vllm": ["envoy", "extproc", {"app": "vllm"}, monitoring]}
     extra = {"policy": {"extra": [{"name": "code", "selector": {"matchLabels": {"app": "vllm-code"}}}]}}
-    assert admitted(extra)["kvroute-vllm-code"] == ["envoy", "extproc", {"app": "vllm-code"}]
+    assert admitted(extra)["kvroute-vllm-code"] == ["envoy", "extproc", {"app": "vllm-code"}, monitoring]
     gateway = {"kubernetes.io/metadata.name": "envoy-gateway-system"}
-    assert admitted(PICKER) == {"kvroute-vllm": [gateway, "extproc", {"app": "vllm"}]}
+    assert admitted(PICKER) == {"kvroute-vllm": [gateway, "extproc", {"app": "vllm"}, monitoring]}
+    # an existing policy taken by name: its pods' labels are still needed, or the NetworkPolicy
+    # rendered `podSelector: null`, which the API server refuses (the install failed)
+    by_name = {"policy": {"create": False, "extra": [{"name": "code"}]}}
+    with pytest.raises(AssertionError, match=r"needs the labels of policy\.extra code's pods"):
+        template(helm, tmp_path, by_name)
+    assert "kvroute-vllm-code" not in admitted({**by_name, "networkPolicies": {"enabled": False}})
+
+
+def test_a_second_release_leaves_the_clusters_peering_to_the_first_and_the_tag_defaults(helm, tmp_path):
+    """Every release rendered the one ClusterKopfPeering `kvroute`, so a second install failed on
+    an object another release owns; an empty image tag rendered `repository:`."""
+    peerings = [d for d in template(helm, tmp_path) if d["kind"] == "ClusterKopfPeering"]
+    assert [p["metadata"]["annotations"]["helm.sh/resource-policy"] for p in peerings] == ["keep"]
+    second = template(helm, tmp_path, {"controller": {"createPeering": False}})
+    assert not [d for d in second if d["kind"] == "ClusterKopfPeering"]
+    untagged = template(helm, tmp_path, {"image": {"tag": ""}})
+    images = {
+        c["image"] for d in untagged if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert f"ghcr.io/kvroute/kvroute:{app_version}" in images
 
 
 def test_a_tokenizer_volume_is_mounted_read_only_for_precise_mode(helm, tmp_path):

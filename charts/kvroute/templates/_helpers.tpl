@@ -131,3 +131,8 @@ affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{- /* kvroute's image: the tag defaults to the chart's appVersion (an empty tag rendered `repo:`). */}}
+{{- define "kvroute.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
