@@ -550,8 +550,7 @@ def test_the_vllm_pods_admit_envoy_the_ext_proc_and_the_scrapers_only(helm, tmp_
 def test_a_second_release_leaves_the_clusters_peering_to_the_first_and_the_tag_defaults(helm, tmp_path):
     """Every release rendered the one ClusterKopfPeering `kvroute`, so a second install failed on
     an object another release owns; an empty image tag rendered `repository:`."""
-    peerings = [d for d in template(helm, tmp_path) if d["kind"] == "ClusterKopfPeering"]
-    assert [p["metadata"]["annotations"]["helm.sh/resource-policy"] for p in peerings] == ["keep"]
+    assert [d["metadata"]["name"] for d in template(helm, tmp_path) if d["kind"] == "ClusterKopfPeering"] == ["kvroute"]
     second = template(helm, tmp_path, {"controller": {"createPeering": False}})
     assert not [d for d in second if d["kind"] == "ClusterKopfPeering"]
     untagged = template(helm, tmp_path, {"image": {"tag": ""}})
