@@ -381,6 +381,25 @@ def test_a_disaggregated_policy_needs_the_ext_proc_transport(helm, tmp_path):
     assert "envoy.filters.http.ext_proc" in filters
     with pytest.raises(AssertionError, match=r"envoy\.transport is ext_authz or ext_proc"):
         template(helm, tmp_path, {"envoy": {"transport": "grpc"}})
+    # an extra policy's role too (only policy.role was checked: its requests went unsplit, warned)
+    prefill = {"name": "p", "role": "prefill", "selector": {"matchLabels": {"app": "vllm-p"}}}
+    with pytest.raises(AssertionError, match=r"policy\.extra p's role .* envoy\.transport: ext_proc"):
+        template(helm, tmp_path, {"policy": {"extra": [prefill]}})
+    assert template(helm, tmp_path, {"policy": {"extra": [prefill]}, "envoy": {"transport": "ext_proc"}})
+
+
+def test_the_names_the_chart_writes_end_in_the_clusters_domain(helm, tmp_path):
+    """Envoy's ext_proc address, the replica store's URL, the picker's DestinationRule host and the
+    ext_proc certificate's names were written with cluster.local whatever the cluster's domain."""
+    values = {
+        "clusterDomain": "corp.internal",
+        "envoy": {"backends": {"host": "vllm.llm.svc.corp.internal"}},
+        "extproc": {"replicas": 2, "replicaStore": {"deploy": True}},
+    }
+    text = yaml.safe_dump_all(template(helm, tmp_path, values))
+    assert "cluster.local" not in text
+    assert "kvroute-extproc-pods.kvroute.svc.corp.internal" in text
+    assert "redis://kvroute-replica-store.kvroute.svc.corp.internal:6379/0" in text
 
 
 COMPONENT = "app.kubernetes.io/component"

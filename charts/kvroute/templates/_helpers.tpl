@@ -8,7 +8,7 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- define "kvroute.replicaStoreURL" -}}
 {{- $store := .Values.extproc.replicaStore -}}
 {{- if $store.deploy -}}
-redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.local:6379/0
+redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:6379/0
 {{- else if $store.url -}}
 {{ $store.url }}
 {{- else -}}
@@ -61,6 +61,11 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.cluster.l
 {{- end -}}
 {{- if and (has .Values.policy.role (list "prefill" "decode")) (eq $transport "ext_authz") -}}
 {{ fail "policy.role makes a disaggregated fleet: set envoy.transport: ext_proc (the ext_authz transport cannot hand a prefill over)" }}
+{{- end -}}
+{{- range .Values.policy.extra -}}
+{{- if and (has (.role | default "") (list "prefill" "decode")) (eq $transport "ext_authz") -}}
+{{ fail (printf "policy.extra %s's role makes a disaggregated fleet: set envoy.transport: ext_proc (the ext_authz transport cannot hand a prefill over)" .name) }}
+{{- end -}}
 {{- end -}}
 {{- $transport -}}
 {{- end }}
