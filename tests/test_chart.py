@@ -171,6 +171,16 @@ def test_the_operator_reads_ext_procs_of_the_namespaces_the_values_name(helm, tm
     assert operator_args().extproc_namespaces == ()  # the release's own namespace, from the pod's mount
     named = operator_args({"controller": {"extprocNamespaces": ["gateway", "team-b"]}})
     assert named.command == "controller" and named.extproc_namespaces == ("gateway", "team-b")
+    # and the ext_proc's monitoring port lets the leading operator in, whichever release and
+    # namespace it runs in (only this release's, in this namespace, could read the counters before)
+    (extproc,) = [
+        d
+        for d in template(helm, tmp_path)
+        if d["metadata"]["name"] == "kvroute-extproc" and d["kind"] == "NetworkPolicy"
+    ]
+    (monitoring,) = [r for r in extproc["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 9003}]]
+    operator = {"app.kubernetes.io/name": "kvroute", "app.kubernetes.io/component": "controller"}
+    assert {"namespaceSelector": {}, "podSelector": {"matchLabels": operator}} in monitoring["from"]
 
 
 def test_values_switch_parts_off_and_on(helm, tmp_path):
