@@ -215,5 +215,6 @@ def test_deployments_become_replicasets_and_pods_with_the_specs_as_stored(cluste
         assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         if pod["metadata"]["name"].startswith("kvroute-envoy"):
             assert spec["automountServiceAccountToken"] is False
-            assert spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "60"]
-            assert spec["terminationGracePeriodSeconds"] > 60
+            drain = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]  # run in tests/test_chart.py
+            assert drain[:2] == ["sh", "-c"] and "/drain_listeners?graceful" in drain[2]
+            assert drain[2].endswith("sleep 60") and spec["terminationGracePeriodSeconds"] > 60
