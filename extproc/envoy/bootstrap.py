@@ -621,10 +621,9 @@ def _unasked(route: dict[str, Any], authz: bool) -> list[dict[str, Any]]:
 MIN_MEMORY_LIMIT = 2 * 1024 * 1024  # below it the heap share is too small to start Envoy
 
 
-def _port(what: str, port: object) -> int:
+def _port(what: str, port: object) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65_536:
         raise ValueError(f"{what} must be a port from 1 to 65535, not {port!r}")
-    return port
 
 
 def _check_layout(layout: EnvoyLayout) -> None:
@@ -684,7 +683,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
         manager["access_log"] = _access_log(layout)
     listener = {
         "name": "llm",
-        "address": {"socket_address": {"address": layout.listen_host.strip("[]"), "port_value": layout.listen_port}},
+        "address": _address(f"{layout.listen_host}:{layout.listen_port}"),
         "per_connection_buffer_limit_bytes": BODY_LIMIT,
         "filter_chains": [
             {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
@@ -698,9 +697,7 @@ def bootstrap(layout: EnvoyLayout) -> dict[str, Any]:
     elif layout.ext_proc:
         clusters.append(_extproc_cluster(layout))
     return {
-        "admin": {
-            "address": {"socket_address": {"address": layout.admin_host.strip("[]"), "port_value": layout.admin_port}}
-        },
+        "admin": {"address": _address(f"{layout.admin_host}:{layout.admin_port}")},
         **({"bootstrap_extensions": [_INTERNAL_LISTENERS]} if authz else {}),
         "static_resources": {"listeners": listeners, "clusters": clusters},
         "layered_runtime": {"layers": [{"name": "kvroute", "static_layer": {GRACEFUL_CLOSE: layout.graceful_close}}]},
