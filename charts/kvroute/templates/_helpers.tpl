@@ -59,12 +59,9 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.{{ .Value
 {{- if not (has $transport (list "ext_authz" "ext_proc")) -}}
 {{ fail (printf "envoy.transport is ext_authz or ext_proc, not %q" $transport) }}
 {{- end -}}
-{{- if and (has .Values.policy.role (list "prefill" "decode")) (eq $transport "ext_authz") -}}
-{{ fail "policy.role makes a disaggregated fleet: set envoy.transport: ext_proc (the ext_authz transport cannot hand a prefill over)" }}
-{{- end -}}
-{{- range .Values.policy.extra -}}
+{{- range prepend (.Values.policy.extra | default list) (dict "field" "policy.role" "role" .Values.policy.role) -}}
 {{- if and (has (.role | default "") (list "prefill" "decode")) (eq $transport "ext_authz") -}}
-{{ fail (printf "policy.extra %s's role makes a disaggregated fleet: set envoy.transport: ext_proc (the ext_authz transport cannot hand a prefill over)" .name) }}
+{{ fail (printf "%s makes a disaggregated fleet: set envoy.transport: ext_proc (the ext_authz transport cannot hand a prefill over)" (.field | default (printf "policy.extra %s's role" .name))) }}
 {{- end -}}
 {{- end -}}
 {{- $transport -}}
