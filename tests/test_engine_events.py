@@ -320,6 +320,20 @@ def test_prefill_waits_of_ended_requests_are_swept():
     assert routing.loads.snapshot()[A] == (0, 0)
 
 
+def test_prefill_waits_of_ended_requests_repeating_one_prompt_are_swept():
+    """One prompt sent again and again, its last block never reported (the engine had it before the
+    picture did): the block's list of waits is swept as a table of many blocks is."""
+    routing = router()
+    routing.index.block_size = 4
+    for i in range(5000):
+        parsed = parse_request({"model": "m", "messages": [{"role": "user", "content": "q"}]}, {})
+        parsed.tokens = [7] * 8
+        routing.begin(parsed, [Backend(A)], float(i)).end()
+    assert isinstance(routing.mode, PreciseMode)
+    assert sum(len(held) for held in routing.mode._prefilling.values()) <= 2048
+    assert routing.loads.snapshot()[A] == (0, 0)
+
+
 def test_lora_blocks_serve_only_requests_for_that_adapter():
     routing = router()
     tokens = tuple(range(12))

@@ -260,7 +260,7 @@ class PreciseMode:
 
     name: ClassVar[str] = "precise"
     precise: ClassVar[bool] = True
-    __slots__ = ("_prefill_sweep_at", "_prefilling", "_shared", "hasher", "index", "tokenizer")
+    __slots__ = ("_prefill_entries", "_prefill_sweep_at", "_prefilling", "_shared", "hasher", "index", "tokenizer")
 
     def __init__(self, settings: Settings, shared: Shared, tokenizer: PromptTokenizer) -> None:
         self._shared = shared
@@ -270,6 +270,7 @@ class PreciseMode:
         # (backend, key of a prompt's last full block) -> reservations whose prefill lasts until
         # the engine reports that block stored
         self._prefilling: dict[tuple[str, int], list[Reservation]] = {}
+        self._prefill_entries = 0  # reservations listed in _prefilling, ended ones included
         self._prefill_sweep_at = 1024
 
     def chain_of(self, request: PromptRequest) -> list[int]:
@@ -314,12 +315,16 @@ class PreciseMode:
     def _await_prefill(self, block: tuple[str, int], reservation: Reservation) -> None:
         """Hold the reservation's prefill until the engine stores the prompt's last block (streaming
         responses start before the prefill, so the response start says nothing). Entries of requests
-        that ended are swept from time to time, so the table stays bounded by the requests in flight."""
+        that ended are swept from time to time, so the table stays bounded by the requests in flight.
+        The sweep counts entries, not blocks: requests repeating one prompt share its block's list,
+        which grew without end where the engine never reported that block (already cached there)."""
         self._prefilling.setdefault(block, []).append(reservation)
-        if len(self._prefilling) > self._prefill_sweep_at:  # amortized: the next sweep waits for twice as many
+        self._prefill_entries += 1
+        if self._prefill_entries > self._prefill_sweep_at:  # amortized: the next sweep waits for twice as many
             waiting = ((key, [r for r in held if not r.finished]) for key, held in self._prefilling.items())
             self._prefilling = {key: held for key, held in waiting if held}
-            self._prefill_sweep_at = 2 * len(self._prefilling) + 1024
+            self._prefill_entries = sum(len(held) for held in self._prefilling.values())
+            self._prefill_sweep_at = 2 * self._prefill_entries + 1024
 
     def response_started(
         self, reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool
@@ -358,7 +363,9 @@ class PreciseMode:
                 if added:
                     self._shared.churn.add(backend, len(added), now)
                 for key in added:
-                    for reservation in self._prefilling.pop((backend, key), ()):
+                    released = self._prefilling.pop((backend, key), ())
+                    self._prefill_entries -= len(released)
+                    for reservation in released:
                         if not reservation.finished:
                             self._shared.prefilled.append(reservation)
                         reservation.release_prefill()
@@ -383,6 +390,7 @@ class PreciseMode:
             for reservation in held:
                 reservation.release_prefill()
         self._prefilling.clear()
+        self._prefill_entries = 0
 
 
 def _extra_keys(lora: str | None, salt: str | None, blocks: int) -> list[bytes]:
