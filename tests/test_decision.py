@@ -161,6 +161,9 @@ def test_among_backends_holding_as_much_of_a_prompt_its_home_keeps_it():
     assert run(copied, home=B, loads=loads(b=9)).backend == A  # home past both gates: the copy serves
     assert run({A: 14, B: 12}, home=B).backend == A  # more of it elsewhere (a conversation): not the home
     assert run(copied, home=B, loads=loads(b=3), home_ties=False).backend == A  # starved: the cheaper copy
+    # the cheaper copy whatever the candidates' order: here the busy one comes first
+    assert run(copied, loads=loads(a=3)).backend == B
+    assert run(copied, home=A, loads=loads(a=3), home_ties=False).backend == B
 
 
 def test_a_backend_holding_half_the_prompt_keeps_it_against_a_cheaper_cost():

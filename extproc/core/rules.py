@@ -307,7 +307,7 @@ def prefix_home(standing: Standing) -> tuple[CandidateCost, Label] | None:
 def _held_most(standing: Standing) -> tuple[CandidateCost, Label] | None:
     """The admitted candidate holding the most of the prompt (among equal holders, the head's
     home) wins if it holds `prefix_stick_ratio` of it and is within the gates."""
-    holder = max(standing.room, key=_MATCHED)
+    holder = max(standing.ranked, key=_MATCHED)  # ranked is cheapest first: the cheaper of equal holders
     homed = _homed(standing)
     if standing.inputs.home_ties and homed is not None and homed.matched >= holder.matched:
         holder = homed  # a copy made while the home was busy must not draw the head's next prompts away
