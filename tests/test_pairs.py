@@ -43,6 +43,25 @@ def test_a_long_uncached_prompt_is_split_onto_the_prefill_backend_holding_its_pr
     assert leg.decision.matched_blocks > 0
 
 
+def test_the_prefill_leg_is_judged_and_timed_by_the_prefill_backend_s_own_picture_and_queue():
+    """Trust and the TTFT fit read the leg's decision and reservation: what the prefill backend's
+    picture held (not the decode backend's) and the work queued there."""
+    router = make_router(pd_threshold_tokens=64)
+    warm = router.begin(chat([], user_text="warm"), [DECODE], 0)  # the decode backend holds the head
+    router.response_started(warm, ok(DECODE.address), 0)
+    warm.end()
+    busy = router.loads.reserve(PREFILL.address, 3)
+    busier = router.loads.reserve(DECODE.address, 40)  # queued deeper than the prefill backend
+    exchange = router.begin(chat([], user_text="a long new question " * 200), [DECODE, PREFILL], 1)
+    assert exchange.decision.picture_blocks > 0
+    leg = router.prefill_leg(exchange, [DECODE, PREFILL], 1)
+    assert leg is not None and leg.decision.backend == PREFILL.address and leg.reservation is not None
+    assert leg.decision.picture_blocks == 0  # nothing of it pictured on the prefill backend
+    assert leg.reservation.in_flight == 1 and leg.reservation.work == 3 + leg.reservation.blocks
+    busy.finish()
+    busier.finish()
+
+
 def test_short_prompts_or_fleets_without_prefill_backends_are_served_whole():
     router = make_router(pd_threshold_tokens=1_000_000)
     exchange = router.begin(chat([]), FLEET, 0)

@@ -24,7 +24,7 @@ from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
 from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
 from extproc.core.homes import PrefixHomes
 from extproc.core.index import LocationIndex
-from extproc.core.load import LoadTracker
+from extproc.core.load import LoadTracker, Reservation
 from extproc.core.modes import ApproximateMode, IndexMode, PreciseMode, Shared
 from extproc.core.pairs import cheapest_prefill, prefill_candidates, splits
 from extproc.core.pipeline import Pipeline, assemble
@@ -317,16 +317,21 @@ class Router:
             self.pressure.returned(*decision.returning)
         if decision.backend is not None:
             self._place_home(request, decision.backend, decision.candidates)
-            load = self.loads.get(decision.backend)
-            ahead, in_flight = load.reserved_blocks + load.peer_reserved, load.requests(now)
-            adapter = self.adapters.adapter_of(request.model)
-            blocks = decision.total_blocks - decision.matched_blocks
-            reservation = self.loads.reserve(decision.backend, blocks, adapter, self.chain_of(request))
-            reservation.sent_at, reservation.work, reservation.in_flight = now, ahead + reservation.blocks, in_flight
-            reservation.predicted_s = self.ttft.predict(decision.backend, reservation.work, in_flight)
+            reservation = self._reserve(request, decision.backend, decision.total_blocks - decision.matched_blocks, now)
             predicted = self.mode.routed(request, decision, reservation, now)
         self.stats.decisions[decision.label] += 1
         return Exchange(request, decision, reservation, predicted, self.bytes_per_token)
+
+    def _reserve(self, request: PromptRequest, backend: str, blocks: int, now: float) -> Reservation:
+        """The load a request sent to `backend` adds there, with what its TTFT is predicted from
+        (the work queued ahead of it, the requests beside it)."""
+        load = self.loads.get(backend)
+        ahead, in_flight = load.reserved_blocks + load.peer_reserved, load.requests(now)
+        adapter = self.adapters.adapter_of(request.model)
+        reservation = self.loads.reserve(backend, blocks, adapter, self.chain_of(request))
+        reservation.sent_at, reservation.work, reservation.in_flight = now, ahead + reservation.blocks, in_flight
+        reservation.predicted_s = self.ttft.predict(backend, reservation.work, in_flight)
+        return reservation
 
     def prefill_leg(self, exchange: Exchange, backends: Sequence[Backend], now: float) -> Exchange | None:
         """Split a decided request (pairs.py): an exchange for its prefill leg on the prefill
@@ -342,16 +347,22 @@ class Router:
         if not candidates:
             return None
         chain = self.chain_of(request)
-        matched = self.mode.picture(chain, [b.address for b in candidates], None, now)[1]
+        picture, matched, _ = self.mode.picture(chain, [b.address for b in candidates], None, now)
         chosen = cheapest_prefill(candidates, matched, len(chain), self.loads, decision.backend)
         if chosen is None:
             return None
         backend, held = chosen
         if exchange.reservation is not None:  # the decode backend pulls the prompt instead of computing it
             exchange.reservation.release_prefill()
-        leg = decision._replace(label=Label.PREFILL, backend=backend, second=None, matched_blocks=held, returning=None)
-        reservation = self.loads.reserve(backend, len(chain) - held, self.adapters.adapter_of(request.model), chain)
-        reservation.sent_at = now
+        leg = decision._replace(
+            label=Label.PREFILL,
+            backend=backend,
+            second=None,
+            matched_blocks=held,
+            picture_blocks=picture.get(backend, 0),  # the prefill backend's, which trust checks there
+            returning=None,
+        )
+        reservation = self._reserve(request, backend, len(chain) - held, now)
         predicted = self.mode.routed(request, leg, reservation, now)
         self.stats.decisions[Label.PREFILL] += 1
         return Exchange(request, leg, reservation, predicted, self.bytes_per_token)
