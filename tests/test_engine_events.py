@@ -245,7 +245,7 @@ def test_a_precise_router_co_locates_concurrent_requests_and_predicts_only_confi
 def test_precise_mode_holds_a_prefill_reservation_until_the_engine_stores_the_last_block():
     routing = router()
     routing.index.block_size = 4
-    parsed = parse_request({"model": "m", "messages": [{"role": "user", "content": "q"}]}, {})
+    parsed = parse_request({"model": "m", "stream": True, "messages": [{"role": "user", "content": "q"}]}, {})
     parsed.tokens = list(range(12))
     exchange = routing.begin(parsed, [Backend(A)], 0.0)
     assert routing.loads.snapshot()[A] == (3, 1)
@@ -306,6 +306,31 @@ def test_an_error_or_another_backend_serving_releases_the_held_prefill_at_respon
         exchange = routing.begin(parse_request(body, {}), [Backend(A)], 0.0)
         routing.response_started(exchange, start, 0.1)
         assert routing.loads.snapshot()[A] == (0, 1)
+        exchange.end()
+
+
+def test_precise_mode_releases_the_held_prefill_on_an_error_or_where_another_backend_served():
+    """In precise mode the engine's store of the prompt's last block releases a streamed request's
+    prefill; a response not streamed starts after it, and an error, or a retry served elsewhere,
+    says that store will not come from this engine."""
+    routing = router()
+    routing.index.block_size = 4
+    ok = ResponseStart(A, known=True, status=200, from_upstream=True)
+    for token, (stream, start, held) in enumerate(
+        (
+            (True, ok, True),
+            (False, ok, False),
+            (True, ResponseStart(A, known=True, status=503, from_upstream=True), False),
+            (True, ResponseStart(B, known=True, status=200, from_upstream=True), False),
+        )
+    ):
+        body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "q"}]}
+        parsed = parse_request(body, {})
+        parsed.tokens = [token] * 8  # a prompt of its own, so nothing of it is in flight already
+        exchange = routing.begin(parsed, [Backend(A)], 0.0)
+        assert routing.loads.snapshot()[A][0] == 2
+        routing.response_started(exchange, start, 0.1)
+        assert (routing.loads.snapshot()[A][0] > 0) is held
         exchange.end()
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from extproc.core.backends import Backend, Role
 from extproc.core.decision import Label
-from extproc.core.engine import EngineSample
+from extproc.core.engine import BlockStored, EngineSample
+from extproc.core.request import parse_request
 from extproc.core.router import Router
 from tests.test_router import chat, make_router, ok, serve
 
@@ -62,6 +63,29 @@ def test_the_prefill_leg_is_judged_and_timed_by_the_prefill_backend_s_own_pictur
     busier.finish()
 
 
+def test_a_failed_split_s_prefill_is_drained_by_the_decode_engine_s_progress_again():
+    """The split released the decode backend's prefill, and its engine's progress meanwhile passed
+    it over; once the hand-off fails, that progress must drain it again, not the stream's end."""
+    router = make_router(pd_threshold_tokens=64)
+    stored = BlockStored((1,), None, tuple(range(16)), 16, (None,))
+    router.engine_events(DECODE.address, [stored], now=0.0)  # the decode engine reports its progress
+    busy = router.loads.reserve(DECODE.address, 100)  # queued deeper than the prefill backend: it splits
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "q " * 3000}]}
+    exchange = router.begin(parse_request(body, {}), [DECODE, PREFILL], 1)
+    leg = router.prefill_leg(exchange, [DECODE, PREFILL], 1)
+    assert leg is not None and exchange.reservation is not None
+    router.engine_events(DECODE.address, [stored], now=2.0)  # other work stored there meanwhile
+    busy.finish()
+    leg.end()
+    router.prefill_again(exchange)  # the hand-off failed: served whole
+    assert router.loads.get(DECODE.address).reserved_blocks == exchange.reservation.blocks
+    router.response_started(exchange, ok(DECODE.address), 3.0)
+    for t in range(4, 40):  # the engine prefills it
+        router.engine_events(DECODE.address, [BlockStored((t,), None, tuple(range(640)), 640, (None,))], now=t)
+    assert router.loads.get(DECODE.address).reserved_blocks == 0  # before the stream's end
+    exchange.end()
+
+
 def test_short_prompts_or_fleets_without_prefill_backends_are_served_whole():
     router = make_router(pd_threshold_tokens=1_000_000)
     exchange = router.begin(chat([]), FLEET, 0)
@@ -92,8 +116,8 @@ def test_prefill_backends_queued_deeper_than_the_decode_backend_leave_the_reques
     assert router.loads.get(PREFILL.address).reserved_blocks == leg.reservation.blocks
     # the leg failed: the decode backend computes the whole prompt, its prefill its own again, once
     leg.end()
-    exchange.reservation.prefill_again()
-    exchange.reservation.prefill_again()
+    router.prefill_again(exchange)
+    router.prefill_again(exchange)
     assert router.loads.get(DECODE.address).reserved_blocks == ahead
     exchange.end()
     assert router.loads.get(DECODE.address).reserved_blocks == ahead - exchange.reservation.blocks

@@ -195,12 +195,15 @@ class Reservation:
         """Its prefill is done (or can no longer be followed). Safe to call any number of times."""
         self.drain(self.pending)
 
-    def prefill_again(self) -> None:
+    def prefill_again(self) -> bool:
         """Its prefill, released when a prefill server was to compute it, is its backend's own
-        again: the hand-off failed, and the request is served whole there. Once, while in flight."""
+        again: the hand-off failed, and the request is served whole there. Once, while in flight;
+        whether it was reserved again."""
         if self._active_held and not self.pending and self.blocks:
             self.pending = self.blocks
             self._load.reserved_blocks += self.blocks
+            return True
+        return False
 
     def finish(self) -> None:
         """The request ended (completed, failed or abandoned). Safe to call any number of times."""

@@ -92,6 +92,11 @@ class IndexMode(Protocol):
         """The request was sent where decided: record it; returns the blocks expected cached there."""
         ...
 
+    def hold_prefill(self, request: PromptRequest, reservation: Reservation) -> None:
+        """Hold the reservation's prefill until the engine shows it done, as `routed` does (its
+        prefill, handed to a prefill server, is its backend's own again)."""
+        ...
+
     def response_started(
         self, reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool
     ) -> None:
@@ -194,15 +199,18 @@ class ApproximateMode:
     def routed(self, request: PromptRequest, decision: Decision, reservation: Reservation, now: float) -> int:
         backend = reservation.backend
         self._shared.trust.routed(backend, decision.picture_blocks * self.block_tokens())
-        if request.stream and backend in self._progressing:
-            self._shared.loads.get(backend).await_progress(reservation)
+        self.hold_prefill(request, reservation)
         return decision.matched_blocks
+
+    def hold_prefill(self, request: PromptRequest, reservation: Reservation) -> None:
+        """A streamed response starts before its prefill ends: the engine's progress drains it."""
+        if request.stream and reservation.backend in self._progressing:
+            self._shared.loads.get(reservation.backend).await_progress(reservation)
 
     def response_started(
         self, reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool
     ) -> None:
-        prefilling = success and request is not None and request.stream and start.upstream in ("", reservation.backend)
-        if not (prefilling and reservation.backend in self._progressing):
+        if not (_may_prefill(reservation, request, start, success) and reservation.backend in self._progressing):
             reservation.release_prefill()
 
     def learn(self, request: PromptRequest, backend: str, now: float) -> tuple[int, list[int] | None]:
@@ -312,6 +320,11 @@ class PreciseMode:
             self._await_prefill((backend, chain[-1]), reservation)
         return predicted
 
+    def hold_prefill(self, request: PromptRequest, reservation: Reservation) -> None:
+        chain = self.chain_of(request)
+        if chain and self.index.confirmed(chain, reservation.backend) < len(chain):
+            self._await_prefill((reservation.backend, chain[-1]), reservation)
+
     def _await_prefill(self, block: tuple[str, int], reservation: Reservation) -> None:
         """Hold the reservation's prefill until the engine stores the prompt's last block (streaming
         responses start before the prefill, so the response start says nothing). Entries of requests
@@ -329,7 +342,10 @@ class PreciseMode:
     def response_started(
         self, reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool
     ) -> None:
-        """The engine's events release the prefill, not the response start."""
+        """The engine's events release the prefill, not the response start, unless the start says
+        it is over or will not happen there."""
+        if not _may_prefill(reservation, request, start, success):
+            reservation.release_prefill()
 
     def learn(self, request: PromptRequest, backend: str, now: float) -> tuple[int, list[int] | None]:
         """The engine's events say what it holds: nothing is learned from routing."""
@@ -391,6 +407,14 @@ class PreciseMode:
                 reservation.release_prefill()
         self._prefilling.clear()
         self._prefill_entries = 0
+
+
+def _may_prefill(reservation: Reservation, request: PromptRequest | None, start: ResponseStart, success: bool) -> bool:
+    """Whether the request's prefill may still be running at its response's start: a streamed 2xx
+    from the backend it was sent to (vLLM sends a stream's headers at once). A response that is not
+    streamed starts after its prefill; an error, or another backend serving (a retry), says this
+    engine will not do it."""
+    return success and request is not None and request.stream and start.upstream in ("", reservation.backend)
 
 
 def _extra_keys(lora: str | None, salt: str | None, blocks: int) -> list[bytes]:

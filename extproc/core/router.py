@@ -333,6 +333,13 @@ class Router:
         reservation.predicted_s = self.ttft.predict(backend, reservation.work, in_flight)
         return reservation
 
+    def prefill_again(self, exchange: Exchange) -> None:
+        """The prefill hand-off failed: the decode backend computes the prompt after all, its
+        prefill reserved there again and held until its engine shows it done."""
+        reservation, request = exchange.reservation, exchange.request
+        if reservation is not None and request is not None and reservation.prefill_again():
+            self.mode.hold_prefill(request, reservation)
+
     def prefill_leg(self, exchange: Exchange, backends: Sequence[Backend], now: float) -> Exchange | None:
         """Split a decided request (pairs.py): an exchange for its prefill leg on the prefill
         backend where it costs least, with that prefill reserved there; None to serve it whole.

@@ -529,8 +529,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         except Exception:
             log.exception("the prefill hand-off failed; the request is served whole")
             self._metrics.errors.labels("internal").inc()
-            if exchange.reservation is not None:
-                exchange.reservation.prefill_again()
+            self._router.prefill_again(exchange)
             if not request.transfer_params:
                 return None
             try:
@@ -560,8 +559,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         finally:
             leg.end()
         if parameters is None:
-            if exchange.reservation is not None:  # the decode backend computes the prompt after all
-                exchange.reservation.prefill_again()
+            self._router.prefill_again(exchange)  # the decode backend computes the prompt after all
             log.info("prefill leg on %s gave no transfer (%s): served whole", backend, failure)
             self._metrics.disaggregation.labels(failure.value if failure is not None else "parameters").inc()
             return handoff.strip(parsed) if request.transfer_params else None
