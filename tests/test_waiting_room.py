@@ -102,6 +102,34 @@ def test_a_cancelled_request_frees_its_place_and_a_stop_answers_everything_held(
     asyncio.run(main())
 
 
+def test_requests_whose_clients_left_in_the_turn_room_opened_are_cancelled_not_dispatched():
+    """Many clients leave in one loop turn (their connections lost) and a slot frees in the same
+    turn: none of them is dispatched, counted as such or charged to its flow, and the queue is
+    passed over without one call stacked on another per request (a thousand gave RecursionError)."""
+
+    async def main() -> None:
+        fleet = Fleet(0)
+        registry = CollectorRegistry()
+        room = WaitingRoom(lambda: Settings(hash_key=bytes(16)), fleet.room, WaitingRoomMetrics(registry), clock)
+        tasks = [asyncio.create_task(room.wait(klass("f"), 1.0, 10, BACKENDS)) for _ in range(1000)]
+        await asyncio.sleep(0)
+        assert len(room) == 1000
+        for task in tasks:
+            task.cancel()
+        fleet.slots = 10**9
+        room.pump()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        outcomes = "kvroute_queue_outcomes_total"
+        assert registry.get_sample_value(outcomes, {"priority": "0", "outcome": "cancelled"}) == 1000
+        assert registry.get_sample_value(outcomes, {"priority": "0", "outcome": "dispatched"}) is None
+        assert len(room) == 0 and not room._dispatching
+        served = await room.wait(klass("f"), 1.0, 10, BACKENDS)  # and the next one held goes
+        assert isinstance(served, Held) and served.state is State.DISPATCHED
+        room.started(served)
+
+    asyncio.run(main())
+
+
 def test_held_requests_and_their_wait_are_counted_by_flow_under_bounded_labels():
     """Queue length and time held per flow, as per band: named only for the flows
     queue_metric_flows lists, every other as 'other'; back to 0 however each left."""

@@ -228,13 +228,12 @@ class WaitingRoom:
         candidates (the pool's own tuple, when every backend serves their model) are weighed once
         per pump: the queue asks for each flow's head, and with every backend full a thousand
         backends' saturation judged for each of 256 flows held the loop 117 ms."""
-        if self._dispatching is not None or not len(self._queue):
-            return
-        held = self._queue.pop(self._eligibility(), self._clock())
-        if held is None:
-            return
-        self._dispatching = (held, self._clock())
-        self._finish(held)
+        while self._dispatching is None and len(self._queue):
+            held = self._queue.pop(self._eligibility(), self._clock())
+            if held is None:
+                return
+            self._dispatching = (held, self._clock())
+            self._finish(held)
 
     def _eligibility(self, fleet: Sequence[Backend] | None = None, room: bool | None = None) -> Callable[[Held], bool]:
         """Whether a held request can run now: some of its own candidates have room. Each set of
@@ -249,7 +248,7 @@ class WaitingRoom:
 
         def eligible(held: Held) -> bool:
             entry = waiting.get(held)
-            if entry is None:
+            if entry is None or entry[0].done():  # its client left: it leaves the queue at its next turn
                 return False
             if released:
                 return True
@@ -286,8 +285,8 @@ class WaitingRoom:
         waiter = self._waiting.get(held)
         if waiter is not None and not waiter[0].done():
             waiter[0].set_result(held.state)
-        elif held.state is State.DISPATCHED:  # nobody waits for it any more
-            self.started(held)
+        elif held.state is State.DISPATCHED and self._dispatching is not None and self._dispatching[0] is held:
+            self._dispatching = None  # nobody waits for it any more: `pump` goes on to the next
 
     def _reconfigure(self, settings: Settings) -> None:
         limits = self._limits_of(settings)
