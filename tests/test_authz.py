@@ -160,6 +160,35 @@ def test_the_backstop_copy_ends_what_its_own_record_did_not_and_is_otherwise_ign
     assert errors(metrics, "unknown_exchange") == 1 and router.stats.learned == 3
 
 
+def test_a_failure_inside_kvroute_at_either_end_of_a_request_leaves_nothing_held(parts: Any, monkeypatch):
+    """A failure as the answer is made (no exchange id reaches Envoy, so no record of its end
+    will come), or as its record is read (it is out of the open exchanges by then), still releases
+    the request; and a failed sweep does not end the sweeping."""
+    router, _, metrics, _, authz = parts
+    _, headers, _ = check(authz, BODY)
+
+    def fails(*_args: Any) -> None:
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr(Router, "response_started", fails)
+    with pytest.raises(RuntimeError):
+        authz.ended(entry(headers[EXCHANGE_HEADER], 200, headers[DESTINATION_HEADER]))
+    assert active(router) == 0 and authz.state()["open_exchanges"] == 0
+    monkeypatch.setattr(Router, "decision_headers", fails)
+    status, _, _ = check(authz, BODY)
+    assert status == 500 and active(router) == 0 and authz.state()["open_exchanges"] == 0
+
+    async def sweeping() -> None:
+        monkeypatch.setattr(authz, "sweep", fails)
+        task = asyncio.create_task(authz.sweep_forever(0.001))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+
+    asyncio.run(sweeping())
+    assert errors(metrics, "internal") >= 2
+
+
 def test_an_exchange_whose_entry_never_comes_is_swept(parts: Any):
     router, _, metrics, clock, authz = parts
     check(authz, BODY)

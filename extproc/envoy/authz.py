@@ -151,19 +151,24 @@ class Authz:
 
     async def check(self, call: Call) -> bytes:
         """One request's route. Envoy sends its method, path (after ROUTE_PREFIX), the headers it
-        forwards and its buffered body."""
+        forwards and its buffered body. Whatever the call ends in without an exchange id Envoy will
+        report (Envoy left while the request was held, a failure inside kvroute), its request is
+        released here: no record of its end will come."""
+        stream = Stream()
+        try:
+            return await self._route(stream, call)
+        except BaseException:
+            self._processor.closed(stream)  # (again, where it was already: closing is idempotent)
+            raise
+
+    async def _route(self, stream: Stream, call: Call) -> bytes:
         headers = call.headers
         headers[":method"] = call.method
         headers[":path"] = call.target[len(ROUTE_PREFIX) :] or "/"
         body = call.body
-        stream = Stream()
         reply = self._processor.request_headers(stream, headers, end_of_stream=not body)
         if stream.phase is Phase.BODY:
-            try:
-                reply = await self._processor.decide_body(stream, body)
-            except BaseException:  # Envoy left while it was held or waited for its adapter: release it
-                self._processor.closed(stream)
-                raise
+            reply = await self._processor.decide_body(stream, body)
         if reply.HasField("immediate_response"):
             self._processor.closed(stream)
             return _immediate(reply)
@@ -187,7 +192,6 @@ class Authz:
         if owner.splits():
             self._unsplit()
         key = f"{self._id_prefix}{next(self._ids):x}"
-        self._open[key] = (stream, self._clock())
         router = owner.router
         router.sent(exchange, self._clock())
         routed.append((EXCHANGE_HEADER, key))
@@ -196,6 +200,7 @@ class Authz:
         if router.settings.decision_headers and exchange.request is not None:  # (none when unread)
             backend = exchange.decision.backend
             routed += router.decision_headers(exchange, backend, exchange.predicted_blocks)
+        self._open[key] = (stream, self._clock())  # last: from here its end comes in Envoy's log
         return answer(200, routed)
 
     def _unsplit(self) -> None:
@@ -235,14 +240,16 @@ class Authz:
                 self._ended_late.popitem(last=False)
         stream = opened[0]
         upstream, status, details, flags = record.get("u"), record.get("c"), record.get("d"), record.get("f")
-        self._processor.responded(
-            stream,
-            upstream if isinstance(upstream, str) and upstream != "-" else "",
-            status if isinstance(status, int) else 0,
-            details if isinstance(details, str) else "",
-            isinstance(flags, str) and "UF" in flags.split(","),
-        )
-        self._processor.closed(stream)
+        try:
+            self._processor.responded(
+                stream,
+                upstream if isinstance(upstream, str) and upstream != "-" else "",
+                status if isinstance(status, int) else 0,
+                details if isinstance(details, str) else "",
+                isinstance(flags, str) and "UF" in flags.split(","),
+            )
+        finally:  # out of the open exchanges already: released here or never
+            self._processor.closed(stream)
 
     def ended_elsewhere(self, data: bytes) -> None:
         """A record a sibling's log connection got for an exchange this replica decided."""
@@ -300,7 +307,11 @@ class Authz:
     async def sweep_forever(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception:  # one failed sweep must not end the sweeping: every lost end would stay
+                log.exception("the sweep of open exchanges failed")
+                self._metrics.errors.labels("internal").inc()
 
     def close_logs(self) -> None:
         """Stopping: Envoy's log connections close (it makes them again to a sibling), before the
