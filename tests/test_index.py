@@ -279,6 +279,13 @@ def test_room_is_kept_for_every_prefill_in_flight_until_given_back_once():
     gone.give_back()  # after the backend went: nothing to free, nothing negative left behind
     index.learn(list(range(20, 30)), B, 5)
     assert index.entries_by_backend()[B] == 6
+    before = index.make_room(B, [], 2)  # in flight as its picture is dropped (a cache reset) ...
+    index.remove_backend(B)
+    after = index.make_room(B, [], 3)  # ... and one sent after it
+    before.give_back()  # the first ends: the room the second takes is its own still
+    index.learn(list(range(40, 50)), B, 6)
+    assert index.entries_by_backend()[B] == 3
+    after.give_back()
 
 
 def test_a_prompt_longer_than_the_cache_makes_no_more_room_than_its_learning_keeps():

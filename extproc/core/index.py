@@ -119,7 +119,7 @@ class LocalIndex:
         self._set_bytes = 0  # the first-block map's sets' sizes
         # backend -> blocks its in-flight prefills are storing that are not learned yet (make_room):
         # the engine holds them beside the picture's, so the picture keeps that much less
-        self._room: dict[str, int] = {}
+        self._room: dict[str, Taken] = {}
 
     def configure(
         self, ttl_s: float, capacity_blocks: int, capacities: Mapping[str, int], *, max_bytes: int | None
@@ -183,23 +183,30 @@ class LocalIndex:
         learning will keep (`learn_share` of the backend's picture, as `learn`), so one prompt
         longer than the cache does not empty the picture for as long as it runs."""
         count = min(count, max(1, int(self._limit(backend) * self._learn_share)))
-        self._room[backend] = self._room.get(backend, 0) + count
+        taken = self._room.get(backend)
+        if taken is None:
+            taken = self._room[backend] = Taken()
+        taken.blocks += count
         blocks = self._backends.get(backend)
         if blocks:
             blocks.move_to_end(reversed(held))
             self._trim(backend, blocks)
-        return Room(self, backend, count)
+        return Room(self, backend, taken, count)
 
-    def free_room(self, backend: str, count: int) -> None:
-        left = self._room.get(backend, 0) - count
-        if left > 0:
-            self._room[backend] = left
-        else:
-            self._room.pop(backend, None)
+    def free_room(self, backend: str, taken: Taken, count: int) -> None:
+        """Room given back to the count it was taken from: once the backend's picture was dropped
+        (a reset, a departure) that count is no longer its, and the new one is not touched."""
+        taken.blocks -= count
+        if taken.blocks <= 0 and self._room.get(backend) is taken:
+            del self._room[backend]
+
+    def _taken(self, backend: str) -> int:
+        taken = self._room.get(backend)
+        return 0 if taken is None else taken.blocks
 
     def _trim(self, backend: str, blocks: BlockLRU) -> None:
         blocks.limit = limit = self._limit(backend)
-        for _ in range(len(blocks) - max(0, limit - self._room.get(backend, 0))):
+        for _ in range(len(blocks) - max(0, limit - self._taken(backend))):
             self._lost(blocks.pop_oldest(), backend)
 
     def _lost(self, block: int, backend: str) -> None:
@@ -333,18 +340,28 @@ class LocalIndex:
         return {backend: len(blocks) for backend, blocks in self._backends.items()}
 
 
+class Taken:
+    """Blocks a backend's in-flight prefills take in its picture, until the picture is dropped."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self) -> None:
+        self.blocks = 0
+
+
 class Room:
     """The blocks one in-flight prefill takes in a backend's picture (LocalIndex.make_room), given
     back once: when its request is learned, or ends unlearned."""
 
-    __slots__ = ("_index", "backend", "blocks")
+    __slots__ = ("_index", "_taken", "backend", "blocks")
 
-    def __init__(self, index: LocalIndex, backend: str, blocks: int) -> None:
+    def __init__(self, index: LocalIndex, backend: str, taken: Taken, blocks: int) -> None:
         self._index = index
+        self._taken = taken
         self.backend = backend
         self.blocks = blocks
 
     def give_back(self) -> None:
         if self.blocks:
-            self._index.free_room(self.backend, self.blocks)
+            self._index.free_room(self.backend, self._taken, self.blocks)
             self.blocks = 0
