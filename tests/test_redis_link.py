@@ -275,6 +275,25 @@ async def test_routing_goes_on_while_the_store_is_away_and_sharing_resumes(redis
 
 
 @in_loop
+async def test_what_a_failed_write_held_is_counted_lost(redis_server):
+    """The store refuses a write (here: out of memory, writes refused): the learning it carried is
+    counted dropped, not lost unsaid, and the link reconnects."""
+    async with replicas(redis_server, 1) as (only,):
+        admin = Redis.from_url(redis_server.url, password=PASSWORD)
+        try:
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", "1")
+            dropped = only.link.counts["dropped"]
+            only.serve(chat([], "refused", "while full"), now())
+            await until(lambda: only.link.counts["store_errors"] > 0)
+            assert only.link.counts["dropped"] > dropped
+        finally:
+            await admin.config_set("maxmemory", "0")
+            await admin.aclose()
+        await until(lambda: only.link.connected)
+
+
+@in_loop
 async def test_replicas_with_another_hash_key_do_not_share(redis_server):
     async with replicas(redis_server, 1) as (member,):
         stranger = Replica(redis_server, key=b"another-key-16by", group=member.group)

@@ -239,7 +239,8 @@ class RedisLink:
         # outbox for the writer, which starts after the replay (the replay yields to requests)
         self._replaying = False
         self.problem = "connecting"  # why not connected, for /readyz
-        self.counts = dict.fromkeys(("sent", "applied", "dropped", "bad", "store_errors", "ends_forwarded"), 0)
+        kinds = ("sent", "applied", "dropped", "bad", "store_errors", "ends_forwarded", "ends_dropped")
+        self.counts = dict.fromkeys(kinds, 0)
         self.lag_s = 0.0  # how old the last sibling learning or binding was when applied here
 
     # Router hooks: called on the hot path, never wait.
@@ -321,6 +322,7 @@ class RedisLink:
                         backoff = 0.25  # it was working: try again soon
                     self.problem = str(error) or type(error).__name__
                     self.connected = False
+                    self.counts["dropped"] += len(self._outbox)
                     self._outbox.clear()
                     self._peers = PeerLoads(self._peers.max_age_s)  # their load is no longer known
                     self._router.loads.set_peers({})
@@ -559,16 +561,21 @@ class RedisLink:
         ends = list(self._ends_out)
         self._ends_out.clear()
         if batch or ends:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for message in batch:
-                    pipe.xadd(self._events_key, {"m": message}, maxlen=self._max_events, approximate=True)
-                if batch:
-                    pipe.pexpire(self._events_key, self._ttl_ms)
-                for replica, entry in ends:
-                    key = self._ends_prefix + replica
-                    pipe.xadd(key, {"e": entry}, maxlen=OUTBOX, approximate=True)
-                    pipe.pexpire(key, ENDS_TTL_MS)  # a sibling that went away: its key goes too
-                await pipe.execute()
+            try:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for message in batch:
+                        pipe.xadd(self._events_key, {"m": message}, maxlen=self._max_events, approximate=True)
+                    if batch:
+                        pipe.pexpire(self._events_key, self._ttl_ms)
+                    for replica, entry in ends:
+                        key = self._ends_prefix + replica
+                        pipe.xadd(key, {"e": entry}, maxlen=OUTBOX, approximate=True)
+                        pipe.pexpire(key, ENDS_TTL_MS)  # a sibling that went away: its key goes too
+                    await pipe.execute()
+            except BaseException:  # the store failed them: lost, and said so (the ends' owners sweep them)
+                self.counts["dropped"] += len(batch)
+                self.counts["ends_dropped"] += len(ends)
+                raise
         self.counts["sent"] += len(batch)
         self.counts["ends_forwarded"] += len(ends)
 
@@ -655,8 +662,10 @@ class ReplicaCollector(Collector):
         )
         messages = CounterMetricFamily(
             "kvroute_replica_messages",
-            "replica link messages: sent, applied (from siblings), dropped (store away or outbox full), "
-            "bad (malformed, skipped), store_errors (connections lost or refused)",
+            "replica link messages: sent, applied (from siblings), dropped (store away, outbox full or "
+            "a failed write), bad (malformed, skipped), store_errors (connections lost or refused), "
+            "ends_forwarded (request ends sent to the sibling that decided them), ends_dropped (lost in a "
+            "failed write)",
             labels=["kind"],
         )
         for kind, count in link.counts.items():
