@@ -70,6 +70,8 @@ def _policy(name: str, spec_changes: dict[str, Any]) -> dict[str, Any]:
         ({"routing": {"locationTTLSeconds": 0}}, "should be greater than 0"),
         ({"routing": {"prefixStickRatio": -1}}, "should be greater than 0"),
         ({"routing": {"capacityBlocks": "lots"}}, "capacityBlocks"),
+        ({"routing": {"capacityBlocks": 10**13}}, "at most 1000000000000"),
+        ({"routing": {"activeRequestCost": 1e308}}, "should be less than or equal to"),
         ({"routing": {"balanceRelGate": "high"}}, "must be of type number"),
         ({"routing": {"sessionHeaders": ["x session"]}}, "should match"),
         ({"selector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}, "Unsupported value"),

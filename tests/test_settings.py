@@ -30,6 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
         {"capacity_blocks": -1},
         {"balance_rel_gate": 0},
         {"active_request_cost": -1},
+        {"active_request_cost": 1e308},  # with new_session_load_weight 0: NaN costs, no candidate
+        {"index_memory_mib": 1e303},  # its bytes overflowed as the router was built
+        {"capacity_blocks": 1.5},
+        {"capacity_blocks": True},
     ],
 )
 def test_bad_settings_are_rejected(bad):
@@ -93,7 +97,8 @@ def test_crd_routing_schema_matches_every_policy_setting():
         bounds = f.metadata["bounds"]
         prop = routing[key]
         if "x-kubernetes-int-or-string" in prop:  # capacityBlocks: bounds in its CEL rule
-            assert f">= {int(bounds.minimum)}" in prop["x-kubernetes-validations"][0]["rule"]
+            rule = prop["x-kubernetes-validations"][0]["rule"]
+            assert f">= {int(bounds.minimum)}" in rule and f"<= {int(bounds.maximum)}" in rule
             continue
         if f.metadata["choices"]:
             assert prop["enum"] == list(f.metadata["choices"]), key
@@ -143,6 +148,9 @@ def test_every_policy_field_reaches_its_setting(key):
 def test_hash_key_is_never_read_from_a_policy():
     assert policy.routing_changes({"hashKey": "00" * 16}) == ({}, ["hashKey"])
     assert policy.routing_changes({"capacityBlocks": "auto"})[0] == {"capacity_auto": True}
+    for count in (1.5, True):  # no block count, refused with the settings (int() made them 1)
+        with pytest.raises(ValueError):
+            Settings(hash_key=bytes(16), **policy.routing_changes({"capacityBlocks": count})[0])
 
 
 def test_text_settings_refuse_other_types_and_unlisted_choices():

@@ -62,13 +62,13 @@ def _property(f: dataclasses.Field[Any]) -> dict[str, Any]:
             number["minimum"] = cast(bounds.minimum)
             if bounds.exclusive_minimum:
                 number["exclusiveMinimum"] = True
-        if bounds.maximum is not None:
-            number["maximum"] = cast(bounds.maximum)
+        number["maximum"] = cast(bounds.maximum)
         if bounds.multiple_of is not None:
             number["multipleOf"] = bounds.multiple_of
     if special == "blocks_or_auto":  # a number or "auto"; a structural schema says so in CEL
-        rule = f'type(self) == string ? self == "{AUTO}" : self >= {int(bounds.minimum)}'
-        message = f'must be a number of blocks (at least {int(bounds.minimum)}) or "{AUTO}"'
+        low, high = int(bounds.minimum), int(bounds.maximum)
+        rule = f'type(self) == string ? self == "{AUTO}" : self >= {low} && self <= {high}'
+        message = f'must be a number of blocks (at least {low}, at most {high}) or "{AUTO}"'
         return {
             **schema,
             "x-kubernetes-int-or-string": True,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import MISSING, fields
 
-from extproc.core.settings import Bounds, Settings
+from extproc.core.settings import MAX_SETTING, Bounds, Settings
 from extproc.runtime.config import DEFAULTS, PROCESS_HELP, default_text
 
 
@@ -17,7 +17,7 @@ def bounds_text(bounds: Bounds | None) -> str:
     parts = []
     if bounds.minimum is not None:
         parts.append(f"{'>' if bounds.exclusive_minimum else '>='} {bounds.minimum}")
-    if bounds.maximum is not None:
+    if bounds.maximum != MAX_SETTING:  # (every number is at most that: said once, above the table)
         parts.append(f"<= {bounds.maximum}")
     if bounds.multiple_of is not None:
         parts.append(f"multiple of {bounds.multiple_of}")
@@ -50,6 +50,8 @@ def settings_reference() -> str:
     lines += [
         "",
         "## Routing (`routing:` in YAML)",
+        "",
+        f"Every number is at most {MAX_SETTING:,} unless its bounds say less.",
         "",
         "| setting | environment / flag | policy `spec.routing` | default | bounds | what |",
         "|---|---|---|---|---|---|",

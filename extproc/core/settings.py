@@ -17,14 +17,19 @@ from typing import Any
 
 from extproc.core.adapters import valid_name
 
+# Every number a setting takes is at most this unless it declares less: products of settings past
+# it reach infinity, and 0 * infinity is NaN (activeRequestCost 1e308 with newSessionLoadWeight 0
+# left no cheapest candidate, an error on every request).
+MAX_SETTING = 10**12
+
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """Inclusive or exclusive limits of a numeric setting (None: unbounded on that side)."""
+    """Inclusive or exclusive limits of a numeric setting (None: unbounded below)."""
 
     minimum: float | None = None
     exclusive_minimum: bool = False
-    maximum: float | None = None
+    maximum: float = MAX_SETTING
     multiple_of: int | None = None
 
     def check(self, name: str, value: float) -> None:
@@ -35,7 +40,7 @@ class Bounds:
             if low:
                 word = "greater than" if self.exclusive_minimum else "at least"
                 raise ValueError(f"{name} must be {word} {self.minimum}, got {value}")
-        if self.maximum is not None and value > self.maximum:
+        if value > self.maximum:
             raise ValueError(f"{name} must be at most {self.maximum}, got {value}")
         if self.multiple_of is not None and value % self.multiple_of:
             raise ValueError(f"{name} must be a multiple of {self.multiple_of}, got {value}")
@@ -187,10 +192,11 @@ def _hex_key(value: Any) -> Any:
 
 
 def _blocks_or_auto(value: Any) -> dict[str, Any]:
-    """capacityBlocks: a number of blocks, or "auto"."""
+    """capacityBlocks: a number of blocks, or "auto". The number is checked with the settings (1.5
+    or true is no block count, where int() made them 1)."""
     if value == AUTO:
         return {"capacity_auto": True}
-    return {"capacity_auto": False, "capacity_blocks": int(value)}
+    return {"capacity_auto": False, "capacity_blocks": value}
 
 
 _PARSERS: dict[type, Callable[[str], Any]] = {bool: parse_flag, int: int, float: float, str: str, tuple: parse_names}
