@@ -86,6 +86,17 @@ def test_a_failed_split_s_prefill_is_drained_by_the_decode_engine_s_progress_aga
     exchange.end()
 
 
+def test_a_prefill_leg_teaches_its_prompt_but_binds_no_conversation_to_the_prefill_server():
+    router = make_router(pd_threshold_tokens=64)
+    exchange = router.begin(chat([], session="s1", user_text="a long new question " * 200), FLEET, 0)
+    leg = router.prefill_leg(exchange, FLEET, 0)
+    assert leg is not None and leg.decision.backend != DECODE.address
+    assert router.response_started(leg, ok(leg.decision.backend), 0.1).learned
+    leg.end()
+    assert router.sessions.get("session:s1", 0.2) is None  # the decode leg failed: no turn was served
+    exchange.end()
+
+
 def test_short_prompts_or_fleets_without_prefill_backends_are_served_whole():
     router = make_router(pd_threshold_tokens=1_000_000)
     exchange = router.begin(chat([]), FLEET, 0)

@@ -442,7 +442,7 @@ class Router:
         served = start.upstream if start.known else ""
         learned = bool(served) and success and start.from_upstream and request is not None
         if learned and request is not None:  # (the second test only narrows the type)
-            self.learn(request, served, now)
+            self.learn(request, served, now, bind=decision.label is not Label.PREFILL)
             if reservation is not None and reservation.backend == served:
                 reservation.learned_at = now
         rerouted = bool(served) and served != decision.backend
@@ -485,15 +485,16 @@ class Router:
         if routed is not None and cached_tokens >= 0:
             self.attribution.responded(routed[0], cached_tokens, routed[1])
 
-    def learn(self, request: PromptRequest, backend: str, now: float) -> int:
-        """The backend now holds this prompt (and session); returns how many blocks were new there.
-        In precise mode the engine's events say what it holds: only the session is bound here."""
+    def learn(self, request: PromptRequest, backend: str, now: float, bind: bool = True) -> int:
+        """The backend now holds this prompt (and, with `bind`, the session: not where a prefill leg
+        ran, which serves no turn); returns how many blocks were new there. In precise mode the
+        engine's events say what it holds: only the session is bound here."""
         replicas = self.replicas
         added, shared = self.mode.learn(request, backend, now)
         if replicas is not None and shared:
             replicas.learned(backend, shared)
         self.stats.learned += 1
-        if request.session_key is not None:
+        if bind and request.session_key is not None:
             session = self.sessions.bind(request.session_key, backend, now, context_of(self.chain_of(request)))
             if replicas is not None:
                 replicas.bound(session, backend)
