@@ -354,9 +354,14 @@ def test_reconfigure_keeps_the_index_unless_chains_change():
     assert router.state().index_entries == entries and router.settings.location_ttl_s == 30
     assert router.query(chat([], None, "warm"), FLEET, 1).label == Label.PREFIX_MATCH
     assert router.sessions.get("session:s", 10) is None  # the new session TTL applies at once
+    in_flight = router.begin(chat([], None, "sent before the change"), FLEET, 2)
     router.reconfigure(Settings(hash_key=b"test-key-16bytes", block_size=256))
     assert router.state().index_entries == 0
     assert isinstance(router.mode, ApproximateMode) and router.mode.hasher.block_size == 256
+    backend = in_flight.decision.backend
+    assert backend is not None and not router.response_started(in_flight, ok(backend), 3).learned
+    assert router.state().index_entries == 0  # its chain of 512-byte blocks names nothing in the new picture
+    in_flight.end()
 
 
 def test_capacity_auto_sizes_each_backend_from_its_kv_cache():

@@ -45,6 +45,7 @@ class PromptRequest:
     ttft_objective_s: float | None = None
     sheddable: bool = False
     transfer_params: bool = False  # the client set kv_transfer_params: the adapter strips them (handoff.py)
+    keys: int = 0  # which of the router's keyings its chain was hashed in (Router.begin)
 
 
 def _output_limit(body: Mapping[str, Any]) -> int | None:

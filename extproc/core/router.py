@@ -42,6 +42,7 @@ class Router:
     """Owns the index, sessions and load of one router process. Not thread-safe: one event loop."""
 
     __slots__ = (
+        "_keys",
         "_kv_tokens",
         "_last_now",
         "_left",
@@ -89,6 +90,7 @@ class Router:
         self._starts: dict[str, float] = {}
         self._turn = 0
         self._last_now = 0.0  # the latest decision's time: events batches that come without one
+        self._keys = 0  # counts the changes of what chains are keyed by (mode, block size, hash key)
 
     @property
     def index(self) -> LocationIndex:
@@ -119,6 +121,7 @@ class Router:
         self.mode.leave()
         self.mode = make(self.settings, self._shared)
         self.ttft.clear()  # blocks of another size
+        self._keys += 1
 
     def use_precise(self, tokenizer: PromptTokenizer) -> None:
         """Switch to precise mode with this tokenizer."""
@@ -144,6 +147,7 @@ class Router:
         if rehash:
             self._drop_all()  # before a precise index is replaced: its backends' turnover goes too
             self.ttft.clear()
+            self._keys += 1
         self.settings = settings
         self.churn.half_life_s = settings.churn_half_life_s
         self.mode.reconfigure(settings, rehash)
@@ -308,6 +312,7 @@ class Router:
         load it adds; the returned exchange must be ended (`end`) however the request ends."""
         decision = self.query(request, backends, now)
         self._last_now = now
+        request.keys = self._keys
         request.cbr_bytes = len(request.cbr)
         request.cbr = b""  # the chain is all the exchange needs from here: hold no copy of the body
         request.tokens = None
@@ -440,7 +445,10 @@ class Router:
         if reservation is not None:
             self.mode.response_started(reservation, request, start, success)
         served = start.upstream if start.known else ""
-        learned = bool(served) and success and start.from_upstream and request is not None
+        # (a request whose chain was keyed before the picture's keys changed teaches nothing)
+        learned = (
+            bool(served) and success and start.from_upstream and request is not None and request.keys == self._keys
+        )
         if learned and request is not None:  # (the second test only narrows the type)
             self.learn(request, served, now, bind=decision.label is not Label.PREFILL)
             if reservation is not None and reservation.backend == served:
