@@ -37,7 +37,7 @@ class Label(StrEnum):
     # (adapters.py): without that term another one would have been chosen
     ADAPTER_AFFINITY = "adapter_affinity"
     # the cheapest candidate, cheapest because the others' engines lack KV room for the prompt
-    # (rules.kv_room, fleets that split requests): without that term another one would have been chosen
+    # (rules.kv_room): without that term another one would have been chosen
     KV_ROOM = "kv_room"
 
 
@@ -71,8 +71,9 @@ class DecisionInputs(NamedTuple):
     sheddable: bool = False  # it may be refused rather than served late
     ttft: TTFTModel | None = None  # each backend's predicted time to first token (ttft.py)
     adapter: str | None = None  # the LoRA adapter the request names, if an engine has reported it
-    # blocks each candidate's engine has free of running requests, where the fleet splits requests
-    # and a fresh sample says (rules.kv_room); None: KV usage not weighed
+    # blocks each candidate's KV cache has free of the requests in flight there, where its size is
+    # reported (rules.kv_room); None: KV room not weighed (kv_room_everywhere off, a fleet that does
+    # not split)
     kv_room: Mapping[str, float] | None = None
 
     def held(self, backend: str) -> int:

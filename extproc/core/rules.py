@@ -5,9 +5,10 @@ Cost terms, summed per candidate, in blocks of prefill:
     load:    w * (reserved_b + active_request_cost * active_b)
     adapter: 0 where the request's LoRA adapter runs, adapter_load_cost where a slot is free,
              adapter_evict_cost where every slot holds another (AdapterAffinity; none without one)
-    kv room: kv_room_cost * blocks of the prompt beyond what b's running requests leave free of
-             its KV cache (kv_room; only in fleets that split requests, where decode backends
-             hold long-running requests' contexts)
+    kv room: kv_room_cost * blocks of the prompt beyond what the requests in flight on b leave
+             free of its KV cache (kv_room; in every fleet with `kv_room_everywhere`, the default,
+             else only in fleets that split requests, where decode backends hold long-running
+             requests' contexts)
 where novel_b is the part of the prompt b has not cached, churn_b how fast b's cache has been
 turning over lately relative to the busiest candidate (0 to 1: new blocks there evict useful
 ones sooner), active_b the backend's in-flight requests (kvroute's own, or the engine's running +
@@ -215,7 +216,9 @@ def kv_room(inputs: DecisionInputs, candidates: Sequence[CandidateCost]) -> None
     """Where the engine's running requests leave too little of its KV cache for the prompt, the
     request waits for some of them to finish (or preempts one, which recomputes it): each block
     short counts as one of prefill. Running counts alone miss this on decode backends, where a few
-    long conversations can fill the cache. Candidates without a fresh sample are not charged."""
+    long conversations can fill the cache. Candidates whose cache size is not reported are not
+    charged (Router._kv_room: without a fresh sample, kvroute's own requests in flight say what is
+    taken)."""
     room = inputs.kv_room
     weight = inputs.settings.kv_room_cost
     if room is None or weight <= 0:
