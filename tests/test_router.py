@@ -259,6 +259,21 @@ def test_a_backend_back_at_the_same_address_is_bound_to_and_home_to_nothing_it_h
     assert router.sessions.get("session:other", 22) == home and router.homes.get(head + 1) == home
 
 
+def test_a_head_s_home_stays_while_it_is_only_absent_from_some_requests_candidates():
+    """A failed probe, a gateway's subset hint or a request limit keeps the home out of a few
+    requests' candidates: they go elsewhere, the head's home does not move with them."""
+    router = make_router()
+    home = converse(router, 1, "s")[0].backend
+    head = router.chain_of(chat([], "s", "hello"))[0]
+    others = [b for b in FLEET if b.address != home]
+    exchange = router.begin(chat([], "t", "hello"), others, 5)
+    assert exchange.decision.backend != home and router.homes.get(head) == home
+    exchange.end()
+    router.remove_backend(home)  # gone: the next placement is its new home
+    placed = router.begin(chat([], "u", "hello"), others, 6).decision.backend
+    assert router.homes.get(head) == placed
+
+
 def test_a_binding_to_a_backend_that_stops_serving_the_model_is_passed_over_until_served_elsewhere():
     """Not forgotten by weighing it (a dry run, or a backend suspect for a moment, must not lose
     the conversation's place); the turn served elsewhere rebinds it there."""

@@ -18,7 +18,7 @@ from extproc.core.attribution import ReuseAttribution
 from extproc.core.backends import Backend, Role
 from extproc.core.calibration import BytesPerToken
 from extproc.core.churn import ChurnMeter
-from extproc.core.decision import CandidateCost, Decision, DecisionInputs, Label
+from extproc.core.decision import Decision, DecisionInputs, Label
 from extproc.core.departures import RecentlyLeft
 from extproc.core.engine import AllBlocksCleared, EngineEvent, EngineSample
 from extproc.core.exchange import BackendState, Exchange, Outcome, Reset, ResponseStart, RouterState, Stats
@@ -321,7 +321,7 @@ class Router:
         if decision.returning is not None:
             self.pressure.returned(*decision.returning)
         if decision.backend is not None:
-            self._place_home(request, decision.backend, decision.candidates)
+            self._place_home(request, decision.backend)
             reservation = self._reserve(request, decision.backend, decision.total_blocks - decision.matched_blocks, now)
             predicted = self.mode.routed(request, decision, reservation, now)
         self.stats.decisions[decision.label] += 1
@@ -387,13 +387,12 @@ class Router:
             return 1.0, True
         return self.pressure.gate_factor(), self.pressure.home_ties()
 
-    def _place_home(self, request: PromptRequest, backend: str, candidates: Sequence[CandidateCost]) -> None:
-        """The first placement of a prompt head (or the first since its home left) becomes its home."""
+    def _place_home(self, request: PromptRequest, backend: str) -> None:
+        """The first placement of a prompt head (or the first since its home left) becomes its home.
+        A home only absent from this request's candidates (a failed probe, a gateway's subset hint,
+        at its request limit) stays: a brief absence must not move the head's home for good."""
         chain = self.chain_of(request)
-        if not chain:
-            return
-        home = self.homes.get(chain[0])
-        if home is None or all(c.backend != home for c in candidates):
+        if chain and self.homes.get(chain[0]) is None:
             self.homes.place(chain[0], backend)
 
     def _by_load(self, backends: Sequence[Backend], now: float) -> Decision:
