@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.core.decision import Label
 from extproc.core.pressure import MAX_GATE_FACTOR, CachePressure
+from tests.test_router import FLEET, chat, make_router, serve
 
 
 def test_nothing_lost_keeps_the_configured_gates():
@@ -47,3 +49,25 @@ def test_a_running_mean_recovers_when_contexts_survive_again():
     for _ in range(100):
         pressure.returned(100, 100)
     assert pressure.lost < 0.01
+
+
+def test_a_refused_return_is_no_sample_its_retries_would_count_again():
+    """A conversation whose context is gone, refused (every backend at its request limit) and
+    retried: no return was served, so the pressure does not move; served, it counts once."""
+    router = make_router(max_backend_requests=1)
+    history: list[dict[str, str]] = []
+    for turn in range(2):
+        question = f"turn {turn}: " + "word " * 300
+        home = serve(router, chat(history, "s", question), turn).backend
+        history += [{"role": "user", "content": question}, {"role": "assistant", "content": "answer " * 200}]
+    assert home is not None
+    router.index.remove_backend(home)  # its context evicted from the picture
+    busy = [router.loads.reserve(b.address, 1) for b in FLEET]
+    for retry in range(5):
+        exchange = router.begin(chat(history, "s", "again"), FLEET, 30 + retry)
+        assert exchange.decision.label is Label.SHED
+    assert router.pressure.lost == 0
+    for reservation in busy:
+        reservation.finish()
+    router.begin(chat(history, "s", "again"), FLEET, 40).end()
+    assert router.pressure.lost > 0

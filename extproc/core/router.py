@@ -318,9 +318,9 @@ class Router:
         request.tokens = None
         predicted = decision.matched_blocks
         reservation = None
-        if decision.returning is not None:
-            self.pressure.returned(*decision.returning)
         if decision.backend is not None:
+            if decision.returning is not None:  # (a refusal is no return: its retries would count again)
+                self.pressure.returned(*decision.returning)
             self._place_home(request, decision.backend)
             reservation = self._reserve(request, decision.backend, decision.total_blocks - decision.matched_blocks, now)
             predicted = self.mode.routed(request, decision, reservation, now)
