@@ -410,3 +410,68 @@ def test_a_request_waiting_for_a_load_a_sibling_claimed_lets_the_rounds_keep_the
 
     assert asyncio.run(scenario()) is False  # nothing came within its wait
     assert 1 <= claims <= 5, claims  # a round every 0.5 s, and the one asked at once
+
+
+def test_a_round_reports_every_move_it_planned_whatever_the_engine_answers_or_the_round_meets():
+    """A load answered with an error body that is no UTF-8 (and large), a claim that fails, a
+    policy that drops the adapter while its move is claimed: each move is reported, so the adapter
+    is planned again later (one left pending was never planned again, and its requests waited for
+    a load that never came), and nothing is loaded the policy no longer lists."""
+    import asyncio
+    import dataclasses
+
+    import aiohttp
+    from aiohttp import web
+
+    from extproc.core.backends import Backend
+    from extproc.core.router import Router
+    from extproc.runtime.placer import AdapterPlacer
+    from extproc.runtime.pool import BackendPool
+
+    async def scenario() -> None:
+        posts: list[bytes] = []
+
+        async def load(request: web.Request) -> web.Response:
+            posts.append(await request.read())
+            return web.Response(status=500, body=b"\xff\xfe" * 100_000)
+
+        app = web.Application()
+        app.router.add_post("/v1/load_lora_adapter", load)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            address = f"127.0.0.1:{port}"
+            router = Router(SETTINGS)
+            pool = BackendPool([Backend(address)], router.remove_backend, 2)
+            router.adapters.listing(address, [])
+            now = [1.0]
+            claims: list[str] = []
+
+            async def claim(name: str, hold: float) -> bool:
+                claims.append(name)
+                if len(claims) == 2:
+                    raise ConnectionError("the store went away")
+                if len(claims) == 3:  # the policy drops every adapter while this move is claimed
+                    router.reconfigure(dataclasses.replace(router.settings, adapter_sources=()))
+                return True
+
+            placer = AdapterPlacer(router, pool, clock=lambda: now[0], claim=claim)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+                for round_ in range(3):
+                    placer.placement.wanted(router.settings, "sql", now[0])
+                    if round_ == 1:
+                        with pytest.raises(ConnectionError):
+                            await placer.round(session)
+                    else:
+                        await placer.round(session)
+                    assert not placer.placement.pending("sql")
+                    now[0] += 100.0  # past the failed server's pause
+            assert len(posts) == 1  # the first round's; the third's adapter was dropped before its POST
+            assert placer.placement.counts == {("load", "failed"): 3}
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import msgpack
+import orjson
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -79,8 +80,17 @@ async def _scenario(replay: bool, steps) -> tuple[Router, EventSubscriber]:
     engine = Engine(context, replay)
     app = web.Application()
 
-    async def kv_event_sources(_request: web.Request) -> web.Response:
-        return web.json_response(engine.sources)
+    async def kv_event_sources(request: web.Request) -> web.StreamResponse:
+        """The page in two writes apart, as a longer page (many data-parallel ranks) comes in
+        several TCP reads: read to its end, not as far as it has come."""
+        page = orjson.dumps(engine.sources)
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        response.content_length = len(page)
+        await response.prepare(request)
+        await response.write(page[:20])
+        await asyncio.sleep(0.05)
+        await response.write(page[20:])
+        return response
 
     app.router.add_get("/kv_event_sources", kv_event_sources)
     runner = web.AppRunner(app)

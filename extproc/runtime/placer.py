@@ -21,11 +21,13 @@ from prometheus_client.registry import Collector
 from extproc.core.placement import AdapterPlacement, Move
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.replies import read_within
 from extproc.runtime.stopping import stop_asked
 
 log = logging.getLogger(__name__)
 
 MOVE_TIMEOUT_S = 30.0  # a load reads the adapter from the server's disk
+MAX_REPLY_BYTES = 4096  # of a load's or unload's answer: its status decides, its text is only logged
 PLACEMENT_INTERVAL_S = 1.0
 CLAIM_S = 5.0  # one replica makes an adapter's moves this long (its siblings see them by then)
 BALANCE_CLAIM_S = 60.0  # one replica balances this long: a whole move (load, drain, unload) and the next
@@ -128,24 +130,31 @@ class AdapterPlacer:
         self.placement.keep({b.address for b in self._pool.backends})
         backends = [b.address for b in self._pool.backends if b.healthy]
         planned = self.placement.plan(router.settings, router.adapters, router.loads, backends, self._clock())
-        self._tell(self._clock())
-        moves = []
-        for move in planned:
-            balancing = self.placement.balancing(move)
-            name, hold = ("balance", BALANCE_CLAIM_S) if balancing else (move.adapter, CLAIM_S)
-            if self._claim is None or await self._claim(f"placement:{name}", hold):
-                moves.append(move)
-            else:
-                self.placement.skip(move)
-                self._elsewhere.add(move.adapter)
-            if stop_asked():
-                raise asyncio.CancelledError
-        results = await asyncio.gather(*(self._carry_out(session, move) for move in moves))
-        now = self._clock()
-        for move, ok in zip(moves, results, strict=True):
-            if ok and self._pool.is_known(move.backend):
-                router.adapters.listed_now(move.backend, move.adapter, move.load)
-            self.placement.done(move, ok, now)
+        unreported = set(planned)
+        try:
+            self._tell(self._clock())
+            moves = []
+            for move in planned:
+                balancing = self.placement.balancing(move)
+                name, hold = ("balance", BALANCE_CLAIM_S) if balancing else (move.adapter, CLAIM_S)
+                if self._claim is None or await self._claim(f"placement:{name}", hold):
+                    moves.append(move)
+                else:
+                    self.placement.skip(move)
+                    unreported.discard(move)
+                    self._elsewhere.add(move.adapter)
+                if stop_asked():
+                    raise asyncio.CancelledError
+            results = await asyncio.gather(*(self._carry_out(session, move) for move in moves))
+            now = self._clock()
+            for move, ok in zip(moves, results, strict=True):
+                if ok and self._pool.is_known(move.backend):
+                    router.adapters.listed_now(move.backend, move.adapter, move.load)
+                self.placement.done(move, ok, now)
+                unreported.discard(move)
+        finally:  # a move planned is reported whatever ended the round: one left pending is never planned again
+            for move in unreported:
+                self.placement.done(move, False, self._clock())
 
     def _tell(self, now: float) -> None:
         """Tell siblings of each copy a balance move has stopped routing to, and again every
@@ -161,13 +170,16 @@ class AdapterPlacer:
             told[adapter] = (old, new, now)
         self._told = told
 
-    @staticmethod
-    async def _carry_out(session: aiohttp.ClientSession, move: Move) -> bool:
+    async def _carry_out(self, session: aiohttp.ClientSession, move: Move) -> bool:
+        """One load or unload; whether the engine did it (or had). A load is sent only from a path
+        the policy lists now: one dropped while the round claimed its moves is not loaded."""
+        if move.load and (move.adapter, move.path) not in self._router.settings.adapter_sources:
+            return False
         path = "/v1/load_lora_adapter" if move.load else "/v1/unload_lora_adapter"
         body = {"lora_name": move.adapter, "lora_path": move.path} if move.load else {"lora_name": move.adapter}
         try:
             async with session.post(f"http://{move.backend}{path}", json=body) as response:
-                text = await response.text()
+                text = (await read_within(response.content, MAX_REPLY_BYTES)).decode(errors="replace")
                 if response.status == 200:
                     return True
                 if move.load and response.status == 400 and "already" in text:

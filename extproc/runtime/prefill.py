@@ -21,6 +21,7 @@ import orjson
 
 from extproc.core import handoff
 from extproc.core.objectives import ENGINE_PRIORITY_HEADER
+from extproc.runtime.replies import read_within
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class PrefillLegs:
             ) as r:
                 if not 200 <= r.status < 300:
                     return r.status, None, LegFailure.STATUS
-                raw = await _whole(r.content, MAX_RESPONSE_BYTES + 1)
+                raw = await read_within(r.content, MAX_RESPONSE_BYTES + 1)
         except TimeoutError:
             return 0, None, LegFailure.TIMEOUT
         except aiohttp.ClientError:
@@ -80,15 +81,3 @@ class PrefillLegs:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-async def _whole(content: aiohttp.StreamReader, limit: int) -> bytes:
-    """The body to its end, or its first `limit` bytes: `read(n)` alone returns what has come so
-    far, and a response of several TCP reads (a long prompt's block ids) parsed as cut short."""
-    body = bytearray()
-    while len(body) < limit:
-        chunk = await content.read(limit - len(body))
-        if not chunk:
-            break
-        body += chunk
-    return bytes(body)

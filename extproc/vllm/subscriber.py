@@ -35,6 +35,7 @@ import zmq.asyncio
 from extproc.core.exchange import Reset
 from extproc.core.router import Router
 from extproc.runtime.pool import BackendPool
+from extproc.runtime.replies import read_within
 from extproc.vllm.events import MAX_BATCH_BYTES, EventBatch, EventError, decode
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ class EventSubscriber:
         while True:
             try:
                 async with session.get(f"http://{backend}/kv_event_sources") as response:
-                    page = await response.content.read(MAX_SOURCES_BYTES + 1) if response.status == 200 else b""
+                    page = await read_within(response.content, MAX_SOURCES_BYTES + 1) if response.status == 200 else b""
                     answer = orjson.loads(page) if page and len(page) <= MAX_SOURCES_BYTES else None
                 found, self.status[backend] = sources(answer, backend)
             except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
