@@ -69,6 +69,10 @@ def test_unknown_event_types_are_skipped_and_counted():
         [b"kv", b"\x00" * 8, msgpack.packb([0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0])],
         [b"kv", b"\x00" * 8, bytes.fromhex("9200918181000000")],  # a map as a map's key (TypeError)
         [b"kv", b"\x00" * 8, b"\x91" * (4 << 20)],  # larger than a step stores: refused unread
+        *(  # a block size no engine has (a negative one drained no prefill while it lasted)
+            [b"kv", b"\x00" * 8, msgpack.packb([0, [["BlockStored", [1], None, [1, 2], size]], 0])]
+            for size in (-16, 0, True, 1 << 20)
+        ),
     ],
 )
 def test_malformed_messages_raise_event_error_only(bad):

@@ -442,3 +442,18 @@ def test_a_burst_whose_batches_take_long_to_apply_gives_the_loop_its_turns():
     turns = asyncio.run(scenario())
     gaps = [b - a for a, b in itertools.pairwise(turns)]
     assert gaps and max(gaps) <= 3, turns  # 40 batches of 3 ms: a turn every 5 ms or so
+
+
+def test_a_backend_that_left_during_a_replay_is_not_reset():
+    """A replay outlasting its backend ended in a reset of nothing, counted as a reset all the same."""
+    router = Router(Settings())
+    pool = BackendPool([Backend("127.0.0.1:1")], router.remove_backend, 1)
+    subscriber = EventSubscriber(router, pool)
+    try:
+        before = dict(router.stats.resets)
+        subscriber._lost("127.0.0.2:1", Reset.SEQUENCE_RESTART)  # not in the pool
+        assert dict(router.stats.resets) == before
+        subscriber._lost("127.0.0.1:1", Reset.SEQUENCE_RESTART)
+        assert dict(router.stats.resets) != before
+    finally:
+        subscriber._context.destroy(linger=0)

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from extproc.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+from extproc.vllm.metrics import MAX_BLOCK_SIZE
 
 # Field order of the positional (array) form, after the type tag, as vLLM's msgspec structs declare it.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
@@ -72,6 +73,8 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
     extras = fields.get("extra_keys") or ()
     if not isinstance(tokens, list) or not isinstance(size, int) or not isinstance(extras, list | tuple):
         raise EventError("BlockStored without token_ids or block_size")
+    if isinstance(size, bool) or not 0 < size <= MAX_BLOCK_SIZE:
+        raise EventError(f"BlockStored with a block_size no engine has: {size}")
     lora = fields.get("lora_name")
     hashes = _hashes(fields.get("block_hashes"))
     per_block = [_extra(e) for e in extras]

@@ -157,6 +157,7 @@ class EventSubscriber:
                     for backend in self._tasks.keys() - known:
                         self._tasks.pop(backend).cancel()
                         self.status.pop(backend, None)
+                        self._logged = {logged for logged in self._logged if logged[0] != backend}
                     for backend in known - self._tasks.keys():
                         self._tasks[backend] = asyncio.create_task(self._follow(session, backend))
                     await asyncio.sleep(follow_interval_s)
@@ -185,9 +186,14 @@ class EventSubscriber:
                     if isinstance(result, Exception):
                         self.status[backend] = f"subscription failed: {type(result).__name__}: {result}"
                         self._problem(backend, "subscription_failed", str(result))
-                        if self._pool.is_known(backend):  # what came meanwhile (removals too) is not known
-                            self._router.events_lost(backend, Reset.EVENTS_LOST)
+                        self._lost(backend, Reset.EVENTS_LOST)  # what came meanwhile (removals too) is not known
             await asyncio.sleep(self._discovery_interval_s)
+
+    def _lost(self, backend: str, reason: Reset) -> None:
+        """The backend's events can no longer be followed: its picture is reset, unless it left
+        meanwhile (a replay lasts up to its timeout), which would count a reset of nothing."""
+        if self._pool.is_known(backend):
+            self._router.events_lost(backend, reason)
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         sock = self._context.socket(kind)
@@ -209,12 +215,12 @@ class EventSubscriber:
                     continue
                 if last is not None and batch.sequence <= last:
                     self._problem(backend, "restart", f"sequence {batch.sequence} after {last}")
-                    self._router.events_lost(backend, Reset.SEQUENCE_RESTART)
+                    self._lost(backend, Reset.SEQUENCE_RESTART)
                 elif last is not None and batch.sequence > last + 1:
                     self._problem(backend, "gap", f"{batch.sequence - last - 1} batches missed")
                     if not await self._replay(backend, source, last + 1, batch.sequence, previous):
                         self._problem(backend, "lost", "could not replay the missed batches")
-                        self._router.events_lost(backend, Reset.EVENTS_LOST)
+                        self._lost(backend, Reset.EVENTS_LOST)
                 self._apply(backend, batch, previous)
                 last, previous = batch.sequence, arrived
         finally:
