@@ -28,6 +28,11 @@ ANSWERS = {
     b"/then-idle-close": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
     # one header that never ends (more than MAX_HEAD_BYTES of it), after an interim answer
     b"/endless-header": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-A: " + b"a" * (200 * 1024),
+    # (sent in parts apart, so the head is whole before the trailer comes)
+    b"/endless-trailer": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-A: ",
+        *[b"a" * 16384] * 12,
+    ),
     b"/tiny-chunks": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * 50 + b"0\r\n\r\n",
 }
 
@@ -59,8 +64,11 @@ class Server:
                 closing = path == b"/then-idle-close"
                 if path == b"/silent":
                     await asyncio.sleep(10)
-                writer.write(ANSWERS[path])
-                await writer.drain()
+                answer = ANSWERS[path]
+                for part in (answer,) if isinstance(answer, bytes) else answer:
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(0 if isinstance(answer, bytes) else 0.005)
                 if path in (b"/close", b"/cut", b"/garbage", b"/unframed"):
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -177,13 +185,16 @@ def test_a_request_on_a_connection_the_server_closed_idle_is_sent_again_once_on_
     run(scenario)
 
 
-def test_an_answer_whose_head_never_ends_is_refused_once_past_the_heads_limit():
+def test_an_answer_whose_head_or_trailers_never_end_is_refused_once_past_the_heads_limit():
     """httptools gathers a header's value by copying it at each read: past MAX_HEAD_BYTES of a
-    head (after any interim answer) the answer is refused, not read on until the timeout."""
+    head (after any interim answer) or of a chunked body's trailers the answer is refused, not
+    read on until the timeout."""
 
     async def scenario(server: Server, backend: str, client: PageClient) -> None:
-        with pytest.raises(ConnectionError, match="head too large"):
-            await client.get(backend, "/endless-header", 1000)
+        for path in ("/endless-header", "/endless-trailer"):
+            with pytest.raises(ConnectionError, match="too large"):
+                await client.get(backend, path, 1000)
         assert await client.get(backend, "/sized", 1000) == (200, b"ok")
+        assert await client.get(backend, "/tiny-chunks", 1000) == (200, b"x" * 50)  # framing within bounds
 
     run(scenario)

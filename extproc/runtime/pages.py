@@ -32,7 +32,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_body",
         "_framed",
-        "_head_bytes",
+        "_framing",
         "_limit",
         "_parser",
         "_status",
@@ -51,7 +51,7 @@ class _Connection(asyncio.Protocol):
         self._limit = 0
         self._status = 0
         self._framed = False  # the answer has a Content-Length or is chunked
-        self._head_bytes = 0  # bytes read while an answer's head was not yet whole
+        self._framing = 0  # bytes of the answer that are not its body: head, chunk sizes, trailers
         self.heard = False  # a byte of the answer came
 
     def request(self, head: bytes, limit: int) -> asyncio.Future[tuple[int, bytes]]:
@@ -59,7 +59,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None and self.answer is None
         self.answer = asyncio.get_running_loop().create_future()
         self._body, self._limit, self._status, self._framed, self.heard = bytearray(), limit, 0, False, False
-        self._head_bytes = 0
+        self._framing = 0
         self.transport.write(head)
         return self.answer
 
@@ -72,17 +72,18 @@ class _Connection(asyncio.Protocol):
             self._fail(ConnectionError("an answer nobody asked for"))
             return
         self.heard = True
-        if not self._status:  # the head is still coming
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES + self._limit:
-                self._fail(ConnectionError("an answer's head too large"))
-                return
+        if self._framing > MAX_HEAD_BYTES + self._limit:  # a head, chunk framing or trailers without end
+            self._fail(ConnectionError("an answer's head or trailers too large"))
+            return
+        body = len(self._body)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(ConnectionError("the server upgraded the connection"))
         except httptools.HttpParserError as exc:
             self._fail(ConnectionError(f"not HTTP: {exc}"))
+        else:
+            self._framing += len(data) - max(0, len(self._body) - body)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
