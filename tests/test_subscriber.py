@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 import orjson
+import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -24,6 +25,7 @@ from extproc.core.router import Router
 from extproc.core.settings import Settings
 from extproc.runtime.pool import BackendPool
 from extproc.vllm import subscriber as subscriber_module
+from extproc.vllm.events import EventError, decode
 from extproc.vllm.subscriber import END_SEQ, EventSubscriber, sources
 from tests.e2e import until
 
@@ -457,3 +459,34 @@ def test_a_backend_that_left_during_a_replay_is_not_reset():
         assert dict(router.stats.resets) != before
     finally:
         subscriber._context.destroy(linger=0)
+
+
+def test_a_message_of_many_frames_is_refused_having_copied_only_its_first_few():
+    """ZMQ bounds each frame, not a message's count of them: a publisher's message of 200 frames
+    of 64 KiB reaches the reader whole; only its first MAX_FRAMES are copied, and it decodes to
+    nothing (refused), while the batch after it is read as usual."""
+
+    async def scenario() -> list[list[bytes]]:
+        context, pub, sub = _publisher_and_reader()
+        received: list[list[bytes]] = []
+        try:
+            huge = [b"kv", *[b"x" * 65536] * 200]
+            while not received:  # a PUB drops what it sends before the subscription reaches it
+                await pub.send_multipart(huge)
+                await pub.send_multipart(message(1, []))
+                await asyncio.sleep(0.01)
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        received.append(subscriber_module._receive(sub))
+        finally:
+            sub.close(linger=0)
+            context.destroy(linger=0)
+        return received
+
+    received = asyncio.run(scenario())
+    assert {len(frames) for frames in received} <= {3, subscriber_module.MAX_FRAMES}
+    huge = [frames for frames in received if len(frames) == subscriber_module.MAX_FRAMES]
+    assert huge and all(sum(map(len, frames)) < 4 * 65536 for frames in huge)
+    with pytest.raises(EventError):
+        decode(huge[0])
+    assert any(len(frames) == 3 and int.from_bytes(frames[1], "big") == 1 for frames in received)

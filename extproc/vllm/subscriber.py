@@ -52,8 +52,11 @@ MAX_SOCKETS = 16_384  # a SUB socket per publisher (per backend and data-paralle
 BURST_MAX = 256
 BURST_S = 0.005
 # Batches ZMQ queues for a socket not read meanwhile: some 20 s of an engine's steps (a replay may
-# take the reader away for that long), and with MAX_BATCH_BYTES a bound of 2 GiB a socket.
+# take the reader away for that long). ZMQ bounds each frame (MAXMSGSIZE), not a message's count
+# of frames, and hands a message over whole: one of many frames is held by libzmq until read, but
+# only its first MAX_FRAMES are copied into Python (`_receive`), the rest dropped uncopied.
 QUEUED_BATCHES = 2_000
+MAX_FRAMES = 4  # a batch is three frames (topic, sequence, payload), a replayed one four: more is none
 # What a backend's /kv_event_sources may say: its answer read up to this many bytes, and at most
 # this many distinct publishers taken (one per data-parallel rank the server runs).
 MAX_SOURCES_BYTES = 64 * 1024
@@ -195,11 +198,6 @@ class EventSubscriber:
         if self._pool.is_known(backend):
             self._router.events_lost(backend, reason)
 
-    def _socket(self, kind: int) -> zmq.asyncio.Socket:
-        sock = self._context.socket(kind)
-        _limit(sock)
-        return sock
-
     async def _consume(self, backend: str, source: Source) -> None:
         sock: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)  # plain: read in bursts (`_bursts`)
         _limit(sock)
@@ -250,16 +248,22 @@ class EventSubscriber:
         were published after the last batch that arrived live, at `previous`."""
         if source.replay is None or until - start > MAX_REPLAY_BATCHES:
             return False
-        sock = self._socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.DEALER)  # plain: read as `_receive` reads
+        _limit(sock)
         sock.connect(source.replay)
         expected = start
         loop = asyncio.get_running_loop()
+        fd = int(sock.getsockopt(zmq.FD))
         deadline = loop.time() + REPLAY_TOTAL_S
         try:
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            sock.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
             while True:
-                async with asyncio.timeout_at(min(deadline, loop.time() + self._replay_timeout_s)):
-                    frames = await sock.recv_multipart()
+                try:
+                    frames = _receive(sock)
+                except zmq.Again:
+                    async with asyncio.timeout_at(min(deadline, loop.time() + self._replay_timeout_s)):
+                        await _news(loop, sock, fd)
+                    continue
                 if len(frames) == 4 and frames[2] == END_SEQ:
                     return expected >= until
                 batch = self._decode(backend, frames[1:])
@@ -282,6 +286,18 @@ def _limit(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.RCVHWM, QUEUED_BATCHES)
 
 
+def _receive(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """One queued message: its first MAX_FRAMES frames, the rest dropped without a copy (so a
+    message of many frames is refused by `decode`, having cost no more than MAX_FRAMES of them).
+    Raises zmq.Again when none is queued."""
+    frames = [sock.recv(zmq.NOBLOCK)]
+    while sock.getsockopt(zmq.RCVMORE):
+        frame = sock.recv(zmq.NOBLOCK, copy=False)  # (the rest of a message is there once its first is)
+        if len(frames) < MAX_FRAMES:
+            frames.append(frame.bytes)
+    return frames
+
+
 async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncIterator[list[bytes]]:
     """Each message the socket receives, read without waiting while some are queued (at most
     `BURST_MAX`, or for `BURST_S` of reading and of what the caller does with them, before the
@@ -301,7 +317,7 @@ async def _bursts(sock: zmq.Socket[bytes], gap_s: Callable[[], float]) -> AsyncI
         cut = False
         while read < BURST_MAX:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = _receive(sock)
             except zmq.Again:
                 break
             read += 1
