@@ -241,11 +241,17 @@ def test_a_fleet_past_the_rate_is_scraped_a_slice_per_round_and_each_listed_on_i
             await scraper.scrape(client)
             assert scraper.ages() == {a: 0.0 if a in addresses[2:] else 1.0 for a in addresses}
             await scraper.scrape(client)  # the first two again: not listed again yet
+            assert listed == addresses
+            pool.mark(addresses[2], False, confirmed=True)  # down (the router forgets its adapters) ...
+            await scraper.scrape(client)
+            pool.mark(addresses[2], True, confirmed=True)  # ... and back: listed on its first sample again
+            await scraper.scrape(client)
+            await scraper.scrape(client)
+            assert listed == [*addresses, addresses[2]]
         finally:
             client.close()
             for runner in runners:
                 await runner.cleanup()
-        assert listed == addresses
 
     asyncio.run(scenario())
 

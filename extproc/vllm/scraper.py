@@ -74,6 +74,7 @@ class EngineScraper:
     async def scrape(self, client: PageClient) -> None:
         """One round over the next healthy backends (all of them, in a fleet within the rate)."""
         client.keep_only(b.address for b in self._pool.backends)
+        self._forget()
         backends = self.rotation.take([b.address for b in self._pool.backends if b.healthy])
         samples = await asyncio.gather(*(self._sample(client, b) for b in backends))
         now = self._clock()
@@ -103,12 +104,20 @@ class EngineScraper:
         if started is None:
             return {}
         now = self._clock()
+        self._forget()
+        return {b.address: now - self._sampled_at.get(b.address, started) for b in self._pool.backends if b.healthy}
+
+    def _forget(self) -> None:
+        """What is kept of backends that left goes; and a backend down is counted from its first
+        sample again once back, so that sample lists its adapters (the router forgot them when it
+        went down). Each round, not only when kvroute's own /metrics is read."""
+        healthy = {b.address for b in self._pool.backends if b.healthy}
+        for down in [b for b in self._samples.keys() | self._whole_page if b not in healthy]:
+            self._samples.pop(down, None)
+            self._whole_page.discard(down)
         known = {b.address for b in self._pool.backends}
         for gone in [b for b in self._sampled_at if b not in known]:
             del self._sampled_at[gone]
-            self._samples.pop(gone, None)
-            self._whole_page.discard(gone)
-        return {b.address: now - self._sampled_at.get(b.address, started) for b in self._pool.backends if b.healthy}
 
     async def _listings(self, client: PageClient, backends: list[str]) -> None:
         pages = await asyncio.gather(*(self._page(client, b, "/v1/models") for b in backends))
