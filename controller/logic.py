@@ -248,6 +248,13 @@ def _comparable(status: Mapping[str, Any]) -> dict[str, Any]:
     return comparable
 
 
+def stale_status_keys(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> list[str]:
+    """Keys the stored status has and the operator no longer writes (a reuse summary from a run
+    that read reuse, say): each would make every comparison differ, and never go by a merge patch
+    that leaves it out."""
+    return [key for key in current or {} if key not in desired and key != "kopf"]
+
+
 def status_differs(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:
     """Whether a patch is needed; transition times alone never cause one."""
     return _comparable(current or {}) != _comparable(desired)

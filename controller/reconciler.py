@@ -101,17 +101,23 @@ class Reconciler:
             self._dirty.add(namespace)
             self._wake.set()
 
-    async def settle(self, namespaces: Iterable[str]) -> None:
-        """Write the status of every policy in these namespaces whose status must change."""
+    async def settle(self, namespaces: Iterable[str]) -> bool:
+        """Write the status of every policy in these namespaces whose status must change; whether
+        every write went through."""
+        written = True
         for namespace in namespaces:
             pods = self._live(self._pods.get(namespace, ()))
             pools = self._live(self._pools.get(namespace, ()))
-            for policy in self._live(self._policies.get(namespace, ())):
+            policies = self._live(self._policies.get(namespace, ()))
+            self._forget_deleted(namespace, {str(policy.get("name")) for policy in policies})
+            for policy in policies:
                 try:
                     desired = logic.desired_status(policy, pods, self._clock(), pools)
                     reuse = self._reuse.get((namespace, policy["name"]))
                     if reuse is not None:
                         desired["reuse"] = reuse
+                    for stale in logic.stale_status_keys(policy.get("status"), desired):
+                        desired[stale] = None  # a merge patch removes a key only where it says null
                 except Exception as exc:  # one malformed policy must not stop the others
                     self._failed(namespace, str(policy.get("name")), f"{type(exc).__name__}: {exc}")
                     log.exception("cannot compute the status of %s/%s", namespace, policy.get("name"))
@@ -128,6 +134,17 @@ class Reconciler:
                     self._failed(namespace, policy["name"], str(exc)[:1024])
                     log.warning("status patch failed: %s", self.last_error)
                     self._dirty.add(namespace)
+                    written = False
+        return written
+
+    def _forget_deleted(self, namespace: str, names: set[str]) -> None:
+        """A policy deleted takes its failure and its reuse figures with it: /readyz is not held
+        at 503 by a patch of what no longer exists, and a policy made again under its name starts
+        without them."""
+        for key in [key for key in self._failing if key[0] == namespace and key[1] not in names]:
+            self._settled(*key)
+        for key in [key for key in self._reuse if key[0] == namespace and key[1] not in names]:
+            del self._reuse[key]
 
     def _failed(self, namespace: str, name: str, why: str) -> None:
         """A policy's status could not be computed or written: counted (kind=status), and
@@ -149,12 +166,13 @@ class Reconciler:
             self._wake.clear()
             dirty, self._dirty = self._dirty, set()
             try:
-                await self.settle(dirty)
+                written = await self.settle(dirty)
             except Exception as exc:
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("reconciliation failed; it goes on")
                 self._dirty |= dirty
-            if self._dirty:  # a patch failed: retry later, not in a tight loop
-                await asyncio.sleep(RETRY_S)
+                written = False
+            if not written:  # a patch failed: retry later, not in a tight loop (events meanwhile
+                await asyncio.sleep(RETRY_S)  # only the debounce: they set the wake themselves)
                 self._wake.set()

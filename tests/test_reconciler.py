@@ -182,3 +182,78 @@ def test_a_status_that_cannot_be_written_is_counted_and_keeps_the_operator_unrea
         assert reconciler.errors == 2 and reconciler.last_error is None
 
     asyncio.run(scenario())
+
+
+def test_an_event_during_a_settle_is_settled_after_the_debounce_not_the_retry_delay():
+    """A pod of another namespace changes while a status is being written: it is written half a
+    second later, not five (the retry delay is for failed writes)."""
+    written: dict[str, float] = {}
+
+    async def patch(namespace: str, name: str, _status: dict[str, Any]) -> None:
+        await asyncio.sleep(0.05)  # one API round trip
+        written[name] = asyncio.get_running_loop().time()
+
+    async def scenario() -> float:
+        reconciler = Reconciler(patch, debounce_s=0.05, clock=lambda: T0)
+        pods = {"a": summaries(pod("a")), "b": summaries(pod("b", "10.1.0.2"))}
+        policies = {"a": [record("a", policy("pa"))], "b": [record("b", policy("pb"))]}
+        task = asyncio.create_task(reconciler.run())
+        reconciler.touch("a", pods, policies, {})
+        await asyncio.sleep(0.07)  # pa's write under way
+        touched = asyncio.get_running_loop().time()
+        reconciler.touch("b", pods, policies, {})
+        for _ in range(100):
+            if "pb" in written:
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        return written.get("pb", float("inf")) - touched
+
+    assert asyncio.run(scenario()) < 1.0
+
+
+def test_a_deleted_policy_takes_its_failure_and_reuse_figures_with_it():
+    """Deleted while its last write had failed (a 404 racing the deletion): /readyz is not held
+    at 503 for it, and a policy made again under its name starts without its reuse figures."""
+
+    async def missing(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        raise LookupError(f"kvroutingpolicies {name!r} not found")
+
+    async def scenario() -> None:
+        reconciler = Reconciler(missing, debounce_s=0)
+        pods = {"llm": summaries(pod("a"))}
+        reconciler.set_reuse("llm", "p", {"promptTokens": 1000})
+        reconciler.touch("llm", pods, {"llm": [record("llm", policy("p"))]}, {})
+        await reconciler.settle(["llm"])
+        assert reconciler.last_error and reconciler.last_error.startswith("llm/p: ")
+        reconciler.touch("llm", pods, {"llm": []}, {})  # deleted: the index drops it
+        assert await reconciler.settle(["llm"])
+        assert reconciler.last_error is None and not reconciler._reuse
+
+    asyncio.run(scenario())
+
+
+def test_a_status_key_the_operator_no_longer_writes_is_removed_once_then_nothing_is_written():
+    """A reuse summary stored by a run that read reuse, with reuse reading off now: a merge patch
+    that leaves the key out keeps it, so every settle wrote again; it is written null once."""
+    patches: list[dict[str, Any]] = []
+
+    async def patch(_namespace: str, _name: str, status: dict[str, Any]) -> None:
+        patches.append(status)
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0, clock=lambda: T0)
+        pods = {"llm": summaries(pod("a"))}
+        stored = record("llm", policy("p"))
+        reconciler.touch("llm", pods, {"llm": [stored]}, {})
+        await reconciler.settle(["llm"])
+        stored = {**stored, "status": {**patches[-1], "reuse": {"promptTokens": 1000}}}
+        reconciler.touch("llm", pods, {"llm": [stored]}, {})
+        await reconciler.settle(["llm"])
+        assert len(patches) == 2 and patches[-1]["reuse"] is None
+        stored = {**stored, "status": {k: v for k, v in patches[-1].items() if v is not None}}  # as stored
+        reconciler.touch("llm", pods, {"llm": [stored]}, {})
+        await reconciler.settle(["llm"])
+        assert len(patches) == 2
+
+    asyncio.run(scenario())
