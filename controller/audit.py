@@ -26,6 +26,7 @@ from extproc.core import policy as contract
 log = logging.getLogger(__name__)
 
 PAGE = 500  # objects per list call: a namespace of thousands of pods is read a page at a time
+LEADERSHIP_POLL_S = 2.0  # how soon a replica that lost or won the lead is seen to (Auditor.follow)
 
 
 def uids(snapshot: Snapshot) -> dict[str, set[str]]:
@@ -143,6 +144,26 @@ class Auditor:
             except Exception:
                 self.errors += 1
                 log.exception("checking the operator's indexes against the API server failed; it goes on")
+
+    async def follow(self, poll_s: float = LEADERSHIP_POLL_S) -> None:
+        """Forever: the reconciler writes only while this replica leads and has audited since it
+        began to (or began again) to lead. A replica kopf paused keeps its indexes, and the relist
+        that resumes it removes nothing deleted meanwhile: without the audit first, the pods
+        deleted while another replica led were published ready again, for up to an interval."""
+        reconciler = self._reconciler
+        reconciler.hold()
+        while True:
+            try:
+                if not await self._leading():
+                    reconciler.hold()
+                elif reconciler.held:
+                    async with client.ApiClient() as api:
+                        await self.audit(api)
+                    reconciler.release()
+            except Exception:
+                self.errors += 1
+                log.exception("following the operator's leadership failed; it goes on")
+            await asyncio.sleep(poll_s)
 
     async def audit(self, api: client.ApiClient) -> set[str]:
         """Read the indexes, then list; hand the reconciler what the lists lack (also when nothing)."""

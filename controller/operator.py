@@ -147,7 +147,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     if reader is not None:
         tasks.append(asyncio.create_task(reader.run()))
     if auditor is not None:
-        tasks.append(asyncio.create_task(auditor.run()))
+        tasks += [asyncio.create_task(auditor.run()), asyncio.create_task(auditor.follow())]
     tasks += [
         asyncio.create_task(follow_late_crd(memo.insights, settings, REGISTRY, group, plural))
         for group, plural in ((contract.GROUP, contract.PLURAL), (contract.POOL_GROUP, contract.POOL_PLURAL))

@@ -44,6 +44,10 @@ class Reconciler:
         self.errors = 0
         self.last_error: str | None = None
         self._failing: dict[tuple[str, str], str] = {}  # policy -> why its status is not as it should be
+        # Nothing is written while held: the indexes may hold objects deleted while this replica
+        # did not lead (kopf paused its watches; its relist on resuming removes nothing), until an
+        # audit has left them out (audit.Auditor.follow).
+        self.held = False
 
     def touch(self, namespace: str, pods: Snapshot, policies: Snapshot, pools: Snapshot) -> None:
         """Something changed in a namespace; settle it soon."""
@@ -93,6 +97,16 @@ class Reconciler:
                 if any(entry.get("uid") in changed for entry in entries):
                     self._dirty.add(namespace)
         self._wake.set()
+
+    def hold(self) -> None:
+        """Write nothing until `release`."""
+        self.held = True
+
+    def release(self) -> None:
+        """Write again: what was touched meanwhile is settled now."""
+        self.held = False
+        if self._dirty:
+            self._wake.set()
 
     def set_reuse(self, namespace: str, name: str, reuse: dict[str, Any]) -> None:
         """The policy's reuse summary (controller/reuse.py) changed; write it soon."""
@@ -164,6 +178,8 @@ class Reconciler:
             await self._wake.wait()
             await asyncio.sleep(self._debounce_s)
             self._wake.clear()
+            if self.held:  # what was touched stays to settle; `release` wakes the loop
+                continue
             dirty, self._dirty = self._dirty, set()
             try:
                 written = await self.settle(dirty)

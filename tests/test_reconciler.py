@@ -257,3 +257,47 @@ def test_a_status_key_the_operator_no_longer_writes_is_removed_once_then_nothing
         assert len(patches) == 2
 
     asyncio.run(scenario())
+
+
+def test_nothing_is_written_until_an_audit_follows_each_start_of_the_lead():
+    """A replica kopf paused keeps its indexes, and the relist that resumes it removes nothing
+    deleted meanwhile: it writes nothing while it does not lead, nor once it leads again until
+    its audit has run (it published the deleted pods ready again, until its next audit)."""
+    from controller.audit import Auditor
+
+    patches: list[str] = []
+    leading = [False]
+    audits: list[bool] = []
+
+    async def patch(_namespace: str, name: str, _status: dict[str, Any]) -> None:
+        patches.append(name)
+
+    async def lead() -> bool:
+        return leading[0]
+
+    async def scenario() -> None:
+        reconciler = Reconciler(patch, debounce_s=0.01, clock=lambda: T0)
+        auditor = Auditor(reconciler, 60.0, lead)
+
+        async def audit(_api: object) -> set[str]:
+            audits.append(bool(patches))  # (whether anything was written before it)
+            return set()
+
+        auditor.audit = audit  # type: ignore[method-assign]  # the audit itself runs live: test_k8s_live
+        tasks = [asyncio.create_task(reconciler.run()), asyncio.create_task(auditor.follow(0.02))]
+        try:
+            reconciler.touch("llm", {"llm": summaries(pod("a"))}, {"llm": [record("llm", policy("p"))]}, {})
+            await asyncio.sleep(0.2)
+            assert not patches and reconciler.held  # standby: nothing written
+            leading[0] = True
+            for _ in range(100):
+                if patches:
+                    break
+                await asyncio.sleep(0.02)
+            assert patches == ["p"] and audits == [False]  # audited first, then written
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
