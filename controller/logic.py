@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import orjson
+
 from controller.reuse import POLICY_ANNOTATION
 from extproc.core.backends import Role
 from extproc.core.policy import MODELS_KEY, ROLE_LABELS, StatusBackend, routing_changes
@@ -19,9 +21,11 @@ from extproc.core.settings import Settings
 _DEFAULTS = Settings()  # what spec.routing's values are checked against (as the ext_proc applies them)
 # A status is one object, and etcd refuses one past 1.5 MiB: a status too large to write would keep
 # the last backends published (deleted pods' addresses included) for good. So it names at most
-# MAX_BACKENDS backends (a condition says when more are selected), each with a bounded model list,
-# and every condition message is cut to MAX_MESSAGE characters.
+# MAX_BACKENDS backends taking at most MAX_BACKENDS_BYTES written (a condition says when more are
+# selected), each with a bounded model list, and every condition message is cut to MAX_MESSAGE
+# characters. (The counts alone did not bound it: 190 pods naming 32 long models each took 1.5 MiB.)
 MAX_BACKENDS = 4096
+MAX_BACKENDS_BYTES = 1 << 20
 MAX_MODELS = 32
 MAX_MODEL_NAME = 256
 MAX_MESSAGE = 1024
@@ -192,6 +196,22 @@ def _routing_verdict(routing: Any) -> tuple[bool, str, str]:
     return True, "Accepted", "every spec.routing field is known"
 
 
+def _within_bounds(found: list[StatusBackend]) -> list[StatusBackend]:
+    """The backends a status names: all of them, or as many as MAX_BACKENDS and MAX_BACKENDS_BYTES
+    allow, the ready ones first (each pod's ports together)."""
+    sizes = [len(orjson.dumps(backend)) for backend in found]
+    if len(found) <= MAX_BACKENDS and sum(sizes) <= MAX_BACKENDS_BYTES:
+        return found
+    kept: list[StatusBackend] = []
+    taken = 0
+    for size, backend in sorted(zip(sizes, found, strict=True), key=lambda pair: not pair[1]["ready"]):
+        if len(kept) == MAX_BACKENDS or taken + size > MAX_BACKENDS_BYTES:
+            break
+        kept.append(backend)
+        taken += size
+    return sorted(kept, key=lambda b: (b["pod"], b["port"]))
+
+
 def desired_status(
     policy: Mapping[str, Any],
     pods: Iterable[Mapping[str, Any]],
@@ -204,9 +224,7 @@ def desired_status(
     to = target(spec, pools)
     found, portless = backends(spec, to, pods)
     selected = len(found)
-    if selected > MAX_BACKENDS:  # the ready ones first, each pod's ports together
-        found = sorted(found, key=lambda b: not b["ready"])[:MAX_BACKENDS]
-        found.sort(key=lambda b: (b["pod"], b["port"]))
+    found = _within_bounds(found)
     ready = sum(b["ready"] for b in found)
     if to.problem:
         reason, message = to.problem

@@ -169,6 +169,15 @@ def test_a_status_stays_within_what_the_api_server_stores_whatever_the_policy_an
     unknown = status(policy(routing={f"field{i}": 1 for i in range(100_000)}), pod("a"))
     assert all(len(c["message"]) <= logic.MAX_MESSAGE for c in unknown["conditions"])
     assert len(orjson.dumps(result)) < 1_000_000  # a full status, with room to spare
+    # each pod naming 32 models of 250 characters: the counts alone let 190 of them take 1.5 MiB
+    models = ",".join(f"m{i:02}-" + "z" * 246 for i in range(logic.MAX_MODELS))
+    heavy = [
+        pod(f"h{i:03}", f"10.9.{i}.1", ready=i % 2 == 0, annotations={logic.MODELS_KEY: models}) for i in range(250)
+    ]
+    bounded = status(policy(), *heavy)
+    assert sum(len(orjson.dumps(backend)) for backend in bounded["backends"]) <= logic.MAX_BACKENDS_BYTES
+    assert 0 < len(bounded["backends"]) < 250 and bounded["readyBackends"] == 125  # every ready one named
+    assert "250 backends selected" in bounded["conditions"][1]["message"]
 
 
 def test_a_target_port_of_unicode_digits_is_a_port_name_not_a_crash():
