@@ -78,8 +78,8 @@ def test_startup_configures_kopf_quietly(monkeypatch):
 
     async def scenario() -> None:
         await operator.start(settings=settings, memo=memo)
-        # the reconciler, the reuse reader, the auditor and the two late-CRD followers
-        assert len(memo.tasks) == 5 and not any(task.done() for task in memo.tasks)
+        # the reconciler, the reuse reader, the auditor's two loops and the two late-CRD followers
+        assert len(memo.tasks) == 6 and not any(task.done() for task in memo.tasks)
         await operator.stop(memo=memo)
         assert all(task.cancelled() for task in memo.tasks)
 

@@ -47,6 +47,10 @@ COMPACT_AT = 64  # requests that left the queue, kept in its lists until they re
 YIELD_S = 0.3  # a turn that is a sibling replica's is left to it this long (its news comes every 0.1 s)
 YIELD_MARGIN = 1.0  # tokens of attained cost within which two flows' turns are equal: no yielding on ties
 SCAN_DEPTH = 64  # past a head that cannot run, how many of its flow's next requests are weighed
+# The least a request is charged to its flow, in tokens: one that costs nothing by its count (its
+# prompt all cached, max_tokens 0) still takes an engine step, and at no cost its flow's share
+# would never grow, so it would take every turn in its band while it held requests.
+MIN_COST = 16.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +101,7 @@ class Held:
 
 
 class _Flow:
-    __slots__ = ("attained", "held", "served", "waiting", "weight")
+    __slots__ = ("attained", "held", "served", "stale", "waiting", "weight")
 
     def __init__(self, weight: float) -> None:
         self.weight = weight
@@ -105,6 +109,7 @@ class _Flow:
         self.served = 0.0  # cost dispatched here, over the weight: what the siblings are told
         self.attained = 0.0  # `served` plus the levelling it got coming back from idle (this replica's own)
         self.waiting: list[Held] = []  # a heap by (deadline, seq); cancelled entries are skipped lazily
+        self.stale = 0  # entries taken from behind its head, left in the heap until the next rebuild
 
     def head(self) -> Held | None:
         waiting = self.waiting
@@ -124,7 +129,7 @@ class _Flow:
         waiting = self.waiting
         frontier = [(waiting[i], i) for i in (1, 2) if i < len(waiting)]
         heapq.heapify(frontier)
-        for _ in range(SCAN_DEPTH - 1):
+        for _ in range(SCAN_DEPTH - 1 + self.stale):  # (the taken ones walked over, not weighed)
             if not frontier:
                 break
             held, index = heapq.heappop(frontier)
@@ -136,12 +141,17 @@ class _Flow:
         return None
 
     def take(self, held: Held) -> None:
-        """Out of the heap: the head popped, another removed."""
+        """Out of the heap: the head popped; another left where it is, passed over once no longer
+        waiting, and the heap rebuilt once COMPACT_AT are (removing each, a heap rebuilt each time,
+        cost the flow's length at every dispatch: 2.8 ms at 16,000 held)."""
         if self.waiting[0] is held:
             heapq.heappop(self.waiting)
-        else:
-            self.waiting.remove(held)
+            return
+        self.stale += 1
+        if self.stale > COMPACT_AT:
+            self.waiting = [h for h in self.waiting if h is not held and h.state is State.WAITING]
             heapq.heapify(self.waiting)
+            self.stale = 0
 
 
 class _Newest:
@@ -222,7 +232,7 @@ class FlowQueue:
         ):
             return Refusal.QUEUE_FULL
         deadline = now + (limits.ttl_s if ttft_s is None else min(ttft_s, limits.ttl_s))
-        held = Held(priority, name, cost, size, now, deadline, next(self._seq))
+        held = Held(priority, name, max(cost, MIN_COST), size, now, deadline, next(self._seq))
         state = self._flow(band, held.flow)
         if state.head() is None:  # back from idle: level with the least served of those waiting (or
             # with the last one dispatched, when none waits), so idling banks no credit
