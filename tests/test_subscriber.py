@@ -471,7 +471,12 @@ def test_a_message_of_many_frames_is_refused_having_copied_only_its_first_few():
         received: list[list[bytes]] = []
         try:
             huge = [b"kv", *[b"x" * 65536] * 200]
-            while not received:  # a PUB drops what it sends before the subscription reaches it
+
+            def seen(size: int) -> bool:
+                return any(len(frames) == size for frames in received)
+
+            # a PUB drops what it sends before the subscription reaches it: until both kinds came
+            while not (seen(subscriber_module.MAX_FRAMES) and seen(3)):
                 await pub.send_multipart(huge)
                 await pub.send_multipart(message(1, []))
                 await asyncio.sleep(0.01)

@@ -42,6 +42,7 @@ from extproc.core.chain import HASH_MASK
 from extproc.core.load import NO_LOAD, LoadVector, PeerLoads
 from extproc.core.router import Router
 from extproc.core.settings import MAX_FLOW_ID, MAX_QUEUE_FLOWS
+from extproc.replicas.served import SiblingsServed
 from extproc.runtime.config import read_token
 from extproc.runtime.pool import BackendPool
 from extproc.runtime.stopping import stop_asked
@@ -234,6 +235,7 @@ class RedisLink:
         self._flows = flows
         # replica -> (when heard, its attained cost by band and flow, its held requests)
         self._peer_flows: dict[str, tuple[float, Shares]] = {}
+        self._served = SiblingsServed()  # what they served each flow, kept while they are unheard
         self.connected = False
         # replaying the stream at (re)connection: what this replica learns meanwhile waits in the
         # outbox for the writer, which starts after the replay (the replay yields to requests)
@@ -328,8 +330,9 @@ class RedisLink:
                     self._router.loads.set_peers({})
                     self._peer_flows.clear()
                     self._forget_leaving(self._clock())  # (marks no sibling can renew now still age out)
-                    if self._flows is not None:  # each replica keeps its own share until the store is back
-                        self._flows.set_peers({}, 0)
+                    if self._flows is not None:  # each replica keeps its own share and bound until the
+                        # store is back, beside what the siblings had served (no flow jumps the others)
+                        self._flows.set_peers(self._served.totals(self._clock()), 0)
                     with contextlib.suppress(RedisError, OSError):
                         await self._client.connection_pool.disconnect()  # no stale connection outlives a loss
                     await asyncio.sleep(backoff)
@@ -477,18 +480,13 @@ class RedisLink:
             return
         for replica in [r for r, (seen, _) in self._peer_flows.items() if now - seen > self._peers.max_age_s]:
             del self._peer_flows[replica]
-        attained: dict[int, dict[str, float]] = {}
         held = 0
         heads: dict[int, float] = {}
-        for _, (bands, count, turns) in self._peer_flows.values():
+        for _, (_, count, turns) in self._peer_flows.values():
             held += count
-            for band, flows in bands.items():
-                into = attained.setdefault(band, {})
-                for flow, value in flows.items():
-                    into[flow] = into.get(flow, 0.0) + value
             for band, value in turns.items():
                 heads[band] = min(value, heads.get(band, value))
-        self._flows.set_peers(attained, held, heads)
+        self._flows.set_peers(self._served.totals(now), held, heads)
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> int:
         """Apply one sibling's entry; returns its work in blocks (a chain's length; an entry of
@@ -502,7 +500,9 @@ class RedisLink:
             if replica == self.replica:
                 return work
             if kind == FLOWS:
-                self._peer_flows[replica] = (self._clock(), _flow_shares(payload))
+                shares = _flow_shares(payload)
+                self._peer_flows[replica] = (self._clock(), shares)
+                self._served.heard(replica, shares[0], self._clock())
                 return work
             if kind in (LOAD, LOAD_DELTA):
                 vector = _load_vector(payload, self._pool.is_known)
