@@ -475,3 +475,65 @@ def test_a_round_reports_every_move_it_planned_whatever_the_engine_answers_or_th
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_copies_past_k_go_once_a_spike_is_over_though_each_still_takes_requests():
+    """Routing spreads what is left of a spike over every copy, so none is ever idle: a copy past
+    `adapter_max_backends` goes once one copy fewer would carry the requests in flight at half the
+    scale-out mark (it stayed on, every copy of the three used, for an hour)."""
+    placement, book, loads = world()  # k = 1, scale-out at 4 in flight a copy
+    placement.wanted(SETTINGS, "sql", 0.0)
+    carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, 0.0), 0.0)
+    running: list = []
+    for t in range(1, 40):  # a spike: 12 in flight, spread over the copies as routing spreads them
+        holders = [b for b in FLEET if book.lists(b, "sql")]
+        for reservation in running:
+            reservation.finish()
+        running = [loads.reserve(holders[i % len(holders)], 0, "sql") for i in range(12)]
+        for backend in FLEET:
+            sample(book, loads, backend, float(t), [])
+        carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, float(t)), float(t))
+    assert sum(book.has(b, "sql") for b in FLEET) == 3
+    for t in range(40, 400):  # over: one request in flight on each copy
+        holders = [b for b in FLEET if book.lists(b, "sql")]
+        for reservation in running:
+            reservation.finish()
+        running = [loads.reserve(b, 0, "sql") for b in holders]
+        for backend in FLEET:
+            sample(book, loads, backend, float(t), [])
+        carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, float(t)), float(t))
+    assert sum(book.has(b, "sql") for b in FLEET) == 1
+
+
+def test_a_spike_while_a_copy_is_moved_off_calls_the_move_off():
+    """The copy being retired still serves the requests it has (a sibling's long stream, here):
+    a spike on the copies left calls the retirement off, so the loaded copy serves again, and load
+    calls for more (the retirement waited on, placement neither scaled out nor used that copy)."""
+    placement, book, loads = world()  # k = 1, scale-out at 4 in flight a copy
+    placement.wanted(SETTINGS, "sql", 0.0)
+    carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, 0.0), 0.0)
+    burst = [loads.reserve(A, 0, "sql") for _ in range(4)]
+    carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, 1.0), 1.0)  # a second copy
+    second = next(b for b in FLEET if b != A and book.lists(b, "sql"))
+    for reservation in burst:
+        reservation.finish()
+    now = 2.0
+    while not placement.moving_off():  # A unused here, the second copy used: A starts going
+        kept = loads.reserve(second, 0, "sql")
+        carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, now), now)
+        kept.finish()
+        now += 1
+    retiring = next(iter(placement.moving_off().values()))[0]
+    assert book.listers("sql", FLEET) == [b for b in FLEET if b == second]
+    spike = [loads.reserve(second, 0, "sql") for _ in range(40)]  # on the only copy taking requests
+    for backend in FLEET:
+        sample(book, loads, backend, now, ["sql"] if backend == retiring else [])  # its stream runs on
+    carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, now), now)
+    assert retiring in book.listers("sql", FLEET) and not placement.moving_off()
+    for t in range(int(now) + 1, int(now) + 60):
+        for backend in FLEET:
+            sample(book, loads, backend, float(t), [])
+        carry_out(placement, book, placement.plan(SETTINGS, book, loads, FLEET, float(t)), float(t))
+    assert len(book.listers("sql", FLEET)) == 3
+    for reservation in spike:
+        reservation.finish()

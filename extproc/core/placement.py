@@ -148,6 +148,8 @@ class AdapterPlacement:
         for adapter, path in settings.adapter_sources:
             if adapter in self._pending:
                 continue
+            if adapter in self._moving and self._crowded(round_, adapter):  # a spike while a copy
+                book.leave(self._end_move(adapter), adapter, False)  # goes: it serves again instead
             if adapter in self._moving:
                 move = self._move_off(round_, adapter, path)
             else:
@@ -314,6 +316,13 @@ class AdapterPlacement:
             return None if target is None else Move(True, target, adapter, path)
         if len(holders) == 1:
             return None
+        if len(holders) > settings.adapter_max_backends and (
+            in_flight / (len(holders) - 1) <= settings.adapter_scale_out_requests / 2
+        ):  # the spike is over: one copy fewer carries it under half the scale-out mark (hysteresis)
+            settled = [b for b in holders if now - self._changed_at.get((b, adapter), _NEVER) >= hold]
+            if settled:  # the least busy of the copies loaded long enough ago goes, drained first
+                self._moving[adapter] = min(settled, key=lambda b: loads.get(b).adapters.get(adapter, 0))
+                return self._move_off(round_, adapter, path)
         idle_for = settings.adapter_idle_s if len(holders) <= settings.adapter_max_backends else hold
         idle = [
             b
@@ -326,6 +335,14 @@ class AdapterPlacement:
         origin = max(idle, key=lambda b: (book.slot_share(b, loads.get(b), now), loads.get(b).requests(now)))
         self._moving[adapter] = origin  # retired as a balance move's old copy is: a sibling may still send there
         return self._move_off(round_, adapter, path)
+
+    def _crowded(self, round_: _Round, adapter: str) -> bool:
+        """The copies of `adapter` that take requests carry as many as call for one more (or none
+        does): a copy being moved off had better serve on."""
+        _, book, loads, backends, _ = round_
+        holders = [b for b in backends if book.lists(b, adapter)]
+        in_flight = sum(loads.get(b).adapters.get(adapter, 0) for b in holders)
+        return not holders or in_flight / len(holders) >= round_.settings.adapter_scale_out_requests
 
     def _best(
         self,
