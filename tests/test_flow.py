@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, deque
+from collections.abc import Iterator
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,23 @@ from extproc.core.objectives import DEFAULT_FLOW
 def _held(result: Held | Refusal) -> Held:
     assert isinstance(result, Held), result
     return result
+
+
+@contextlib.contextmanager
+def _comparisons() -> Iterator[list[int]]:
+    """Counts the held requests' comparisons (the queue's heap work) while inside."""
+    compared = [0]
+    lt = Held.__lt__
+
+    def counted(self: Held, other: Held) -> bool:
+        compared[0] += 1
+        return lt(self, other)
+
+    Held.__lt__ = counted  # type: ignore[method-assign]
+    try:
+        yield compared
+    finally:
+        Held.__lt__ = lt  # type: ignore[method-assign]
 
 
 def _drain(queue: FlowQueue) -> list[Held]:
@@ -233,20 +252,9 @@ def test_weighing_a_held_request_reads_a_bounded_part_of_a_long_queue():
     for i in range(8_000):
         _held(queue.hold(0, f"f{i % 2}", 1, 1, now=i * 1e-3))
     band = queue._bands[0]
-    compared = 0
-    lt = Held.__lt__
-
-    def counted(self: Held, other: Held) -> bool:
-        nonlocal compared
-        compared += 1
-        return lt(self, other)
-
-    Held.__lt__ = counted  # type: ignore[method-assign]
-    try:
+    with _comparisons() as compared:
         assert queue.pop(lambda held: False) is None  # every head passed over
-    finally:
-        Held.__lt__ = lt  # type: ignore[method-assign]
-    assert compared < 2_000, compared  # two flows of 4,000: a part of each, not all of them
+    assert compared[0] < 2_000, compared  # two flows of 4,000: a part of each, not all of them
 
     read = 0
 
@@ -271,24 +279,13 @@ def test_taking_a_request_behind_a_head_that_cannot_run_compares_a_bounded_part_
     stuck = _held(queue.hold(0, "f", 10, 1, now=0.0))  # the earliest: its model's backends are full
     for i in range(16_000):
         _held(queue.hold(0, "f", 10, 1, now=1e-6 * (i + 1)))
-    compared = 0
-    lt = Held.__lt__
-
-    def counted(self: Held, other: Held) -> bool:
-        nonlocal compared
-        compared += 1
-        return lt(self, other)
-
-    Held.__lt__ = counted  # type: ignore[method-assign]
-    try:
+    with _comparisons() as compared:
         for _ in range(100):
             held = queue.pop(lambda h: h is not stuck)
             assert held is not None and held is not stuck
-    finally:
-        Held.__lt__ = lt  # type: ignore[method-assign]
     # a scan's worth a dispatch and a rebuild every COMPACT_AT of them (about 50,000 comparisons),
     # not a rebuild of all 16,000 at each dispatch (some 2.5 million)
-    assert compared < 200_000, compared
+    assert compared[0] < 200_000, compared
     assert queue.pop() is stuck  # its turn once it can run
 
 
