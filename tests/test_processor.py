@@ -372,6 +372,32 @@ def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfe
     assert router.loads.get(B).reserved_blocks > 0
 
 
+def test_client_transfer_parameters_are_stripped_where_kvroute_names_no_backend():
+    """A model no backend lists (an engine may serve one its pods do not name): kvroute names no
+    backend and Envoy picks one, a decode server perhaps; the client's kv_transfer_params went on
+    with the body (they name an address that server would pull blocks from)."""
+    router = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool(
+        [Backend(A, frozenset({"m"}), role=Role.PREFILL), Backend(B, frozenset({"m"}), role=Role.DECODE)],
+        router.remove_backend,
+        unhealthy_after=2,
+    )
+    processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0)
+    forged = orjson.dumps({**orjson.loads(BODY), "model": "other", "kv_transfer_params": {"remote_host": "10.9.9.9"}})
+
+    async def replies() -> list[pb.ProcessingResponse]:
+        async def messages():
+            yield request_headers()
+            yield body(forged)
+
+        return [r async for r in processor._replies(messages(), Stream())]
+
+    decided = asyncio.run(replies())[-1].request_body.response
+    assert DESTINATION_HEADER not in set_headers(decided.header_mutation)
+    sent = orjson.loads(decided.body_mutation.body)
+    assert "kv_transfer_params" not in sent and sent["model"] == "other"
+
+
 def test_client_transfer_parameters_in_a_body_that_cannot_be_written_back_are_refused():
     """orjson reads 1,024 levels of nesting and writes about 254: such a body parses (so it is no
     "body kvroute cannot read") but cannot be rewritten without the client's kv_transfer_params.
@@ -718,3 +744,29 @@ def test_full_duplex_ends_the_stream_itself_once_the_response_has_ended(parts, e
         ending, "response_headers"
     )
     assert all(load == (0, 0) for load in router.loads.snapshot().values())
+
+
+def test_a_message_naming_no_phase_is_skipped_and_counted_in_either_body_mode():
+    """Envoy sends none such, but one (a bare ProcessingRequest) ended the stream: its reply was
+    looked up by a kind it did not have. It is skipped, counted, and the request goes on."""
+    router = Router(Settings(hash_key=b"k" * 16))
+    pool = BackendPool([Backend(A), Backend(B)], router.remove_backend, 2)
+    metrics = Metrics(router, pool)
+    processor = Processor(router, pool, metrics, clock=lambda: 100.0)
+
+    async def replies(duplex: bool) -> list[str]:
+        first = request_headers()
+        if duplex:
+            first.protocol_config.request_body_mode = msg.DUPLEX
+
+        async def messages():
+            yield first
+            yield pb.ProcessingRequest()
+            yield pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True))
+            yield pb.ProcessingRequest()
+
+        return [str(r.WhichOneof("response")) async for r in processor._replies(messages(), Stream())]
+
+    assert asyncio.run(replies(False)) == ["request_headers", "request_body"]
+    assert asyncio.run(replies(True))[:2] == ["request_headers", "request_body"]
+    assert metrics.errors.labels("malformed_message")._value.get() == 4

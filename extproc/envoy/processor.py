@@ -260,6 +260,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], stream: Stream
     ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
+            if message.WhichOneof("request") is None:  # no phase named: nothing to answer (Envoy
+                self._metrics.errors.labels("malformed_message").inc()  # sends none such; a reply of
+                continue  # some kind would be one it did not ask for, and indexing by none ended the stream)
             owner = stream.owner or self  # several policies: the one the body chose, from then on
             if message.HasField("protocol_config"):  # the stream's first message says how bodies come
                 stream.request_duplex = message.protocol_config.request_body_mode == msg.DUPLEX
@@ -522,21 +525,26 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         Envoy would send the request on unrouted)."""
         exchange = stream.exchange
         request = exchange.request if exchange is not None else None
-        if exchange is None or request is None or exchange.decision.backend is None:
+        if exchange is None or request is None:
             return None
+        if exchange.decision.backend is None:  # Envoy picks a server: the client's parameters go still
+            return self._stripped(body) if request.transfer_params else None
         try:
             return await self._split(stream, exchange, request, body)
         except Exception:
             log.exception("the prefill hand-off failed; the request is served whole")
             self._metrics.errors.labels("internal").inc()
             self._router.prefill_again(exchange)
-            if not request.transfer_params:
-                return None
-            try:
-                return handoff.strip(orjson.loads(body))
-            except Exception:  # the client's parameters stay in what cannot be rewritten: refused
-                self._metrics.errors.labels("client_transfer_params").inc()
-                raise Unstrippable from None
+            return self._stripped(body) if request.transfer_params else None
+
+    def _stripped(self, body: bytes) -> bytes:
+        """The body without the client's kv_transfer_params; Unstrippable where it cannot be
+        rewritten (the client's parameters would stay in it: refused)."""
+        try:
+            return handoff.strip(orjson.loads(body))
+        except Exception:
+            self._metrics.errors.labels("client_transfer_params").inc()
+            raise Unstrippable from None
 
     async def _split(self, stream: Stream, exchange: Exchange, request: PromptRequest, body: bytes) -> bytes | None:
         leg = None
