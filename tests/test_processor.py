@@ -345,6 +345,19 @@ def test_a_request_for_a_model_no_backend_serves_is_not_held_while_the_fleet_is_
     assert len(waiting) == 0 and not reply.HasField("immediate_response")
 
 
+def buffered(processor: Processor, payload: bytes) -> list[pb.ProcessingResponse]:
+    """The replies to a buffered request's headers and body, as one stream."""
+
+    async def replies() -> list[pb.ProcessingResponse]:
+        async def messages():
+            yield request_headers()
+            yield body(payload)
+
+        return [r async for r in processor._replies(messages(), Stream())]
+
+    return asyncio.run(replies())
+
+
 def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfer_parameters():
     """Buffered mode: an error while running the prefill leg must not end the stream (Envoy would
     send the request on unrouted, with whatever kv_transfer_params the client put in it)."""
@@ -356,14 +369,7 @@ def test_a_failing_hand_off_serves_the_request_whole_without_the_clients_transfe
     processor = Processor(router, pool, metrics, clock=lambda: 100.0, prefill_legs=legs)
     forged = orjson.dumps({**orjson.loads(BODY), "kv_transfer_params": {"remote_host": "10.9.9.9"}})
 
-    async def replies() -> list[pb.ProcessingResponse]:
-        async def messages():
-            yield request_headers()
-            yield body(forged)
-
-        return [r async for r in processor._replies(messages(), Stream())]
-
-    decided = asyncio.run(replies())[-1].request_body.response
+    decided = buffered(processor, forged)[-1].request_body.response
     assert set_headers(decided.header_mutation)[DESTINATION_HEADER] == B  # decoded where decided
     sent = orjson.loads(decided.body_mutation.body)
     assert "kv_transfer_params" not in sent and sent["messages"] == orjson.loads(BODY)["messages"]
@@ -385,14 +391,7 @@ def test_client_transfer_parameters_are_stripped_where_kvroute_names_no_backend(
     processor = Processor(router, pool, Metrics(router, pool), clock=lambda: 100.0)
     forged = orjson.dumps({**orjson.loads(BODY), "model": "other", "kv_transfer_params": {"remote_host": "10.9.9.9"}})
 
-    async def replies() -> list[pb.ProcessingResponse]:
-        async def messages():
-            yield request_headers()
-            yield body(forged)
-
-        return [r async for r in processor._replies(messages(), Stream())]
-
-    decided = asyncio.run(replies())[-1].request_body.response
+    decided = buffered(processor, forged)[-1].request_body.response
     assert DESTINATION_HEADER not in set_headers(decided.header_mutation)
     sent = orjson.loads(decided.body_mutation.body)
     assert "kv_transfer_params" not in sent and sent["model"] == "other"
