@@ -49,18 +49,21 @@ class SiblingsServed:
             self._fold(self._siblings.pop(replica)[2])
         out: ByBand = {band: dict(flows) for band, flows in self._departed.items()}
         for _, _, added in self._siblings.values():
-            for band, flows in added.items():
-                into = out.setdefault(band, {})
-                for flow, value in flows.items():
-                    into[flow] = into.get(flow, 0.0) + value
+            _add(out, added)
         return out
 
     def _fold(self, added: ByBand) -> None:
-        for band, flows in added.items():
-            into = self._departed.setdefault(band, {})
-            for flow, value in flows.items():
-                into[flow] = into.get(flow, 0.0) + value
+        _add(self._departed, added)
+        for band in added:
             _keep_largest(self._departed, band)
+
+
+def _add(account: ByBand, added: ByBand) -> None:
+    """`added` summed into `account`, band by band and flow by flow."""
+    for band, flows in added.items():
+        into = account.setdefault(band, {})
+        for flow, value in flows.items():
+            into[flow] = into.get(flow, 0.0) + value
 
 
 def _keep_largest(accounts: ByBand, band: int) -> None:

@@ -192,6 +192,12 @@ class EventSubscriber:
                         self._lost(backend, Reset.EVENTS_LOST)  # what came meanwhile (removals too) is not known
             await asyncio.sleep(self._discovery_interval_s)
 
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        """A plain socket, bounded (`_limit`): read without waiting (`_receive`), woken by `_news`."""
+        sock: zmq.Socket[bytes] = zmq.Socket(self._context, kind)
+        _limit(sock)
+        return sock
+
     def _lost(self, backend: str, reason: Reset) -> None:
         """The backend's events can no longer be followed: its picture is reset, unless it left
         meanwhile (a replay lasts up to its timeout), which would count a reset of nothing."""
@@ -199,8 +205,7 @@ class EventSubscriber:
             self._router.events_lost(backend, reason)
 
     async def _consume(self, backend: str, source: Source) -> None:
-        sock: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)  # plain: read in bursts (`_bursts`)
-        _limit(sock)
+        sock = self._socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, source.topic)
         sock.connect(source.endpoint)
         last: int | None = None
@@ -248,8 +253,7 @@ class EventSubscriber:
         were published after the last batch that arrived live, at `previous`."""
         if source.replay is None or until - start > MAX_REPLAY_BATCHES:
             return False
-        sock: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.DEALER)  # plain: read as `_receive` reads
-        _limit(sock)
+        sock = self._socket(zmq.DEALER)
         sock.connect(source.replay)
         expected = start
         loop = asyncio.get_running_loop()
