@@ -7,7 +7,7 @@ import pytest
 
 from extproc.core.adapters import AdapterBook
 from extproc.core.load import LoadTracker
-from extproc.core.placement import AdapterPlacement, Move
+from extproc.core.placement import DRAIN_LIMIT_S, AdapterPlacement, Move
 from extproc.core.settings import Settings
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -272,6 +272,22 @@ def test_a_balance_move_is_called_off_when_its_new_server_leaves_or_its_old_copy
     sample(book, loads, A, at, [])
     assert placement.plan(FOUR, book, loads, [A, B], at) == []
     assert placement.moving_off() == {} and book.listers(second, [A, B]) == [A, B]
+
+    # a copy whose requests are never seen to end (a count that leaked, a request that runs on)
+    # is routed to again after DRAIN_LIMIT_S, so one stuck drain does not stop every later move
+    placement, book, loads, (popular, second), _ = placed_evenly()
+    ask(placement, popular, 10, 1.0)
+    ask(placement, second, 6, 1.0)
+    carry_out(placement, book, placement.plan(FOUR, book, loads, [A, B], 5.0), 5.0)
+    assert placement.plan(FOUR, book, loads, [A, B], 6.0) == [] and book.listers(second, [A, B]) == [B]
+    loads.reserve(A, 0, second)  # never finished
+    sample(book, loads, A, 6.0 + DRAIN_LIMIT_S, [])
+    assert placement.plan(FOUR, book, loads, [A, B], 6.0 + DRAIN_LIMIT_S) == []  # still draining
+    assert placement.moving_off() == {second: (A, B)}
+    sample(book, loads, A, 6.5 + DRAIN_LIMIT_S, [])
+    assert placement.plan(FOUR, book, loads, [A, B], 6.5 + DRAIN_LIMIT_S) == []
+    assert placement.moving_off() == {} and book.listers(second, [A, B]) == [A, B]
+    assert placement.counts[("unload", "called_off")] == 1
 
 
 def test_a_balance_move_another_replica_claimed_is_dropped_here():

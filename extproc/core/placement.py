@@ -20,7 +20,8 @@ a client sent. Each round (`plan`):
   gap; if none does, the first of a swap that does (one moved back the other way next: two
   popular adapters together on one server may be evened only so). It is loaded there, then no
   longer routed to on the first (`AdapterBook.leave`; sibling replicas are told: `moving_off`),
-  and unloaded there once its requests in flight have ended, DRAIN_GRACE_S later at the earliest.
+  and unloaded there once its requests in flight have ended, DRAIN_GRACE_S later at the earliest
+  (called off, the copy routed to again, if they have not been seen to end within DRAIN_LIMIT_S).
   One move at a time, at most one per BALANCE_EVERY_S, only on BALANCE_MIN_DEMAND requests' worth
   of demand, and an adapter moved is not moved again for `adapter_min_resident_s`. An adapter
   just placed may move: where it went first was chosen before its demand was known.
@@ -52,6 +53,7 @@ BALANCE_GAP = 0.1  # a move evens servers whose drawn demand differs by this sha
 BALANCE_MIN_DEMAND = 16.0  # ... once the fleet's demand (decayed requests) says this much
 BALANCE_EVERY_S = 5.0  # at most one such move this often
 DRAIN_GRACE_S = 2.0  # a copy moved off takes no new requests this long before it may be unloaded
+DRAIN_LIMIT_S = 600.0  # ... and is routed to again if its requests have not been seen to end by then
 UNLOAD_TRIES = 3  # a move whose old copy fails to unload this often is given up (both copies stay)
 
 
@@ -108,7 +110,7 @@ class AdapterPlacement:
         self._left_at: dict[str, tuple[float, str]] = {}
         self._unload_failures: dict[str, int] = {}  # adapter -> failed unloads of its old copy
         self._balanced_at = _NEVER
-        self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed) -> moves
+        self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed|called_off) -> moves
 
     def wanted(self, settings: Settings, adapter: str, now: float) -> bool:
         """A request names `adapter`: True if placement may load it (the policy names it); its
@@ -227,13 +229,19 @@ class AdapterPlacement:
         settings, book, loads, backends, now = round_
         origin = self._moving[adapter]
         target = next((b for b in backends if b != origin and book.lists(b, adapter)), None)
-        if target is None or self._unload_failures.get(adapter, 0) >= UNLOAD_TRIES:  # called off
+        left_at = self._left_at.get(adapter, (now, ""))[0]
+        if (
+            target is None
+            or self._unload_failures.get(adapter, 0) >= UNLOAD_TRIES
+            or now - left_at > DRAIN_LIMIT_S  # a count that never ends would block every balance move
+        ):  # called off: both copies stay
             book.leave(self._end_move(adapter), adapter, False)
+            self.counts[("unload", "called_off")] = self.counts.get(("unload", "called_off"), 0) + 1
             return None
         if adapter not in self._left_at:  # sibling replicas hear of it (`moving_off`) before the unload
             book.leave(origin, adapter)
             self._left_at[adapter] = (now, target)
-        if now - self._left_at[adapter][0] < DRAIN_GRACE_S:
+        if now - left_at < DRAIN_GRACE_S:
             return None
         if loads.get(origin).adapters.get(adapter, 0) or book.runs(origin, adapter, now):
             return None
