@@ -41,3 +41,18 @@ def test_siblings_gone_long_are_folded_into_one_bounded_account():
     siblings.heard("big", many, now=late)
     kept = siblings._siblings["big"][2][0]
     assert len(kept) == served.MAX_FLOWS and min(kept.values()) == served.MAX_FLOWS + 1  # the largest
+
+
+def test_a_sibling_heard_again_after_it_was_folded_adds_only_what_it_served_since():
+    """Its link down past KEPT_S, a sibling is folded; heard again (its name is its process's),
+    its totals go on from those it last told, not counted a second time."""
+    siblings = SiblingsServed()
+    siblings.heard("r", {0: {"f": 1_000.0}}, now=0.0)
+    late = served.KEPT_S + 1.0
+    assert siblings.totals(now=late) == {0: {"f": 1_000.0}} and not siblings._siblings
+    siblings.heard("r", {0: {"f": 1_200.0}}, now=late)
+    assert siblings.totals(now=late) == {0: {"f": 1_200.0}}
+    for i in range(served.FOLDED_KEPT + 1):  # the last totals kept are bounded
+        siblings.heard(f"s{i}", {0: {"g": 1.0}}, now=late)
+    siblings.totals(now=2 * late + 1.0)
+    assert len(siblings._folded_last) == served.FOLDED_KEPT and "r" not in siblings._folded_last

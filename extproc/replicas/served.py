@@ -7,7 +7,9 @@ the others and took every turn of their band until they had caught up, then the 
 each sibling's count is taken by what it adds: a sibling unheard keeps what it served; heard
 again with the same totals it adds nothing; a flow it forgot and serves anew (its total back to
 0) adds what it serves from there. Bounded: siblings unheard for KEPT_S are folded into one
-account, and an account past twice MAX_FLOWS flows of a band keeps its MAX_FLOWS largest.
+account (their last totals kept for the FOLDED_KEPT latest, so one heard again after all, the link
+down that long, adds only what it served since), and an account past twice MAX_FLOWS flows of a
+band keeps its MAX_FLOWS largest.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from extproc.core.settings import MAX_QUEUE_FLOWS
 
 KEPT_S = 600.0  # a sibling unheard this long has its account folded into the departed siblings'
 MAX_FLOWS = MAX_QUEUE_FLOWS  # flows of a band the departed siblings' account keeps
+FOLDED_KEPT = 64  # folded siblings whose last totals are kept (a replica's name is new each start)
 
 ByBand = dict[int, dict[str, float]]
 
@@ -25,16 +28,17 @@ ByBand = dict[int, dict[str, float]]
 class SiblingsServed:
     """Per sibling, the last totals it told and what they added; their sum by band and flow."""
 
-    __slots__ = ("_departed", "_siblings")
+    __slots__ = ("_departed", "_folded_last", "_siblings")
 
     def __init__(self) -> None:
         # replica -> (when heard, its last totals, what it added) by band and flow
         self._siblings: dict[str, tuple[float, ByBand, ByBand]] = {}
         self._departed: ByBand = {}
+        self._folded_last: dict[str, ByBand] = {}  # a folded sibling's last totals, oldest first
 
     def heard(self, replica: str, totals: Mapping[int, Mapping[str, float]], now: float) -> None:
         """A sibling's totals by band and flow (what it served since it started)."""
-        _, last, added = self._siblings.get(replica) or (now, {}, {})
+        _, last, added = self._siblings.get(replica) or (now, self._folded_last.pop(replica, {}), {})
         for band, flows in totals.items():
             before, into = last.get(band, {}), added.setdefault(band, {})
             for flow, total in flows.items():
@@ -46,7 +50,11 @@ class SiblingsServed:
     def totals(self, now: float) -> ByBand:
         """What every sibling served each flow, by band (the departed ones' too)."""
         for replica in [r for r, (heard, _, _) in self._siblings.items() if now - heard > KEPT_S]:
-            self._fold(self._siblings.pop(replica)[2])
+            _, last, added = self._siblings.pop(replica)
+            self._fold(added)
+            self._folded_last[replica] = last
+            if len(self._folded_last) > FOLDED_KEPT:
+                del self._folded_last[next(iter(self._folded_last))]
         out: ByBand = {band: dict(flows) for band, flows in self._departed.items()}
         for _, _, added in self._siblings.values():
             _add(out, added)
