@@ -37,6 +37,10 @@ from extproc.core.shortlist import shortlist
 from extproc.core.trust import PredictionTrust
 from extproc.core.ttft import TTFTModel
 
+# Parsing and hashing cost about 2 ms at 256 KiB; tokenizing (precise mode) about 1 us a token.
+SLOW_READ_BYTES = 256 * 1024
+SLOW_READ_BYTES_PRECISE = 16 * 1024
+
 
 class Router:
     """Owns the index, sessions and load of one router process. Not thread-safe: one event loop."""
@@ -101,6 +105,12 @@ class Router:
     def precise(self) -> bool:
         """Routing on token keys fed by engine events (else on learned text prefixes)."""
         return self.mode.precise
+
+    @property
+    def slow_read_bytes(self) -> int:
+        """Bodies above this take the adapters' event loop too long to parse and hash (tokenize):
+        they are read in a worker thread."""
+        return SLOW_READ_BYTES_PRECISE if self.mode.precise else SLOW_READ_BYTES
 
     def join(self, replicas: ReplicaLink, turn: int) -> None:
         """Route as one of several replicas, told through `replicas`. `turn` (random per process)

@@ -73,6 +73,7 @@ class PolicyDispatch:
         self.refresh()
         return self.owner(model)
 
-    def precise(self) -> bool:
-        """Some policy tokenizes (precise mode): bodies are then read off the loop from a smaller size."""
-        return any(p.router.precise for p in self._processors)
+    def slow_read_bytes(self) -> int:
+        """Bodies above this are read off the loop: the smallest of the policies' limits (a body's
+        model, and so its policy, is known only once it is read)."""
+        return min(p.router.slow_read_bytes for p in self._processors)

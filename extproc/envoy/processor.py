@@ -59,11 +59,6 @@ if TYPE_CHECKING:  # the SDK is loaded only when tracing is on (service.py)
 
 log = logging.getLogger(__name__)
 
-# Bodies above this are parsed and hashed in a worker thread, so the event loop never stalls for
-# more than a few milliseconds: about 2 ms of parsing and hashing at 256 KiB; tokenizing (precise
-# mode) costs about 1 us per token, so there the limit is 16 KiB.
-OFFLOAD_BYTES = 256 * 1024
-OFFLOAD_BYTES_PRECISE = 16 * 1024
 _LLM_PATHS = frozenset(LLM_PATHS)
 _SPELLED_OTHERWISE = re.compile(r"%|//|/\.")
 
@@ -324,7 +319,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if routes is None:
             return self, await self._read_large(body, stream)
         routes.refresh()  # here, on the loop: the pools' views are not read from worker threads
-        if len(body) > (OFFLOAD_BYTES_PRECISE if routes.precise() else OFFLOAD_BYTES):
+        if len(body) > routes.slow_read_bytes():
             parsed = await asyncio.to_thread(self._read_routed, routes, body, stream)
         else:
             parsed = self._read_routed(routes, body, stream)
@@ -355,7 +350,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """Parsing and hashing a large body takes milliseconds to seconds: do it off the event
         loop, so health answers and other requests do not wait behind it. None: a small body,
         read where it is decided."""
-        if len(body) > (OFFLOAD_BYTES_PRECISE if self._router.precise else OFFLOAD_BYTES):
+        if len(body) > self._router.slow_read_bytes:
             return await asyncio.to_thread(self._read, body, stream.headers)
         return None
 
