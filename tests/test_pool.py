@@ -276,3 +276,33 @@ def test_a_suspect_wakes_a_round_of_its_own_even_when_reported_during_one():
     assert rounds[:2] == ["scheduled", "suspects"], rounds
     assert all(count <= 1 for count in counted.values()), counted  # only the scheduled round's
     assert taken < 2.0, taken  # as the first round ended, not at the next interval (an hour)
+
+
+def test_refused_connections_reported_more_often_than_the_interval_do_not_put_off_its_round():
+    """Each suspect woke the loop and its wait started over, so with Envoy reporting refused
+    connections more often than the interval the whole fleet's round never came again: a backend
+    down was never probed back up."""
+
+    async def scenario() -> list[str]:
+        runners = await serve([0], SimConfig())
+        alive = f"127.0.0.1:{runners[0].addresses[0][1]}"
+        pool = BackendPool([Backend(alive), Backend("127.0.0.1:9")], lambda _a: None, unhealthy_after=1)
+        rounds: list[str] = []
+        probe_round = pool._probe_round
+
+        async def recorded(client: PageClient, scheduled: bool = True) -> None:
+            rounds.append("scheduled" if scheduled else "suspects")
+            await probe_round(client, scheduled)
+
+        pool._probe_round = recorded  # type: ignore[method-assign]
+        probes = asyncio.create_task(pool.probe_forever(0.3, 1.0))
+        try:
+            for _ in range(15):  # 1.5 s of reports every 0.1 s: five intervals
+                await asyncio.sleep(0.1)
+                pool.mark_suspect(alive)
+        finally:
+            await _stop(probes, runners)
+        return rounds
+
+    rounds = asyncio.run(scenario())
+    assert rounds.count("scheduled") >= 3, rounds

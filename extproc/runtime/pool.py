@@ -156,11 +156,15 @@ class BackendPool:
         if probes_per_s != float("inf"):
             self._rotation.pace(probes_per_s, interval_s)
         client = PageClient(timeout_s)
-        scheduled = True  # the interval's round (else woken for suspects alone)
+        loop = asyncio.get_running_loop()
+        due = loop.time()  # the next interval's round; rounds woken for suspects do not move it
         try:
             while True:
                 client.keep_only(self._backends)
                 self._wake.clear()  # (before the round: a suspect reported during it wakes the next)
+                scheduled = loop.time() >= due  # else woken for suspects alone
+                if scheduled:
+                    due = loop.time() + interval_s
                 try:
                     await self._probe_round(client, scheduled)
                     self.last_probe_error = None
@@ -168,13 +172,14 @@ class BackendPool:
                     self.probe_errors += 1
                     self.last_probe_error = f"{type(exc).__name__}: {exc}"
                     log.exception("backend probe round failed; probing goes on")
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that comes
-                # as the event is set (a suspect marked during shutdown), and the loop never stops
-                scheduled = True
+                # asyncio.timeout_at, not wait_for: Python 3.11's wait_for swallows a cancel that
+                # comes as the event is set (a suspect marked during shutdown), and the loop never
+                # stops. Until the interval's own deadline: refused connections reported more often
+                # than the interval had put the whole fleet's round off for good (a backend down
+                # was never probed back up)
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(interval_s):
+                    async with asyncio.timeout_at(due):
                         await self._wake.wait()
-                        scheduled = False
         finally:
             client.close()
 
