@@ -210,3 +210,30 @@ def test_over_ext_authz_the_route_spans_context_goes_to_the_backend_and_a_models
     authz.close_all()
     span = finished(exporter, "kvroute.route")
     assert span.attributes is not None and span.attributes["gen_ai.request.model"] == model[:MAX_ATTRIBUTE]
+
+
+def test_a_large_fleets_route_span_lists_the_cheapest_candidates_and_the_chosen_one():
+    """Every one of 1,000 candidates made a route span of 82 KB, and a batch of 512 spans past the
+    4 MiB a collector takes by default: the span lists the 15 cheapest and the chosen one."""
+    from extproc.core.decision import CandidateCost, Decision, Label
+    from extproc.runtime.tracing import MAX_SPAN_CANDIDATES
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RequestTracer(provider)
+    costs = [
+        CandidateCost(f"10.0.{i // 250}.{i % 250}:8000", 0, 5, 0, 0, 0.0, 0.0, cost=float(1_000 - i))
+        for i in range(1_000)
+    ]
+    chosen = costs[3].backend  # (by a rule other than the cheapest: a session's backend)
+    decision = Decision(Label.SESSION_MATCH, chosen, costs[-1].backend, 0, 5, False, costs)
+    span = tracer.start({})
+    tracer.decided(span, decision, 16.0, "m")
+    span.end()
+    attributes = finished(exporter, "kvroute.route").attributes or {}
+    listed = list(attributes["kvroute.candidates.backend"])  # type: ignore[arg-type]
+    assert len(listed) == MAX_SPAN_CANDIDATES and attributes["kvroute.candidates.count"] == 1_000
+    assert listed == [chosen] + [c.backend for c in costs[-15:]]  # the cheapest 15 and the chosen, in pool order
+    assert len(attributes["kvroute.candidates.cost"]) == MAX_SPAN_CANDIDATES  # type: ignore[arg-type]
+    provider.shutdown()
