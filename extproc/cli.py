@@ -201,7 +201,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "extproc":
         from extproc import service
 
-        service.main(config.load(args))
+        try:
+            loaded = config.load(args)
+        except (ValueError, OSError) as exc:  # a bad setting, a missing file: said, no traceback
+            sys.exit(f"kvroute extproc: {exc}")
+        service.main(loaded)
     elif args.command == "controller":
         from controller import operator
 

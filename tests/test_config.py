@@ -78,6 +78,19 @@ def test_unknown_keys_and_bad_settings_are_errors(tmp_path):
         ("unhealthy_after: 0\n", "unhealthy_after must be at least 1"),
         ("grpc_port: 70000\n", "grpc_port must be at most 65535"),
         ("admin_port: 9002\n", "ports must differ"),
+        ("admin_host:\n", "admin_host must be text"),  # None: aiohttp listened on every interface
+        ("control_host: ' '\n", "control_host must name an address"),
+        ("policy:\n", "policy must be text"),
+        ("log_level: 10\n", "log_level must be text"),
+        ("log_level: loud\n", "log_level must be one of debug, info, warning, error"),
+        ("control_token_file: 5\n", "control_token_file must be text"),
+        ("routing:\n", "routing must be a mapping"),
+        ("routing: [block_size]\n", "routing must be a mapping"),
+        ("backends: 127.0.0.1:1\n", "backends must be a list"),  # was read character by character
+        ("backends: [{models: [a]}]\n", "a backend is ip:port or"),
+        ("backends: [{address: '127.0.0.1:1', models: a}]\n", "models are a list"),
+        ("routing: {tenant_header: 5}\n", "tenant_header must be"),
+        ("grpc_port: [1\n", "not YAML"),
     ],
 )
 def test_a_value_of_the_wrong_kind_or_past_its_bounds_is_refused_at_start(tmp_path, text, message):
@@ -87,6 +100,27 @@ def test_a_value_of_the_wrong_kind_or_past_its_bounds_is_refused_at_start(tmp_pa
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         config.load(parse(["--config", str(path)]), {})
+
+
+def test_a_bad_environment_value_names_its_variable_and_a_missing_token_file_is_refused_at_once(tmp_path):
+    with pytest.raises(ValueError, match="KVROUTE_GRPC_PORT='abc'"):
+        config.load(parse([]), {"KVROUTE_GRPC_PORT": "abc"})
+    with pytest.raises(ValueError, match="KVROUTE_BLOCK_SIZE='x'"):
+        config.load(parse([]), {"KVROUTE_BLOCK_SIZE": "x"})
+    with pytest.raises(FileNotFoundError):  # read when loaded, not after the monitoring port opened
+        config.load(parse(["--grpc-token-file", str(tmp_path / "absent")]), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="token file is empty"):
+        config.load(parse(["--control-port", "9010", "--control-token-file", str(tmp_path / "empty")]), {})
+
+
+def test_the_extproc_command_says_what_is_wrong_without_a_traceback(tmp_path, capsys):
+    from extproc import cli
+
+    for argv in (["extproc", "--control-port", "9010"], ["extproc", "--config", str(tmp_path / "absent.yaml")]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert str(exited.value.code).startswith("kvroute extproc: "), exited.value.code
 
 
 def test_not_a_number_from_the_environment_is_refused():

@@ -48,8 +48,10 @@ class Bounds:
 
 def check_kind(name: str, kind: type, value: Any) -> None:
     """A setting's value is of its type (a YAML file or a policy hands values over as they are
-    written: `"false"` is true, 512.0 no block count): booleans are booleans, whole numbers whole,
-    other numbers finite."""
+    written: `"false"` is true, 512.0 no block count, a key left blank None): booleans are
+    booleans, whole numbers whole, other numbers finite, text text."""
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"{name} must be text, got {value!r}")
     if kind is bool and not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r}")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -636,8 +638,6 @@ class Settings:
                 object.__setattr__(self, f.name, normalize(getattr(self, f.name)))
             value = getattr(self, f.name)
             check_value(f.name, f.metadata["kind"], f.metadata["bounds"], value)
-            if f.metadata["kind"] is str and not isinstance(value, str):
-                raise ValueError(f"{f.name} must be text")
             if f.metadata["choices"] and value not in f.metadata["choices"]:
                 raise ValueError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}")
         if not isinstance(self.hash_key, bytes) or len(self.hash_key) != 16:

@@ -21,8 +21,11 @@ from extproc.core.backends import Backend, Role, parse_address
 from extproc.core.settings import NON_NEGATIVE, POSITIVE, Bounds, Settings, check_value, text_parser
 
 
-def _key(default: Any, text: str, bounds: Bounds | None = None) -> Any:
-    return field(default=default, metadata={"help": text, "bounds": bounds})
+def _key(default: Any, text: str, bounds: Bounds | None = None, choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": text, "bounds": bounds, "choices": choices})
+
+
+HOSTS = ("grpc_host", "admin_host", "control_host")  # listen addresses: empty would mean every interface
 
 
 PORT = Bounds(minimum=0, maximum=65_535)
@@ -124,7 +127,7 @@ class ExtProcConfig:
     replica_group: str = _key(
         "", "key prefix of the replicas that share a picture (default: kvroute:<policy> or kvroute:default)"
     )
-    log_level: str = _key("info", "debug, info, warning, error")
+    log_level: str = _key("info", "debug, info, warning, error", choices=("debug", "info", "warning", "error"))
     policy: str = _key(
         "",
         "NAMESPACE/NAME of a KVRoutingPolicy to follow live (Kubernetes); several, comma-separated: each "
@@ -152,7 +155,12 @@ class ExtProcConfig:
         text parsers): a NaN interval stopped the health probes for good, a negative stream age cut
         every stream, `"false"` from YAML read as on; and no two listeners on one port."""
         for f in fields(self):
-            check_value(f.name, type(f.default), f.metadata.get("bounds"), getattr(self, f.name))
+            value = getattr(self, f.name)
+            check_value(f.name, type(f.default), f.metadata.get("bounds"), value)
+            if f.metadata.get("choices") and value.lower() not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
+            if f.name in HOSTS and not value.strip():
+                raise ValueError(f"{f.name} must name an address (0.0.0.0 for every interface), got {value!r}")
         ports = [p for p in (self.grpc_port, self.admin_port, self.authz_port, self.control_port) if p]
         if len(ports) != len(set(ports)):
             raise ValueError(f"the ext_proc's ports must differ, got {ports}")
@@ -183,7 +191,11 @@ def parse_backend(item: str | Mapping[str, Any]) -> Backend:
     if isinstance(item, str):
         address, _, role = item.partition("@")
         return Backend(parse_address(address), role=Role.parse(role) if role else Role.BOTH)
+    if not isinstance(item, Mapping) or "address" not in item:
+        raise ValueError(f"a backend is ip:port or {{address: ip:port, models: [...], role: ...}}, got {item!r}")
     models = item.get("models") or []
+    if not isinstance(models, list):
+        raise ValueError(f"a backend's models are a list, got {models!r}")
     role = Role.parse(item.get("role", Role.BOTH))
     return Backend(parse_address(str(item["address"])), frozenset(str(m) for m in models), role=role)
 
@@ -196,10 +208,14 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         if key == "backends":
             values[key] = [b for b in raw.split(",") if b.strip()]
-        elif key in _ROUTING_KEYS:
-            values.setdefault("routing", {})[key] = _cast_routing(key, raw)
         else:
-            values[key] = _PROCESS_KEYS[key](raw)
+            try:
+                if key in _ROUTING_KEYS:
+                    values.setdefault("routing", {})[key] = _cast_routing(key, raw)
+                else:
+                    values[key] = _PROCESS_KEYS[key](raw)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"KVROUTE_{key.upper()}={raw!r}: {exc}") from None
     return values
 
 
@@ -237,9 +253,19 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
     values: dict[str, Any] = {"routing": {}}
     path = flags.get("config") or environ.get("KVROUTE_CONFIG")
     if path:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: the config file must be a mapping")
+        for key, kind, shape in (
+            ("routing", dict, "a mapping"),
+            ("backends", list, "a list"),
+            ("policies", list, "a list"),
+        ):
+            if key in loaded and not isinstance(loaded[key], kind):
+                raise ValueError(f"{path}: {key} must be {shape}, got {loaded[key]!r}")
         values = _merge(values, loaded)
     values = _merge(values, _from_env(environ))
     cli: dict[str, Any] = {k: v for k, v in flags.items() if k in _PROCESS_KEYS and v is not None}
@@ -275,7 +301,11 @@ def load(args: argparse.Namespace | None = None, environ: Mapping[str, str] = os
     policies = _policies(values.pop("policies", None) or [], values)
     backends = tuple(parse_backend(b) for b in values.pop("backends", []) or [])
     routing = Settings.from_mapping(values.pop("routing"))
-    return ExtProcConfig(backends=backends, policies=policies, routing=routing, **values)
+    loaded = ExtProcConfig(backends=backends, policies=policies, routing=routing, **values)
+    for path in (loaded.control_token_file, loaded.grpc_token_file):  # read now, not after a port opened
+        if path:
+            read_token(path)
+    return loaded
 
 
 def _namespaced(name: str) -> bool:
