@@ -42,6 +42,33 @@ TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"}, False),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, False),
         ({"OTEL_TRACES_EXPORTER": "otlp"}, False),  # no endpoint named: off, as by default
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio"}, True),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317",
+                "OTEL_TRACES_SAMPLER": "traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": "0.1",
+            },
+            True,
+        ),
+        # what the SDK would read as sampling every request: off, said in the log
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "traceidration"}, False),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317",
+                "OTEL_TRACES_SAMPLER": "traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": "10%",
+            },
+            False,
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317",
+                "OTEL_TRACES_SAMPLER": "traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": "5",
+            },
+            False,
+        ),
     ],
 )
 def test_tracing_is_off_unless_the_environment_names_an_otlp_endpoint(environ: dict[str, str], on: bool):

@@ -14,6 +14,9 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 log = logging.getLogger(__name__)
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# The SDK's samplers; it reads any other name, or a ratio it cannot, as sampling every request
+SAMPLERS = ("always_on", "always_off", "parentbased_always_on", "parentbased_always_off")
+RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 
 
 def wanted(environ: Mapping[str, str]) -> bool:
@@ -30,4 +33,27 @@ def wanted(environ: Mapping[str, str]) -> bool:
     if protocol.strip().lower() != "grpc":
         log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s: kvroute exports traces over OTLP/gRPC only; tracing off", protocol)
         return False
-    return any(environ.get(name) for name in ENDPOINTS)
+    if not any(environ.get(name) for name in ENDPOINTS):
+        return False
+    return _sampler_read(environ)
+
+
+def _sampler_read(environ: Mapping[str, str]) -> bool:
+    """The sampler and its ratio are ones the SDK reads as meant: a mistyped name or a ratio such
+    as `10%` would trace every request at some 200-300 us of CPU each, so tracing stays off."""
+    sampler = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    if sampler not in SAMPLERS + RATIO_SAMPLERS:
+        log.warning(
+            "OTEL_TRACES_SAMPLER=%s is not one of %s; tracing off", sampler, ", ".join(SAMPLERS + RATIO_SAMPLERS)
+        )
+        return False
+    if sampler in RATIO_SAMPLERS:
+        raw = environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+        try:
+            ratio = float(raw)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            log.warning("OTEL_TRACES_SAMPLER_ARG=%s is not a ratio from 0 to 1; tracing off", raw)
+            return False
+    return True
