@@ -327,6 +327,7 @@ class VllmFleet(Fleet):
         argv += [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
         argv += ["--model", str(self.model_dir), "--served-model-name", TINY_MODEL, "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+        argv += ["--enable-scale-out"]  # /v1/chat/completions/render, which vllm-router's cache_aware asks (else 403)
         context = min(32768, (self.capacity_blocks - 2) * VLLM_BLOCK_TOKENS)  # vLLM keeps a block back
         argv += ["--enforce-eager", "--max-model-len", str(context)]
         argv += ["--num-gpu-blocks-override", str(self.capacity_blocks)]

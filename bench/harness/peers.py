@@ -4,7 +4,9 @@ vllm-router and sglang-router are installed from PyPI into a virtualenv of their
 (bench/harness/venvs.py, outside the clone), pinned, by the benchmark itself. Both default their
 metrics port to 29000, so each gets its own; both pick the least-loaded worker on a cache miss.
 vllm-router's cache_aware renders every request on every worker (`/v1/chat/completions/render`,
-which vLLM serves only with --enable-scale-out), which shows in its TTFT.
+which vLLM serves only with --enable-scale-out: VllmFleet starts every server with it; until
+2026-12-07 it did not, every render was refused with a 403 and vllm-router routed on its fallback),
+which shows in its TTFT.
 """
 
 from __future__ import annotations
