@@ -116,8 +116,10 @@ def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) ->
 
 
 def stop(process: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-    """Signal a child's whole process group and wait for it; SIGKILL if it lingers."""
-    if process is None or process.poll() is not None:
+    """Signal a child's whole process group and wait until all of it is gone; SIGKILL what
+    lingers. Also when the child itself has exited: a vLLM server that crashed leaves its engine
+    process running (its threads spinning on a core, its ports held) unless its group is stopped."""
+    if process is None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, sig)
@@ -127,6 +129,31 @@ def stop(process: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    if not _group_gone(process.pid, timeout_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        _group_gone(process.pid, timeout_s)
+
+
+def _group_gone(group: int, timeout_s: float) -> bool:
+    """Whether no live process of the group is left (zombies count as gone: where PID 1 does not
+    reap orphans they stay), waiting up to `timeout_s` for it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        if not any(_in_group(int(entry.name), group) for entry in Path("/proc").iterdir() if entry.name.isdigit()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _in_group(pid: int, group: int) -> bool:
+    """A live (not zombie) process of that process group."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z" and int(fields[2]) == group
 
 
 def _stat(pid: int) -> list[str] | None:
