@@ -180,10 +180,31 @@ def test_full_cache_evicts_old_prompts_and_refuses_a_prompt_larger_than_itself()
         status, reply, _ = await post(session, url + "/v1/completions", long)
         assert status == 400 and "KV blocks" in reply["error"]["message"]
         async with session.post(url + "/reset_prefix_cache") as response:
-            assert response.status == 200
+            assert response.status == 200 and (await response.json()) == {"success": True}
         assert await cached(session, url, b) == 0
 
     run(test, SimConfig(block_size=4, capacity_blocks=8, token_s=0.0, step_s=0.0))
+
+
+def test_a_reset_while_a_request_holds_blocks_fails_and_resets_nothing_as_vllms():
+    """vLLM 0.32 answers `{"success": false}` while any blocks are held; the harness retries until
+    it succeeds (bench/harness/fleets.py), so no router starts on the one before's cache."""
+
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        url = urls[0]
+        a = {"prompt": "a" * 128, "max_tokens": 1}
+        assert await cached(session, url, a) == 0
+        slow = asyncio.create_task(post(session, url + "/v1/completions", {"prompt": "b" * 64, "max_tokens": 50}))
+        await asyncio.sleep(0.2)  # it holds its blocks while it decodes
+        async with session.post(url + "/reset_prefix_cache") as response:
+            assert (await response.json()) == {"success": False}
+        await slow
+        assert await cached(session, url, a) == 28  # nothing was reset
+        async with session.post(url + "/reset_prefix_cache") as response:
+            assert (await response.json()) == {"success": True}
+        assert await cached(session, url, a) == 0
+
+    run(test, SimConfig(block_size=4, capacity_blocks=64, token_s=0.0, step_s=0.01))
 
 
 def test_kv_events_report_what_the_cache_stores_evicts_and_clears_as_vllm_publishes_them():

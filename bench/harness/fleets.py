@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -42,6 +43,19 @@ def post(url: str, body: dict[str, Any] | None = None) -> Any:
     with urllib.request.urlopen(request, timeout=60) as response:
         raw = response.read()
     return orjson.loads(raw) if raw else None
+
+
+def _reset_prefix_cache(backend: str, timeout_s: float = 120.0) -> None:
+    """Empty the server's prefix cache, or fail the run: vLLM answers `{"success": false}` (and
+    resets nothing) while a request still holds blocks (an aborted stream being torn down, a
+    prefill held for a transfer never pulled), and the next router would start warm."""
+    deadline = time.monotonic() + timeout_s
+    pause_s = 0.1
+    while not (post(f"http://{backend}/reset_prefix_cache") or {}).get("success"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{backend} did not reset its prefix cache in {timeout_s:.0f} s: blocks still held")
+        time.sleep(pause_s)
+        pause_s = min(2.0, pause_s * 2)
 
 
 def _list_adapter(backend: str, adapter: str, path: str, listed: bool) -> None:
@@ -89,7 +103,7 @@ class Fleet:
         """Empty every backend's prefix cache, so each router starts cold; every server lists every
         adapter again (`adapters_listed`), or none (for a router that places them itself)."""
         for backend in self.backends:
-            post(f"http://{backend}/reset_prefix_cache")
+            _reset_prefix_cache(backend)
             for adapter, path in self.adapter_paths().items():
                 _list_adapter(backend, adapter, path, adapters_listed)
 

@@ -748,8 +748,11 @@ class SimBackend:
         return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.config.max_model_len})
 
     async def _reset(self, request: web.Request) -> web.Response:
+        """As vLLM 0.32: `{"success": false}`, and nothing reset, while any request holds blocks."""
+        if self._pool.pinned:
+            return _json({"success": False})
         self.reset_prefix_cache()
-        return web.Response()
+        return _json({"success": True})
 
     async def _models(self, request: web.Request) -> web.Response:
         model = self.config.model
