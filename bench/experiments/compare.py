@@ -170,7 +170,7 @@ def run_router(
         if placing and router.stack is not None:  # placement's own loads and unloads (vLLM's runtime API)
             admin = f"127.0.0.1:{router.stack.admin_port}"
             for action in ("load", "unload"):
-                moves = counter(admin, "kvroute_adapter_placements_total", action=action, outcome="ok")
+                moves = counter(admin, "kvroute_adapter_placements_total", declared=True, action=action, outcome="ok")
                 summary[f"adapter_placement_{action}s"] = round(moves)
         summary["exited"] = router.exited()
         if summary["exited"]:
@@ -196,7 +196,7 @@ def ends(stack: Stack) -> dict[str, int]:
     admins = [f"127.0.0.1:{port}" for port in stack.admin_ports]
     return {
         "ends_dropped_by_envoy": int(stats.get("access_logs.fluentd.kvroute_ends.entries_lost", 0)),
-        "ends_late": round(sum(counter(a, "kvroute_errors_total", kind="late_end") for a in admins)),
+        "ends_late": round(sum(counter(a, "kvroute_errors_total", declared=True, kind="late_end") for a in admins)),
     }
 
 
@@ -206,10 +206,10 @@ def reuse(stack: Stack) -> dict[str, float | None]:
     cached prefix) and routed (the chosen backend's). Delivered is the run's hit rate, from the
     engines' own counters, as for every router."""
     admins = [f"127.0.0.1:{port}" for port in stack.admin_ports]
-    prompt = sum(counter(a, "kvroute_prompt_tokens_total") for a in admins)
+    prompt = sum(counter(a, "kvroute_prompt_tokens_total", declared=True) for a in admins)
     shares: dict[str, float | None] = {}
     for name in ("available", "routed"):
-        tokens = sum(counter(a, f"kvroute_reuse_{name}_tokens_total") for a in admins)
+        tokens = sum(counter(a, f"kvroute_reuse_{name}_tokens_total", declared=True) for a in admins)
         shares[f"reuse_{name}"] = round(tokens / prompt, 4) if prompt else None
     return shares
 

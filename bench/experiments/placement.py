@@ -125,7 +125,7 @@ class SglangRule(_Unlearning):
     one whose tree is smallest; its trees keep every block sent (they are pruned far above these
     traces' sizes)."""
 
-    def __init__(self, fleet: tuple[Backend, ...], threshold: float = 0.5) -> None:
+    def __init__(self, fleet: tuple[Backend, ...], threshold: float = 0.3) -> None:  # sglang-router 0.3.2 default
         self.trees: dict[str, set[int]] = {backend.address: set() for backend in fleet}
         self.threshold = threshold
 

@@ -73,14 +73,18 @@ def _list_adapter(backend: str, adapter: str, path: str, listed: bool) -> None:
             raise
 
 
-def counter(backend: str, name: str, **labels: str) -> float:
+def counter(backend: str, name: str, *, declared: bool = False, **labels: str) -> float:
     """A server's Prometheus counter `name` (host:port), summed over the series matching `labels`
-    (0 if it exports none)."""
+    (0 if it exports none). `declared`: the server declares the family whether or not it counted
+    any (kvroute's own), so a page without it means the name changed: LookupError, not 0."""
     with urllib.request.urlopen(f"http://{backend}/metrics", timeout=10) as response:
         page = response.read().decode()
+    families = list(text_string_to_metric_families(page))
+    if declared and not any(family.name == name.removesuffix("_total") for family in families):
+        raise LookupError(f"{backend} exports no {name}: renamed?")
     return sum(
         sample.value
-        for family in text_string_to_metric_families(page)
+        for family in families
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )

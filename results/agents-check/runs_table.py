@@ -21,6 +21,7 @@ for folder in sorted(glob.glob(str(HERE / pattern))):
         continue  # a run still going
     routers = json.loads((Path(folder) / "results.json").read_text())["routers"]
     rows = routers if isinstance(routers, dict) else {r["router"]: r for r in routers}
+    rows = {name: row for name, row in rows.items() if not row.get("exited") and not row.get("errors")}  # void: out
     commands = (Path(folder) / "commands.txt").read_text() if (Path(folder) / "commands.txt").exists() else ""
     commit = (re.findall(r"\bat ([0-9a-f]{7})\b", commands) or ["-"])[0]
     cells = []
