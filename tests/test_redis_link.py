@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from bench.harness.store import PASSWORD, RedisServer
 from extproc.core.calibration import DEFAULT_BYTES_PER_TOKEN, PRIOR_TOKENS
 from extproc.core.decision import Label
+from extproc.core.exchange import Reset
 from extproc.core.flow import FlowQueue, Held, QueueLimits, Refusal
 from extproc.core.load import PeerLoads
 from extproc.core.router import Router
@@ -272,6 +273,30 @@ async def test_routing_goes_on_while_the_store_is_away_and_sharing_resumes(redis
         await until(lambda: first.link.connected and second.link.connected, timeout_s=20)
         backend = first.serve(chat([], "back", "after"), now())
         await until(lambda: second.router.sessions.get("session:back", now()) == backend)
+
+
+@in_loop
+async def test_a_reconnection_replays_only_what_was_missed(redis_server):
+    """A blink of the store replayed the whole stream: a sibling's chain and binding for a backend
+    whose cache this replica had since seen reset came back with it."""
+    async with replicas(redis_server, 2) as (first, second):
+        backend = first.serve(chat([], "gone", "before the restart"), now())
+        await until(lambda: second.router.sessions.get("session:gone", now()) == backend)
+        second.router.reset_backend(backend, Reset.RESTART)  # its engine restarted: nothing of it holds
+        assert second.router.sessions.get("session:gone", now()) is None
+        errors = [r.link.counts["store_errors"] for r in (first, second)]
+        admin = Redis.from_url(redis_server.url, password=PASSWORD)
+        try:
+            await admin.client_kill_filter(_type="normal", skipme=True)  # every replica's connection, once
+        finally:
+            await admin.aclose()
+        await until(
+            lambda: all(r.link.counts["store_errors"] > e for r, e in zip((first, second), errors, strict=True))
+        )
+        await until(lambda: first.link.connected and second.link.connected)
+        later = first.serve(chat([], "after", "after the blink"), now())
+        await until(lambda: second.router.sessions.get("session:after", now()) == later)  # following again
+        assert second.router.sessions.get("session:gone", now()) is None  # not replayed back
 
 
 @in_loop

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -213,6 +214,10 @@ class RedisLink:
         self._ends_key = self._ends_prefix + self.replica
         self._ends_out: deque[tuple[str, bytes]] = deque()
         self._ends_from = b"0-0"  # the last end read, across reconnections
+        # The last siblings' entry applied, across reconnections: a reconnection replays only what
+        # it missed (from the start, siblings' chains and bindings this replica had since dropped,
+        # for a backend that restarted, came back, and the whole stream was applied again)
+        self._events_from: bytes | None = None
         self.on_end: Callable[[bytes], None] | None = None
         self._router = router
         self._pool = pool
@@ -335,8 +340,8 @@ class RedisLink:
                         self._flows.set_peers(self._served.totals(self._clock()), 0)
                     with contextlib.suppress(RedisError, OSError):
                         await self._client.connection_pool.disconnect()  # no stale connection outlives a loss
-                    await asyncio.sleep(backoff)
-                    backoff = min(5.0, backoff * 2)
+                    await asyncio.sleep(backoff * random.uniform(0.5, 1.5))  # replicas that lost it together
+                    backoff = min(5.0, backoff * 2)  # do not all come back at once
                 else:
                     return
         finally:
@@ -348,13 +353,13 @@ class RedisLink:
         await self._check_key()
         seconds, micros = await client.time()
         offset = self._clock() - (seconds + micros / 1e6)  # store clock -> this process's clock
-        last_load = cast(_Entries, await client.xrevrange(self._load_key, count=1))
-        load_from = last_load[0][0] if last_load else b"0-0"
         self._replaying = True
         try:
             events_from = await self._replay(offset)
         finally:
             self._replaying = False
+        last_load = cast(_Entries, await client.xrevrange(self._load_key, count=1))  # (after the replay: none
+        load_from = last_load[0][0] if last_load else b"0-0"  # of the loads it took seconds to pass is stale)
         if stop_asked():  # a cancel redis-py swallowed during the setup: start nothing that would outlive it
             raise asyncio.CancelledError
         self.connected = True
@@ -384,16 +389,16 @@ class RedisLink:
         await self._client.pexpire(self._key_check_key, self._ttl_ms)
 
     async def _replay(self, offset: float) -> bytes:
-        """Apply the stream as it stands (a snapshot of what siblings learned and bound); return
-        the id to follow from."""
-        after = b"-"
-        last = b"0-0"
+        """Apply the stream as it stands (a snapshot of what siblings learned and bound), or on a
+        reconnection what was added since the last entry applied; return the id to follow from."""
+        after = b"-" if self._events_from is None else b"(" + self._events_from
+        last = self._events_from or b"0-0"
         work = 0
         while True:
             entries = cast(_Entries, await self._client.xrange(self._events_key, min=after, count=1000))
             for entry_id, fields in entries:
                 work += self._apply(entry_id, fields, offset)
-                last = entry_id
+                last = self._events_from = entry_id
                 if work >= APPLY_BLOCKS:
                     work = 0
                     await asyncio.sleep(0)  # a long stream must not hold the requests being routed
@@ -419,6 +424,8 @@ class RedisLink:
                         work += ENTRY_WORK
                     else:
                         work += self._apply(entry_id, fields, offset)
+                        if key == self._events_key:
+                            self._events_from = entry_id
                     ids[key] = entry_id
                     if work >= APPLY_BLOCKS:
                         work = 0
