@@ -26,7 +26,7 @@ from extproc.core.flow import FlowQueue, Held, QueueLimits, Refusal
 from extproc.core.load import PeerLoads
 from extproc.core.router import Router
 from extproc.core.settings import Settings
-from extproc.replicas.redis_link import APPLY_BLOCKS, APPLY_SLICE, RedisLink, _load_vector
+from extproc.replicas.redis_link import APPLY_BLOCKS, APPLY_SLICE, FLOWS, RedisLink, _load_vector
 from extproc.runtime.pool import BackendPool
 from tests.test_router import FLEET, A, chat, ok
 
@@ -420,12 +420,32 @@ async def test_flow_controls_fairness_and_bound_hold_for_the_fleet(redis_server)
 
 
 @in_loop
+async def test_flow_names_reach_the_store_only_as_digests_and_siblings_read_them_back(redis_server):
+    """A flow is a tenant's name (its fairness id or tenant header): the store holds its keyed
+    digest, as it does sessions', and a sibling tracking the same flow reads its share back."""
+    async with replicas(redis_server, 2) as (first, second):
+        for i in range(2):
+            first.queue.hold(0, "tenant-acme-corp", 100, 1, now=i)
+        first.queue.pop()
+        second.queue.hold(0, "tenant-acme-corp", 100, 1, now=5)
+        await until(lambda: second.queue._peer_attained.get(0, {}).get("tenant-acme-corp") == 100.0)
+        client = Redis.from_url(redis_server.url, password=PASSWORD)
+        try:
+            entries = await client.xrange(f"{first.group}:load")
+        finally:
+            await client.aclose()
+        flows = [fields[b"m"] for _, fields in entries if msgpack.unpackb(fields[b"m"])[0] == FLOWS]
+        assert flows and not any(b"acme" in message for message in flows)
+
+
+@in_loop
 async def test_with_the_store_away_each_replica_falls_back_to_its_own_share_and_bound(redis_server):
     async with replicas(redis_server, 2) as (first, second):
         for i in range(3):
             first.queue.hold(0, "a", 100, 1, now=i)
         first.queue.pop()  # "a" served 100 through the first replica; two still held there
-        await until(lambda: second.queue._peer_attained.get(0, {}).get("a") == 100.0 and second.queue._peer_held == 2)
+        a = second.link._digest("a")  # a flow the second does not track stays by its digest
+        await until(lambda: second.queue._peer_attained.get(0, {}).get(a) == 100.0 and second.queue._peer_held == 2)
         redis_server.stop()
         await until(lambda: not second.link.connected)
         assert second.link.warnings() and "replica store" in second.link.warnings()[0]  # /readyz says so
@@ -433,7 +453,7 @@ async def test_with_the_store_away_each_replica_falls_back_to_its_own_share_and_
         # not heard: its share of new turns is its own. What they had served still counts, so no
         # flow is handed every turn for the outage (nor the others when the store is back).
         await until(lambda: second.queue._peer_held == 0)
-        assert second.queue._peer_attained == {0: {"a": 100.0}}
+        assert second.queue._peer_attained == {0: {a: 100.0}}
         for i in range(10):
             assert isinstance(second.queue.hold(0, "c", 1, 1, now=11 + i), Held)  # 10 held here alone
         redis_server.start()

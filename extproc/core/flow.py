@@ -333,6 +333,11 @@ class FlowQueue:
         served = {p: {n: f.served for n, f in band.flows.items() if f.served} for p, band in self._bands.items()}
         return {p: flows for p, flows in served.items() if flows}, self._total
 
+    def flow_names(self) -> Iterator[str]:
+        """Every flow tracked, in any band (a flow in two bands, twice)."""
+        for band in self._bands.values():
+            yield from band.flows
+
     def heads(self, eligible: Callable[[Held], bool] | None = None) -> dict[int, float]:
         """Per band holding requests here, the least fleet-wide attained cost of its flows that
         hold one: whose turn it would be here, for the siblings to leave it to this replica.

@@ -97,6 +97,7 @@ ENTRY_LIMITS = {
     "max_map_len": MAX_CHAIN,
 }
 OUTBOX = 10_000  # messages waiting for the store; beyond it the oldest are dropped
+FLOW_DIGEST = "#"  # a flow name on the wire: this, then its keyed digest
 MAX_BANDS = 64  # a sibling's flow shares with more bands, or more flows a band than any replica tracks, are refused
 ENDS_TTL_MS = 60_000  # a replica's inbox of request ends lives this long after the last one sent to it
 MAX_COUNT = 1 << 31  # a sibling's reserved blocks or requests on one backend past this is not a count
@@ -151,6 +152,8 @@ class FlowShares(Protocol):
     def shares(self) -> tuple[dict[int, dict[str, float]], int]: ...
 
     def heads(self) -> dict[int, float]: ...
+
+    def flow_names(self) -> Iterator[str]: ...
 
     def set_peers(
         self, attained: Mapping[int, Mapping[str, float]], held: int, heads: Mapping[int, float] | None = None
@@ -218,6 +221,10 @@ class RedisLink:
         # it missed (from the start, siblings' chains and bindings this replica had since dropped,
         # for a backend that restarted, came back, and the whole stream was applied again)
         self._events_from: bytes | None = None
+        # Flow names (tenants) go to the store as digests under the hash key, as sessions do; the
+        # siblings' accounts stay by digest, read back as the names of the flows known here (the
+        # same key, the same digest) as flow control is handed them
+        self._flow_digests: dict[str, str] = {}  # name -> digest
         self.on_end: Callable[[bytes], None] | None = None
         self._router = router
         self._pool = pool
@@ -337,7 +344,7 @@ class RedisLink:
                     self._forget_leaving(self._clock())  # (marks no sibling can renew now still age out)
                     if self._flows is not None:  # each replica keeps its own share and bound until the
                         # store is back, beside what the siblings had served (no flow jumps the others)
-                        self._flows.set_peers(self._served.totals(self._clock()), 0)
+                        self._flows.set_peers(self._peer_served(self._clock()), 0)
                     with contextlib.suppress(RedisError, OSError):
                         await self._client.connection_pool.disconnect()  # no stale connection outlives a loss
                     await asyncio.sleep(backoff * random.uniform(0.5, 1.5))  # replicas that lost it together
@@ -493,7 +500,7 @@ class RedisLink:
             held += count
             for band, value in turns.items():
                 heads[band] = min(value, heads.get(band, value))
-        self._flows.set_peers(self._served.totals(now), held, heads)
+        self._flows.set_peers(self._peer_served(now), held, heads)
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes], offset: float) -> int:
         """Apply one sibling's entry; returns its work in blocks (a chain's length; an entry of
@@ -599,7 +606,9 @@ class RedisLink:
             beat = now - sent_at >= self._heartbeat_s
             shares = None
             if self._flows is not None and (beat or now - flows_at >= FLOWS_PERIOD_S):
-                shares = (*self._flows.shares(), self._flows.heads())
+                attained, held = self._flows.shares()
+                wire = {band: {self._digest(f): v for f, v in flows.items()} for band, flows in attained.items()}
+                shares = (wire, held, self._flows.heads())
                 if shares == flows_sent and not beat:
                     shares = None
             if vector != sent or shares is not None or beat:
@@ -614,6 +623,26 @@ class RedisLink:
                     flows_sent, flows_at = shares, now
                 self._apply_peer_loads(now)
             await asyncio.sleep(self._load_period_s)
+
+    def _digest(self, flow: str) -> str:
+        """A flow's name on the wire: its keyed digest (cached; the cache is emptied once it
+        outgrows what flow control can track)."""
+        digest = self._flow_digests.get(flow)
+        if digest is None:
+            if len(self._flow_digests) >= 4 * MAX_QUEUE_FLOWS:
+                self._flow_digests.clear()
+            key = self._router.settings.hash_key
+            digest = FLOW_DIGEST + hashlib.blake2b(flow.encode(), key=key, digest_size=8).hexdigest()
+            self._flow_digests[flow] = digest
+        return digest
+
+    def _peer_served(self, now: float) -> dict[int, dict[str, float]]:
+        """What the siblings served each flow, by band, its digest read back as the name of a flow
+        flow control knows (one it does not know stays a digest: nothing here asks for it)."""
+        assert self._flows is not None
+        names = {self._digest(flow): flow for flow in self._flows.flow_names()}
+        totals = self._served.totals(now)
+        return {band: {names.get(d, d): v for d, v in flows.items()} for band, flows in totals.items()}
 
     def _vector(self) -> dict[str, WireLoad]:
         """backend -> (reserved blocks, active requests, CBR bytes sent ever, footprint blocks) of

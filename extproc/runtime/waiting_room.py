@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -115,6 +115,9 @@ class WaitingRoom:
 
     def shares(self) -> tuple[dict[int, dict[str, float]], int]:
         return self._queue.shares()
+
+    def flow_names(self) -> Iterator[str]:
+        return self._queue.flow_names()
 
     def heads(self) -> dict[int, float]:
         """A held request whose own candidates are saturated while some of the fleet has room
