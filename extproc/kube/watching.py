@@ -6,10 +6,15 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import watch
 
-WATCH_S = 300  # the API server ends a watch after this; the follower then lists again
-SILENT_S = 330  # a watch that goes silent longer (a dead connection) is redone
+# The API server ends a watch after WATCH_S, and the follower lists again; one not ended by
+# WATCH_S_LIMIT is redone (a half-open connection: a NAT or a load balancer dropped it). A limit
+# on silence instead would cut every quiet watch: the API server sent no bookmark to a quiet
+# policy's watch in 90 s (Kubernetes 1.37), so the whole watch is what is limited, and kept short.
+WATCH_S = 60
+WATCH_S_LIMIT = 90
 # Every other call's connect and read limits, in seconds: kubernetes-asyncio sets none by default,
 # so a list that met a half-open connection held its follower for good, still saying it was
 # connected while the backends it followed froze.
@@ -54,7 +59,7 @@ async def follow(
         *args,
         resource_version=resource_version,
         timeout_seconds=WATCH_S,
-        _request_timeout=SILENT_S,
+        _request_timeout=aiohttp.ClientTimeout(total=WATCH_S_LIMIT, sock_connect=CALL_TIMEOUT[0]),
         **selectors,
     ) as stream:
         async for event in stream:
