@@ -33,6 +33,19 @@ async def _stop(probes: asyncio.Task, runners=()) -> None:
         await runner.cleanup()
 
 
+def _recorded_rounds(pool: BackendPool) -> list[str]:
+    """The kind of each probe round the pool runs from now on: scheduled, or for suspects alone."""
+    rounds: list[str] = []
+    probe_round = pool._probe_round
+
+    async def recorded(client: PageClient, scheduled: bool = True) -> None:
+        rounds.append("scheduled" if scheduled else "suspects")
+        await probe_round(client, scheduled)
+
+    pool._probe_round = recorded  # type: ignore[method-assign]
+    return rounds
+
+
 def test_down_after_threshold_up_after_one_success():
     dropped: list[str] = []
     pool = BackendPool([Backend(A), Backend(B)], dropped.append, unhealthy_after=2)
@@ -250,14 +263,7 @@ def test_a_suspect_wakes_a_round_of_its_own_even_when_reported_during_one():
         others = [f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in servers]
         dropped: list[str] = []
         pool = BackendPool([Backend(a) for a in [dead, *others]], dropped.append, unhealthy_after=3)
-        rounds: list[str] = []
-        probe_round = pool._probe_round
-
-        async def recorded(client: PageClient, scheduled: bool = True) -> None:
-            rounds.append("scheduled" if scheduled else "suspects")
-            await probe_round(client, scheduled)
-
-        pool._probe_round = recorded  # type: ignore[method-assign]
+        rounds = _recorded_rounds(pool)
         probes = asyncio.create_task(pool.probe_forever(3600, 0.3))
         loop = asyncio.get_running_loop()
         try:
@@ -287,14 +293,7 @@ def test_refused_connections_reported_more_often_than_the_interval_do_not_put_of
         runners = await serve([0], SimConfig())
         alive = f"127.0.0.1:{runners[0].addresses[0][1]}"
         pool = BackendPool([Backend(alive), Backend("127.0.0.1:9")], lambda _a: None, unhealthy_after=1)
-        rounds: list[str] = []
-        probe_round = pool._probe_round
-
-        async def recorded(client: PageClient, scheduled: bool = True) -> None:
-            rounds.append("scheduled" if scheduled else "suspects")
-            await probe_round(client, scheduled)
-
-        pool._probe_round = recorded  # type: ignore[method-assign]
+        rounds = _recorded_rounds(pool)
         probes = asyncio.create_task(pool.probe_forever(0.3, 1.0))
         try:
             for _ in range(15):  # 1.5 s of reports every 0.1 s: five intervals
