@@ -412,8 +412,9 @@ class Settings:
     )
     decision_headers: bool = _setting(
         False,
-        "Add x-kvroute-decision/-backend/-prefix to successful responses. They tell a client whether other "
-        "clients' prompts are cached and name pod addresses: enable only where clients are trusted.",
+        "Add x-kvroute-decision/-backend/-prefix/-cached-tokens (and -ttft-ms where a TTFT was predicted) to "
+        "successful responses. They tell a client whether other clients' prompts are cached and name pod "
+        "addresses: enable only where clients are trusted.",
         policy="decisionHeaders",
     )
     index_mode: str = _setting(
