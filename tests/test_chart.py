@@ -4,6 +4,7 @@ the live control plane."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +374,20 @@ def test_extra_policies_are_created_and_followed_by_the_same_extproc(helm, tmp_p
     picker = {"policy": {"namespace": "kvroute", "extra": extra}, "inferencePool": {"enabled": True}}
     with pytest.raises(AssertionError, match="one picker per InferencePool"):
         template(helm, tmp_path, {**picker, "envoy": {"enabled": False}})
+
+
+def test_the_policies_session_and_tenant_headers_reach_the_ext_proc(helm, tmp_path):
+    """Envoy sends kvroute only the headers it is told to: a policy's own session or tenant header
+    left out kept conversations unbound and tenants unscoped, silently."""
+    extra = [{"name": "code", "selector": {"matchLabels": {"app": "vllm-code"}}, "routing": {"tenantHeader": "X-Org"}}]
+    routing = {"sessionHeaders": ["x-conversation-id"], "tenantHeader": "x-tenant"}
+    values = {"policy": {"routing": routing, "extra": extra}, "envoy": {"forwardHeaders": ["x-team"]}}
+    for transport in ("ext_authz", "ext_proc"):
+        docs = template(helm, tmp_path, {**values, "envoy": {**values["envoy"], "transport": transport}})
+        bootstrap = yaml.safe_load(envoy_bootstrap(docs, tmp_path))
+        allowed = json.dumps(bootstrap)
+        for header in ("x-conversation-id", "x-tenant", "x-org", "x-team", "x-session-id"):
+            assert f'"exact": "{header}"' in allowed, (transport, header)
 
 
 def test_envoy_fails_open_unless_told_not_to(helm, tmp_path):

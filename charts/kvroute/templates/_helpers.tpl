@@ -138,3 +138,25 @@ affinity:
 {{- define "kvroute.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
+
+{{/*
+The request headers the ext_proc reads beyond the defaults: every policy's sessionHeaders and
+tenantHeader (Envoy sends a check or a stream only the headers it is told to), and
+envoy.forwardHeaders (an existing policy's, which the chart cannot read). Comma-separated, lower case.
+*/}}
+{{- define "kvroute.forwardHeaders" -}}
+{{- $headers := list -}}
+{{- range prepend (.Values.policy.extra | default list) (dict "routing" .Values.policy.routing) -}}
+{{- $routing := .routing | default dict -}}
+{{- range ($routing.sessionHeaders | default list) -}}
+{{- $headers = append $headers (lower .) -}}
+{{- end -}}
+{{- with $routing.tenantHeader -}}
+{{- $headers = append $headers (lower .) -}}
+{{- end -}}
+{{- end -}}
+{{- range (.Values.envoy.forwardHeaders | default list) -}}
+{{- $headers = append $headers (lower .) -}}
+{{- end -}}
+{{- $headers | uniq | join "," -}}
+{{- end }}
