@@ -390,6 +390,29 @@ def test_the_policies_session_and_tenant_headers_reach_the_ext_proc(helm, tmp_pa
             assert f'"exact": "{header}"' in allowed, (transport, header)
 
 
+def test_tools_that_render_without_the_cluster_are_given_the_token_and_tls_secrets(helm, tmp_path):
+    """`helm template` and Argo CD render without the cluster's Secrets, so every render made a new
+    token and CA and pods restarted after a sync refused the others: existing Secrets are named."""
+    given = {
+        "envoy": {"grpcTokenSecret": "gw-token"},
+        "extproc": {"mtls": {"extprocSecret": "ep-tls", "envoySecret": "gw-tls"}},
+    }
+    docs = template(helm, tmp_path, given)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["kvroute-hash-key"]
+    volumes = {
+        d["metadata"]["name"]: {
+            v["name"]: v.get("secret", {}).get("secretName") for v in d["spec"]["template"]["spec"]["volumes"]
+        }
+        for d in docs
+        if d["kind"] == "Deployment" and d["metadata"]["name"] in ("kvroute-envoy", "kvroute-extproc")
+    }
+    assert volumes["kvroute-envoy"]["grpc-token"] == volumes["kvroute-extproc"]["grpc-token"] == "gw-token"
+    assert volumes["kvroute-envoy"]["extproc-tls"] == "gw-tls"
+    assert "ep-tls" in volumes["kvroute-extproc"].values()
+    with pytest.raises(AssertionError, match="go together"):
+        template(helm, tmp_path, {"extproc": {"mtls": {"extprocSecret": "ep-tls"}}})
+
+
 def test_envoy_fails_open_unless_told_not_to(helm, tmp_path):
     for fail_open in (True, False):
         docs = template(helm, tmp_path, {"envoy": {"failOpen": fail_open}})

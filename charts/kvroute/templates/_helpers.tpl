@@ -44,6 +44,27 @@ redis://{{ .Release.Name }}-replica-store.{{ .Release.Namespace }}.svc.{{ .Value
 {{- if and .Values.envoy.enabled .Values.extproc.mtls.enabled }}true{{ end -}}
 {{- end }}
 
+{{- /* The Secrets of the stream token and of each side's TLS: given, else the chart's own. */}}
+{{- define "kvroute.grpcTokenSecret" -}}
+{{- .Values.envoy.grpcTokenSecret | default (printf "%s-grpc-token" .Release.Name) -}}
+{{- end }}
+
+{{- define "kvroute.tlsSecretsGiven" -}}
+{{- $mtls := .Values.extproc.mtls -}}
+{{- if ne (empty $mtls.extprocSecret) (empty $mtls.envoySecret) -}}
+{{ fail "extproc.mtls.extprocSecret and extproc.mtls.envoySecret go together (one CA signs both)" }}
+{{- end -}}
+{{- if $mtls.extprocSecret }}true{{ end -}}
+{{- end }}
+
+{{- define "kvroute.extprocTlsSecret" -}}
+{{- .Values.extproc.mtls.extprocSecret | default (printf "%s-extproc-tls" .Release.Name) -}}
+{{- end }}
+
+{{- define "kvroute.envoyTlsSecret" -}}
+{{- .Values.extproc.mtls.envoySecret | default (printf "%s-envoy-tls" .Release.Name) -}}
+{{- end }}
+
 {{- /* The ext_proc's gRPC port in its Services: TLS as a picker or with mutual TLS, else h2c. */}}
 {{- define "kvroute.grpcServicePort" -}}
 {{- if or .Values.inferencePool.enabled (include "kvroute.mtls" .) -}}
