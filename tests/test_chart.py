@@ -127,7 +127,10 @@ def test_rendered_builtin_objects_are_valid(helm, tmp_path, values):
 
 
 def test_defaults_render_everything(helm, tmp_path):
-    assert kinds(template(helm, tmp_path)) == [
+    docs = template(helm, tmp_path)
+    budgets = [d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert all(b["unhealthyPodEvictionPolicy"] == "AlwaysAllow" for b in budgets)  # unready pods never hold a drain
+    assert kinds(docs) == [
         "ClusterKopfPeering/kvroute",
         "ClusterRole/kvroute-controller",
         "ClusterRoleBinding/kvroute-controller",
