@@ -5,6 +5,7 @@ the live control plane."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -799,9 +800,11 @@ def test_the_charts_generated_certificates_carry_a_real_mutual_tls_stream(helm, 
 def test_envoys_pre_stop_drains_keep_alive_connections_and_goes_on_serving(helm, tmp_path):
     """The Envoy pod's preStop, run as the chart and the manifests write it, against a real Envoy
     started with the container's drain flags: a kept-alive client's next response closes its
-    connection (so it reconnects, to another pod once endpoints update), and a new one is served.
-    Before, the pod only slept: with --disable-hot-restart, --drain-time-s acts only once
-    /drain_listeners is called, so clients kept their connections until SIGTERM reset them."""
+    connection (so it reconnects, to another pod once endpoints update), a new one is served, and
+    the preStop returns once the requests in flight have ended, not before. Before, the pod only
+    slept: with --disable-hot-restart, --drain-time-s acts only once /drain_listeners is called,
+    so clients kept their connections until SIGTERM reset them; then it drained and slept 60 s,
+    cutting a completion streamed longer."""
     import http.client
     import http.server
     import subprocess
@@ -821,13 +824,16 @@ def test_envoys_pre_stop_drains_keep_alive_connections_and_goes_on_serving(helm,
     plain = envoy_container([d for d in yaml.safe_load_all((ROOT / "manifests" / "envoy.yaml").read_text()) if d])
     assert (chart["args"], chart["lifecycle"]) == (plain["args"], plain["lifecycle"])
     sh, flag, script = chart["lifecycle"]["preStop"]["exec"]["command"]
-    assert (sh, flag) == ("sh", "-c") and script.endswith("; sleep 60")
+    assert (sh, flag) == ("sh", "-c") and script.endswith("|| sleep 60")  # (without bash, the wait alone)
+    assert chart["args"][chart["args"].index("--drain-time-s") + 1] == "60"
     drain = chart["args"][chart["args"].index("--drain-time-s") :]
 
     class Backend(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
+            if self.path == "/slow":  # a completion still streaming when the pod is told to stop
+                time.sleep(3)
             self.send_response(200)
             self.send_header("content-length", "2")
             self.end_headers()
@@ -850,8 +856,8 @@ def test_envoys_pre_stop_drains_keep_alive_connections_and_goes_on_serving(helm,
     kept = http.client.HTTPConnection("127.0.0.1", listen_port, timeout=10)
     try:
 
-        def answered(connection: http.client.HTTPConnection) -> str | None:
-            connection.request("GET", "/")
+        def answered(connection: http.client.HTTPConnection, path: str = "/") -> str | None:
+            connection.request("GET", path)
             response = connection.getresponse()
             response.read()
             assert response.status == 200
@@ -859,10 +865,23 @@ def test_envoys_pre_stop_drains_keep_alive_connections_and_goes_on_serving(helm,
 
         eventually(lambda: _serves(listen_port), message="Envoy serving")
         assert answered(kept) is None  # kept alive
-        here = script.replace("/tcp/127.0.0.1/9901", f"/tcp/127.0.0.1/{admin_port}").replace("sleep 60", "sleep 0")
+        here = script.replace("/tcp/127.0.0.1/9901", f"/tcp/127.0.0.1/{admin_port}").replace("sleep 10", "sleep 0")
+        slow: list[float] = []
+        streaming = threading.Thread(
+            target=lambda: (answered(http.client.HTTPConnection("127.0.0.1", listen_port, timeout=10), "/slow"),
+                            slow.append(time.monotonic())),
+        )  # fmt: skip
+        streaming.start()
+        time.sleep(0.5)  # in flight
         subprocess.run([sh, flag, here], check=True, timeout=30)
+        returned = time.monotonic()
+        streaming.join(timeout=10)
+        assert slow and returned >= slow[0]  # not before the request in flight had ended
         assert answered(kept) == "close"
         assert answered(http.client.HTTPConnection("127.0.0.1", listen_port, timeout=10)) == "close"
+        started = time.monotonic()
+        subprocess.run([sh, flag, here], check=True, timeout=30)  # nothing in flight: at once
+        assert time.monotonic() - started < 5
     finally:
         kept.close()
         envoy.terminate()

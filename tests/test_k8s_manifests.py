@@ -219,4 +219,4 @@ def test_deployments_become_replicasets_and_pods_with_the_specs_as_stored(cluste
             assert spec["automountServiceAccountToken"] is False
             drain = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]  # run in tests/test_chart.py
             assert drain[:2] == ["sh", "-c"] and "/drain_listeners?graceful" in drain[2]
-            assert drain[2].endswith("sleep 60") and spec["terminationGracePeriodSeconds"] > 60
+            assert "sleep 10" in drain[2] and "seq 75" in drain[2] and spec["terminationGracePeriodSeconds"] > 10 + 75
