@@ -640,6 +640,8 @@ def test_a_tokenizer_volume_is_mounted_read_only_for_precise_mode(helm, tmp_path
     assert {"name": "tokenizer", **volume} in pod["volumes"]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tokenizer")
     assert mount == {"name": "tokenizer", "mountPath": "/etc/kvroute/tokenizer", "readOnly": True}
+    args = pod["containers"][0]["args"]  # the path declared once: where it is mounted is where it is read
+    assert args[args.index("--tokenizer-path") + 1] == "/etc/kvroute/tokenizer"
     plain = template(helm, tmp_path)
     extproc = next(d for d in plain if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute-extproc")
     assert all(v["name"] != "tokenizer" for v in extproc["spec"]["template"]["spec"]["volumes"])
