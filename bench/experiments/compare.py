@@ -175,6 +175,8 @@ def run_router(
         summary["exited"] = router.exited()
         if summary["exited"]:
             log.error("%s: %s exited during the run: its figures are void", name, ", ".join(summary["exited"]))
+        if summary.get("errors"):  # their time is in no percentile: a router that refuses looks faster
+            log.warning("%s: %d requests failed; its TTFT and E2E figures leave them out", name, summary["errors"])
     finally:
         router.stop()
     records = summary.pop("records")
