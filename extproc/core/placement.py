@@ -39,6 +39,7 @@ Pure: the runtime (extproc/runtime/placer.py) carries the moves out and reports 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -110,7 +111,7 @@ class AdapterPlacement:
         self._left_at: dict[str, tuple[float, str]] = {}
         self._unload_failures: dict[str, int] = {}  # adapter -> failed unloads of its old copy
         self._balanced_at = _NEVER
-        self.counts: dict[tuple[str, str], int] = {}  # (load|unload, ok|failed|called_off) -> moves
+        self.counts: Counter[tuple[str, str]] = Counter()  # (load|unload, ok|failed|called_off) -> moves
 
     def wanted(self, settings: Settings, adapter: str, now: float) -> bool:
         """A request names `adapter`: True if placement may load it (the policy names it); its
@@ -143,7 +144,7 @@ class AdapterPlacement:
             del self._demand[gone]
             self._moved_at.pop(gone, None)
         for adapter in [a for a, origin in self._moving.items() if a not in names or origin not in backends]:
-            book.leave(self._end_move(adapter), adapter, False)
+            self._stay(book, adapter)
         moves: list[Move] = []
         planned: dict[str, float] = {}  # backend -> demand of the adapters this round loads there
         round_ = _Round(settings, book, loads, backends, now)
@@ -151,7 +152,7 @@ class AdapterPlacement:
             if adapter in self._pending:
                 continue
             if adapter in self._moving and self._crowded(round_, adapter):  # a spike while a copy
-                book.leave(self._end_move(adapter), adapter, False)  # goes: it serves again instead
+                self._stay(book, adapter)  # goes: it serves again instead
             if adapter in self._moving:
                 move = self._move_off(round_, adapter, path)
             else:
@@ -188,7 +189,7 @@ class AdapterPlacement:
         self._pending.discard(move.adapter)
         key = (move.backend, move.adapter)
         outcome = ("load" if move.load else "unload", "ok" if ok else "failed")
-        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        self.counts[outcome] += 1
         if ok:
             self._changed_at[key] = now
             self._used_at[key] = now
@@ -209,6 +210,10 @@ class AdapterPlacement:
         self._left_at.pop(adapter, None)
         self._unload_failures.pop(adapter, None)
         return self._moving.pop(adapter)
+
+    def _stay(self, book: AdapterBook, adapter: str) -> None:
+        """Call a move of `adapter` off: the copy it was taking off serves again (both copies stay)."""
+        book.leave(self._end_move(adapter), adapter, False)
 
     def moving_off(self) -> dict[str, tuple[str, str]]:
         """Adapter -> (the server its copy is being taken off, by a balance move or as idle; a
@@ -234,9 +239,9 @@ class AdapterPlacement:
             target is None
             or self._unload_failures.get(adapter, 0) >= UNLOAD_TRIES
             or now - left_at > DRAIN_LIMIT_S  # a count that never ends would block every balance move
-        ):  # called off: both copies stay
-            book.leave(self._end_move(adapter), adapter, False)
-            self.counts[("unload", "called_off")] = self.counts.get(("unload", "called_off"), 0) + 1
+        ):
+            self._stay(book, adapter)
+            self.counts[("unload", "called_off")] += 1
             return None
         if adapter not in self._left_at:  # sibling replicas hear of it (`moving_off`) before the unload
             book.leave(origin, adapter)
