@@ -245,8 +245,8 @@ class RedisLink:
         self._peer_sent: dict[tuple[str, str], int] = {}  # (replica, backend) -> bytes it last reported
         self._peers_for: tuple[Backend, ...] | None = None  # the pool the peers' load was last handed over for
         self._flows = flows
-        # replica -> (when heard, its attained cost by band and flow, its held requests)
-        self._peer_flows: dict[str, tuple[float, Shares]] = {}
+        # replica -> (when heard, its held requests, its heads by band); what it served: `_served`
+        self._peer_flows: dict[str, tuple[float, int, dict[int, float]]] = {}
         self._served = SiblingsServed()  # what they served each flow, kept while they are unheard
         self.connected = False
         # replaying the stream at (re)connection: what this replica learns meanwhile waits in the
@@ -398,20 +398,18 @@ class RedisLink:
     async def _replay(self, offset: float) -> bytes:
         """Apply the stream as it stands (a snapshot of what siblings learned and bound), or on a
         reconnection what was added since the last entry applied; return the id to follow from."""
-        after = b"-" if self._events_from is None else b"(" + self._events_from
-        last = self._events_from or b"0-0"
         work = 0
         while True:
+            after = b"-" if self._events_from is None else b"(" + self._events_from
             entries = cast(_Entries, await self._client.xrange(self._events_key, min=after, count=1000))
             for entry_id, fields in entries:
                 work += self._apply(entry_id, fields, offset)
-                last = self._events_from = entry_id
+                self._events_from = entry_id
                 if work >= APPLY_BLOCKS:
                     work = 0
                     await asyncio.sleep(0)  # a long stream must not hold the requests being routed
             if len(entries) < 1000:
-                return last
-            after = b"(" + last
+                return self._events_from or b"0-0"
 
     async def _follow(self, events_from: bytes, load_from: bytes, offset: float) -> None:
         ids: dict[KeyT, StreamIdT] = {
@@ -492,11 +490,11 @@ class RedisLink:
                 self._router.loads.update_peers({b: load for b, load in changed.items() if self._pool.is_known(b)})
         if self._flows is None:
             return
-        for replica in [r for r, (seen, _) in self._peer_flows.items() if now - seen > self._peers.max_age_s]:
+        for replica in [r for r, (seen, _, _) in self._peer_flows.items() if now - seen > self._peers.max_age_s]:
             del self._peer_flows[replica]
         held = 0
         heads: dict[int, float] = {}
-        for _, (_, count, turns) in self._peer_flows.values():
+        for _, count, turns in self._peer_flows.values():
             held += count
             for band, value in turns.items():
                 heads[band] = min(value, heads.get(band, value))
@@ -514,9 +512,10 @@ class RedisLink:
             if replica == self.replica:
                 return work
             if kind == FLOWS:
-                shares = _flow_shares(payload)
-                self._peer_flows[replica] = (self._clock(), shares)
-                self._served.heard(replica, shares[0], self._clock())
+                attained, held, heads = _flow_shares(payload)
+                heard = self._clock()
+                self._peer_flows[replica] = (heard, held, heads)
+                self._served.heard(replica, attained, heard)
                 return work
             if kind in (LOAD, LOAD_DELTA):
                 vector = _load_vector(payload, self._pool.is_known)
