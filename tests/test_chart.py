@@ -133,8 +133,8 @@ def test_defaults_render_everything(helm, tmp_path):
     assert all(b["unhealthyPodEvictionPolicy"] == "AlwaysAllow" for b in budgets)  # unready pods never hold a drain
     assert kinds(docs) == [
         "ClusterKopfPeering/kvroute",
-        "ClusterRole/kvroute-controller",
-        "ClusterRoleBinding/kvroute-controller",
+        "ClusterRole/kvroute-kvroute-controller",
+        "ClusterRoleBinding/kvroute-kvroute-controller",
         "CustomResourceDefinition/clusterkopfpeerings.kopf.dev",
         "CustomResourceDefinition/kvroutingpolicies.kvroute.io",
         "Deployment/kvroute-controller",
@@ -143,12 +143,12 @@ def test_defaults_render_everything(helm, tmp_path):
         "KVRoutingPolicy/default",
         "NetworkPolicy/kvroute-controller",
         "NetworkPolicy/kvroute-extproc",
-        "NetworkPolicy/kvroute-vllm",
+        "NetworkPolicy/kvroute-kvroute-vllm",
         "PodDisruptionBudget/kvroute-controller",
         "PodDisruptionBudget/kvroute-envoy",
         "PodDisruptionBudget/kvroute-extproc",
-        "Role/kvroute-extproc",
-        "RoleBinding/kvroute-extproc",
+        "Role/kvroute-kvroute-extproc",
+        "RoleBinding/kvroute-kvroute-extproc",
         "Secret/kvroute-envoy-tls",
         "Secret/kvroute-extproc-tls",
         "Secret/kvroute-grpc-token",
@@ -592,7 +592,7 @@ def test_the_vllm_pods_admit_envoy_the_ext_proc_and_the_scrapers_only(helm, tmp_
 
     def admitted(values: dict[str, Any]) -> dict[str, list[object]]:
         policies = [d for d in template(helm, tmp_path, values) if d["kind"] == "NetworkPolicy"]
-        fleets = [p for p in policies if p["metadata"]["name"].startswith("kvroute-vllm")]
+        fleets = [p for p in policies if "-vllm" in p["metadata"]["name"]]
         return {
             p["metadata"]["name"]: [
                 peer.get("podSelector", {}).get("matchLabels", {}).get(COMPONENT)
@@ -605,9 +605,9 @@ def test_the_vllm_pods_admit_envoy_the_ext_proc_and_the_scrapers_only(helm, tmp_
         }
 
     monitoring = {"kubernetes.io/metadata.name": "monitoring"}
-    assert admitted({}) == {"kvroute-vllm": ["envoy", "extproc", {"app": "vllm"}, monitoring]}
+    assert admitted({}) == {"kvroute-kvroute-vllm": ["envoy", "extproc", {"app": "vllm"}, monitoring]}
     extra = {"policy": {"extra": [{"name": "code", "selector": {"matchLabels": {"app": "vllm-code"}}}]}}
-    assert admitted(extra)["kvroute-vllm-code"] == ["envoy", "extproc", {"app": "vllm-code"}, monitoring]
+    assert admitted(extra)["kvroute-kvroute-vllm-code"] == ["envoy", "extproc", {"app": "vllm-code"}, monitoring]
     gateway = {"kubernetes.io/metadata.name": "envoy-gateway-system"}
     assert admitted(PICKER) == {"kvroute-vllm": [gateway, "extproc", {"app": "vllm"}, monitoring]}
     # an existing policy taken by name: its pods' labels are still needed, or the NetworkPolicy
@@ -615,7 +615,7 @@ def test_the_vllm_pods_admit_envoy_the_ext_proc_and_the_scrapers_only(helm, tmp_
     by_name = {"policy": {"create": False, "extra": [{"name": "code"}]}}
     with pytest.raises(AssertionError, match=r"needs the labels of policy\.extra code's pods"):
         template(helm, tmp_path, by_name)
-    assert "kvroute-vllm-code" not in admitted({**by_name, "networkPolicies": {"enabled": False}})
+    assert "kvroute-kvroute-vllm-code" not in admitted({**by_name, "networkPolicies": {"enabled": False}})
 
 
 def test_a_second_release_leaves_the_clusters_peering_to_the_first_and_the_tag_defaults(helm, tmp_path):
@@ -668,9 +668,9 @@ def test_chart_matches_the_plain_manifests(helm, tmp_path):
                     sorted(p.get("podSelector", {}).get("matchLabels", {}).get(COMPONENT, "") for p in r["from"])
                     for r in rules
                 ]
-                out.append(
-                    (d["metadata"]["name"], [r.get("ports") for r in rules], peers, d["spec"].get("maxUnavailable"))
-                )
+                # (the chart's names for objects in the vLLM namespace carry the release's namespace)
+                name = d["metadata"]["name"].replace("kvroute-kvroute-", "kvroute-")
+                out.append((name, [r.get("ports") for r in rules], peers, d["spec"].get("maxUnavailable")))
         return sorted(out, key=str)
 
     for kind in ("NetworkPolicy", "PodDisruptionBudget"):
@@ -686,7 +686,8 @@ def release(control_plane: ControlPlane):
     control_plane.kubectl("create", "namespace", "chart-llm")
     yield control_plane
     control_plane.helm("uninstall", "kvroute", "-n", "chart", "--wait=false", check=False)
-    control_plane.kubectl("delete", "namespace", "chart", "chart-llm", "--wait=false", check=False)
+    control_plane.helm("uninstall", "kvroute", "-n", "chart-b", "--wait=false", check=False)
+    control_plane.kubectl("delete", "namespace", "chart", "chart-b", "chart-llm", "--wait=false", check=False)
 
 
 def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, tmp_path: Path):
@@ -703,6 +704,18 @@ def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, t
     assert cp.get("crd", "kvroutingpolicies.kvroute.io")["spec"]["group"] == "kvroute.io"
     policy = cp.get("kvrp", "default", "-n", "chart-llm")
     assert policy["spec"]["routing"]["blockSize"] == 512
+
+    # A release of the same name in another namespace, routing to the same vLLM namespace: until
+    # 2026-12-07 its install failed on the first one's ClusterRole, Role and NetworkPolicy.
+    second = tmp_path / "second.yaml"
+    second.write_text(
+        yaml.safe_dump({"policy": {"namespace": "chart-llm", "create": False}, "controller": {"createPeering": False}})
+    )
+    cp.helm("install", "kvroute", str(CHART), "-n", "chart-b", "--create-namespace", "-f", str(second), "--wait=false")
+    assert cp.get("clusterrolebinding", "kvroute-chart-b-controller")["subjects"][0]["namespace"] == "chart-b"
+    assert cp.get("rolebinding", "kvroute-chart-b-extproc", "-n", "chart-llm")["subjects"][0]["namespace"] == "chart-b"
+    assert cp.get("rolebinding", "kvroute-chart-extproc", "-n", "chart-llm")["subjects"][0]["namespace"] == "chart"
+    cp.helm("uninstall", "kvroute", "-n", "chart-b", "--wait=false")
 
     upgraded = {
         "policy": {"namespace": "chart-llm", "routing": {"blockSize": 1024}},
@@ -733,7 +746,7 @@ def test_install_upgrade_uninstall_on_a_live_api_server(release: ControlPlane, t
         message="the release's namespaced objects are gone",
     )
     assert cp.kubectl("get", "serviceaccount", "kvroute-controller", "-n", "chart", check=False).returncode != 0
-    assert cp.kubectl("get", "clusterrole", "kvroute-controller", check=False).returncode != 0
+    assert cp.kubectl("get", "clusterrole", "kvroute-chart-controller", check=False).returncode != 0
     assert cp.kubectl("get", "kvrp", "default", "-n", "chart-llm", check=False).returncode != 0
 
 

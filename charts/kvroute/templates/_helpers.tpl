@@ -4,6 +4,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- end }}
 
+{{- /* The name of an object that releases of the same name in other namespaces could also write:
+cluster-scoped ones, and those in policy.namespace when it is not the release's. Such names carry the
+release's namespace, so two releases called kvroute in two namespaces install side by side.
+Called with (list $ suffix) for policy.namespace, (list $ suffix true) for the cluster. */}}
+{{- define "kvroute.sharedName" -}}
+{{- $ := index . 0 -}}
+{{- $cluster := gt (len .) 2 -}}
+{{- if or $cluster (ne $.Values.policy.namespace $.Release.Namespace) -}}
+{{ $.Release.Name }}-{{ $.Release.Namespace }}-{{ index . 1 }}
+{{- else -}}
+{{ $.Release.Name }}-{{ index . 1 }}
+{{- end -}}
+{{- end }}
+
 {{- /* The replica store: the one this release deploys, or the one the values name. */}}
 {{- define "kvroute.replicaStoreURL" -}}
 {{- $store := .Values.extproc.replicaStore -}}
