@@ -45,6 +45,7 @@ class RedisServer:
                 if self.process.poll() is not None:
                     raise RuntimeError((self.workdir / "redis.log").read_text()) from None
                 time.sleep(0.02)
+        self.stop()  # the caller's teardown never runs for a server that did not start
         raise RuntimeError("redis-server did not start")
 
     def stop(self) -> None:
