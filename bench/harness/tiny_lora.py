@@ -37,9 +37,6 @@ def build(out: Path, name: str) -> Path:
             key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             weights[f"{key}.lora_A.weight"] = torch.randn(RANK, HIDDEN, generator=generator) * SCALE
             weights[f"{key}.lora_B.weight"] = torch.randn(features, RANK, generator=generator) * SCALE
-    save_file(
-        {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(folder / "adapter_model.safetensors")
-    )
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -53,6 +50,10 @@ def build(out: Path, name: str) -> Path:
         "base_model_name_or_path": None,
     }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    # the weights last, whole or not at all: their presence is what says the adapter is built
+    partial = folder / "adapter_model.safetensors.tmp"
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(partial))
+    partial.replace(folder / "adapter_model.safetensors")
     return folder
 
 

@@ -86,7 +86,6 @@ def _weights(out: Path) -> None:
             p + "input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
         }
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(
         json.dumps(
             {
@@ -109,13 +108,16 @@ def _weights(out: Path) -> None:
             }
         )
     )
+    # the weights last, whole or not at all: their presence is what says the model is built
+    save_file(tensors, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
+    (out / "model.safetensors.tmp").replace(out / "model.safetensors")
 
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_files(out)
-    _weights(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    _weights(out)
 
 
 if __name__ == "__main__":
