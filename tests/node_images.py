@@ -16,10 +16,12 @@ tests.node_images` builds them all and prints their sizes.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from bench.harness.venvs import cache_root
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_NODE = ROOT / "tests" / "k8s" / "node" / "build"
 CACHE = cache_root()
+ARCHIVE_KEPT_S = 86400  # another version's image archive not used for this long is removed
 DEBIAN_SUITE = "bookworm"
 # with its updates and security fixes, as this machine's own sources (and so the same candidates)
 DEBIAN_SOURCES = (
@@ -120,13 +123,15 @@ class Builder:
         return self.out / f"{image}-{digest}.tar"
 
     def export(self, image: str, digest: str) -> Path:
-        """The image as an OCI archive (what `ctr images import` takes), replacing older ones."""
+        """The image as an OCI archive (what `ctr images import` takes). Other versions' archives go
+        once unused for ARCHIVE_KEPT_S: another clone's suite may be about to import one."""
         path = self.archive(image, digest)
         tmp = path.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)
         self.buildah("push", *self.policy, IMAGE_NAMES[image], f"oci-archive:{tmp}:{IMAGE_NAMES[image]}")
         for old in self.out.glob(f"{image}-*.tar"):
-            old.unlink()
+            if time.time() - old.stat().st_mtime > ARCHIVE_KEPT_S:
+                old.unlink()
         tmp.rename(path)
         return path
 
@@ -150,13 +155,23 @@ class Builder:
 
 def build_images(programs: Path) -> dict[str, Path]:
     """Every image the node and the chart need, built where missing or stale with the node's
-    programs (`node_programs()`): each image's OCI archive, by the keys of IMAGE_NAMES."""
+    programs (`node_programs()`): each image's OCI archive, by the keys of IMAGE_NAMES. One
+    process at a time: buildah's store is shared, and emptied at the end."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with (CACHE / "buildah.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_images(programs)
+
+
+def _build_images(programs: Path) -> dict[str, Path]:
     builder = Builder(programs)
     archives: dict[str, Path] = {}
 
     def fresh(image: str, digest: str) -> bool:
-        if builder.archive(image, digest).exists():
-            archives[image] = builder.archive(image, digest)
+        path = builder.archive(image, digest)
+        if path.exists():
+            os.utime(path)  # in use: kept by other versions' builds (export)
+            archives[image] = path
             return True
         return False
 
