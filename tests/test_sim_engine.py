@@ -4,6 +4,7 @@ block pool holds meanwhile. Steps are planned and ended by hand, so nothing here
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -204,3 +205,55 @@ def test_a_step_that_raises_fails_every_request_in_the_engine_and_the_next_submi
 
     assert asyncio.run(scenario()) == [0]  # served by a fresh loop
     assert running_out == [0, ENGINE_FAILED] and waiting_out == [ENGINE_FAILED]
+
+
+def test_a_step_publishes_one_batch_after_it_ran_with_the_blocks_of_a_request_whose_client_left():
+    """As vLLM's scheduler: the step's events (evictions, stores) go out together once it ran, and a
+    request cancelled during the step still reports the blocks it cached when it was planned (a
+    later request hits them; before, their store was never sent, and only their removal was)."""
+    import msgpack
+    import zmq
+
+    from bench.simulator.sim_events import EventPublisher
+
+    events = EventPublisher("127.0.0.1")
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{events.port}")
+        built = Engine(
+            BlockPool(4),
+            BLOCK,
+            8,
+            16,
+            StepCost(0.0, 0.0, 0.0),
+            events,
+            on_admit=lambda r: None,
+            on_preempt=lambda: None,
+        )
+
+        def batches() -> list[list[str]]:
+            out = []
+            while sub.poll(300):
+                frames = sub.recv_multipart()
+                ts, batch, rank = msgpack.unpackb(frames[2])
+                assert rank == 0 and ts > 0
+                out.append([event["type"] for event in batch])
+            return out
+
+        time.sleep(0.3)  # ZMQ's slow joiner
+        first, _ = request([1] * 9)  # 2 full blocks (the 9th token's block is not full)
+        built.waiting.append(first)
+        planned = built.plan_step()
+        assert batches() == []  # nothing before the step ran
+        built.finish(first)  # the client left during the step
+        built.end_step(planned)
+        assert batches() == [["BlockStored"]]
+        second, _ = request([2] * 16)  # the whole pool: evicts the first's two blocks
+        built.waiting.append(second)
+        step(built)
+        assert batches() == [["BlockRemoved", "BlockStored"]]
+    finally:
+        context.destroy(linger=0)
+        events.close()

@@ -302,6 +302,8 @@ class Engine:
             if step:
                 self._events.step()  # what the engine queued (a cache clear) goes out with the step
             self._events.removed(evicted)
+            if not step:
+                self._events.publish()
         return step
 
     def _swap_in(self, step: Sequence[Request]) -> int:
@@ -322,12 +324,13 @@ class Engine:
         return swaps
 
     def end_step(self, step: Sequence[Request]) -> None:
-        """The step ran: report its stored blocks, hand out its tokens, free what finished."""
+        """The step ran: report its stored blocks (also those of a request whose client left during
+        the step: they were cached when it was planned), hand out its tokens, free what finished."""
         firsts = []
         for request in step:
+            self._report(request)
             if request.ended:  # its client left during the step
                 continue
-            self._report(request)
             if request.prompt_left:
                 continue
             request.generated += 1
@@ -337,6 +340,8 @@ class Engine:
             if request.generated >= request.output_tokens:
                 self.finish(request)  # before the next step is planned, as vLLM frees it
             request.emit(request.generated - 1)
+        if self._events is not None:
+            self._events.publish()
         self._on_step(sum(request.scheduled for request in step), firsts)
 
     @staticmethod

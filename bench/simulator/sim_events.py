@@ -1,10 +1,12 @@
 """KV cache events from a simulated backend, published as vLLM publishes them.
 
-vLLM started with `--kv-events-config` binds a ZMQ PUB socket and sends, per engine step, three
+vLLM started with `--kv-events-config` binds a ZMQ PUB socket and sends, once per engine step
+that queued any (after the step, vllm/v1/core/sched/scheduler.py `update_from_output`), three
 frames: the topic, an 8-byte big-endian sequence number and a msgpack `[timestamp, events,
-data_parallel_rank]`, each event a map with a `type` (`BlockStored`, `BlockRemoved`,
-`AllBlocksCleared`); `GET /kv_event_sources` says where. The simulator does the same so a
-router that follows engine events (kvroute's prefill progress) behaves on it as on vLLM.
+data_parallel_rank]` (rank 0 without data parallelism), each event a map with a `type`
+(`BlockStored`, `BlockRemoved`, `AllBlocksCleared`); `GET /kv_event_sources` says where. The
+simulator does the same so a router that follows engine events (kvroute's prefill progress)
+behaves on it as on vLLM.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class EventPublisher:
         self.port = self._socket.bind_to_random_port(f"tcp://{host}")
         self._sequence = 0
         self._clear_pending = False
+        self._batch: list[dict[str, Any]] = []  # the step's events, until it ends
 
     def sources(self) -> dict[str, Any]:
         """The `/kv_event_sources` answer: one publisher, bound on every address like vLLM's `tcp://*`."""
@@ -43,12 +46,14 @@ class EventPublisher:
             event = {"type": "BlockStored", "block_hashes": [h & _HASH_MASK for h in hashes]}
             event.update(parent_block_hash=None if parent is None else parent & _HASH_MASK, token_ids=list(tokens))
             event.update(block_size=block_size, lora_id=None, medium="GPU", lora_name=None)
-            self._send(event)
+            self._batch.append(event)
 
     def removed(self, hashes: Sequence[int]) -> None:
         """Blocks the engine evicted."""
         if hashes:
-            self._send({"type": "BlockRemoved", "block_hashes": [h & _HASH_MASK for h in hashes], "medium": "GPU"})
+            self._batch.append(
+                {"type": "BlockRemoved", "block_hashes": [h & _HASH_MASK for h in hashes], "medium": "GPU"}
+            )
 
     def cleared(self) -> None:
         """The cache was reset: vLLM queues the event and publishes it with its next step (`step`),
@@ -56,14 +61,18 @@ class EventPublisher:
         self._clear_pending = True
 
     def step(self) -> None:
-        """The engine schedules a step: what it queued since the last one goes out first."""
+        """The engine schedules a step: what it queued since the last one comes first in its batch."""
         if self._clear_pending:
             self._clear_pending = False
-            self._send({"type": "AllBlocksCleared"})
+            self._batch.append({"type": "AllBlocksCleared"})
 
-    def _send(self, event: dict[str, Any]) -> None:
-        """One event per batch; a PUB socket never blocks (a slow subscriber loses messages, as on vLLM)."""
-        frames = [TOPIC, self._sequence.to_bytes(8, "big"), msgpack.packb([time.time(), [event], None])]
+    def publish(self) -> None:
+        """The step ran: its events go out as one batch (none: nothing is sent). A PUB socket never
+        blocks (a slow subscriber loses messages, as on vLLM)."""
+        if not self._batch:
+            return
+        frames = [TOPIC, self._sequence.to_bytes(8, "big"), msgpack.packb([time.time(), self._batch, 0])]
+        self._batch = []
         self._sequence += 1
         with contextlib.suppress(zmq.Again):
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
