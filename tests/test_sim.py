@@ -259,6 +259,48 @@ def test_kv_events_report_what_the_cache_stores_evicts_and_clears_as_vllm_publis
     assert config_from_args(parser.parse_args(["--port", "1", "--kv-events"])).kv_events
 
 
+def test_kv_events_carry_the_adapter_and_cache_salt_as_vllm_so_precise_keys_match_the_requests():
+    """vLLM publishes each block's extra keys (the LoRA name on every block, the cache_salt on the
+    first) and the LoRA name; kvroute's precise index keys blocks by them. The simulator sent none,
+    so on it an adapter's or a salted prompt's blocks were indexed as the base model's."""
+    import zmq
+    import zmq.asyncio
+
+    from extproc.core.chain import TokenHasher
+    from extproc.core.engine import BlockStored
+    from extproc.core.modes import _extra_keys
+    from extproc.core.precise import PreciseIndex
+    from extproc.vllm.events import decode
+
+    ids = list(range(1000, 1020))  # 5 full blocks of 4
+
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        async with session.get(urls[0] + "/kv_event_sources") as response:
+            (source,) = (await response.json()).values()
+        context = zmq.asyncio.Context()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(source["endpoint"].replace("*", "127.0.0.1"))
+        await asyncio.sleep(0.3)  # ZMQ's slow joiner
+        try:
+            for body in ({"model": "ada"}, {"model": "ada", "cache_salt": "s1"}, {"cache_salt": "s1"}, {}):
+                await cached(session, urls[0], {**body, "prompt": ids})
+            events: list[BlockStored] = []
+            while len(events) < 4:
+                batch = decode(await asyncio.wait_for(sub.recv_multipart(), 5))
+                events += [e for e in batch.events if isinstance(e, BlockStored)]
+        finally:
+            context.destroy(linger=0)
+        assert [e.lora_name for e in events] == ["ada", "ada", None, None]
+        assert events[1].extra_keys[:2] == (("ada", "s1"), ("ada",)) and events[2].extra_keys[0] == ("s1",)
+        hasher = TokenHasher(b"k" * 16)
+        for event, (lora, salt) in zip(events, [("ada", None), ("ada", "s1"), (None, "s1"), (None, None)], strict=True):
+            index = PreciseIndex(hasher, 1000)
+            assert index.stored("b", event) == hasher.chain(ids, 4, _extra_keys(lora, salt, 5))
+
+    run(test, SimConfig(block_size=4, token_s=0.0, step_s=0.0, kv_events=True, lora_modules="ada"))
+
+
 def test_media_and_cache_salt_key_the_blocks_like_vllm():
     async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
         url = urls[0]

@@ -182,6 +182,7 @@ class _Prompt:
     tokens: list[int]
     extra_keys: dict[int, tuple[bytes, ...]]
     adapter: str | None = None  # the LoRA adapter computing it: its name keys every block, as in vLLM
+    salt: str | None = None  # its cache_salt (also in extra_keys[0]), for the KV events
 
 
 def tokenize(text: str) -> list[int]:
@@ -614,7 +615,7 @@ class SimBackend:
             block = offset // block_bytes
             extra_keys[block] = (*extra_keys.get(block, ()), key)
         adapter = body.get("model") if body.get("model") in self.adapters else None
-        return _Prompt(tokens, extra_keys, adapter)
+        return _Prompt(tokens, extra_keys, adapter, salt)
 
     def _completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -672,7 +673,9 @@ class SimBackend:
             raise _ApiError(400, f"the request needs more than the {self._pool.capacity} KV blocks there are")
         reply = _Reply.new(chat, prompt.adapter or self.config.model)
         out: asyncio.Queue[int] = asyncio.Queue()
-        job = Request(prompt.tokens, _block_hashes(prompt, size), length, out.put_nowait, adapter=prompt.adapter)
+        job = Request(
+            prompt.tokens, _block_hashes(prompt, size), length, out.put_nowait, adapter=prompt.adapter, salt=prompt.salt
+        )
         transfer = body.get("kv_transfer_params") if self.config.kv_connector else None
         transfer = transfer if isinstance(transfer, dict) else {}
         if transfer.get("do_remote_prefill") is True:  # decode: the prompt's blocks come from the prefill server

@@ -138,6 +138,7 @@ class Request:
     scheduled_at: float = 0.0  # when it was first scheduled: queued until then, prefilling after
     first_token_at: float = 0.0  # when the step that made its first output token ended
     adapter: str | None = None  # the LoRA adapter it runs with
+    salt: str | None = None  # its cache_salt, which keys its first block
 
     @property
     def prompt_left(self) -> int:
@@ -384,5 +385,6 @@ class Engine:
         if last > request.reported and self._events is not None:
             first = request.reported
             parent = request.hashes[first - 1] if first else None
-            self._events.stored(request.hashes[first:last], parent, request.tokens[first * size : last * size], size)
+            tokens = request.tokens[first * size : last * size]
+            self._events.stored(request.hashes[first:last], parent, tokens, size, first, request.adapter, request.salt)
         request.reported = max(request.reported, last)

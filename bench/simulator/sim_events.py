@@ -40,12 +40,30 @@ class EventPublisher:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.port}"}
         return {"0": {**config, "topic": TOPIC.decode()}}
 
-    def stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int) -> None:
-        """Blocks the engine computed and cached, in order (`tokens`: theirs, block_size each)."""
+    def stored(
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        tokens: Sequence[int],
+        block_size: int,
+        first: int = 0,
+        adapter: str | None = None,
+        salt: str | None = None,
+    ) -> None:
+        """Blocks the engine computed and cached, in order (`tokens`: theirs, block_size each; `first`:
+        the first one's index in the prompt), with the keys vLLM publishes beside their tokens: per
+        block the LoRA name, and the cache_salt on block 0 (vllm/v1/core/kv_cache_utils.py
+        `to_event_extra_keys`). Media keys are not published: the simulator's are not vLLM's
+        multimodal hashes. `lora_id` stays None: vLLM's is a number it assigns at load."""
         if hashes:
             event = {"type": "BlockStored", "block_hashes": [h & _HASH_MASK for h in hashes]}
             event.update(parent_block_hash=None if parent is None else parent & _HASH_MASK, token_ids=list(tokens))
-            event.update(block_size=block_size, lora_id=None, medium="GPU", lora_name=None)
+            event.update(block_size=block_size, lora_id=None, medium="GPU", lora_name=adapter)
+            extra = [
+                [*([adapter] if adapter else []), *([salt] if salt and i == 0 else [])] or None
+                for i in range(first, first + len(hashes))
+            ]
+            event.update(extra_keys=extra if any(extra) else None)
             self._batch.append(event)
 
     def removed(self, hashes: Sequence[int]) -> None:
