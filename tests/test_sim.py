@@ -395,14 +395,23 @@ def test_errors_are_openai_json():
             ("/v1/completions", {"model": "sim-model"}),
             ("/v1/completions", {"prompt": ""}),
             ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+            ("/v1/completions", {"prompt": "hi", "model": []}),  # was a 500 (an unhashable name)
             ("/tokenize", b""),
+            ("/v1/load_lora_adapter", b"{not json"),  # the runtime LoRA endpoints answered 500
+            ("/v1/load_lora_adapter", [1]),
+            ("/v1/load_lora_adapter", {"lora_name": "sim-model", "lora_path": "/a"}),  # the base model's name
+            ("/v1/load_lora_adapter", {"lora_name": "ada", "lora_path": "/a"}),  # served already
+            ("/v1/unload_lora_adapter", b"{not json"),
         ]:
             status, reply, _ = await post(session, url + path, body)
             assert status == 400, (path, body)
             assert set(reply["error"]) >= {"message", "type", "code"}
             assert reply["error"]["type"] == "BadRequestError" and reply["error"]["code"] == 400
+        inplace = {"lora_name": "ada", "lora_path": "/b", "load_inplace": True}
+        async with session.post(url + "/v1/load_lora_adapter", json=inplace) as response:
+            assert response.status == 200
 
-    run(test)
+    run(test, dataclasses.replace(FAST, runtime_lora=True, lora_modules="ada"))
 
 
 def test_what_vllm_refuses_at_once_is_refused_at_once():
@@ -548,6 +557,7 @@ def test_client_disconnect_frees_running_and_waiting_slots(stream: bool):
         third.cancel()
         samples = await wait_for(session, url, lambda samples: running(samples) == 0)
         assert samples['vllm:request_success_total{finished_reason="length",model_name="sim-model"}'] == 0
+        assert samples['vllm:request_success_total{finished_reason="abort",model_name="sim-model"}'] == 3  # as vLLM
 
     run(test, SimConfig(max_num_seqs=1, token_s=0.0, step_s=0.05))
 

@@ -41,7 +41,7 @@ from bench.simulator.sim_events import EventPublisher
 from bench.simulator.sim_transfer import Handoffs
 
 MAX_MODEL_LEN = 131_072
-"""Reported by /tokenize and /v1/models but not enforced: benchmarks send multi-MB prompts."""
+"""The default context length (`max_model_len`): a prompt plus its max_tokens past it gets a 400, as on vLLM."""
 
 _BYTES_PER_TOKEN = 4
 DEFAULT_TOKENIZER = "bytes"  # every 4 bytes a token: the exact arithmetic tests rely on
@@ -406,7 +406,9 @@ class SimBackend:
             buckets=(1, 64, 1024, 16384, 262144),
             registry=registry,
         ).labels(**model)
-        self._success = {reason: success.labels(finished_reason=reason, **model) for reason in ("stop", "length")}
+        # every reason vLLM 0.32 counts (vllm/v1/engine FinishReason), a client that left as "abort"
+        reasons = ("stop", "length", "abort", "error", "repetition")
+        self._success = {reason: success.labels(finished_reason=reason, **model) for reason in reasons}
         by_source = PromCounter(
             "vllm:prompt_tokens_by_source",
             "Prompt tokens of scheduled requests by where their KV came from.",
@@ -523,20 +525,23 @@ class SimBackend:
         await self._handoffs.close()
 
     async def _load_adapter(self, request: web.Request) -> web.Response:
-        """vLLM's runtime load: 400 for a name already served, else it is served from now on."""
-        body = orjson.loads(await request.read())
+        """vLLM's runtime load: 400 for the base model's name or a name already served (unless
+        `load_inplace`), else it is served from now on."""
+        body = await self._json_object(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise _ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
-        if name in self.adapters:
+        if name == self.config.model:
+            raise _ApiError(400, f"The lora adapter '{name}' conflicts with a served base model.")
+        if name in self.adapters and body.get("load_inplace") is not True:
             raise _ApiError(400, f"The lora adapter '{name}' has already been loaded.")
         self.adapters[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def _unload_adapter(self, request: web.Request) -> web.Response:
         """vLLM's runtime unload: 404 for a name not served."""
-        name = orjson.loads(await request.read()).get("lora_name")
-        if name not in self.adapters:
+        name = (await self._json_object(request)).get("lora_name")
+        if not isinstance(name, str) or name not in self.adapters:
             raise _ApiError(404, f"The lora adapter '{name}' cannot be found.")
         del self.adapters[name]
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
@@ -588,6 +593,17 @@ class SimBackend:
         """The JSON object body, checked to name this backend's model (or none, meaning the served one)."""
         if request.content_type != "application/json":  # vLLM validates the media type before the body
             raise _ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        body = await self._json_object(request)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _ApiError(400, "model must be a string")
+        if model is not None and model != self.config.model and model not in self.adapters:
+            raise _ApiError(404, f"The model `{model}` does not exist.")
+        return body
+
+    @staticmethod
+    async def _json_object(request: web.Request) -> dict[str, Any]:
+        """The body as a JSON object, else a 400 as vLLM answers."""
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as error:
@@ -596,9 +612,6 @@ class SimBackend:
             raise _ApiError(400, f"the body could not be read: {error}") from None
         if not isinstance(body, dict):
             raise _ApiError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.config.model and model not in self.adapters:
-            raise _ApiError(404, f"The model `{model}` does not exist.")
         return body
 
     def _prompt(self, tokens: list[int], media: Sequence[tuple[int, bytes]], body: Mapping[str, Any]) -> _Prompt:
@@ -632,8 +645,8 @@ class SimBackend:
             limit = body.get("max_tokens")
         if limit is None:
             return self.config.default_max_tokens, "stop"
-        if type(limit) is not int or not 1 <= limit <= MAX_MODEL_LEN:
-            raise _ApiError(400, f"max_tokens must be an integer from 1 to {MAX_MODEL_LEN}")
+        if type(limit) is not int or not 1 <= limit <= self.config.max_model_len:
+            raise _ApiError(400, f"max_tokens must be an integer from 1 to {self.config.max_model_len}")
         return limit, "length"
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -686,6 +699,9 @@ class SimBackend:
                 while (token := await out.get()) < length - 1:
                     if token == ENGINE_FAILED:
                         raise _ApiError(500, _FAILED)
+            except asyncio.CancelledError:  # the client left
+                self._success["abort"].inc()
+                raise
             finally:
                 self._engine.finish(job)
             self._finished(len(prompt.tokens), finish_reason)
@@ -704,7 +720,11 @@ class SimBackend:
                 await response.write(reply.usage_chunk(_usage(len(prompt.tokens), length, job.cached)))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
+            self._success["abort"].inc()
             return response  # the client left; finishing the job already freed its blocks
+        except asyncio.CancelledError:  # the client left between tokens
+            self._success["abort"].inc()
+            raise
         finally:
             self._engine.finish(job)
         if completed:
