@@ -301,6 +301,28 @@ def test_kv_events_carry_the_adapter_and_cache_salt_as_vllm_so_precise_keys_matc
     run(test, SimConfig(block_size=4, token_s=0.0, step_s=0.0, kv_events=True, lora_modules="ada"))
 
 
+def test_a_decode_reports_the_prefill_servers_cached_tokens_as_vllm_does():
+    """vLLM 0.32's prefill server puts its own hits in the transfer parameters it answers
+    (`remote_prefill_cached_tokens`) and the decode server reports those in its usage, not its
+    own near-total hit from the transfer; the simulator's decode reported its local hits."""
+
+    async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
+        prefill, decode = urls
+        ids = list(range(1000, 1064))  # 4 blocks of 16
+        await cached(session, prefill, {"prompt": ids})  # the prefill server holds the prompt now
+        leg = {"prompt": ids, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, reply, _ = await post(session, prefill + "/v1/completions", leg)
+        assert status == 200 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        parameters = reply["kv_transfer_params"]
+        assert parameters["remote_prefill_cached_tokens"] == 48
+        status, reply, _ = await post(
+            session, decode + "/v1/completions", {"prompt": ids, "kv_transfer_params": parameters}
+        )
+        assert status == 200 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+    run(test, dataclasses.replace(FAST, kv_connector=True), backends=2)
+
+
 def test_media_and_cache_salt_key_the_blocks_like_vllm():
     async def test(session: aiohttp.ClientSession, urls: list[str]) -> None:
         url = urls[0]

@@ -691,6 +691,8 @@ class SimBackend:
         )
         transfer = body.get("kv_transfer_params") if self.config.kv_connector else None
         transfer = transfer if isinstance(transfer, dict) else {}
+        remote = transfer.get("remote_prefill_cached_tokens")  # as vLLM 0.32's decode reports: the prefill's hits
+        reported = remote if type(remote) is int and remote >= 0 and transfer.get("do_remote_prefill") else None
         if transfer.get("do_remote_prefill") is True:  # decode: the prompt's blocks come from the prefill server
             job.external = await self._handoffs.pull(transfer, job.hashes)
         if not stream:
@@ -705,8 +707,8 @@ class SimBackend:
             finally:
                 self._engine.finish(job)
             self._finished(len(prompt.tokens), finish_reason)
-            handed = self._handoffs.keep(job.hashes) if transfer.get("do_remote_decode") is True else None
-            usage = _usage(len(prompt.tokens), length, job.cached)
+            handed = self._handoffs.keep(job.hashes, job.cached) if transfer.get("do_remote_decode") is True else None
+            usage = _usage(len(prompt.tokens), length, job.cached if reported is None else reported)
             return web.Response(
                 body=reply.full(_filler(0, length), finish_reason, usage, handed), content_type="application/json"
             )
@@ -717,7 +719,8 @@ class SimBackend:
         try:
             completed = await self._stream(response, reply, out, length, finish_reason, chat)
             if completed and include_usage:
-                await response.write(reply.usage_chunk(_usage(len(prompt.tokens), length, job.cached)))
+                usage = _usage(len(prompt.tokens), length, job.cached if reported is None else reported)
+                await response.write(reply.usage_chunk(usage))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             self._success["abort"].inc()

@@ -41,8 +41,9 @@ class Handoffs:
         self._kept: OrderedDict[str, tuple[list[int], float]] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
 
-    def keep(self, hashes: Sequence[int]) -> dict[str, Any]:
-        """A prefill for a remote decode is done: keep its blocks and say where they are."""
+    def keep(self, hashes: Sequence[int], cached_tokens: int) -> dict[str, Any]:
+        """A prefill for a remote decode is done: keep its blocks and say where they are, and how
+        many of its prompt tokens this server found cached (vLLM 0.32's decode reports those)."""
         request_id = uuid.uuid4().hex
         self._kept[request_id] = (list(hashes), time.monotonic() + KEPT_S)
         while len(self._kept) > KEPT_MAX:
@@ -56,6 +57,7 @@ class Handoffs:
             "remote_port": self._port,
             "remote_request_id": request_id,
             "tp_size": 1,
+            "remote_prefill_cached_tokens": cached_tokens,
         }
 
     def take(self, request_id: str) -> list[int] | None:
