@@ -94,7 +94,8 @@ class ReuseReader:
 
     async def _read(self, http: aiohttp.ClientSession, pod: str, url: str, policy: str) -> ReplicaReuse | None:
         try:
-            async with http.get(f"{url}/metrics") as response:
+            # never redirected: a pod in the policy's namespace must not send the operator elsewhere
+            async with http.get(f"{url}/metrics", allow_redirects=False) as response:
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
                 body = await response.content.read(MAX_METRICS_BYTES + 1)

@@ -155,3 +155,52 @@ def test_the_health_port_serves_the_operators_counts_and_untrusted_claims():
         assert line in page.splitlines()
     assert ready["untrusted_extprocs"] == ["tenant/intruder claims llm/default"]
     assert ready["untrusted_extprocs_total"] == 1
+
+
+def test_the_operators_calls_give_up_on_an_api_server_that_never_answers(monkeypatch):
+    """A status patch, the peering read and the audit's lists had no time limit: one accepted and
+    never answered (a half-open connection looks the same) held every policy's status for good,
+    while /healthz and /readyz stayed green."""
+    from aiohttp import web
+    from kubernetes_asyncio import client
+
+    from controller import audit
+    from extproc.kube import watching
+
+    monkeypatch.setattr(watching, "CALL_TIMEOUT", (1.0, 0.3))
+
+    async def main() -> None:
+        held = asyncio.Event()
+
+        async def never(_request: web.Request) -> web.Response:
+            await held.wait()
+            return web.Response()
+
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", never)
+        runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        monkeypatch.setattr(
+            client.Configuration, "_default", client.Configuration(host=f"http://127.0.0.1:{runner.addresses[0][1]}")
+        )
+
+        async def gives_up(call: Any) -> None:
+            """The call ends by itself, with its own timeout, long before the test's 5 s."""
+            task = asyncio.ensure_future(call)
+            done, _ = await asyncio.wait({task}, timeout=5)
+            if not done:
+                task.cancel()
+            assert done and isinstance(task.exception(), TimeoutError)
+
+        try:
+            await gives_up(operator._patch_status("llm", "default", {"observedGeneration": 1}))
+            await gives_up(operator._leading(0))
+            async with client.ApiClient() as api:
+                await gives_up(audit.list_uids(api, ["llm"], pools=False))
+        finally:
+            held.set()
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -196,3 +196,41 @@ def test_a_replica_counter_that_is_no_count_is_refused_not_summed(value):
     line = next(line for line in page.splitlines() if line.startswith("kvroute_prompt_tokens_total"))
     with pytest.raises(ValueError):
         parse(page.replace(line, f"{line.rsplit(' ', 1)[0]} {value}"))
+
+
+def test_a_trusted_pods_redirect_is_not_followed():
+    """An ext_proc pod's admin port answering with a redirect is an error, not a read of wherever
+    it points: the operator's GET must not be sent to another address (a service in the cluster,
+    the cloud's metadata) by a pod in a policy's namespace."""
+    import aiohttp
+    from aiohttp import web
+
+    async def main() -> None:
+        elsewhere: list[str] = []
+
+        async def redirect(_request: web.Request) -> web.Response:
+            raise web.HTTPFound("/elsewhere")
+
+        async def target(request: web.Request) -> web.Response:
+            elsewhere.append(request.path)
+            return web.Response(text=metrics_page(busy_router("s")))
+
+        app = web.Application()
+        app.router.add_get("/metrics", redirect)
+        app.router.add_get("/elsewhere", target)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        pod = {"name": "x", "policy": "llm/default", "ready": True, "ip": "127.0.0.1", "ports": {"admin": port}}
+        policies = Policies({"llm": [pod]})
+        reader = ReuseReader(policies, 30.0, lambda: asyncio.sleep(0, True))  # type: ignore[arg-type]
+        try:
+            async with aiohttp.ClientSession() as http:
+                await reader.read_all(http)
+        finally:
+            await runner.cleanup()
+        assert elsewhere == [] and reader.errors == 1
+        assert ("llm", "default") not in policies.reuse  # none read: nothing summed
+
+    asyncio.run(main())
