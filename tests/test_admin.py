@@ -98,10 +98,19 @@ def test_session_header_in_query_is_honoured():
     run(scenario)
 
 
-def test_bad_requests_and_unknown_backends_are_400():
+def test_bad_requests_and_unknown_backends_are_400(monkeypatch):
+    from extproc.core import request
+
+    monkeypatch.setattr(request, "MAX_JSON_CONTAINERS", 1000)
+    body = {"model": "m", "messages": [{"role": "user", "content": [[]] * 1500}]}
+    nested, as_text = orjson.dumps({"body": body}), orjson.dumps({"body": orjson.dumps(body).decode()})
+
     async def scenario(client: TestClient, _admin: Admin, _router: Router) -> None:
         for data in (b"not json", b"[]", orjson.dumps({"nobody": 1}), orjson.dumps({"body": {"messages": 3}})):
             assert (await client.post("/v1/query", data=data)).status == 400
+        for data in (nested, as_text):  # too many arrays to decode: refused before, envelope or body
+            response = await client.post("/v1/query", data=data)
+            assert response.status == 400 and "arrays and objects" in await response.text()
         unknown = await client.post("/v1/notify", data=orjson.dumps({"body": BODY, "backend": "203.0.113.1:80"}))
         assert unknown.status == 400
         lease = (await _post(client, "/v1/query", {"body": BODY}))[1]["lease"]
@@ -111,7 +120,7 @@ def test_bad_requests_and_unknown_backends_are_400():
             assert (await _post(client, "/v1/release", release))[0] == 400
         assert (await _post(client, "/v1/release", {"lease": lease}))[0] == 200
         metrics = (await (await client.monitoring.get("/metrics")).read()).decode()
-        assert 'kvroute_errors_total{kind="invalid_request"} 11.0' in metrics
+        assert 'kvroute_errors_total{kind="invalid_request"} 13.0' in metrics
 
     run(scenario)
 

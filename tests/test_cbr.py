@@ -190,6 +190,26 @@ def test_python_objects_that_json_cannot_hold_are_invalid():
         parse_request(12345)  # type: ignore[arg-type]
 
 
+def test_a_body_of_more_arrays_and_objects_than_a_prompt_has_is_refused_before_it_is_decoded(monkeypatch):
+    """27 MiB of nested empty arrays decoded into 1.1 GiB and held the loop for seconds; now a body
+    past the bound is refused from its brackets (inside strings too: an overestimate), and the
+    collector is back on after every decode."""
+    import gc
+
+    from extproc.core import request
+
+    monkeypatch.setattr(request, "MAX_JSON_CONTAINERS", 1000)
+    nested = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [[]] * 1500}]})
+    for raw in (nested, nested.decode()):
+        with pytest.raises(InvalidRequest, match="more than 1000 arrays and objects"):
+            parse_request(raw)
+    text = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "[{" * 400 + "x" * 3000}]})
+    assert parse_request(text).model == "m"  # 803 brackets in 3,859 bytes: under the bound
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        parse_request(b"{" * 900 + b"x" * 2000)
+    assert gc.isenabled()
+
+
 @given(json_values)
 def test_any_json_value_parses_or_raises_invalid_request(value):
     for body in (

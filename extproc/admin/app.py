@@ -33,7 +33,7 @@ from prometheus_client.metrics_core import Metric
 from extproc.core.errors import InvalidRequest
 from extproc.core.exchange import Exchange, ResponseStart
 from extproc.core.leases import LeaseTable
-from extproc.core.request import PromptRequest
+from extproc.core.request import PromptRequest, load_json
 from extproc.core.router import Router
 from extproc.runtime.metrics import Metrics
 from extproc.runtime.policy_state import PolicyState
@@ -205,8 +205,8 @@ class Admin:
         for served in self._served:
             served.leases.expire(now)
         try:
-            payload = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
+            payload = load_json(await request.read())
+        except InvalidRequest as exc:
             raise self._bad_request(str(exc)) from None
         if not isinstance(payload, dict):
             raise self._bad_request("expected a JSON object")
@@ -221,7 +221,7 @@ class Admin:
                 raise InvalidRequest('expected {"body": ..., "headers": {...}}')
             headers = {str(k).lower(): str(v) for k, v in (payload.get("headers") or {}).items()}
             body = payload["body"]
-            loaded = orjson.loads(body) if isinstance(body, str) else body
+            loaded = load_json(body) if isinstance(body, str) else body
             model = loaded.get("model") if isinstance(loaded, dict) else None
             served = self._for_model(model if isinstance(model, str) else "")
             if len(await request.read()) > served.router.slow_read_bytes:  # (read once: aiohttp keeps it)
@@ -229,8 +229,6 @@ class Admin:
             return served, served.router.parse(loaded, headers)
         except (InvalidRequest, AttributeError) as exc:
             raise self._bad_request(str(exc)) from None
-        except orjson.JSONDecodeError as exc:
-            raise self._bad_request(f"body is not valid JSON: {exc}") from None
 
     async def query(self, request: web.Request) -> web.Response:
         """Decide; unless a dry run, reserve the load and hold it under a lease."""

@@ -38,7 +38,7 @@ from extproc.core.exchange import Exchange, Outcome, ResponseStart
 from extproc.core.flow import Held, Refusal, State
 from extproc.core.objectives import ENGINE_PRIORITY_HEADER, TTFT_HEADERS, classify, objective_priority
 from extproc.core.placement import ADAPTER_WAIT_S
-from extproc.core.request import PromptRequest
+from extproc.core.request import PromptRequest, load_json
 from extproc.core.router import Router
 from extproc.core.usage import CachedTokens
 from extproc.envoy import messages as msg
@@ -331,8 +331,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         models, which reads it for its error. May run in a worker thread: the choice reads only
         the map `routes.refresh` made on the loop."""
         loaded: Any = body
-        with contextlib.suppress(orjson.JSONDecodeError):  # else read again by its owner, for its error
-            loaded = orjson.loads(body)
+        with contextlib.suppress(InvalidRequest):  # else read again by its owner, for its error
+            loaded = load_json(body)
         model = loaded.get("model") if isinstance(loaded, dict) else None
         owner = routes.owner(model if isinstance(model, str) else "")
         stream.owner = owner
