@@ -73,7 +73,7 @@ MAX_LEAVING = 4096  # marks kept from siblings' words
 # still goes out every heartbeat. A replica of before this message counts it as bad and keeps
 # up from the whole vectors alone.
 LOAD_DELTA = "D"
-# A backlog of siblings' entries (a replica starting, or a burst) is read READ_BATCH at a time and
+# A backlog of siblings' entries (a replica starting, its replay, or a burst) is read READ_BATCH at a time and
 # applied between the requests this replica routes, a slice at a time: APPLY_SLICE entries, or
 # fewer when their chains reach APPLY_BLOCKS blocks. A whole batch of 1,000 chains of 32 blocks held
 # the event loop some 40 ms (`kvroute-dev bench replica-lag --ingest`); into full pictures a chain
@@ -401,14 +401,14 @@ class RedisLink:
         work = 0
         while True:
             after = b"-" if self._events_from is None else b"(" + self._events_from
-            entries = cast(_Entries, await self._client.xrange(self._events_key, min=after, count=1000))
+            entries = cast(_Entries, await self._client.xrange(self._events_key, min=after, count=READ_BATCH))
             for entry_id, fields in entries:
                 work += self._apply(entry_id, fields, offset)
                 self._events_from = entry_id
                 if work >= APPLY_BLOCKS:
                     work = 0
                     await asyncio.sleep(0)  # a long stream must not hold the requests being routed
-            if len(entries) < 1000:
+            if len(entries) < READ_BATCH:
                 return self._events_from or b"0-0"
 
     async def _follow(self, events_from: bytes, load_from: bytes, offset: float) -> None:
