@@ -24,6 +24,9 @@ _HEADERS = b"Accept-Encoding: identity\r\nUser-Agent: kvroute\r\n"
 # An answer's head larger than this is not read on: httptools gathers a header's value by copying
 # what came so far at each read, so one endless header cost a second and 40 MB a probe.
 MAX_HEAD_BYTES = 64 * 1024
+# Beyond the head, the bytes of each chunk's size line and line ends (chunk extensions and all): a
+# page of 1-byte chunks needs 5 of them a chunk, and a head or trailers never get more room.
+CHUNK_FRAMING_BYTES = 64
 
 
 class _Connection(asyncio.Protocol):
@@ -31,6 +34,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "_body",
+        "_chunks",
         "_framed",
         "_framing",
         "_limit",
@@ -52,6 +56,7 @@ class _Connection(asyncio.Protocol):
         self._status = 0
         self._framed = False  # the answer has a Content-Length or is chunked
         self._framing = 0  # bytes of the answer that are not its body: head, chunk sizes, trailers
+        self._chunks = 0  # chunks begun: each earns CHUNK_FRAMING_BYTES of framing
         self.heard = False  # a byte of the answer came
 
     def request(self, head: bytes, limit: int) -> asyncio.Future[tuple[int, bytes]]:
@@ -59,7 +64,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None and self.answer is None
         self.answer = asyncio.get_running_loop().create_future()
         self._body, self._limit, self._status, self._framed, self.heard = bytearray(), limit, 0, False, False
-        self._framing = 0
+        self._framing = self._chunks = 0
         self.transport.write(head)
         return self.answer
 
@@ -72,7 +77,7 @@ class _Connection(asyncio.Protocol):
             self._fail(ConnectionError("an answer nobody asked for"))
             return
         self.heard = True
-        if self._framing > MAX_HEAD_BYTES + self._limit:  # a head, chunk framing or trailers without end
+        if self._framing > MAX_HEAD_BYTES + CHUNK_FRAMING_BYTES * self._chunks:  # a head or trailers without end
             self._fail(ConnectionError("an answer's head or trailers too large"))
             return
         body = len(self._body)
@@ -103,6 +108,9 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._status = self._parser.get_status_code()
+
+    def on_chunk_header(self) -> None:
+        self._chunks += 1
 
     def on_body(self, body: bytes) -> None:
         if self.answer is None:  # answered already: the page was longer than asked for
