@@ -157,6 +157,13 @@ def crd() -> dict[str, Any]:
             "targetPort": {
                 "description": "The vLLM port, a number or a container port name.",
                 "x-kubernetes-int-or-string": True,
+                "x-kubernetes-validations": [
+                    {  # (a port out of range was published and then dropped without a word)
+                        "rule": "type(self) == int ? self >= 1 && self <= 65535 : size(self) <= 15 && "
+                        "self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$') && self.matches('[a-z]')",
+                        "message": "a port number from 1 to 65535, or a container port name (IANA_SVC_NAME)",
+                    }
+                ],
             },
             "models": {
                 "description": "Models every selected pod serves. Otherwise read from the pod label or annotation "
