@@ -22,7 +22,6 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from controller.reconciler import Reconciler, Snapshot
 from extproc.core import policy as contract
-from extproc.kube import watching
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ async def _json(call: Awaitable[Any]) -> dict[str, Any]:
 def _paging(token: str | None) -> dict[str, Any]:
     """A list call's keywords: one page, from `token` on, its JSON left unparsed (`_json`), within
     the calls' time limits (a list never answered held the audit, and the statuses, for good)."""
-    paging = {"limit": PAGE, "_preload_content": False, "_request_timeout": watching.CALL_TIMEOUT}
+    paging = {"limit": PAGE, "_preload_content": False, "_request_timeout": contract.CALL_TIMEOUT}
     return {**paging, **({"_continue": token} if token else {})}
 
 

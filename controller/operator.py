@@ -30,7 +30,6 @@ from controller.reconciler import Reconciler
 from controller.reuse import leading
 from controller.reuse_reader import ReuseReader
 from extproc.core import policy as contract
-from extproc.kube import watching
 
 log = logging.getLogger(__name__)
 REGISTRY = kopf.OperatorRegistry()
@@ -50,7 +49,7 @@ async def _patch_status(namespace: str, name: str, status: dict[str, Any]) -> No
             name,
             {"status": status},
             _content_type="application/merge-patch+json",  # type: ignore[call-arg]  # taken by its **kwargs
-            _request_timeout=watching.CALL_TIMEOUT,  # a half-open connection must not hold every status for good
+            _request_timeout=contract.CALL_TIMEOUT,  # a half-open connection must not hold every status for good
         )
 
 
@@ -58,7 +57,7 @@ async def _leading(priority: int) -> bool:
     """Whether kopf's peering lets this replica work (controller/reuse.py `leading`)."""
     async with client.ApiClient() as api:
         peering = await client.CustomObjectsApi(api).get_cluster_custom_object(
-            "kopf.dev", "v1", "clusterkopfpeerings", PEERING, _request_timeout=watching.CALL_TIMEOUT
+            "kopf.dev", "v1", "clusterkopfpeerings", PEERING, _request_timeout=contract.CALL_TIMEOUT
         )
     return leading(peering.get("status"), priority, datetime.datetime.now(datetime.UTC))
 

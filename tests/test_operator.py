@@ -165,9 +165,9 @@ def test_the_operators_calls_give_up_on_an_api_server_that_never_answers(monkeyp
     from kubernetes_asyncio import client
 
     from controller import audit
-    from extproc.kube import watching
+    from extproc.core import policy as contract
 
-    monkeypatch.setattr(watching, "CALL_TIMEOUT", (1.0, 0.3))
+    monkeypatch.setattr(contract, "CALL_TIMEOUT", (1.0, 0.3))
 
     async def main() -> None:
         held = asyncio.Event()

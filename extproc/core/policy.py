@@ -16,6 +16,11 @@ GROUP = "kvroute.io"
 VERSION = "v1alpha1"
 PLURAL = "kvroutingpolicies"
 KIND = "KVRoutingPolicy"
+# The connect and read limits, in seconds, of every API call but a watch, the ext_proc's followers'
+# and the operator's: kubernetes-asyncio sets none by default, so a call that met a half-open
+# connection held its caller for good (a follower still saying it was connected while its
+# backends froze; the operator's statuses, while its probes stayed green).
+CALL_TIMEOUT = (10.0, 60.0)
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = (
     "inference.networking.k8s.io",
     "v1",

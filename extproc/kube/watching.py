@@ -9,16 +9,15 @@ from typing import Any
 import aiohttp
 from kubernetes_asyncio import watch
 
+from extproc.core import policy as contract
+
 # The API server ends a watch after WATCH_S, and the follower lists again; one not ended by
 # WATCH_S_LIMIT is redone (a half-open connection: a NAT or a load balancer dropped it). A limit
 # on silence instead would cut every quiet watch: the API server sent no bookmark to a quiet
 # policy's watch in 90 s (Kubernetes 1.37), so the whole watch is what is limited, and kept short.
 WATCH_S = 60
 WATCH_S_LIMIT = 90
-# Every other call's connect and read limits, in seconds: kubernetes-asyncio sets none by default,
-# so a list that met a half-open connection held its follower for good, still saying it was
-# connected while the backends it followed froze.
-CALL_TIMEOUT = (10.0, 60.0)
+CALL_TIMEOUT = contract.CALL_TIMEOUT  # every other call's limits (the contract's, the operator's too)
 RETRY_S = 2.0  # the wait before listing again after a failure, doubled while failures go on,
 RETRY_MAX_S = 30.0  # up to this (with jitter: replicas and policies do not list in step)
 
