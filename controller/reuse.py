@@ -103,6 +103,24 @@ def summary(replicas: Iterable[ReplicaReuse], expected: int) -> dict[str, Any]:
     }
 
 
+RATIOS = ("routingEfficiency", "predictionAccuracy", "hitRate")
+RATIO_STEP = 0.005  # a ratio's move worth writing the status at once (they are rounded to 0.001)
+
+
+def worth_writing(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> bool:
+    """Whether a new summary says something the last one written did not: other replica counts,
+    a ratio known or unknown, or one moved by RATIO_STEP. The token sums grow with any traffic;
+    alone they wait for the reader's refresh (a status holds every backend: rewriting it on each
+    read sent the whole object to every ext_proc every 30 s)."""
+    if before is None or any(before.get(k) != after.get(k) for k in ("extprocs", "extprocsExpected")):
+        return True
+    for key in RATIOS:
+        old, new = before.get(key), after.get(key)
+        if (old is None) != (new is None) or (old is not None and abs(new - old) >= RATIO_STEP):
+            return True
+    return False
+
+
 def extproc_endpoints(
     policy: str, pods: Mapping[str, Iterable[Mapping[str, Any]]], trusted: Iterable[str] = ()
 ) -> list[tuple[str, str]]:

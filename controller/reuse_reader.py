@@ -15,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import aiohttp
 
 from controller.reconciler import Reconciler
-from controller.reuse import ReplicaReuse, extproc_endpoints, parse, summary, untrusted_claims
+from controller.reuse import ReplicaReuse, extproc_endpoints, parse, summary, untrusted_claims, worth_writing
 
 log = logging.getLogger(__name__)
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024  # an ext_proc's /metrics is tens of KB; more is not one
 READ_TIMEOUT_S = 3.0
+REFRESH_S = 300.0  # a summary whose ratios held still is written at least this often (its token sums)
 
 
 class ReuseReader:
@@ -45,6 +47,8 @@ class ReuseReader:
         # (namespace/pod, policy) claims from untrusted namespaces, as of the last round (logged once)
         self.refused: set[tuple[str, str]] = set()
         self.errors = 0
+        self._rounds = 0
+        self._handed: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}  # the summary written, its round
 
     async def run(self) -> None:
         """Forever, every interval; survives any error (logged, counted)."""
@@ -68,20 +72,27 @@ class ReuseReader:
         }
         refused: set[tuple[str, str]] = set()
         read_pods: set[str] = set()
+        self._rounds += 1
+        known = {
+            (namespace, policy["name"])
+            for namespace, entries in self._reconciler.policies.items()
+            for policy in entries
+        }
+        self._handed = {key: handed for key, handed in self._handed.items() if key in known}
         for namespace, policies in list(self._reconciler.policies.items()):
             for policy in list(policies):
                 name = f"{namespace}/{policy['name']}"
                 refused.update((pod, name) for pod in untrusted_claims(name, pods, self._trusted))
                 endpoints = extproc_endpoints(name, pods, self._trusted)
                 if not endpoints:
-                    self._reconciler.set_reuse(namespace, policy["name"], summary([], 0))
+                    self._hand(namespace, policy["name"], summary([], 0))
                     continue
                 read_pods.update(pod for pod, _ in endpoints)
                 read = await asyncio.gather(*(self._read(http, pod, url, name) for pod, url in endpoints))
                 replicas = [replica for replica in read if replica is not None]
                 if not replicas:  # none answered: the last sums stand rather than zeros
                     continue
-                self._reconciler.set_reuse(namespace, policy["name"], summary(replicas, len(endpoints)))
+                self._hand(namespace, policy["name"], summary(replicas, len(endpoints)))
         for claimant, claimed in sorted(refused - self.refused):
             log.warning(
                 "pod %s claims policy %s from a namespace whose ext_procs are not read (the policy's own, the "
@@ -91,6 +102,15 @@ class ReuseReader:
             )
         self.refused = refused
         self._failing &= read_pods  # a pod gone is logged afresh should it come back failing
+
+    def _hand(self, namespace: str, name: str, reuse: dict[str, Any]) -> None:
+        """To the reconciler, if it says something new (reuse.worth_writing) or the last one
+        written is REFRESH_S old."""
+        before = self._handed.get((namespace, name))
+        due = before is None or (self._rounds - before[1]) * self._interval_s >= REFRESH_S
+        if due or worth_writing(before[0] if before else None, reuse):
+            self._handed[namespace, name] = reuse, self._rounds
+            self._reconciler.set_reuse(namespace, name, reuse)
 
     async def _read(self, http: aiohttp.ClientSession, pod: str, url: str, policy: str) -> ReplicaReuse | None:
         try:

@@ -234,3 +234,30 @@ def test_a_trusted_pods_redirect_is_not_followed():
         assert ("llm", "default") not in policies.reuse  # none read: nothing summed
 
     asyncio.run(main())
+
+
+def test_a_summary_is_written_when_it_says_something_new_or_is_due_not_on_every_read(monkeypatch):
+    """The token sums grow with any traffic, so every read rewrote the whole status (every
+    backend) of each busy policy every 30 s; now a summary is handed on when a replica count or a
+    ratio changes, or once REFRESH_S has passed."""
+
+    from controller import reuse_reader
+    from controller.reuse import worth_writing
+
+    before = {"extprocs": 1, "extprocsExpected": 1, "hitRate": 0.5, "routingEfficiency": 1.0, "promptTokens": 9}
+    assert not worth_writing(before, {**before, "promptTokens": 90, "hitRate": 0.504})
+    assert worth_writing(before, {**before, "hitRate": 0.505}) and worth_writing(before, {**before, "hitRate": None})
+    assert worth_writing(before, {**before, "extprocs": 0}) and worth_writing(None, before)
+
+    monkeypatch.setattr(reuse_reader, "REFRESH_S", 90.0)  # three rounds of 30 s
+    policies = Policies({})
+    written: list[dict] = []
+    policies.set_reuse = lambda _namespace, _name, reuse: written.append(reuse)  # type: ignore[method-assign]
+    reader = ReuseReader(policies, 30.0, lambda: asyncio.sleep(0, True))  # type: ignore[arg-type]
+    for tokens in (9, 90, 900, 9000):  # one read a round; only the sums grow
+        reader._rounds += 1
+        reader._hand("llm", "default", {**before, "promptTokens": tokens})
+    assert [w["promptTokens"] for w in written] == [9, 9000]  # the first, then the one 90 s after it
+    reader._rounds += 1
+    reader._hand("llm", "default", {**before, "promptTokens": 9001, "hitRate": 0.51})
+    assert written[-1]["hitRate"] == 0.51  # a ratio moved: at once
