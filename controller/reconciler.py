@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -12,7 +13,8 @@ from controller import logic
 
 log = logging.getLogger(__name__)
 
-RETRY_S = 5.0
+RETRY_S = 5.0  # a namespace whose status failed to be written is tried again after this,
+RETRY_MAX_S = 60.0  # doubled while it goes on failing, up to this; the other namespaces do not wait
 PatchStatus = Callable[[str, str, dict[str, Any]], Awaitable[None]]
 Snapshot = Mapping[str, Iterable[Mapping[str, Any]]]
 
@@ -44,6 +46,8 @@ class Reconciler:
         self.errors = 0
         self.last_error: str | None = None
         self._failing: dict[tuple[str, str], str] = {}  # policy -> why its status is not as it should be
+        self._retry: dict[str, tuple[float, float]] = {}  # failing namespace -> (when it is tried again, backoff)
+        self._retry_wake: asyncio.TimerHandle | None = None
         # Nothing is written while held: the indexes may hold objects deleted while this replica
         # did not lead (kopf paused its watches; its relist on resuming removes nothing), until an
         # audit has left them out (audit.Auditor.follow).
@@ -115,10 +119,10 @@ class Reconciler:
             self._dirty.add(namespace)
             self._wake.set()
 
-    async def settle(self, namespaces: Iterable[str]) -> bool:
-        """Write the status of every policy in these namespaces whose status must change; whether
-        every write went through."""
-        written = True
+    async def settle(self, namespaces: Iterable[str]) -> set[str]:
+        """Write the status of every policy in these namespaces whose status must change; the
+        namespaces where a write failed (dirty again)."""
+        failed: set[str] = set()
         for namespace in namespaces:
             pods = self._live(self._pods.get(namespace, ()))
             pools = self._live(self._pools.get(namespace, ()))
@@ -148,8 +152,8 @@ class Reconciler:
                     self._failed(namespace, policy["name"], str(exc)[:1024])
                     log.warning("status patch failed: %s", self.last_error)
                     self._dirty.add(namespace)
-                    written = False
-        return written
+                    failed.add(namespace)
+        return failed
 
     def _forget_deleted(self, namespace: str, names: set[str]) -> None:
         """A policy deleted takes its failure and its reuse figures with it: /readyz is not held
@@ -173,22 +177,41 @@ class Reconciler:
 
     async def run(self) -> None:
         """Forever: wait for a change, let the burst finish, settle what it touched. Survives any
-        error: logs it, counts it, reports it in /readyz, and goes on."""
+        error: logs it, counts it, reports it in /readyz, and goes on. A namespace whose write
+        failed waits its backoff (RETRY_S doubling to RETRY_MAX_S) before it is tried again, events
+        or not, while the others are settled as they change: until 2026-12-07 every failure put
+        the whole loop to sleep for RETRY_S, so one status the API server always refused delayed
+        every other policy's by five seconds."""
         while True:
             await self._wake.wait()
             await asyncio.sleep(self._debounce_s)
             self._wake.clear()
             if self.held:  # what was touched stays to settle; `release` wakes the loop
                 continue
-            dirty, self._dirty = self._dirty, set()
+            now = time.monotonic()
+            due = {namespace for namespace in self._dirty if self._retry.get(namespace, (0.0, 0.0))[0] <= now}
+            self._dirty -= due
             try:
-                written = await self.settle(dirty)
+                failed = await self.settle(due)
             except Exception as exc:
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("reconciliation failed; it goes on")
-                self._dirty |= dirty
-                written = False
-            if not written:  # a patch failed: retry later, not in a tight loop (events meanwhile
-                await asyncio.sleep(RETRY_S)  # only the debounce: they set the wake themselves)
-                self._wake.set()
+                self._dirty |= due
+                failed = due
+            self._back_off(due, failed, now)
+
+    def _back_off(self, tried: set[str], failed: set[str], now: float) -> None:
+        """Each failed namespace's next try, and one wake for the earliest of them."""
+        for namespace in tried - failed:
+            self._retry.pop(namespace, None)
+        for namespace in failed:
+            backoff = min(RETRY_MAX_S, 2 * self._retry[namespace][1]) if namespace in self._retry else RETRY_S
+            self._retry[namespace] = (now + backoff, backoff)
+        waiting = [self._retry[namespace][0] for namespace in self._dirty if namespace in self._retry]
+        if self._retry_wake is not None:
+            self._retry_wake.cancel()
+            self._retry_wake = None
+        if waiting:
+            delay = max(0.0, min(waiting) - time.monotonic())
+            self._retry_wake = asyncio.get_running_loop().call_later(delay, self._wake.set)

@@ -227,7 +227,7 @@ def test_a_deleted_policy_takes_its_failure_and_reuse_figures_with_it():
         await reconciler.settle(["llm"])
         assert reconciler.last_error and reconciler.last_error.startswith("llm/p: ")
         reconciler.touch("llm", pods, {"llm": []}, {})  # deleted: the index drops it
-        assert await reconciler.settle(["llm"])
+        assert await reconciler.settle(["llm"]) == set()  # nothing failed
         assert reconciler.last_error is None and not reconciler._reuse
 
     asyncio.run(scenario())
@@ -301,3 +301,44 @@ def test_nothing_is_written_until_an_audit_follows_each_start_of_the_lead():
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_namespace_whose_status_always_fails_backs_off_and_does_not_delay_the_others():
+    """Every failed write put the whole loop to sleep for RETRY_S, so one status the API server
+    always refused (past etcd's size limit) delayed every other namespace's by five seconds, and
+    was tried every five seconds for good. Now the failing namespace alone waits, twice as long
+    each time up to RETRY_MAX_S."""
+    from controller.reconciler import RETRY_MAX_S, RETRY_S
+
+    written: dict[str, float] = {}
+
+    async def patch(namespace: str, name: str, _status: dict[str, Any]) -> None:
+        if namespace == "big":
+            raise ValueError("etcdserver: request is too large")
+        written[name] = asyncio.get_running_loop().time()
+
+    async def scenario() -> tuple[float, list[float]]:
+        reconciler = Reconciler(patch, debounce_s=0.01, clock=lambda: T0)
+        pods = {"big": summaries(pod("a")), "b": summaries(pod("b", "10.1.0.2"))}
+        policies = {"big": [record("big", policy("pbig"))], "b": [record("b", policy("pb"))]}
+        task = asyncio.create_task(reconciler.run())
+        reconciler.touch("big", pods, policies, {})
+        await asyncio.sleep(0.1)  # its first write failed
+        touched = asyncio.get_running_loop().time()
+        reconciler.touch("b", pods, policies, {})
+        for _ in range(100):
+            if "pb" in written:
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        backoffs = []
+        for _ in range(6):  # "big" failing round after round, then written
+            reconciler._back_off({"big"}, {"big"}, 0.0)
+            backoffs.append(reconciler._retry["big"][1])
+        reconciler._back_off({"big"}, set(), 0.0)
+        assert "big" not in reconciler._retry
+        return written.get("pb", float("inf")) - touched, backoffs
+
+    delay, backoffs = asyncio.run(scenario())
+    assert delay < 1.0  # half a second at most, not the failing namespace's five
+    assert backoffs == [2 * RETRY_S, 4 * RETRY_S, 8 * RETRY_S, RETRY_MAX_S, RETRY_MAX_S, RETRY_MAX_S]
