@@ -11,6 +11,26 @@ from tests.controller_objects import T0, pools, record, summaries
 from tests.k8s_objects import inference_pool, pod, policy, pool_policy
 
 
+async def second_namespace_delay(
+    reconciler: Reconciler, first: str, written: dict[str, float], settle_s: float
+) -> float:
+    """Touch `first`, then (`settle_s` later, its write under way or failed) namespace "b": how
+    long "b"'s policy "pb" took to be written (inf: not within 2 s)."""
+    pods = {first: summaries(pod("a")), "b": summaries(pod("b", "10.1.0.2"))}
+    policies = {first: [record(first, policy("p" + first))], "b": [record("b", policy("pb"))]}
+    task = asyncio.create_task(reconciler.run())
+    reconciler.touch(first, pods, policies, {})
+    await asyncio.sleep(settle_s)
+    touched = asyncio.get_running_loop().time()
+    reconciler.touch("b", pods, policies, {})
+    for _ in range(100):
+        if "pb" in written:
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    return written.get("pb", float("inf")) - touched
+
+
 def test_reconciler_collapses_bursts_and_writes_only_changes():
     patches: list[tuple[str, str, dict[str, Any]]] = []
 
@@ -193,21 +213,8 @@ def test_an_event_during_a_settle_is_settled_after_the_debounce_not_the_retry_de
         await asyncio.sleep(0.05)  # one API round trip
         written[name] = asyncio.get_running_loop().time()
 
-    async def scenario() -> float:
-        reconciler = Reconciler(patch, debounce_s=0.05, clock=lambda: T0)
-        pods = {"a": summaries(pod("a")), "b": summaries(pod("b", "10.1.0.2"))}
-        policies = {"a": [record("a", policy("pa"))], "b": [record("b", policy("pb"))]}
-        task = asyncio.create_task(reconciler.run())
-        reconciler.touch("a", pods, policies, {})
-        await asyncio.sleep(0.07)  # pa's write under way
-        touched = asyncio.get_running_loop().time()
-        reconciler.touch("b", pods, policies, {})
-        for _ in range(100):
-            if "pb" in written:
-                break
-            await asyncio.sleep(0.02)
-        task.cancel()
-        return written.get("pb", float("inf")) - touched
+    async def scenario() -> float:  # (0.07 s: pa's write under way)
+        return await second_namespace_delay(Reconciler(patch, debounce_s=0.05, clock=lambda: T0), "a", written, 0.07)
 
     assert asyncio.run(scenario()) < 1.0
 
@@ -319,25 +326,14 @@ def test_a_namespace_whose_status_always_fails_backs_off_and_does_not_delay_the_
 
     async def scenario() -> tuple[float, list[float]]:
         reconciler = Reconciler(patch, debounce_s=0.01, clock=lambda: T0)
-        pods = {"big": summaries(pod("a")), "b": summaries(pod("b", "10.1.0.2"))}
-        policies = {"big": [record("big", policy("pbig"))], "b": [record("b", policy("pb"))]}
-        task = asyncio.create_task(reconciler.run())
-        reconciler.touch("big", pods, policies, {})
-        await asyncio.sleep(0.1)  # its first write failed
-        touched = asyncio.get_running_loop().time()
-        reconciler.touch("b", pods, policies, {})
-        for _ in range(100):
-            if "pb" in written:
-                break
-            await asyncio.sleep(0.02)
-        task.cancel()
+        delay = await second_namespace_delay(reconciler, "big", written, 0.1)  # (0.1 s: its first write failed)
         backoffs = []
         for _ in range(6):  # "big" failing round after round, then written
             reconciler._back_off({"big"}, {"big"}, 0.0)
             backoffs.append(reconciler._retry["big"][1])
         reconciler._back_off({"big"}, set(), 0.0)
         assert "big" not in reconciler._retry
-        return written.get("pb", float("inf")) - touched, backoffs
+        return delay, backoffs
 
     delay, backoffs = asyncio.run(scenario())
     assert delay < 1.0  # half a second at most, not the failing namespace's five

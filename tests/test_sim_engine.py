@@ -9,11 +9,14 @@ import time
 import pytest
 
 from bench.simulator.sim_engine import ENGINE_FAILED, BlockPool, Engine, Request, StepCost
+from bench.simulator.sim_events import EventPublisher
 
 BLOCK = 4
 
 
-def engine(capacity: int = 64, budget: int = 16, max_num_seqs: int = 8) -> tuple[Engine, list[int]]:
+def engine(
+    capacity: int = 64, budget: int = 16, max_num_seqs: int = 8, events: EventPublisher | None = None
+) -> tuple[Engine, list[int]]:
     """An engine over a fresh pool, and the list its preemptions are counted in."""
     preempted: list[int] = []
     built = Engine(
@@ -22,7 +25,7 @@ def engine(capacity: int = 64, budget: int = 16, max_num_seqs: int = 8) -> tuple
         max_num_seqs,
         budget,
         StepCost(0.0, 0.0, 0.0),
-        None,
+        events,
         on_admit=lambda request: None,
         on_preempt=lambda: preempted.append(1),
     )
@@ -214,24 +217,13 @@ def test_a_step_publishes_one_batch_after_it_ran_with_the_blocks_of_a_request_wh
     import msgpack
     import zmq
 
-    from bench.simulator.sim_events import EventPublisher
-
     events = EventPublisher("127.0.0.1")
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"tcp://127.0.0.1:{events.port}")
-        built = Engine(
-            BlockPool(4),
-            BLOCK,
-            8,
-            16,
-            StepCost(0.0, 0.0, 0.0),
-            events,
-            on_admit=lambda r: None,
-            on_preempt=lambda: None,
-        )
+        built, _ = engine(capacity=4, events=events)
 
         def batches() -> list[list[str]]:
             out = []
