@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -723,3 +724,23 @@ def test_a_failing_engine_step_answers_500_or_an_error_event_and_the_next_reques
         assert running(samples) == 0 and waiting(samples) == 0
 
     run(test)
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """A decode server pulls a prefill's blocks by their hashes, and the benchmark's oracle counts
+    blocks as the backends do: hashing a str, bytes or None gave each process its own values."""
+    code = (
+        "from bench.simulator.sim import _Prompt, _block_hashes;"
+        "print(_block_hashes(_Prompt(list(range(40)), {0: (b'cache_salt=x',), 2: (b'img',)}, 'ada'), 4))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outputs) == 1

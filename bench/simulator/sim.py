@@ -274,13 +274,17 @@ def _render_chat(body: Mapping[str, Any]) -> tuple[str, list[tuple[int, bytes]]]
 
 
 def _block_hashes(prompt: _Prompt, block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks: each covers its whole prefix, so one lookup per block suffices."""
+    """Chained hashes of the prompt's full blocks: each covers its whole prefix, so one lookup per
+    block suffices. Only integers are hashed (the extra keys and the adapter as their CRC-32), so
+    every process computes the same ones: a string's or None's hash differs between processes."""
     tokens = prompt.tokens
+    adapter = zlib.crc32(prompt.adapter.encode()) + 1 if prompt.adapter else 0
+    extras = {index: zlib.crc32(b"\0".join(keys)) + 1 for index, keys in prompt.extra_keys.items()}
     parent = 0
     hashes: list[int] = []
     for index, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
         block = tuple(tokens[start : start + block_size])
-        parent = hash((parent, block, prompt.extra_keys.get(index, ()), prompt.adapter))
+        parent = hash((parent, block, extras.get(index, 0), adapter))
         hashes.append(parent)
     return hashes
 
