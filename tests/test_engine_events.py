@@ -64,20 +64,41 @@ def test_unknown_event_types_are_skipped_and_counted():
         [b"kv", b"\x00" * 8, b"\xc1garbage"],  # not msgpack
         [b"kv", b"\x00" * 8, msgpack.packb([0, [], 0])[:-2]],  # truncated
         [b"kv", b"\x00" * 8, msgpack.packb({"events": []})],  # not a batch
-        [b"kv", b"\x00" * 8, msgpack.packb([0, [42], 0])],  # an event that is neither map nor tagged array
-        [b"kv", b"\x00" * 8, msgpack.packb([0, [{"type": "BlockStored", "block_hashes": 5}], 0])],
-        [b"kv", b"\x00" * 8, msgpack.packb([0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0])],
         [b"kv", b"\x00" * 8, bytes.fromhex("9200918181000000")],  # a map as a map's key (TypeError)
         [b"kv", b"\x00" * 8, b"\x91" * (4 << 20)],  # larger than a step stores: refused unread
-        *(  # a block size no engine has (a negative one drained no prefill while it lasted)
-            [b"kv", b"\x00" * 8, msgpack.packb([0, [["BlockStored", [1], None, [1, 2], size]], 0])]
-            for size in (-16, 0, True, 1 << 20)
-        ),
     ],
 )
 def test_malformed_messages_raise_event_error_only(bad):
     with pytest.raises(EventError):
         decode(bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        42,  # neither map nor tagged array
+        {"type": "BlockStored", "block_hashes": 5},
+        {"type": "BlockRemoved", "block_hashes": [1.5]},
+        *(["BlockStored", [1], None, [1, 2], size] for size in (-16, 0, True, 1 << 20)),  # no engine's block size
+    ],
+)
+def test_a_malformed_event_is_skipped_and_counted_and_its_batch_kept(bad):
+    """One bad event refused its whole batch, which a replay then could not fix: the backend's
+    precise picture was dropped for it."""
+    batch = decode(frames([stored_map([11], None, [1, 2, 3, 4]), bad, {"type": "AllBlocksCleared"}]))
+    assert batch.events == [BlockStored((11,), None, (1, 2, 3, 4), 4, ()), AllBlocksCleared()]
+    assert batch.malformed == 1
+
+
+def test_an_offloading_tiers_events_are_skipped_and_counted():
+    """vLLM's offloading connector puts its CPU tier's events in the GPU's batch: a store with no
+    tokens and block size 0 (it refused the batch, and so the backend's picture), removals under
+    the GPU blocks' own hashes (they dropped blocks the GPU still held)."""
+    placeholder = {**stored_map([12], None, []), "block_size": 0, "medium": "CPU"}
+    removed = {"type": "BlockRemoved", "block_hashes": [11], "medium": "CPU"}
+    batch = decode(frames([stored_map([11], None, [1, 2, 3, 4]), placeholder, removed]))
+    assert batch.events == [BlockStored((11,), None, (1, 2, 3, 4), 4, ())] and batch.other_tier == 2
+    assert decode(frames([["BlockRemoved", [11], "STORAGE"]])).other_tier == 1
 
 
 @settings(max_examples=300, deadline=None)

@@ -32,7 +32,8 @@ class BlockRemoved:
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """The engine emptied its prefix cache (`/reset_prefix_cache`, a weight update, a restart)."""
+    """The engine emptied its prefix cache (`/reset_prefix_cache`, a weight update). A restart
+    sends none: it shows as the event stream's sequence starting over."""
 
 
 EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -3,8 +3,12 @@
 A message is three ZMQ frames: topic, an 8-byte big-endian sequence number, and a msgpack
 `EventBatch` `[timestamp, events, data_parallel_rank]`. vLLM 0.32 encodes each event as a map
 with a `type` key; earlier versions as a positional array whose first item is the type. Both are
-accepted; anything else is refused with an EventError (the caller counts and logs it), never a
-crash. Unknown event types inside a good batch are skipped and counted.
+accepted; a message that is not such a batch is refused with an EventError (the caller counts and
+logs it), never a crash. Inside a batch, an event of a type this version does not know, one that
+is malformed, and one of another tier than the GPU's are skipped one by one and counted: vLLM's
+offloading connector adds its CPU tier's events to the same batch (a store with no tokens and
+block size 0, removals under the GPU blocks' own hashes), and refusing the whole batch for one
+lost the others and then the backend's picture.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from extproc.vllm.metrics import MAX_BLOCK_SIZE
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
 _STORED_EXTRA_AT = 8  # extra_keys follows lora_name
 _REMOVED_FIELDS = ("block_hashes", "medium")
+GPU_TIERS = (None, "GPU")  # an event's `medium`: what the engine serves a prefix from (None: not said)
 # A batch larger than this is refused unread. An engine step stores at most its batched tokens
 # (8,192 by default; a few hundred KB of token ids and hashes), and MessagePack can expand some
 # 70x once decoded (8 MB of empty arrays took 551 MB), so the cap bounds what one message costs:
@@ -33,13 +38,19 @@ class EventError(ValueError):
     """A message that is not a well-formed vLLM event batch."""
 
 
+class _OtherTier(Exception):
+    """An event of a tier other than the GPU's: skipped."""
+
+
 @dataclass(frozen=True, slots=True)
 class EventBatch:
     """One decoded message."""
 
     sequence: int
     events: list[EngineEvent]
-    unknown: int  # events of a type this version does not know, skipped
+    unknown: int = 0  # events of a type this version does not know, skipped
+    malformed: int = 0  # events that are not what their type says, skipped
+    other_tier: int = 0  # events of a tier other than the GPU's (an offloading connector's), skipped
 
 
 def _hash(value: Any) -> int:
@@ -98,6 +109,8 @@ def _event(raw: Any) -> EngineEvent | None:
             fields["extra_keys"] = raw[_STORED_EXTRA_AT]
     else:
         raise EventError(f"event is neither a map nor a tagged array: {type(raw).__name__}")
+    if kind in ("BlockStored", "BlockRemoved") and fields.get("medium") not in GPU_TIERS:
+        raise _OtherTier
     if kind == "BlockStored":
         return _stored(fields)
     if kind == "BlockRemoved":
@@ -123,14 +136,18 @@ def decode(frames: Sequence[bytes]) -> EventBatch:
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise EventError("batch is not [timestamp, events, ...]")
     events: list[EngineEvent] = []
-    unknown = 0
-    try:
-        for raw in batch[1]:
+    unknown = malformed = other_tier = 0
+    for raw in batch[1]:
+        try:
             event = _event(raw)
-            if event is None:
-                unknown += 1
-            else:
-                events.append(event)
-    except (TypeError, AttributeError, ValueError, OverflowError, KeyError, IndexError) as exc:
-        raise EventError(f"malformed event: {exc}") from None
-    return EventBatch(int.from_bytes(sequence, "big", signed=True), events, unknown)
+        except _OtherTier:
+            other_tier += 1
+            continue
+        except (TypeError, AttributeError, ValueError, OverflowError, KeyError, IndexError):
+            malformed += 1
+            continue
+        if event is None:
+            unknown += 1
+        else:
+            events.append(event)
+    return EventBatch(int.from_bytes(sequence, "big", signed=True), events, unknown, malformed, other_tier)

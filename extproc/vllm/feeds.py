@@ -80,8 +80,9 @@ class EngineCollector(Collector):
         yield events
         problems = CounterMetricFamily(
             "kvroute_engine_event_problems",
-            "KV event stream problems: bad_message, unknown_event, gap, lost, restart, replay_failed, "
-            "rejected (refused by the index)",
+            "KV event stream problems: bad_message, unknown_event, malformed_event, other_tier (an offloading "
+            "tier's events, skipped), gap, lost, restart, replay_failed, subscription_failed, rejected (refused "
+            "by the index)",
             labels=["kind"],
         )
         if feeds.subscriber is not None:

@@ -141,7 +141,7 @@ class EventSubscriber:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._logged: set[tuple[str, str]] = set()
         self.status: dict[str, str] = {}
-        self.problems: Counter[str] = Counter()  # bad_message, unknown_event, gap, replayed, lost, restart
+        self.problems: Counter[str] = Counter()  # by kind (kvroute_engine_event_problems lists them)
 
     def _problem(self, backend: str, kind: str, detail: str, count: int = 1) -> None:
         """Count a problem; log it the first time per backend and kind."""
@@ -242,6 +242,10 @@ class EventSubscriber:
             return None
         if batch.unknown:
             self._problem(backend, "unknown_event", "an event type this version does not know", batch.unknown)
+        if batch.malformed:
+            self._problem(backend, "malformed_event", "an event that is not what its type says", batch.malformed)
+        if batch.other_tier:  # (an offloading connector's: not what serves a prefix from the GPU)
+            self.problems["other_tier"] += batch.other_tier
         return batch
 
     def _apply(self, backend: str, batch: EventBatch, previous: float) -> None:
