@@ -211,6 +211,9 @@ def test_only_publishers_on_the_backends_own_host_are_followed():
     assert [s.endpoint for s in found] == ["tcp://10.0.0.1:5557"] and status.startswith("subscribed")
     found, status = sources({"0": {**config, "endpoint": "tcp://evil.example:5557"}}, "10.0.0.1:8000")
     assert not found and "not one the engine binds" in status
+    for connecting in ("tcp://0.0.0.0:5557", "tcp://:5557"):  # vLLM connects out to these, binds nothing
+        found, status = sources({"0": {**config, "endpoint": connecting}}, "10.0.0.1:8000")
+        assert not found and "not one the engine binds" in status
     assert sources({}, "10.0.0.1:8000")[0] == [] and sources(["x"], "h:1")[0] == []
     assert sources({"0": {**config, "publisher": "null", "endpoint": "tcp://*:1"}}, "h:1")[0] == []
 

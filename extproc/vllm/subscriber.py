@@ -62,7 +62,11 @@ MAX_FRAMES = 4  # a batch is three frames (topic, sequence, payload), a replayed
 MAX_SOURCES_BYTES = 64 * 1024
 MAX_SOURCES = 16
 _ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]*):(\d{1,5})$")
-_ANY_HOST = {"*", "0.0.0.0", "[::]", "::", ""}
+# The endpoints vLLM binds on every address (vllm/distributed/kv_events.py `_is_bind_endpoint`: a
+# `*` or a `::`). It connects out to any other, tcp://0.0.0.0:PORT included, so kvroute connecting
+# there reads nothing: such a publisher is refused with its reason in /readyz, where it read
+# "subscribed" and no event ever came.
+_ANY_HOST = {"*", "[::]", "::"}
 
 
 @dataclass(frozen=True, slots=True)
