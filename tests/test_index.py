@@ -194,7 +194,7 @@ def apply(index: LocalIndex, op: str, chain: list[int], backend: str, now: float
     if op == "learn":
         index.learn(chain, backend, now)
     elif op == "room":
-        index.make_room(backend, chain[:1], 3 * step)
+        index.make_room(backend, chain[:1], 3 * step, 0.0)
     elif op == "forget_before":
         index.forget_before(backend, now - 1)
     elif op == "remove":
@@ -243,13 +243,13 @@ def test_room_made_ahead_of_learning_evicts_the_least_recent():
     index = LocalIndex(ttl_s=60, capacity_blocks=6, learn_share=1.0)
     index.learn([1, 2, 3], A, 0)
     index.learn([7, 8, 9], A, 1)
-    room = index.make_room(A, [], 2)
+    room = index.make_room(A, [], 2, 0.0)
     assert index.lookup([1, 2, 3], [A], 2) == {A: 1}  # its tail went first, as vLLM frees tails first
     assert index.lookup([7, 8, 9], [A], 2) == {A: 3}
     room.give_back()  # its request ended: learned now
     index.learn([4, 5], A, 3)
     assert index.entries_by_backend()[A] == 6
-    index.make_room(A, [1], 2)  # the request uses block 1 there: it is the most recent now
+    index.make_room(A, [1], 2, 0.0)  # the request uses block 1 there: it is the most recent now
     assert index.lookup([1], [A], 4) == {A: 1}
     assert index.lookup([7, 8, 9], [A], 4) == {A: 1}  # 9 and 8 went instead
 
@@ -260,8 +260,8 @@ def test_room_is_kept_for_every_prefill_in_flight_until_given_back_once():
     is learned or ends; giving a room back twice (learned, then ended) frees it once."""
     index = LocalIndex(ttl_s=60, capacity_blocks=6, learn_share=1.0)
     index.learn([1, 2, 3, 4, 5, 6], A, 0)
-    first = index.make_room(A, [], 2)
-    second = index.make_room(A, [], 2)
+    first = index.make_room(A, [], 2, 0.0)
+    second = index.make_room(A, [], 2, 0.0)
     assert index.entries_by_backend()[A] == 2  # 6 - 2 - 2 (before: 4, the second found the first's room free)
     first.give_back()
     index.learn([11, 12], A, 1)  # the first was served: its blocks fill its room, not the second's
@@ -272,16 +272,16 @@ def test_room_is_kept_for_every_prefill_in_flight_until_given_back_once():
     second.give_back()  # ended unserved
     index.learn([16, 17], A, 3)
     assert index.entries_by_backend()[A] == 6
-    gone = index.make_room(B, [], 3)  # nothing known there yet: the room is kept all the same
+    gone = index.make_room(B, [], 3, 0.0)  # nothing known there yet: the room is kept all the same
     index.learn(list(range(20, 30)), B, 4)
     assert index.entries_by_backend()[B] == 3
     index.remove_backend(B)
     gone.give_back()  # after the backend went: nothing to free, nothing negative left behind
     index.learn(list(range(20, 30)), B, 5)
     assert index.entries_by_backend()[B] == 6
-    before = index.make_room(B, [], 2)  # in flight as its picture is dropped (a cache reset) ...
+    before = index.make_room(B, [], 2, 0.0)  # in flight as its picture is dropped (a cache reset) ...
     index.remove_backend(B)
-    after = index.make_room(B, [], 3)  # ... and one sent after it
+    after = index.make_room(B, [], 3, 0.0)  # ... and one sent after it
     before.give_back()  # the first ends: the room the second takes is its own still
     index.learn(list(range(40, 50)), B, 6)
     assert index.entries_by_backend()[B] == 3
@@ -292,7 +292,7 @@ def test_a_prompt_longer_than_the_cache_makes_no_more_room_than_its_learning_kee
     index = LocalIndex(ttl_s=60, capacity_blocks=10, learn_share=0.5)
     index.learn(list(range(1, 6)), A, 0)
     index.learn(list(range(11, 16)), A, 1)
-    room = index.make_room(A, [], 31)
+    room = index.make_room(A, [], 31, 0.0)
     assert index.entries_by_backend()[A] == 5  # half the picture stays while it prefills
     room.give_back()
     index.learn(list(range(100, 131)), A, 2)  # what its end teaches: the head, half the picture

@@ -118,6 +118,7 @@ def test_prefill_backends_queued_deeper_than_the_decode_backend_leave_the_reques
     assert router.prefill_leg(exchange, fleet, 0) is None  # the decode backend prefills it sooner
     assert router.loads.get(DECODE.address).reserved_blocks == exchange.reservation.blocks > 0
     queued.finish()
+    exchange.end()  # (unserved: in flight, its prompt would count as held on the decode backend)
     exchange = router.begin(chat([], user_text="again"), fleet, 1)
     ahead = router.loads.get(DECODE.address).reserved_blocks
     leg = router.prefill_leg(exchange, fleet, 1)

@@ -159,13 +159,18 @@ def test_identical_requests_do_not_herd():
     assert set(picks) == {A, B, C, D}
 
 
-def test_concurrent_identical_requests_share_a_home_until_it_is_past_the_gates_then_spread():
+def test_concurrent_identical_requests_share_the_head_in_flight_until_past_the_gates_then_spread():
+    """Not learned yet, the first request's prompt counts as held where it is in flight (the
+    engine computes it once): the next ones match it there and reserve no prefill for it, where
+    they reserved all of it again (and over ext_authz made the picture evict room for it)."""
     router = make_router()
     decisions = [router.begin(chat([], None, "same"), FLEET, 0).decision for _ in range(8)]
     home = decisions[0].backend
-    assert (decisions[1].backend, decisions[1].label) == (home, Label.PREFIX_HOME)  # not learned yet
-    assert all(d.backend == home for d in decisions if d.label == Label.PREFIX_HOME)
-    assert {d.backend for d in decisions} == {A, B, C, D}  # reservations push the rest elsewhere
+    second = decisions[1]
+    assert (second.backend, second.label, second.matched_blocks) == (home, Label.PREFIX_MATCH, second.total_blocks)
+    assert router.loads.get(home).reserved_blocks == decisions[0].total_blocks  # the head's prefill, once
+    assert all(d.backend == home for d in decisions if d.label == Label.PREFIX_MATCH)
+    assert {d.backend for d in decisions} == {A, B, C, D}  # the request gates push the rest elsewhere
 
 
 def test_a_head_no_cache_shows_any_more_goes_where_it_was_first_placed():
@@ -475,6 +480,47 @@ def test_a_request_sent_makes_room_for_what_the_picture_lacks_not_for_what_trust
     router.sent(again, 1)
     assert router.index.entries_by_backend()[A] == 2 * size  # nothing new stored: nothing evicted
     assert router.index.lookup(router.chain_of(older), [A], 2)[A] == size
+
+
+def test_over_ext_authz_a_head_in_flight_is_held_there_for_the_next_request_not_room_to_make_again():
+    """Two conversations with one long head sent to one backend, the first still in flight (over
+    ext_authz it is learned only at its end): the second saw none of the head there, reserved its
+    whole prefill again and made the picture evict room for all of it, taking other conversations'
+    contexts out of the picture that the engine kept (a review's reading, 2026-12-07)."""
+    head = text(RNG, 3000)
+
+    def turn(session: str, question: str) -> PromptRequest:
+        body = {"model": "m", "messages": [{"role": "system", "content": head}, {"role": "user", "content": question}]}
+        return parse_request(body, {"x-session-id": session})
+
+    size = len(make_router().chain_of(turn("x", "go")))
+    router = make_router(capacity_blocks=3 * size, capacity_auto=False)
+    only = [Backend(A)]
+    for _ in range(2):  # two other contexts fill two thirds of the picture
+        serve(
+            router,
+            parse_request({"model": "m", "messages": [{"role": "user", "content": text(RNG, 3000)}]}, {}),
+            0,
+            only,
+        )
+    held = router.index.entries_by_backend()[A]
+    first, second = router.begin(turn("a", "go"), only, 1), router.begin(turn("b", "go"), only, 1)
+    router.sent(first, 1)
+    router.sent(second, 1)
+    assert second.decision.matched_blocks >= size - 1  # the head (all but the question's last block)
+    assert router.loads.get(A).reserved_blocks <= first.decision.total_blocks + 1
+    assert router.index.entries_by_backend()[A] == held  # room for one prompt's blocks: nothing evicted
+
+
+def test_a_prefix_a_request_uses_is_seen_then_and_does_not_age_out_while_it_runs():
+    """Router.sent counts the prefix a request uses as just used: it only reordered it, so a
+    prefix learned 590 s earlier went out of the picture (location_ttl_s 600) while in use."""
+    router = make_router()
+    request = chat([], None, "long lived")
+    backend = serve(router, request, 0).backend
+    again = router.begin(chat([], None, "long lived"), [Backend(backend)], 590)
+    router.sent(again, 590)
+    assert router.index.lookup(router.chain_of(again.request), [backend], 601)[backend] > 0
 
 
 @pytest.mark.parametrize("follows", [True, False])

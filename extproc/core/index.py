@@ -174,9 +174,10 @@ class LocalIndex:
         if lru is not None:
             self._trim(backend, lru)
 
-    def make_room(self, backend: str, held: Sequence[int], count: int) -> Room:
+    def make_room(self, backend: str, held: Sequence[int], count: int, now: float) -> Room:
         """A request is prefilling there that will be learned only later: the engine uses the
-        prefix it holds (`held`, which becomes its most recent) and stores `count` new blocks,
+        prefix it holds (`held`, which becomes its most recent, seen `now`: a prefix in use must
+        not age out of the picture while its request runs) and stores `count` new blocks,
         for which the least recent others go now. Those blocks stay taken beside every other
         in-flight prefill's until the returned room is given back (learned, or ended): without
         that, concurrent prefills evicted for one request's blocks at a time. At most what its
@@ -189,7 +190,7 @@ class LocalIndex:
         taken.blocks += count
         blocks = self._backends.get(backend)
         if blocks:
-            blocks.move_to_end(reversed(held))
+            blocks.use(reversed(held), now, add=False)
             self._trim(backend, blocks)
         return Room(self, backend, taken, count)
 

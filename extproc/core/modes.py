@@ -119,10 +119,10 @@ class IndexMode(Protocol):
         """The size the backend reported is forgotten (it left, long enough ago)."""
         ...
 
-    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> Room | None:
+    def make_room(self, backend: str, held: Sequence[int], blocks: int, now: float) -> Room | None:
         """A request is prefilling on the backend, to be learned only later (a transport that
-        reports a request's end, not its response's start): it uses the prefix `held` there and
-        stores this many new blocks, in room the picture keeps until it is given back."""
+        reports a request's end, not its response's start): it uses the prefix `held` there (at
+        `now`) and stores this many new blocks, in room the picture keeps until it is given back."""
         ...
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
@@ -189,12 +189,29 @@ class ApproximateMode:
         self, chain: Sequence[int], candidates: Sequence[str], home: str | None, now: float
     ) -> tuple[dict[str, int], Mapping[str, int], str | None]:
         picture = self.index.lookup(chain, candidates, now)
+        self._in_flight(picture, chain, candidates)
         if not self.settings.prediction_trust:
             return picture, picture, home
         trust = self._shared.trust
         if home is not None and trust.of(home) < 1.0:
             home = None  # the engine contradicts kvroute's picture there: a home would pull like a held prefix
         return picture, trust.apply(picture), home
+
+    def _in_flight(self, picture: dict[str, int], chain: Sequence[int], candidates: Sequence[str]) -> None:
+        """A head that a request in flight on a backend carries counts as held there: the engine
+        computes it once, ahead of this request (it runs them in order), or has it already. The
+        picture learns a request only at its response's start, over ext_authz at its end: until
+        then a second request with that head saw none of it there, and reserved, and made the
+        picture evict room for, all of it again (`in_flight_heads`)."""
+        if not self.settings.in_flight_heads:
+            return
+        loads = self._shared.loads
+        for backend in candidates:
+            load = loads.known(backend)
+            if load is not None and load.active:
+                flying = load.prompts.shared(chain)  # type: ignore[arg-type]  # (a list's blocks, compared)
+                if flying > picture.get(backend, 0):
+                    picture[backend] = flying
 
     def routed(self, request: PromptRequest, decision: Decision, reservation: Reservation, now: float) -> int:
         backend = reservation.backend
@@ -229,10 +246,10 @@ class ApproximateMode:
     def forget_capacity(self, backend: str) -> None:
         self.index.forget_capacity(backend)
 
-    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> Room:
+    def make_room(self, backend: str, held: Sequence[int], blocks: int, now: float) -> Room:
         """The engine uses the prefix and evicts for the new blocks at the prefill: so does the
         picture, now."""
-        return self.index.make_room(backend, held, blocks)
+        return self.index.make_room(backend, held, blocks, now)
 
     def engine_sample(self, backend: str, sample: EngineSample) -> None:
         value = self._shared.bytes_per_token.value
@@ -360,7 +377,7 @@ class PreciseMode:
     def forget_capacity(self, backend: str) -> None:
         """(Nothing kept.)"""
 
-    def make_room(self, backend: str, held: Sequence[int], blocks: int) -> None:
+    def make_room(self, backend: str, held: Sequence[int], blocks: int, now: float) -> None:
         """The engine's events report what its prefill evicts, when it does."""
         return None
 

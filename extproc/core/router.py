@@ -530,7 +530,7 @@ class Router:
             return
         pictured = exchange.decision.picture_blocks  # what the picture holds there, not trust's discount of it
         held = self.chain_of(request)[:pictured]
-        exchange.room = self.mode.make_room(backend, held, exchange.decision.total_blocks - pictured)
+        exchange.room = self.mode.make_room(backend, held, exchange.decision.total_blocks - pictured, now)
         if request.session_key is not None:
             exchange.unsent = self.sessions.binding(request.session_key, now) or ("", NO_CONTEXT)
             self.sessions.bind(request.session_key, backend, now)

@@ -565,6 +565,14 @@ class Settings:
         "it waits. false: only in fleets that split requests.",
         policy="kvRoomEverywhere",
     )
+    in_flight_heads: bool = _setting(
+        True,
+        "Approximate mode: the prompt a request in flight carries counts as held on its backend before the "
+        "picture learns it (at its response's start; over ext_authz at its end), so a later request with the "
+        "same head matches it there, reserves only what is new, and makes the picture evict room only for "
+        "that. false: a prompt is held only once learned.",
+        policy="inFlightHeads",
+    )
     queue_max_requests: int = _setting(
         1024,
         "Requests flow control holds at most, in all priority bands together; when full, the newest "
