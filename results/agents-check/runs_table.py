@@ -11,7 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 COLUMNS = ["kvroute-authz", "kvroute", "kvroute-precise", "sglang-router-cache_aware"]
-pattern = sys.argv[1] if len(sys.argv) > 1 else "vllm-arrival-r0.5-2026-12-0[67]-*"
+pattern = sys.argv[1] if len(sys.argv) > 1 else "vllm-arrival-r0.5-2026-12-0[678]-*"
 diffs: dict[str, list[float]] = {c: [] for c in COLUMNS[:3]}
 faster: dict[str, list[bool]] = {c: [] for c in COLUMNS[:3]}
 print("| run | commit | " + " | ".join(COLUMNS) + " |")
